@@ -1,0 +1,43 @@
+"""Entry point of the `hpcrl` command: sub-commands, and turning HpcrlError into one line.
+
+    hpcrl plan CONFIG [--cluster NAME] [--set key=value ...] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hpcrl import __version__
+from hpcrl.errors import HpcrlError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("config", help="experiment TOML file, e.g. configs/tiny_grpo.toml")
+    common.add_argument("--cluster", metavar="NAME",
+                        help="cluster profile: launch/NAME.toml, or a path to a profile")
+    common.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
+                        help="override a config key, e.g. --set trainer.lr=1e-5 (repeatable)")
+    parser = argparse.ArgumentParser(
+        prog="hpcrl", description="Slurm-native RL post-training of LLMs.")
+    parser.add_argument("--version", action="version", version=f"hpcrl {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from hpcrl.cli import plan_cmd
+    plan_cmd.add_parser(subparsers, common)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except HpcrlError as err:
+        print(f"hpcrl: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+"""`hpcrl plan CONFIG`: print the resource plan without touching Slurm."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from hpcrl.config import load_config
+from hpcrl.config.checks import check_config
+from hpcrl.plan import ResourcePlan, plan_resources
+from hpcrl.plan.resources import GIB
+
+
+def add_parser(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    parser = subparsers.add_parser(
+        "plan", parents=[common], help="print the resource plan of a config (no Slurm needed)",
+        description="Print every component with nodes, tasks, GPUs and ranks, the trainer mesh, "
+                    "the inference layout, the model size and a per-GPU memory estimate.")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(func=run)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:8.2f} GiB"
+
+
+def render_text(plan: ResourcePlan) -> str:
+    m = plan.model
+    lines = [
+        f"run {plan.run_name}: executor {plan.executor}, layout {plan.layout}",
+        f"model {m['preset'] or m['path']} ({m['architecture']}): {m['parameters'] / 1e9:.3f} B parameters, "
+        f"{m['layers']} layers, hidden {m['hidden_size']}, heads {m['heads']}/{m['kv_heads']} KV, "
+        f"vocab {m['vocab_size']}; {m['bytes'] / GIB:.2f} GiB in {m['dtype']}",
+        "",
+        f"{'component':<10} {'het':>3} {'nodes':>5} {'tasks/node':>10} {'tasks':>5} {'gpus/node':>9}  runs",
+    ]
+    for c in plan.components:
+        lines.append(f"{c.name:<10} {c.index:>3} {c.nodes:>5} {c.tasks_per_node:>10} {c.tasks:>5} "
+                     f"{c.gpus_per_node:>9}  {c.role}")
+    mesh, inf = plan.trainer_mesh, plan.inference_layout
+    lines += [
+        "",
+        f"trainer mesh: {mesh['world_size']} ranks = dp_replicate {mesh['dp_replicate']} x dp_shard {mesh['dp_shard']}",
+        f"inference: {inf['replicas']} replicas x TP {inf['tensor_parallel']}, max_model_len {inf['max_model_len']}, "
+        f"KV cache {plan.kv_cache_tokens:,} tokens per replica",
+    ]
+    for title, est in (("trainer", plan.trainer_memory), ("inference", plan.inference_memory)):
+        cap = f" of {est.capacity / GIB:.1f} GiB" if est.capacity else " (capacity unknown)"
+        verdict = "fits" if est.fits else "DOES NOT FIT"
+        lines.append("")
+        lines.append(f"{title} memory per {est.device}: {est.total / GIB:.2f} GiB{cap}: {verdict}")
+        lines += [f"  {name:<20}{_gib(size)}" for name, size in est.parts.items() if size]
+    if plan.notes:
+        lines.append("")
+        lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config, cluster=args.cluster, overrides=args.set, check=False)
+    shape = check_config(config)
+    plan = plan_resources(config, shape)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print(render_text(plan))
+    return 0

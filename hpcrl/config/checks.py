@@ -1,0 +1,205 @@
+"""Rules that span tables: layouts against the model's shape, batches, groups, files.
+
+Run by `load_config` after every table has been type-checked on its own. Each rule raises a
+ConfigError naming the key to change and how; the loader adds file and line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+from pathlib import Path
+
+from hpcrl.config.model_shapes import ModelShape, load_shape
+from hpcrl.config.schema import GROUP_NAMES, Config
+from hpcrl.errors import ConfigError
+
+
+def _fail(key: str, problem: str, fix: str) -> None:
+    raise ConfigError(key=key, problem=problem, fix=fix)
+
+
+def check_config(config: Config) -> ModelShape:
+    """Check every cross-table rule; return the model's shape (which the rules needed)."""
+    _check_group_names(config)
+    shape = load_shape(preset_name=config.model.preset, path=config.model.path)
+    _check_trainer_layout(config)
+    _check_inference_layout(config, shape)
+    _check_batches(config)
+    _check_sequence_lengths(config, shape)
+    _check_groups_against_roles(config)
+    _check_cluster(config)
+    _check_reward(config)
+    _check_data(config)
+    return shape
+
+
+def _check_group_names(config: Config) -> None:
+    for name in config.groups:
+        if name not in GROUP_NAMES:
+            close = difflib.get_close_matches(name, GROUP_NAMES, n=1)
+            guess = f"did you mean [groups.{close[0]}]? " if close else ""
+            _fail(f"groups.{name}", f"unknown component {name!r}",
+                  f"{guess}components are: {', '.join(GROUP_NAMES)}")
+
+
+def _check_trainer_layout(config: Config) -> None:
+    t = config.trainer
+    world = t.world_size
+    if t.dp_shard == -1:
+        if world % t.dp_replicate:
+            _fail("trainer.dp_replicate", f"{world} trainer ranks cannot form {t.dp_replicate} equal replicas",
+                  f"choose a dp_replicate that divides {world} (nodes x ranks per node)")
+    elif t.dp_replicate * t.dp_shard != world:
+        _fail("trainer.dp_shard", f"dp_replicate x dp_shard = {t.dp_replicate} x {t.dp_shard} "
+              f"= {t.dp_replicate * t.dp_shard}, but the trainer has {world} ranks",
+              f"set dp_shard = {world // t.dp_replicate if world % t.dp_replicate == 0 else -1} "
+              "(or -1 to use every rank)")
+
+
+def _check_inference_layout(config: Config, shape: ModelShape) -> None:
+    inf = config.inference
+    tp = inf.tensor_parallel
+    if shape.num_heads % tp:
+        _fail("inference.tensor_parallel",
+              f"{shape.num_heads} attention heads cannot be split evenly over tensor_parallel = {tp}",
+              f"choose a tensor_parallel that divides {shape.num_heads}")
+    kv = shape.num_kv_heads
+    if (tp > kv and tp % kv) or (tp <= kv and kv % tp):
+        _fail("inference.tensor_parallel",
+              f"{kv} KV heads cannot be split or replicated evenly over tensor_parallel = {tp}",
+              f"choose a tensor_parallel that divides {kv} or is a multiple of it")
+    if shape.intermediate_size % tp:
+        _fail("inference.tensor_parallel",
+              f"intermediate size {shape.intermediate_size} is not divisible by tensor_parallel = {tp}",
+              "choose a tensor_parallel that divides the MLP width")
+    if inf.gpus_per_node and tp > inf.gpus_per_node:
+        _fail("inference.tensor_parallel",
+              f"tensor_parallel = {tp} is more than the {inf.gpus_per_node} GPUs of an inference node "
+              "(an engine's tensor-parallel ranks stay on one node)",
+              f"set tensor_parallel to at most {inf.gpus_per_node}, or raise inference.gpus_per_node")
+
+
+def _check_batches(config: Config) -> None:
+    t, alg = config.trainer, config.algorithm
+    if t.global_batch_size % alg.group_size:
+        _fail("trainer.global_batch_size",
+              f"global_batch_size = {t.global_batch_size} is not a whole number of GRPO groups of "
+              f"group_size = {alg.group_size}",
+              f"use a multiple of {alg.group_size}, e.g. {alg.group_size * max(1, t.global_batch_size // alg.group_size)}")
+    dp = t.world_size  # every trainer rank (either HSDP axis) takes its own slice of the batch
+    per_rank_unit = t.micro_batch_size * dp
+    if t.global_batch_size % per_rank_unit:
+        _fail("trainer.global_batch_size",
+              f"global_batch_size = {t.global_batch_size} cannot be split into micro-batches of "
+              f"{t.micro_batch_size} on each of {dp} trainer ranks",
+              f"use a multiple of micro_batch_size x trainer ranks = {per_rank_unit}")
+    if t.warmup_steps > t.steps:
+        _fail("trainer.warmup_steps", f"warmup_steps = {t.warmup_steps} is longer than the run ({t.steps} steps)",
+              f"set warmup_steps below {t.steps}")
+
+
+def _check_sequence_lengths(config: Config, shape: ModelShape) -> None:
+    inf = config.inference
+    needed = config.data.max_prompt_tokens + inf.max_tokens
+    if inf.max_model_len and inf.max_model_len < needed:
+        _fail("inference.max_model_len",
+              f"max_model_len = {inf.max_model_len} is shorter than max_prompt_tokens + max_tokens = {needed}",
+              f"set max_model_len = {needed} or 0 (derived)")
+    if max(needed, inf.max_model_len) > shape.max_position:
+        _fail("inference.max_tokens",
+              f"prompt + completion = {max(needed, inf.max_model_len)} tokens exceeds the model's "
+              f"{shape.max_position} positions",
+              "lower data.max_prompt_tokens or inference.max_tokens")
+
+
+def _check_groups_against_roles(config: Config) -> None:
+    t, inf = config.trainer, config.inference
+    trainer = config.group("trainer")
+    if trainer.nodes and trainer.nodes != t.nodes:
+        _fail("groups.trainer.nodes", f"groups.trainer.nodes = {trainer.nodes} but trainer.nodes = {t.nodes}",
+              "remove groups.trainer.nodes (it follows trainer.nodes)")
+    if trainer.gpus_per_node != -1 and trainer.gpus_per_node != t.gpus_per_node:
+        _fail("groups.trainer.gpus_per_node",
+              f"groups.trainer.gpus_per_node = {trainer.gpus_per_node} but trainer.gpus_per_node = {t.gpus_per_node}",
+              "remove groups.trainer.gpus_per_node (it follows trainer.gpus_per_node)")
+    group = config.group("inference")
+    if group.nodes:
+        gpus = group.nodes * inf.gpus_per_node
+        needed = inf.replicas * inf.tensor_parallel
+        if inf.gpus_per_node and needed > gpus:
+            _fail("inference.replicas",
+                  f"replicas x tensor_parallel = {inf.replicas} x {inf.tensor_parallel} = {needed} GPUs, "
+                  f"but the inference group has {group.nodes} nodes x {inf.gpus_per_node} GPUs = {gpus}",
+                  f"lower replicas, or set groups.inference.nodes to at least "
+                  f"{-(-needed // inf.gpus_per_node)} (or 0 to derive it)")
+        if not inf.gpus_per_node and inf.replicas > group.nodes:
+            _fail("inference.replicas",
+                  f"{inf.replicas} CPU replicas need a node each, but groups.inference.nodes = {group.nodes}",
+                  f"set groups.inference.nodes = {inf.replicas} (or 0 to derive it)")
+    if config.reward.tasks == 0 and "reward" in config.groups:
+        _fail("groups.reward", "reward.tasks = 0 scores inside the head, so there is no reward component",
+              "remove [groups.reward], or set reward.tasks to 1 or more")
+    if config.group("head").gpus_per_node > 0:
+        _fail("groups.head.gpus_per_node", "the head controller uses no GPU",
+              "remove groups.head.gpus_per_node")
+
+
+def _check_cluster(config: Config) -> None:
+    cluster = config.cluster
+    if cluster.gpus_per_node < 0:
+        return
+    wanted = {"trainer.gpus_per_node": config.trainer.gpus_per_node,
+              "inference.gpus_per_node": config.inference.gpus_per_node}
+    wanted.update({f"groups.{name}.gpus_per_node": group.gpus_per_node
+                   for name, group in config.groups.items() if group.gpus_per_node > 0})
+    for key, gpus in wanted.items():
+        if cluster.gpus_per_node == 0 and gpus > 0:
+            _fail(key, f"asks for {gpus} GPUs per node, but cluster profile {cluster.name!r} has no GPUs",
+                  f"set {key} = 0 to run on CPU, or use a cluster profile with GPUs (--cluster)")
+        if gpus > cluster.gpus_per_node:
+            _fail(key, f"asks for {gpus} GPUs per node, but {cluster.name!r} nodes have {cluster.gpus_per_node}",
+                  f"set {key} to at most {cluster.gpus_per_node}")
+
+
+def _check_reward(config: Config) -> None:
+    reward = config.reward
+    if reward.kind == "function":
+        module = reward.function.partition(":")[0]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            _fail("reward.function", f"module {module!r} cannot be found on the Python path",
+                  "check the module name, or add its directory to PYTHONPATH "
+                  '(built-ins: "hpcrl.reward.builtin:exact_match", ":math_answer", ":format_ok")')
+        if module == "hpcrl.reward.builtin":  # ours: cheap to import, so check the name too
+            from hpcrl.reward import builtin
+            name = reward.function.partition(":")[2]
+            if not callable(getattr(builtin, name, None)):
+                names = [n for n in vars(builtin) if not n.startswith("_") and callable(vars(builtin)[n])
+                         and vars(builtin)[n].__module__ == builtin.__name__]
+                close = difflib.get_close_matches(name, names, n=1)
+                guess = f"did you mean {close[0]!r}? " if close else ""
+                _fail("reward.function", f"hpcrl.reward.builtin has no function {name!r}",
+                      f"{guess}built-ins: {', '.join(names)}")
+    elif not (Path(reward.model_path) / "config.json").is_file():
+        _fail("reward.model_path", f"{reward.model_path} has no config.json",
+              "point model_path at a Hugging Face reward-model directory")
+
+
+def _check_data(config: Config) -> None:
+    source = config.data.source
+    if source.startswith("builtin:"):
+        from hpcrl.data import BUILTIN_TASKS
+        name = source.removeprefix("builtin:")
+        if name not in BUILTIN_TASKS:
+            close = difflib.get_close_matches(name, list(BUILTIN_TASKS), n=1)
+            guess = f"did you mean 'builtin:{close[0]}'? " if close else ""
+            _fail("data.source", f"no builtin task {name!r}",
+                  f"{guess}builtin tasks: {', '.join('builtin:' + n for n in BUILTIN_TASKS)}")
+    elif not Path(source).is_file():
+        _fail("data.source", f"prompt file {source} does not exist",
+              'give the path of a JSONL file with one {"prompt": ..., "answer": ...} per line, '
+              'or a builtin task such as "builtin:arithmetic"')

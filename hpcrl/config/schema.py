@@ -1,0 +1,380 @@
+"""The run configuration as frozen, keyword-only dataclasses: one class per TOML table.
+
+A run is one TOML file (see configs/), merged over a cluster profile (see launch/) and
+`--set key=value` overrides. `hpcrl.config.load` turns the merged tables into these classes;
+each field carries a one-line docstring, and each class checks its own values in
+`__post_init__` (cross-table rules live in `hpcrl.config.checks`).
+
+    [run] [model] [trainer] [inference] [reward] [algorithm] [data] [cluster] [groups.<name>]
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from hpcrl.errors import ConfigError
+
+#: The Slurm components a run is made of, in heterogeneous-job order.
+GROUP_NAMES = ("head", "trainer", "inference", "reward")
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# Slurm --time forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
+_TIME_RE = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+# Slurm --mem: an integer with an optional unit (K, M, G, T); 0 means all of the node's memory.
+_MEM_RE = re.compile(r"^\d+[KMGT]?$")
+
+
+def _require(ok: bool, key: str, problem: str, fix: str) -> None:
+    """Raise a ConfigError for `key` (relative to its table; the loader adds the rest)."""
+    if not ok:
+        raise ConfigError(key=key, problem=problem, fix=fix)
+
+
+def _positive(value: int | float, key: str, *, allow_zero: bool = False) -> None:
+    floor_ok = value >= 0 if allow_zero else value > 0
+    wanted = "zero or more" if allow_zero else "at least 1" if isinstance(value, int) else "above 0"
+    _require(floor_ok, key, f"must be {wanted}, got {value}", f"set {key} to a value {wanted}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    name: str
+    """Name of the run: the Slurm job name and the default run directory (runs/<name>)."""
+    run_dir: str = ""
+    """Directory holding everything of the run (config copy, secret, logs, checkpoints); default runs/<name>."""
+    seed: int = 0
+    """Seed for every random generator of the run (data order, sampling, initialisation)."""
+    cluster: str = ""
+    """Cluster profile (launch/<cluster>.toml) used when --cluster is not given; empty = none."""
+
+    def __post_init__(self) -> None:
+        _require(bool(_NAME_RE.match(self.name)), "name",
+                 f"{self.name!r} is not a usable run name",
+                 "use letters, digits, '.', '_' and '-', starting with a letter or digit")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    preset: str = ""
+    """Known architecture whose shapes are used without reading any file (e.g. "llama3-70b")."""
+    path: str = ""
+    """Directory of a Hugging Face checkpoint (config.json, safetensors, tokenizer)."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype of the weights in compute (trainer mixed precision and vLLM); float32 on CPU."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.preset or self.path), "preset",
+                 "neither model.preset nor model.path is set",
+                 'set preset = "llama3-8b" (shapes only) or path = "/dir/of/hf/checkpoint"')
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    nodes: int = 1
+    """Nodes of the trainer group."""
+    gpus_per_node: int = 8
+    """GPUs used per trainer node; 0 trains on CPU (gloo)."""
+    ranks_per_node: int = 0
+    """Trainer processes per node; 0 = one per GPU (one on a CPU node)."""
+    dp_replicate: int = 1
+    """Replicas of the model across trainer ranks (HSDP outer axis); 1 = plain FSDP."""
+    dp_shard: int = -1
+    """Ranks each replica is FSDP-sharded over; -1 = all trainer ranks / dp_replicate."""
+    steps: int = 100
+    """Optimizer steps of the run."""
+    optimizer: Literal["adamw"] = "adamw"
+    """Optimizer (AdamW with decoupled weight decay)."""
+    lr: float = 1e-6
+    """Peak learning rate."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas [beta1, beta2]."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warmup: constant, linear to min_lr_ratio, or cosine to min_lr_ratio."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from 0 to lr."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of lr (linear and cosine schedules)."""
+    micro_batch_size: int = 1
+    """Sequences per forward/backward on one rank; gradients accumulate up to the global batch."""
+    global_batch_size: int = 64
+    """Sequences (prompts x group_size completions) per optimizer step, over all trainer ranks."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block in backward instead of keeping its activations."""
+    checkpoint_interval: int = 0
+    """Save a checkpoint every this many steps; 0 = only at the end and on the pre-timeout signal."""
+    keep_last: int = 2
+    """Complete checkpoints kept on disk; older ones are deleted."""
+
+    def __post_init__(self) -> None:
+        for key in ("nodes", "steps", "micro_batch_size", "global_batch_size", "dp_replicate",
+                    "keep_last"):
+            _positive(getattr(self, key), key)
+        for key in ("gpus_per_node", "ranks_per_node", "warmup_steps", "checkpoint_interval"):
+            _positive(getattr(self, key), key, allow_zero=True)
+        _require(self.dp_shard == -1 or self.dp_shard >= 1, "dp_shard",
+                 f"must be -1 or at least 1, got {self.dp_shard}",
+                 "set dp_shard = -1 to shard over all trainer ranks")
+        _require(self.gpus_per_node == 0 or self.ranks_per_node in (0, self.gpus_per_node),
+                 "ranks_per_node",
+                 f"ranks_per_node = {self.ranks_per_node} but gpus_per_node = {self.gpus_per_node}:"
+                 " trainer ranks on GPUs are one per GPU",
+                 "remove ranks_per_node (it defaults to gpus_per_node)")
+        _require(0 < self.lr < 1, "lr", f"must be in (0, 1), got {self.lr}", "set lr = 1e-6 or so")
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas",
+                 f"must be two numbers in [0, 1), got {self.betas}", "set betas = [0.9, 0.999]")
+        _positive(self.eps, "eps")
+        _positive(self.weight_decay, "weight_decay", allow_zero=True)
+        _positive(self.grad_clip, "grad_clip", allow_zero=True)
+        _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio",
+                 f"must be in [0, 1], got {self.min_lr_ratio}", "set min_lr_ratio = 0.1")
+
+    @property
+    def ranks_on_each_node(self) -> int:
+        """Trainer processes per node, with the default resolved."""
+        if self.ranks_per_node:
+            return self.ranks_per_node
+        return self.gpus_per_node or 1
+
+    @property
+    def world_size(self) -> int:
+        """Trainer ranks in all."""
+        return self.nodes * self.ranks_on_each_node
+
+
+@dataclass(frozen=True, kw_only=True)
+class InferenceConfig:
+    replicas: int = 1
+    """vLLM engines; each serves the whole model and receives every weight update."""
+    tensor_parallel: int = 1
+    """GPUs (CPU ranks) each engine splits the model over; all on one node."""
+    gpus_per_node: int = 8
+    """GPUs per inference node; 0 runs vLLM on CPU."""
+    max_tokens: int = 512
+    """Most tokens generated per completion."""
+    max_model_len: int = 0
+    """vLLM max_model_len; 0 = data.max_prompt_tokens + max_tokens."""
+    temperature: float = 1.0
+    """Sampling temperature of rollouts."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1 = off."""
+    top_k: int = -1
+    """Sample among the k likeliest tokens; -1 = off."""
+    gpu_memory_utilization: float = 0.9
+    """vLLM's fraction of GPU memory (on CPU: of RAM for the KV cache, about 0.2)."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs in vLLM (slower decode, faster start-up)."""
+
+    def __post_init__(self) -> None:
+        for key in ("replicas", "tensor_parallel", "max_tokens"):
+            _positive(getattr(self, key), key)
+        for key in ("gpus_per_node", "max_model_len"):
+            _positive(getattr(self, key), key, allow_zero=True)
+        _positive(self.temperature, "temperature", allow_zero=True)
+        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}", "set top_p = 1.0")
+        _require(self.top_k == -1 or self.top_k >= 1, "top_k",
+                 f"must be -1 or at least 1, got {self.top_k}", "set top_k = -1 to turn it off")
+        _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+                 f"must be in (0, 1], got {self.gpu_memory_utilization}",
+                 "set gpu_memory_utilization = 0.9 on GPUs, 0.2 on CPU")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    kind: Literal["function", "model"] = "function"
+    """A Python reward function, or a reward model served by vLLM."""
+    function: str = ""
+    """With kind = "function": "module:function" taking (prompt, completion, answer) -> float."""
+    model_path: str = ""
+    """With kind = "model": Hugging Face directory of the reward model."""
+    tasks: int = 1
+    """Reward processes (Slurm tasks); 0 = score inside the head process."""
+    workers: int = 4
+    """Worker processes in each reward task's pool."""
+    timeout_s: float = 10.0
+    """Seconds one sample may take before it is recorded as an error."""
+
+    def __post_init__(self) -> None:
+        _positive(self.tasks, "tasks", allow_zero=True)
+        _positive(self.workers, "workers")
+        _positive(self.timeout_s, "timeout_s")
+        if self.kind == "function":
+            _require(bool(re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", self.function)), "function",
+                     f"{self.function!r} is not of the form 'module:function'",
+                     'name it like function = "hpcrl.reward.builtin:exact_match"')
+        else:
+            _require(bool(self.model_path), "model_path", 'kind = "model" needs model_path',
+                     'set model_path = "/dir/of/reward/model"')
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    name: Literal["grpo"] = "grpo"
+    """RL algorithm."""
+    group_size: int = 8
+    """Completions sampled per prompt; advantages are normalised within each group."""
+    clip_eps_low: float = 0.2
+    """Lower clip of the importance ratio: 1 - clip_eps_low."""
+    clip_eps_high: float = 0.2
+    """Upper clip of the importance ratio: 1 + clip_eps_high (DAPO clip-higher uses 0.28)."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the frozen reference policy; 0 = no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (Schulman's k1, k2, k3)."""
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    """How per-token losses become one number."""
+    advantage_norm: Literal["mean_std", "mean"] = "mean_std"
+    """Group advantage: (r - mean) / std, or r - mean (Dr. GRPO)."""
+    filter_zero_variance: bool = False
+    """Drop groups whose rewards are all equal (they carry no gradient)."""
+    max_policy_lag: int = 1
+    """Most optimizer steps a rollout's weights may lag the trainer; 0 = fully on-policy."""
+
+    def __post_init__(self) -> None:
+        _require(self.group_size >= 2, "group_size",
+                 f"must be at least 2 (advantages compare completions), got {self.group_size}",
+                 "set group_size = 8")
+        for key in ("clip_eps_low", "clip_eps_high"):
+            value = getattr(self, key)
+            _require(0 < value < 1, key, f"must be in (0, 1), got {value}", f"set {key} = 0.2")
+        _positive(self.kl_coef, "kl_coef", allow_zero=True)
+        _positive(self.max_policy_lag, "max_policy_lag", allow_zero=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    source: str
+    """Prompts: a JSONL file, or "builtin:NAME" for a generated task (see hpcrl.data)."""
+    split: str = "train"
+    """Split of a builtin task, or a tag kept with a JSONL source."""
+    shuffle_seed: int = 0
+    """Seed of the prompt order (the order is part of a checkpoint)."""
+    prompt_key: str = "prompt"
+    """JSONL field holding the prompt text."""
+    answer_key: str = "answer"
+    """JSONL field holding the reference answer given to the reward function."""
+    max_prompt_tokens: int = 256
+    """Prompts longer than this are rejected at load."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.source), "source", "is empty",
+                 'set source = "builtin:arithmetic" or a path to a JSONL file')
+        _positive(self.max_prompt_tokens, "max_prompt_tokens")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    name: str = "none"
+    """Name of the cluster profile (set by launch/<name>.toml)."""
+    executor: Literal["auto", "slurm", "local"] = "auto"
+    """slurm = sbatch; local = processes on this machine; auto = slurm when sbatch is found."""
+    layout: Literal["hetjob", "split"] = "hetjob"
+    """One heterogeneous job, or one homogeneous job split among groups (clusters without hetjobs)."""
+    gpus_per_node: int = -1
+    """GPUs per compute node; 0 = CPU-only cluster; -1 = unknown (not checked)."""
+    gpu_mem_gib: float = 80.0
+    """Memory of one GPU, used by the memory estimate."""
+    cpus_per_node: int = 0
+    """CPU cores per compute node; 0 = unknown."""
+    mem_per_node_gib: float = 0.0
+    """RAM per compute node; 0 = unknown (used by the estimate on CPU-only clusters)."""
+    partition: str = ""
+    """Default partition of every group."""
+    account: str = ""
+    """Default account of every group."""
+    qos: str = ""
+    """Default QOS of every group."""
+    modules: list[str] = field(default_factory=list)
+    """Environment modules loaded before any program (`module load ...`)."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run before any program (e.g. activating a virtual environment)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables set for every program of the job."""
+    slurm_conf: str = ""
+    """SLURM_CONF for sbatch/squeue/scancel (only for a private cluster like tools/local_slurm.sh)."""
+
+    def __post_init__(self) -> None:
+        _require(self.gpus_per_node >= -1, "gpus_per_node",
+                 f"must be -1, 0 or more, got {self.gpus_per_node}",
+                 "set gpus_per_node = 0 for a CPU-only cluster")
+        _positive(self.gpu_mem_gib, "gpu_mem_gib")
+        for name in self.env:
+            _require(bool(re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name)), f"env.{name}",
+                     f"{name!r} is not a valid environment variable name",
+                     "use letters, digits and '_', not starting with a digit")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupConfig:
+    partition: str = ""
+    """Slurm partition of this component; empty = the cluster's default."""
+    nodes: int = 0
+    """Nodes of this component; 0 = what its role needs (derived)."""
+    gpus_per_node: int = -1
+    """GPUs requested per node (--gpus-per-node); -1 = what its role needs."""
+    cpus_per_task: int = 0
+    """--cpus-per-task; 0 = Slurm's default."""
+    mem: str = ""
+    """--mem per node, e.g. "200G"; "0" = all of it; empty = Slurm's default."""
+    time: str = ""
+    """--time limit, e.g. "04:00:00" or "2-00:00:00"; empty = the partition's default."""
+    constraint: str = ""
+    """--constraint feature expression, e.g. "h100"."""
+    account: str = ""
+    """--account; empty = the cluster's default."""
+    qos: str = ""
+    """--qos; empty = the cluster's default."""
+    sbatch_extra: list[str] = field(default_factory=list)
+    """More sbatch options for this component, e.g. ["--reservation=rl"]."""
+
+    def __post_init__(self) -> None:
+        _positive(self.nodes, "nodes", allow_zero=True)
+        _require(self.gpus_per_node >= -1, "gpus_per_node",
+                 f"must be -1 (derived), 0 or more, got {self.gpus_per_node}",
+                 "remove gpus_per_node to use what the role needs")
+        _positive(self.cpus_per_task, "cpus_per_task", allow_zero=True)
+        _require(not self.mem or bool(_MEM_RE.match(self.mem)), "mem",
+                 f"{self.mem!r} is not a Slurm memory size", 'write it like mem = "200G" (or "0" for all)')
+        _require(not self.time or bool(_TIME_RE.match(self.time)), "time",
+                 f"{self.time!r} is not a Slurm time", 'write it like time = "04:00:00" or "1-12:00:00"')
+        for flag in self.sbatch_extra:
+            _require(flag.startswith("--"), "sbatch_extra", f"{flag!r} is not a long sbatch option",
+                     'write options in full, e.g. sbatch_extra = ["--reservation=rl"]')
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    run: RunConfig
+    """[run]: name, directory, seed."""
+    model: ModelConfig
+    """[model]: which model and in which dtype."""
+    data: DataConfig
+    """[data]: where prompts come from."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """[trainer]: FSDP2 layout, optimizer, batches, checkpoints."""
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    """[inference]: vLLM replicas, tensor parallelism, sampling."""
+    reward: RewardConfig = field(default_factory=lambda: RewardConfig(
+        function="hpcrl.reward.builtin:exact_match"))
+    """[reward]: how completions are scored."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """[algorithm]: GRPO settings."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """[cluster]: the cluster profile (usually from launch/<name>.toml)."""
+    groups: dict[str, GroupConfig] = field(default_factory=dict)
+    """[groups.<name>]: Slurm settings per component (head, trainer, inference, reward)."""
+
+    def group(self, name: str) -> GroupConfig:
+        """The [groups.<name>] table, or defaults where the file has none."""
+        return self.groups.get(name, GroupConfig())
+
+    @property
+    def run_dir(self) -> str:
+        return self.run.run_dir or f"runs/{self.run.name}"

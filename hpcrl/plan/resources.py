@@ -1,0 +1,224 @@
+"""The resource plan: what a run asks of Slurm, and whether it fits in memory.
+
+Pure: a validated `Config` and the model's `ModelShape` in, a `ResourcePlan` out; no files,
+no Slurm. `hpcrl plan` prints it; the launcher renders its components into sbatch blocks.
+
+Memory estimates (per GPU, or per node on CPU) are deliberately simple and on the safe side:
+
+  trainer   fp32 master params + fp32 grads + AdamW (2 x fp32), all / dp_shard
+            + reference model (compute dtype, / dp_shard) when kl_coef > 0
+            + two gathered blocks in compute dtype (FSDP prefetch)
+            + activations: per token per block ~ (7h + 2kv + 4f) x dtype bytes, or only the
+              block inputs with activation checkpointing (plus one block recomputed)
+            + fp32 logits and their log-softmax for one micro-batch
+            + a fixed runtime overhead (CUDA context, NCCL buffers)
+  inference weights / TP (embedding and head vocab-split), then the KV-cache budget
+            gpu_memory_utilization x memory - weights - activation reserve.
+
+Checked against a measurement: Llama-3 1B, FSDP on one H100, batch 4 x 2048, no checkpointing:
+39.9 GiB measured (FACTS.md), 40.7 GiB estimated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from hpcrl.config.model_shapes import DTYPE_BYTES, ModelShape
+from hpcrl.config.schema import Config
+
+GIB = 1024**3
+#: CUDA context, NCCL buffers, allocator slack per GPU.
+GPU_RUNTIME_OVERHEAD = 3.0 * GIB
+#: vLLM's reserve for activations / sampler / CUDA graphs per GPU.
+INFERENCE_ACTIVATION_RESERVE = 2.0 * GIB
+#: Python, torch and vLLM processes on a CPU node.
+CPU_RUNTIME_OVERHEAD = 1.0 * GIB
+
+
+@dataclass(frozen=True, kw_only=True)
+class Component:
+    """One component of the heterogeneous job (one Slurm het group)."""
+
+    name: str
+    index: int
+    nodes: int
+    tasks_per_node: int
+    gpus_per_node: int
+    cpus_per_task: int
+    role: str
+    """What runs in each task, in words."""
+
+    @property
+    def tasks(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Bytes one device (GPU, or CPU node) holds, by part; `capacity` 0 means unknown."""
+
+    device: str
+    parts: dict[str, int]
+    capacity: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.capacity == 0 or self.total <= self.capacity
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResourcePlan:
+    run_name: str
+    executor: str
+    layout: str
+    components: list[Component]
+    trainer_mesh: dict[str, int]
+    inference_layout: dict[str, int]
+    model: dict[str, object]
+    trainer_memory: MemoryEstimate
+    inference_memory: MemoryEstimate
+    kv_cache_tokens: int
+    """Tokens the KV cache of one replica holds (all its TP ranks together)."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.trainer_memory.fits and self.inference_memory.fits and self.kv_cache_tokens > 0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for key in ("trainer_memory", "inference_memory"):
+            estimate = getattr(self, key)
+            out[key].update(total=estimate.total, fits=estimate.fits)
+        for comp, data in zip(self.components, out["components"]):
+            data["tasks"] = comp.tasks
+        out["fits"] = self.fits
+        return out
+
+
+def make_components(config: Config) -> list[Component]:
+    """The job's components in het-group order; the reward one only when reward.tasks > 0."""
+    t, inf, reward = config.trainer, config.inference, config.reward
+    if inf.gpus_per_node:
+        replicas_per_node = max(1, inf.gpus_per_node // inf.tensor_parallel)
+    else:
+        replicas_per_node = 1  # a CPU replica gets a node's cores to itself
+    derived = {
+        "head": (1, 1, 0, "controller: the RL loop, the bus, launches the other groups"),
+        "trainer": (t.nodes, t.ranks_on_each_node, t.gpus_per_node,
+                    "one FSDP2 rank per task (torchtitan)"),
+        "inference": (-(-inf.replicas // replicas_per_node), min(replicas_per_node, inf.replicas),
+                      inf.gpus_per_node, f"one vLLM engine per task, TP={inf.tensor_parallel}"),
+        "reward": (1, reward.tasks, 0, f"reward worker pool ({reward.workers} workers)"),
+    }
+    components = []
+    for name, (nodes, tasks_per_node, gpus, role) in derived.items():
+        if name == "reward" and reward.tasks == 0:
+            continue
+        group = config.group(name)
+        nodes = group.nodes or nodes
+        if name == "reward":
+            tasks_per_node = -(-reward.tasks // nodes)
+        components.append(Component(
+            name=name, index=len(components), nodes=nodes, tasks_per_node=tasks_per_node,
+            gpus_per_node=gpus if group.gpus_per_node == -1 else group.gpus_per_node,
+            cpus_per_task=group.cpus_per_task, role=role))
+    return components
+
+
+def _trainer_memory(config: Config, shape: ModelShape) -> MemoryEstimate:
+    t, alg = config.trainer, config.algorithm
+    compute = DTYPE_BYTES[config.model.dtype] if t.gpus_per_node else 4
+    shard = t.world_size // t.dp_replicate if t.dp_shard == -1 else t.dp_shard
+    params = shape.num_parameters
+    h, f = shape.hidden_size, shape.intermediate_size
+    kv = shape.num_kv_heads * shape.head_dim
+    tokens = t.micro_batch_size * (config.data.max_prompt_tokens + config.inference.max_tokens)
+    block_per_token = (7 * h + 2 * kv + 4 * f) * compute
+    if t.activation_checkpointing:
+        activations = tokens * (h * compute * shape.num_layers + block_per_token)
+    else:
+        activations = tokens * block_per_token * shape.num_layers
+    parts = {
+        "params_fp32": 4 * params // shard,
+        "grads_fp32": 4 * params // shard,
+        "adamw_states": 8 * params // shard,
+        "reference_model": compute * params // shard if alg.kl_coef > 0 else 0,
+        "gathered_blocks": 2 * compute * shape.layer_parameters if compute != 4 or shard > 1 else 0,
+        "activations": activations,
+        "logits_fp32": 2 * 4 * tokens * shape.vocab_size,
+        "runtime": int(GPU_RUNTIME_OVERHEAD if t.gpus_per_node else CPU_RUNTIME_OVERHEAD),
+    }
+    if t.gpus_per_node:
+        return MemoryEstimate(device="GPU", parts=parts, capacity=int(config.cluster.gpu_mem_gib * GIB))
+    # On CPU every rank of a node shares its RAM.
+    per_node = {k: v * t.ranks_on_each_node for k, v in parts.items()}
+    return MemoryEstimate(device="CPU node", parts=per_node,
+                          capacity=int(config.cluster.mem_per_node_gib * GIB))
+
+
+def _inference_memory(config: Config, shape: ModelShape) -> tuple[MemoryEstimate, int]:
+    inf = config.inference
+    dtype = DTYPE_BYTES[config.model.dtype] if inf.gpus_per_node else 4
+    tp = inf.tensor_parallel
+    weights = dtype * shape.num_parameters // tp
+    if inf.gpus_per_node:
+        capacity = int(config.cluster.gpu_mem_gib * GIB)
+        budget = int(inf.gpu_memory_utilization * capacity)
+        kv_cache = budget - weights - int(INFERENCE_ACTIVATION_RESERVE)
+        parts = {"weights": weights, "activation_reserve": int(INFERENCE_ACTIVATION_RESERVE),
+                 "kv_cache": max(kv_cache, 0)}
+        estimate = MemoryEstimate(device="GPU", parts=parts, capacity=budget)
+    else:
+        capacity = int(config.cluster.mem_per_node_gib * GIB)
+        # vLLM on CPU: gpu_memory_utilization is the fraction of RAM given to the KV cache.
+        kv_cache = int(inf.gpu_memory_utilization * (capacity or 16 * GIB))
+        parts = {"weights": weights * tp, "kv_cache": kv_cache, "runtime": int(CPU_RUNTIME_OVERHEAD)}
+        estimate = MemoryEstimate(device="CPU node", parts=parts, capacity=capacity)
+    tokens = max(kv_cache, 0) // shape.kv_bytes_per_token(dtype, tp)
+    return estimate, tokens
+
+
+def plan_resources(config: Config, shape: ModelShape) -> ResourcePlan:
+    """The resource plan of a validated config (see the module docstring for the estimates)."""
+    t, inf = config.trainer, config.inference
+    components = make_components(config)
+    trainer_memory = _trainer_memory(config, shape)
+    inference_memory, kv_tokens = _inference_memory(config, shape)
+    max_len = inf.max_model_len or config.data.max_prompt_tokens + inf.max_tokens
+    notes = []
+    if config.cluster.gpus_per_node == -1 and (t.gpus_per_node or inf.gpus_per_node):
+        notes.append(f"no cluster profile: assumed {config.cluster.gpu_mem_gib:g} GiB per GPU "
+                     "(use --cluster NAME or set cluster.gpu_mem_gib)")
+    if not trainer_memory.fits:
+        notes.append(f"trainer does NOT fit: {trainer_memory.total / GIB:.1f} GiB per "
+                     f"{trainer_memory.device} > {trainer_memory.capacity / GIB:.1f} GiB; shard over more "
+                     "ranks, lower micro_batch_size, or turn on activation_checkpointing")
+    if not inference_memory.fits or kv_tokens < max_len:
+        notes.append(f"inference does NOT fit: the KV cache holds {kv_tokens} tokens per replica, "
+                     f"fewer than one sequence of {max_len}; raise tensor_parallel or gpu_memory_utilization")
+    shard = t.world_size // t.dp_replicate if t.dp_shard == -1 else t.dp_shard
+    return ResourcePlan(
+        run_name=config.run.name,
+        executor=config.cluster.executor,
+        layout=config.cluster.layout,
+        components=components,
+        trainer_mesh={"world_size": t.world_size, "dp_replicate": t.dp_replicate, "dp_shard": shard},
+        inference_layout={"replicas": inf.replicas, "tensor_parallel": inf.tensor_parallel,
+                          "gpus": inf.replicas * inf.tensor_parallel if inf.gpus_per_node else 0,
+                          "max_model_len": max_len},
+        model={"architecture": shape.architecture, "preset": config.model.preset,
+               "path": config.model.path, "parameters": shape.num_parameters,
+               "dtype": config.model.dtype,
+               "bytes": shape.num_parameters * DTYPE_BYTES[config.model.dtype],
+               "layers": shape.num_layers, "hidden_size": shape.hidden_size,
+               "heads": shape.num_heads, "kv_heads": shape.num_kv_heads, "vocab_size": shape.vocab_size},
+        trainer_memory=trainer_memory,
+        inference_memory=inference_memory,
+        kv_cache_tokens=kv_tokens,
+        notes=notes,
+    )
