@@ -39,3 +39,13 @@ def local_slurm() -> dict[str, str]:
     if not shutil.which("sbatch"):
         pytest.fail("local_slurm.sh reported success but sbatch is not on PATH")
     return {**os.environ, "SLURM_CONF": conf}
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """models/tiny-llama, made by tools/make_tiny_model.py if missing (a few seconds)."""
+    import sys
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny_model.py")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return REPO / "models" / "tiny-llama"

@@ -106,6 +106,12 @@ start_daemons() {
     fi
     if ! alive "$DIR/run/slurmctld.pid"; then
         slurmctld -f "$CONF"
+        for _ in $(seq 50); do alive "$DIR/run/slurmctld.pid" && break; sleep 0.1; done
+        if ! alive "$DIR/run/slurmctld.pid"; then
+            say "slurmctld did not start (is port $CTLD_PORT taken? set HPCRL_LOCAL_SLURM_PORT):"
+            tail -5 "$DIR/log/slurmctld.log" >&2 || true
+            return 1
+        fi
     fi
     for ((i = 1; i <= NODES; i++)); do
         alive "$DIR/run/slurmd.n$i.pid" || slurmd -N "n$i" -f "$CONF"

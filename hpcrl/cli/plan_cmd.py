@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from hpcrl.config import load_config
-from hpcrl.config.checks import check_config
+from hpcrl.config.load import load_config_and_shape
 from hpcrl.plan import ResourcePlan, plan_resources
 from hpcrl.plan.resources import GIB
 
@@ -20,17 +19,22 @@ def add_parser(subparsers: argparse._SubParsersAction, common: argparse.Argument
     parser.set_defaults(func=run)
 
 
-def _gib(n: int) -> str:
-    return f"{n / GIB:8.2f} GiB"
+def _size(n: float) -> str:
+    """Bytes in GiB, or MiB below one GiB (tiny models)."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.2f} MiB"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
 
 
 def render_text(plan: ResourcePlan) -> str:
     m = plan.model
     lines = [
         f"run {plan.run_name}: executor {plan.executor}, layout {plan.layout}",
-        f"model {m['preset'] or m['path']} ({m['architecture']}): {m['parameters'] / 1e9:.3f} B parameters, "
+        f"model {m['preset'] or m['path']} ({m['architecture']}): {_count(m['parameters'])} parameters, "
         f"{m['layers']} layers, hidden {m['hidden_size']}, heads {m['heads']}/{m['kv_heads']} KV, "
-        f"vocab {m['vocab_size']}; {m['bytes'] / GIB:.2f} GiB in {m['dtype']}",
+        f"vocab {m['vocab_size']}; {_size(m['bytes'])} in {m['dtype']}",
         "",
         f"{'component':<10} {'het':>3} {'nodes':>5} {'tasks/node':>10} {'tasks':>5} {'gpus/node':>9}  runs",
     ]
@@ -45,11 +49,11 @@ def render_text(plan: ResourcePlan) -> str:
         f"KV cache {plan.kv_cache_tokens:,} tokens per replica",
     ]
     for title, est in (("trainer", plan.trainer_memory), ("inference", plan.inference_memory)):
-        cap = f" of {est.capacity / GIB:.1f} GiB" if est.capacity else " (capacity unknown)"
+        cap = f" of {_size(est.capacity)}" if est.capacity else " (capacity unknown)"
         verdict = "fits" if est.fits else "DOES NOT FIT"
         lines.append("")
-        lines.append(f"{title} memory per {est.device}: {est.total / GIB:.2f} GiB{cap}: {verdict}")
-        lines += [f"  {name:<20}{_gib(size)}" for name, size in est.parts.items() if size]
+        lines.append(f"{title} memory per {est.device}: {_size(est.total)}{cap}: {verdict}")
+        lines += [f"  {name:<20}{_size(size):>12}" for name, size in est.parts.items() if size]
     if plan.notes:
         lines.append("")
         lines += [f"note: {n}" for n in plan.notes]
@@ -57,8 +61,7 @@ def render_text(plan: ResourcePlan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_config(args.config, cluster=args.cluster, overrides=args.set, check=False)
-    shape = check_config(config)
+    config, shape = load_config_and_shape(args.config, cluster=args.cluster, overrides=args.set)
     plan = plan_resources(config, shape)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from hpcrl.config.build import build
+from hpcrl.config.checks import check_config
+from hpcrl.config.model_shapes import ModelShape
 from hpcrl.config.schema import Config
 from hpcrl.errors import ConfigError
 
@@ -157,8 +159,14 @@ def _absolute_paths(tree: dict) -> None:
 
 
 def load_config(path: str | Path, *, cluster: str | None = None,
-                overrides: Iterable[str] = (), check: bool = True) -> Config:
-    """Read, merge, type-check and (with `check`) cross-check one run configuration."""
+                overrides: Iterable[str] = ()) -> Config:
+    """Read, merge, type-check and cross-check one run configuration."""
+    return load_config_and_shape(path, cluster=cluster, overrides=overrides)[0]
+
+
+def load_config_and_shape(path: str | Path, *, cluster: str | None = None,
+                          overrides: Iterable[str] = ()) -> tuple[Config, ModelShape]:
+    """`load_config`, also returning the model's shape that the cross-checks read."""
     path = Path(path)
     experiment = read_toml(path)
     file_source = _Source(str(path), path.read_text())
@@ -197,9 +205,7 @@ def load_config(path: str | Path, *, cluster: str | None = None,
 
     try:
         config = build(Config, tree, "")
-        if check:
-            from hpcrl.config.checks import check_config
-            check_config(config)
+        shape = check_config(config)
     except ConfigError as err:
         raise locate(err) from None
-    return config
+    return config, shape

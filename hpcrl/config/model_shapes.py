@@ -173,7 +173,9 @@ def from_hf_config(config: dict, *, where: str = "config.json") -> ModelShape:
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             max_position=int(config.get("max_position_embeddings", 8192)),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
+            # transformers >= 5 writes rope_parameters.rope_theta; older configs rope_theta.
+            rope_theta=float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get(
+                "rope_theta", 10000.0)),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
         )
     except KeyError as err:

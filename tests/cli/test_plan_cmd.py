@@ -1,0 +1,74 @@
+"""`hpcrl plan` on the command line: output, JSON, speed, no heavy imports."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def hpcrl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hpcrl", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+@pytest.mark.timeout(60)
+def test_plan_of_the_70b_config_prints_every_component_and_the_memory_estimate():
+    done = hpcrl("plan", "configs/llama70b_grpo.toml")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "70.55 B parameters" in out
+    for line in ("head         0     1          1     1         0",
+                 "trainer      1     8          8    64         8",
+                 "inference    2     4          1     4         8",
+                 "reward       3     1          1     1         0"):
+        assert line in out
+    assert "trainer mesh: 64 ranks = dp_replicate 1 x dp_shard 64" in out
+    assert "trainer memory per GPU" in out and "inference memory per GPU" in out
+
+
+@pytest.mark.timeout(60)
+def test_plan_json_is_machine_readable():
+    done = hpcrl("plan", "configs/llama70b_grpo.toml", "--json")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["model"]["parameters"] == 70_553_706_496
+    assert [c["name"] for c in data["components"]] == ["head", "trainer", "inference", "reward"]
+    assert data["trainer_memory"]["fits"] is True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("extra", [[], ["--json"]])
+def test_plan_of_the_70b_config_takes_well_under_a_second_of_cpu(extra):
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = hpcrl("plan", "configs/llama70b_grpo.toml", *extra)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert done.returncode == 0, done.stderr
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu < 1.0, f"hpcrl plan took {cpu:.2f} s of CPU"
+
+
+@pytest.mark.timeout(60)
+def test_plan_imports_no_vendor_library():
+    code = ("import sys; from hpcrl.cli.main import main; main(['plan', 'configs/llama70b_grpo.toml', '--json']);"
+            "heavy = [m for m in ('torch', 'vllm', 'torchtitan', 'zmq', 'submitit', 'transformers') if m in sys.modules];"
+            "sys.stderr.write(repr(heavy)); sys.exit(1 if heavy else 0)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_command_line_is_an_error_not_a_traceback():
+    done = hpcrl("plan")
+    assert done.returncode == 2 and "usage:" in done.stderr and "Traceback" not in done.stderr
+    done = hpcrl("plan", "configs/nope.toml")
+    assert done.returncode == 2
+    assert done.stderr.startswith("hpcrl: error: configs/nope.toml: file not found")
