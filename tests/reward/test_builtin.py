@@ -1,0 +1,23 @@
+"""Built-in reward functions."""
+
+from hpcrl.reward.builtin import exact_match, format_ok, math_answer
+
+
+def test_exact_match_compares_the_first_line_ignoring_surrounding_spaces():
+    assert exact_match("", " 12 \nrest", "12") == 1.0
+    assert exact_match("", "13", "12") == 0.0
+    assert exact_match("", "", "12") == 0.0
+
+
+def test_math_answer_takes_the_boxed_or_last_number_and_compares_values():
+    assert math_answer("", "so x = \\boxed{1/2}", "0.5") == 1.0
+    assert math_answer("", "first 3 then 7", "7") == 1.0
+    assert math_answer("", "first 7 then 3", "7") == 0.0
+    assert math_answer("", "no number", "7") == 0.0
+    assert math_answer("", "14.0", "14") == 1.0
+
+
+def test_format_ok_wants_one_non_empty_line():
+    assert format_ok("", "42", "") == 1.0
+    assert format_ok("", "42\nand more", "") == 0.0
+    assert format_ok("", "  ", "") == 0.0

@@ -1,0 +1,68 @@
+"""The reward pool: scores in order, and a verifier that raises, hangs or dies is reported, not zeroed."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrl.reward.pool import RewardError, RewardPool, Sample
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def pool(monkeypatch):
+    monkeypatch.syspath_prepend(str(HERE))
+    with RewardPool("verifiers_for_tests:by_prompt", workers=2, timeout_s=1.5) as p:
+        yield p
+
+
+def sample(i: int, prompt: str, completion: str = "4", answer: str = "4") -> Sample:
+    return Sample(id=f"s{i}", prompt_id=f"p{i}", prompt=prompt, completion=completion, answer=answer)
+
+
+@pytest.mark.timeout(60)
+def test_rewards_come_back_in_sample_order(pool):
+    samples = [sample(i, "ok", completion=str(i % 3), answer="1") for i in range(9)]
+    results = pool.score(samples)
+    assert [r.id for r in results] == [s.id for s in samples]
+    assert [r.reward for r in results] == [1.0 if i % 3 == 1 else 0.0 for i in range(9)]
+    assert all(r.error is None for r in results)
+
+
+@pytest.mark.timeout(60)
+def test_a_raising_hanging_or_dying_verifier_is_reported_with_its_prompt_and_the_rest_are_scored(pool):
+    samples = [sample(0, "ok"), sample(1, "raise"), sample(2, "hang"), sample(3, "die"),
+               sample(4, "nan"), sample(5, "text"), sample(6, "ok", completion="5")]
+    started = time.monotonic()
+    results = {r.prompt_id: r for r in pool.score(samples)}
+    assert time.monotonic() - started < 10
+    assert results["p0"].reward == 1.0 and results["p6"].reward == 0.0
+    assert results["p1"].reward is None and "ValueError: verifier bug" in results["p1"].error
+    assert results["p2"].reward is None and "timed out after 1.5 s" in results["p2"].error
+    assert results["p3"].reward is None and "died (exit code 7)" in results["p3"].error
+    assert results["p4"].reward is None and "not a finite number" in results["p4"].error
+    assert results["p5"].reward is None and "not a finite number" in results["p5"].error
+    # The pool is whole again: the next batch is scored normally.
+    assert [r.reward for r in pool.score([sample(7, "ok"), sample(8, "ok")])] == [1.0, 1.0]
+
+
+@pytest.mark.timeout(60)
+def test_builtin_exact_match_scores_the_first_line():
+    with RewardPool("hpcrl.reward.builtin:exact_match", workers=1, timeout_s=5) as p:
+        results = p.score([sample(0, "1+3=", completion="4\nmore"), sample(1, "1+3=", completion="5")])
+    assert [r.reward for r in results] == [1.0, 0.0]
+
+
+@pytest.mark.timeout(60)
+def test_a_reward_function_that_cannot_be_imported_is_an_error_at_start():
+    with pytest.raises(RewardError, match="cannot import 'no_such_module_xyz'"):
+        RewardPool("no_such_module_xyz:f", workers=1, timeout_s=1)
+
+
+@pytest.mark.timeout(60)
+def test_repeated_sample_ids_are_refused(pool):
+    with pytest.raises(RewardError, match="repeated ids"):
+        pool.score([sample(0, "ok"), sample(0, "ok")])
