@@ -1,0 +1,1 @@
+"""The head controller: the RL loop, advantages, replay buffer, staleness bound, metrics."""
