@@ -1,0 +1,74 @@
+"""Per-step metrics of a run: metrics.jsonl in the run directory, and TensorBoard when installed.
+
+    log = MetricsLog(run_dir)
+    log.write({"step": 3, "reward_mean": 0.4, ...})
+    log.truncate_after(step=2)   # on resume: forget steps the checkpoint does not contain
+
+One JSON object per line, flushed and fsynced per step, so a crash loses at most the line being
+written; `read_metrics` skips a torn last line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every complete line of run_dir/metrics.jsonl (a torn last line is ignored)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+class MetricsLog:
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True) -> None:
+        self.path = Path(run_dir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional; metrics.jsonl is the record
+                SummaryWriter = None
+            if SummaryWriter is not None:
+                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def write(self, row: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(clean, sort_keys=True) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        if self._tb is not None:
+            step = int(row["step"])
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+
+    def truncate_after(self, step: int) -> None:
+        """Keep only rows with row["step"] <= step (atomically: temp file, fsync, rename)."""
+        rows = [r for r in read_metrics(self.path.parent) if int(r.get("step", 0)) <= step]
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "w") as handle:
+            handle.write("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, self.path)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
