@@ -21,6 +21,13 @@ def _rng(split: str, index: int, salt: int) -> random.Random:
     return random.Random(salt * 7919 + _SPLIT_SALT.get(split, zlib.crc32(split.encode())) + index)
 
 
+def echo(split: str, index: int) -> Example:
+    """"say 7:" -> "7": the embedded default's task, learnable by a tiny random model in ~200 GRPO steps."""
+    rng = _rng(split, index, 4)
+    digit = rng.randrange(10)
+    return {"id": f"echo-{split}-{index}", "prompt": f"say {digit}:", "answer": str(digit)}
+
+
 def arithmetic(split: str, index: int) -> Example:
     """"a+b=" with one-digit operands; the answer is the sum's digits."""
     rng = _rng(split, index, 1)
@@ -43,6 +50,7 @@ def parity(split: str, index: int) -> Example:
 
 
 BUILTIN_TASKS: dict[str, Callable[[str, int], Example]] = {
+    "echo": echo,
     "arithmetic": arithmetic,
     "reverse": reverse,
     "parity": parity,
