@@ -112,6 +112,24 @@ class VllmEngine:
                 finish_reason=str(sample.finish_reason), weight_version=self.weight_version))
         return groups
 
+    def token_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Log-probability of every token after the first of each sequence, under the live weights.
+
+        What the trainer's logprobs are compared with after a weight sync (prompt_logprobs=0
+        gives the logprob of each actual token).
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(seq)) for seq in sequences], params,
+                                    use_tqdm=False)
+        result = []
+        for seq, output in zip(sequences, outputs):
+            steps = output.prompt_logprobs or []
+            result.append([steps[i][token].logprob for i, token in enumerate(seq) if i > 0])
+        return result
+
     def close(self) -> None:
         """Stop the engine and its worker processes."""
         llm, self.llm = self.llm, None

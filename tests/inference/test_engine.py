@@ -50,3 +50,14 @@ def test_the_same_seed_draws_the_same_tokens_and_another_seed_others(engine):
     tokens = lambda groups: [[c.token_ids for c in g] for g in groups]  # noqa: E731
     assert tokens(first) == tokens(again)
     assert tokens(first) != tokens(other)
+
+
+@pytest.mark.timeout(300)
+def test_token_logprobs_of_a_sampled_completion_equal_its_sampling_logprobs(engine):
+    group = engine.generate(PROMPTS[:1], n=2, seed=3)[0]
+    sequences = [c.prompt_token_ids + c.token_ids for c in group]
+    scored = engine.token_logprobs(sequences)
+    for completion, logprobs in zip(group, scored):
+        assert len(logprobs) == len(completion.prompt_token_ids) + len(completion.token_ids) - 1
+        tail = logprobs[-len(completion.token_ids):]
+        assert max(abs(a - b) for a, b in zip(tail, completion.logprobs)) < 1e-4
