@@ -18,28 +18,16 @@ OpenMP thread group per rank (VLLM_CPU_OMP_THREADS_BIND, set here unless the cal
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 from hpcrl.config.schema import Config
 from hpcrl.data.prompts import Prompt
 from hpcrl.errors import HpcrlError
+from hpcrl.inference.types import Completion
 
 
 class InferenceError(HpcrlError):
     """The vLLM engine failed to start or to generate."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Completion:
-    prompt_id: str
-    index: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish_reason: str
-    weight_version: int
 
 
 def _cpu_thread_binding(tensor_parallel: int) -> str:

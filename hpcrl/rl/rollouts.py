@@ -1,0 +1,123 @@
+"""From generated completions and their rewards to GRPO groups and a training batch (pure Python).
+
+    groups = score_groups(prompts, completions, results, weight_version=3)
+    kept, stats = advantages_for(groups, norm="mean_std", drop_zero_variance=False)
+    batch = TrainBatch.from_groups(kept)
+
+A completion whose reward could not be computed (the verifier raised, hung or died) is never
+scored zero: its whole group is held out of training and counted, so a broken verifier shows up
+in the metrics instead of silently teaching the policy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hpcrl.data.prompts import Prompt
+from hpcrl.inference.types import Completion
+from hpcrl.reward.pool import RewardResult, Sample
+from hpcrl.rl.buffer import ScoredGroup
+
+#: Added to the standard deviation so that near-constant groups do not blow up.
+STD_EPS = 1e-6
+
+
+def samples_for(prompts: list[Prompt], completions: list[list[Completion]]) -> list[Sample]:
+    """The reward requests of a batch: one per completion, ids "prompt_id/k"."""
+    return [Sample(id=f"{p.id}/{c.index}", prompt_id=p.id, prompt=p.text, completion=c.text, answer=p.answer)
+            for p, group in zip(prompts, completions) for c in group]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScoreStats:
+    groups: int
+    groups_with_errors: int
+    errors: list[str]
+    """"prompt_id/k: why", for the log."""
+
+
+def score_groups(prompts: list[Prompt], completions: list[list[Completion]], results: list[RewardResult],
+                 *, weight_version: int) -> tuple[list[ScoredGroup], ScoreStats]:
+    """Pair completions with rewards; groups with any reward error are held out (see the docstring)."""
+    by_id = {r.id: r for r in results}
+    groups, errors, bad = [], [], 0
+    for prompt, group in zip(prompts, completions):
+        rewards = [by_id[f"{prompt.id}/{c.index}"] for c in group]
+        failed = [r for r in rewards if r.reward is None]
+        if failed:
+            bad += 1
+            errors += [f"{r.id}: {r.error}" for r in failed]
+            continue
+        groups.append(ScoredGroup(
+            prompt_id=prompt.id, prompt_token_ids=group[0].prompt_token_ids,
+            completions=[c.token_ids for c in group], logprobs=[c.logprobs for c in group],
+            rewards=[float(r.reward) for r in rewards], weight_version=weight_version,
+            finish_reasons=[c.finish_reason for c in group]))
+    return groups, ScoreStats(groups=len(prompts), groups_with_errors=bad, errors=errors)
+
+
+def group_advantages(rewards: list[float], *, norm: str) -> list[float]:
+    """GRPO advantages of one group: r - mean, divided by the std ("mean_std") or not ("mean")."""
+    mean = sum(rewards) / len(rewards)
+    centred = [r - mean for r in rewards]
+    if norm == "mean":
+        return centred
+    std = math.sqrt(sum(c * c for c in centred) / max(1, len(rewards) - 1))
+    return [c / (std + STD_EPS) for c in centred]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainBatch:
+    """Sequences of one optimizer step, in a fixed order; the trainer ranks split it by index."""
+
+    prompt_ids: list[str]
+    input_ids: list[list[int]]
+    """prompt + completion tokens of each sequence (unpadded)."""
+    prompt_lengths: list[int]
+    old_logprobs: list[list[float]]
+    """vLLM's logprob of each completion token (behaviour policy)."""
+    advantages: list[float]
+    rewards: list[float]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @classmethod
+    def from_groups(cls, groups: list[ScoredGroup], advantages: list[list[float]]) -> "TrainBatch":
+        fields: dict[str, list] = {k: [] for k in ("prompt_ids", "input_ids", "prompt_lengths", "old_logprobs",
+                                                    "advantages", "rewards")}
+        for group, group_adv in zip(groups, advantages):
+            for tokens, logprobs, adv, reward in zip(group.completions, group.logprobs, group_adv, group.rewards):
+                fields["prompt_ids"].append(group.prompt_id)
+                fields["input_ids"].append(group.prompt_token_ids + tokens)
+                fields["prompt_lengths"].append(len(group.prompt_token_ids))
+                fields["old_logprobs"].append(logprobs)
+                fields["advantages"].append(adv)
+                fields["rewards"].append(reward)
+        return cls(**fields)
+
+    def shard(self, rank: int, world_size: int) -> "TrainBatch":
+        """Rank `rank`'s contiguous share, split like torch.chunk (later ranks may get fewer, or none)."""
+        size = -(-len(self) // world_size)
+        part = slice(min(rank * size, len(self)), min((rank + 1) * size, len(self)))
+        return TrainBatch(**{k: getattr(self, k)[part] for k in self.__dataclass_fields__})
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainBatch":
+        return cls(**data)
+
+
+def build_batch(groups: list[ScoredGroup], *, norm: str, drop_zero_variance: bool) -> tuple[TrainBatch, int]:
+    """The training batch of `groups` and how many zero-variance groups were dropped."""
+    kept, advantages, dropped = [], [], 0
+    for group in groups:
+        if drop_zero_variance and max(group.rewards) == min(group.rewards):
+            dropped += 1
+            continue
+        kept.append(group)
+        advantages.append(group_advantages(group.rewards, norm=norm))
+    return TrainBatch.from_groups(kept, advantages), dropped
