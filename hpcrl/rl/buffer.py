@@ -20,6 +20,8 @@ class ScoredGroup:
     logprobs: list[list[float]]
     rewards: list[float]
     weight_version: int
+    batch: int = 0
+    """Index of the batch (= the training step) this group belongs to."""
     finish_reasons: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -57,6 +59,13 @@ class ReplayBuffer:
         """The oldest `count` fresh-enough groups (fewer if there are not that many)."""
         self._drop_stale(trainer_version)
         return [self._groups.popleft() for _ in range(min(count, len(self._groups)))]
+
+    def take_batch(self, batch: int, trainer_version: int) -> list[ScoredGroup]:
+        """Every fresh-enough group of batch `batch`, in the order they were put."""
+        self._drop_stale(trainer_version)
+        taken = [g for g in self._groups if g.batch == batch]
+        self._groups = deque(g for g in self._groups if g.batch != batch)
+        return taken
 
     def state_dict(self) -> dict:
         return {"groups": [g.to_dict() for g in self._groups], "dropped_stale": self.dropped_stale}

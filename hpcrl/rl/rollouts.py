@@ -38,7 +38,7 @@ class ScoreStats:
 
 
 def score_groups(prompts: list[Prompt], completions: list[list[Completion]], results: list[RewardResult],
-                 *, weight_version: int) -> tuple[list[ScoredGroup], ScoreStats]:
+                 *, weight_version: int, batch: int = 0) -> tuple[list[ScoredGroup], ScoreStats]:
     """Pair completions with rewards; groups with any reward error are held out (see the docstring)."""
     by_id = {r.id: r for r in results}
     groups, errors, bad = [], [], 0
@@ -52,7 +52,7 @@ def score_groups(prompts: list[Prompt], completions: list[list[Completion]], res
         groups.append(ScoredGroup(
             prompt_id=prompt.id, prompt_token_ids=group[0].prompt_token_ids,
             completions=[c.token_ids for c in group], logprobs=[c.logprobs for c in group],
-            rewards=[float(r.reward) for r in rewards], weight_version=weight_version,
+            rewards=[float(r.reward) for r in rewards], weight_version=weight_version, batch=batch,
             finish_reasons=[c.finish_reason for c in group]))
     return groups, ScoreStats(groups=len(prompts), groups_with_errors=bad, errors=errors)
 

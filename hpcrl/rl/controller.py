@@ -1,0 +1,198 @@
+"""The head controller: the GRPO loop over the run's groups, on a fixed, replayable schedule.
+
+    prompts --> Ports.generate (an inference replica) --> Ports.score (the reward group)
+                                                               |
+                        ReplayBuffer  <-- GRPO groups <---------+
+                             |
+    batch b --> Ports.train_step (every trainer rank, its share) --> Ports.sync_weights(b + 1)
+                                                                      (trainer -> inference, point to point)
+
+Schedule (lag = algorithm.max_policy_lag), the same whatever the timing, so that a resumed run
+equals an uninterrupted one:
+
+    batch b is generated with weight version max(0, b - lag)
+    step  s trains on batch s and makes weight version s + 1
+    while step s trains, batch s + lag is generated (with version s): generation overlaps training
+    version s + 1 goes to the inference group once both are done
+
+A checkpoint after step s holds the trainer state (version s + 1), the prompt cursor and the
+scored batches s + 1 .. s + lag already in the buffer; resuming re-pushes version s + 1 and goes on.
+
+After each weight sync a probe (the first group of the step's batch) is scored by both sides:
+`logprob_mismatch` = mean |logprob_vllm - logprob_trainer| over its completion tokens, under the
+same weights — the check that the sync delivered exactly the trainer's weights.
+
+The controller talks to the groups only through `Ports`; `hpcrl.rl.ports` binds them to the bus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from hpcrl.config.schema import Config
+from hpcrl.data.prompts import Prompt, PromptStream
+from hpcrl.errors import HpcrlError
+from hpcrl.inference.types import Completion
+from hpcrl.reward.pool import RewardResult, Sample
+from hpcrl.rl.buffer import ReplayBuffer
+from hpcrl.rl.rollouts import TrainBatch, build_batch, samples_for, score_groups
+
+
+class ControllerError(HpcrlError):
+    """The loop cannot go on (a group failed, a schedule invariant broke)."""
+
+
+class Ports(Protocol):
+    """What the controller needs from the groups."""
+
+    async def generate(self, prompts: list[Prompt], *, n: int, seed: int) -> list[list[Completion]]: ...
+    async def score(self, samples: list[Sample]) -> list[RewardResult]: ...
+    async def train_step(self, batch: TrainBatch, *, step: int) -> dict[str, float]: ...
+    async def sync_weights(self, version: int) -> None: ...
+    async def trainer_logprobs(self, sequences: list[list[int]]) -> list[list[float]]: ...
+    async def inference_logprobs(self, sequences: list[list[int]]) -> list[list[float]]: ...
+
+
+@dataclass
+class LoopState:
+    """Everything besides the trainer's own state that a checkpoint must hold."""
+
+    step: int = 0
+    """Steps done = the trainer's weight version."""
+    generated: int = 0
+    """Batches generated so far (batch indices 0 .. generated - 1)."""
+    prompts: dict = field(default_factory=dict)
+    buffer: dict = field(default_factory=dict)
+    held_out_groups: int = 0
+    rollout_metrics: dict[str, dict] = field(default_factory=dict)
+    """Metrics of generated batches not trained on yet, by batch index (str, for JSON)."""
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "generated": self.generated, "prompts": self.prompts, "buffer": self.buffer,
+                "held_out_groups": self.held_out_groups, "rollout_metrics": self.rollout_metrics}
+
+
+class Controller:
+    def __init__(self, config: Config, ports: Ports, *, on_step=None) -> None:
+        self.config = config
+        self.ports = ports
+        self.lag = config.algorithm.max_policy_lag
+        self.prompts_per_step = config.trainer.global_batch_size // config.algorithm.group_size
+        self.stream = PromptStream.from_config(config.data)
+        self.buffer = ReplayBuffer(max_policy_lag=self.lag)
+        self.state = LoopState()
+        self.on_step = on_step  # called with (state, metrics) after each step: checkpoints, metrics
+
+    # -- state ---------------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        self.state.prompts = self.stream.state_dict()
+        self.state.buffer = self.buffer.state_dict()
+        return self.state.to_dict()
+
+    def restore(self, state: dict) -> None:
+        self.state = LoopState(**state)
+        self.stream.load_state_dict(state["prompts"])
+        self.buffer.load_state_dict(state["buffer"])
+
+    # -- one batch of rollouts -----------------------------------------------------------------
+    async def _generate_batch(self, index: int, version: int) -> None:
+        if index != self.state.generated:
+            raise ControllerError(f"schedule broken: asked for batch {index}, next is {self.state.generated}")
+        prompts = self.stream.next_batch(self.prompts_per_step)
+        started = time.monotonic()
+        seed = self.config.run.seed * 1_000_003 + index
+        completions = await self.ports.generate(prompts, n=self.config.algorithm.group_size, seed=seed)
+        stale = {c.weight_version for g in completions for c in g} - {version}
+        if stale:
+            raise ControllerError(f"batch {index} was generated with weight versions {sorted(stale)}, "
+                                  f"expected {version}: the inference group missed a weight sync")
+        generated = time.monotonic()
+        results = await self.ports.score(samples_for(prompts, completions))
+        groups, stats = score_groups(prompts, completions, results, weight_version=version, batch=index)
+        for group in groups:
+            self.buffer.put(group)
+        self.state.generated += 1
+        self.state.held_out_groups += stats.groups_with_errors
+        tokens = sum(len(c.token_ids) for g in completions for c in g)
+        self.state.rollout_metrics[str(index)] = {
+            "time_generate_s": generated - started, "time_reward_s": time.monotonic() - generated,
+            "generate_tokens": tokens, "reward_errors": len(stats.errors),
+            "reward_error_example": stats.errors[0] if stats.errors else None}
+
+    # -- the loop ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Train from the current state to trainer.steps."""
+        steps = self.config.trainer.steps
+        # Every replica starts from the trainer's weights: the initial ones, or a resumed step's.
+        await self.ports.sync_weights(self.state.step)
+        # Batches generated with version 0 before step 0: 0 .. lag - 1.
+        while self.state.generated < min(self.lag, steps):
+            await self._generate_batch(self.state.generated, 0)
+        while self.state.step < steps:
+            step = self.state.step
+            started = time.monotonic()
+            ahead = step + self.lag
+            generation = None
+            if ahead < steps and self.state.generated == ahead:
+                generation = asyncio.create_task(self._generate_batch(ahead, step))
+            if self.lag == 0:
+                await generation  # on-policy: the batch first
+                generation = None
+            groups = self.buffer.take_batch(step, trainer_version=step)
+            batch, dropped = build_batch(groups, norm=self.config.algorithm.advantage_norm,
+                                         drop_zero_variance=self.config.algorithm.filter_zero_variance)
+            train_started = time.monotonic()
+            train_metrics = await self.ports.train_step(batch, step=step) if len(batch) else {}
+            train_done = time.monotonic()
+            if generation is not None:
+                await generation
+            sync_started = time.monotonic()
+            await self.ports.sync_weights(step + 1)
+            sync_done = time.monotonic()
+            mismatch = await self._probe_mismatch(batch)
+            self.state.step = step + 1
+            rollout = self.state.rollout_metrics.pop(str(step), {})
+            elapsed = time.monotonic() - started
+            busy = (train_done - train_started) + (sync_done - sync_started)
+            metrics = {
+                "step": step + 1, "weight_version": step + 1, "policy_lag": self.lag,
+                "reward_mean": sum(batch.rewards) / len(batch) if len(batch) else None,
+                "reward_std": _std(batch.rewards), "groups": len(groups), "groups_dropped_zero_variance": dropped,
+                "groups_held_out_total": self.state.held_out_groups, "logprob_mismatch": mismatch,
+                "time_train_s": train_done - train_started, "time_weight_sync_s": sync_done - sync_started,
+                "time_step_s": elapsed, "train_tokens": sum(len(s) for s in batch.input_ids),
+                **train_metrics, **rollout,
+            }
+            generate_time = metrics.get("time_generate_s", 0.0) + metrics.get("time_reward_s", 0.0)
+            # Idle: wall time on the step's critical path not spent training, syncing or (serially) generating.
+            metrics["time_idle_s"] = max(0.0, elapsed - busy - (generate_time if self.lag == 0 else 0.0))
+            metrics["generate_tokens_per_s"] = metrics.get("generate_tokens", 0) / max(
+                metrics.get("time_generate_s", 0.0), 1e-9)
+            metrics["train_tokens_per_s"] = metrics["train_tokens"] / max(metrics["time_train_s"], 1e-9)
+            if self.on_step is not None:
+                await self.on_step(self, metrics)
+
+    async def _probe_mismatch(self, batch: TrainBatch) -> float | None:
+        """Mean |logprob_vllm - logprob_trainer| over the completion tokens of the batch's first group."""
+        if not len(batch):
+            return None
+        n = self.config.algorithm.group_size
+        sequences = batch.input_ids[:n]
+        trainer_lp, inference_lp = await asyncio.gather(self.ports.trainer_logprobs(sequences),
+                                                        self.ports.inference_logprobs(sequences))
+        diffs = []
+        for seq_len, prompt_len, t_lp, i_lp in zip(map(len, sequences), batch.prompt_lengths[:n], trainer_lp,
+                                                   inference_lp):
+            completion = seq_len - prompt_len
+            diffs += [abs(a - b) for a, b in zip(t_lp[-completion:], i_lp[-completion:])]
+        return sum(diffs) / len(diffs) if diffs else None
+
+
+def _std(values: list[float]) -> float | None:
+    if len(values) < 2:
+        return None
+    mean = sum(values) / len(values)
+    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
