@@ -15,6 +15,11 @@
 # Tuned for tests (measured on Slurm 22.05): bf_interval=1 because only the backfill scheduler
 # starts heterogeneous jobs; JobRequeue=1; SlurmdTimeout=10; cred_expire=10 (a requeued job
 # otherwise waits 121 s); ReturnToService=1 (keeps an admin-downed node down).
+#
+# Seen here on 2026-11-23 (Slurm 22.05.8, Debian): `scontrol update nodename=nK state=down` under a
+# running hetjob makes Slurm requeue every component by itself (running again ~11 s later); killing
+# a node's slurmd instead makes slurmctld requeue the hetjob and then segfault in libslurmfull
+# (dmesg). `up` restarts dead daemons, and the restarted slurmctld starts the job again.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
