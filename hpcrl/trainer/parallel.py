@@ -5,9 +5,12 @@ is HSDP (parameters sharded within each replica of dp_shard ranks, gradients all
 replicas). Every transformer block is one FSDP unit, the root holds embeddings, final norm and
 lm_head (tied embeddings stay in one unit).
 
-Gradient reduction is a plain sum (`set_force_sum_reduction_for_comms(True)`): gloo has no
-PREMUL_SUM, and the GRPO loss is already normalised by the step's global token or sequence count
-(hpcrl.rl.grpo), so averaging over ranks would be wrong anyway. Mixed precision: bf16 (or fp16)
+Gradient reduction is a plain sum: the GRPO loss is already normalised by the step's global
+token or sequence count (hpcrl.rl.grpo), so FSDP's default average over ranks would shrink the
+gradient by the world size. `set_gradient_divide_factor(1.0)` turns the division off, and
+`set_force_sum_reduction_for_comms(True)` keeps the collectives to ReduceOp.SUM (gloo has no
+PREMUL_SUM). Force-sum alone still divides, only in a separate kernel: a 2-rank step then has
+half the gradient norm of one process (tests/trainer/test_fsdp.py checks it). Mixed precision: bf16 (or fp16)
 compute with fp32 master weights and fp32 reduction on GPUs; fp32 throughout on CPU.
 """
 
@@ -39,7 +42,7 @@ def make_dp_mesh(*, dp_replicate: int, dp_shard: int, device_type: str):
 
 
 def shard_decoder(model: nn.Module, blocks: list[nn.Module], mesh, *, param_dtype: torch.dtype | None) -> None:
-    """`fully_shard` each block, then the root; sum-reduce gradients (see the module docstring)."""
+    """`fully_shard` each block, then the root; gradients summed over ranks (see the module docstring)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
@@ -49,4 +52,5 @@ def shard_decoder(model: nn.Module, blocks: list[nn.Module], mesh, *, param_dtyp
     fully_shard(model, reshard_after_forward=False, **kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
