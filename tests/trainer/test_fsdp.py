@@ -69,3 +69,15 @@ def test_local_shards_of_three_ranks_concatenate_to_the_full_weights_with_uneven
     assert shards["model.layers.0.self_attn.k_proj.weight"][0].shape[0] == 20
     _assert_shards_tile_the_full_weights(ranks)
     _assert_same_step(ranks, one_process_step, [range(0, 2), range(2, 4), range(4, 5)])
+
+
+@pytest.mark.timeout(240)
+def test_hsdp_with_two_replicas_of_two_shards_takes_the_same_step_as_one_process(
+        tiny_model, tmp_path, one_process_step):
+    ranks = run_ranks(4, tmp_path, str(tiny_model), timeout_s=200, dp_replicate=2)
+    _assert_same_step(ranks, one_process_step, [range(0, 2), range(2, 3), range(3, 4), range(4, 5)])
+    # Ranks 0-1 shard one replica, ranks 2-3 the other: the same rows at the same offsets.
+    _assert_shards_tile_the_full_weights(ranks[:2])
+    for name, (tensor, shape, offset) in ranks[0]["shards"].items():
+        twin = ranks[2]["shards"][name]
+        assert torch.equal(twin[0], tensor) and twin[1:] == (shape, offset)
