@@ -228,7 +228,7 @@ def grpo_loss(*, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mas
     per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
     policy = aggregate(per_token, mask, aggregation=settings.aggregation, norm=norm)
     loss = policy
-    kl_share = torch.zeros((), dtype=torch.float64)
+    kl_share = torch.zeros((), dtype=torch.float64, device=logprobs.device)
     if settings.kl_coef > 0:
         if ref_logprobs is None:
             raise HpcrlError("kl_coef > 0 but no reference logprobs were given; compute them with "

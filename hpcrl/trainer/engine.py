@@ -33,6 +33,8 @@ from hpcrl.trainer.batch import RolloutBatch
 from hpcrl.trainer.parallel import make_dp_mesh, shard_decoder
 from hpcrl.trainer.schedule import lr_at
 
+#: Tokens per slice when computing the entropy metric.
+_ENTROPY_SLICE = 2048
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -233,8 +235,8 @@ class TrainerEngine:
         lr = self.lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        sums = torch.zeros(5, dtype=torch.float64)  # loss, policy, kl, clipped low, clipped high
-        entropy = torch.zeros((), dtype=torch.float64)
+        # loss, policy, kl, clipped low, clipped high, entropy sum: kept on the device (no sync per micro-batch)
+        sums = torch.zeros(6, dtype=torch.float64, device=self.device)
         for mb in self._micro_batches(batch):
             ref = mb.ref_logprobs
             if o.loss.kl_coef > 0 and ref is None:
@@ -246,15 +248,17 @@ class TrainerEngine:
                               advantages=mb.advantages.to(self.device), mask=mask, settings=o.loss,
                               norm=norm, ref_logprobs=None if ref is None else ref.to(self.device))
             share.loss.backward()
-            with torch.no_grad():
-                entropy += entropy_from_logits(logits[mask[:, 1:]]).sum().double().cpu()
-            sums += torch.stack([share.loss.detach().double().cpu(), share.policy_loss.cpu(), share.kl.cpu(),
-                                 share.clipped_low.cpu(), share.clipped_high.cpu()])
+            with torch.no_grad():  # in slices: a float32 copy of [tokens, vocab] logits is large
+                completion_logits = logits[mask[:, 1:]]
+                for piece in completion_logits.split(_ENTROPY_SLICE):
+                    sums[5] += entropy_from_logits(piece).sum().double()
+                sums[:5] += torch.stack([share.loss.detach().double(), share.policy_loss, share.kl,
+                                         share.clipped_low, share.clipped_high])
             del logits, logp, share
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        totals = self._all_reduce(torch.cat([sums, entropy.view(1)]))
+        totals = self._all_reduce(sums)
         self.step += 1
         elapsed = time.perf_counter() - start
         tokens = max(norm.tokens, 1.0)
