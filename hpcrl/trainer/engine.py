@@ -50,6 +50,8 @@ class EngineOptions:
     """"cpu", or "cuda" (the current CUDA device of this process)."""
     max_seq_len: int = 4096
     """Longest row (prompt + completion) the RoPE cache covers."""
+    rope_scaling: titan.RopeScaling | None = None
+    """Llama 3 RoPE scaling; None = read it from weights_path/config.json (or none without weights)."""
     temperature: float = 1.0
     """Logits are divided by this before logprobs (match the logprobs vLLM reports)."""
     seed: int = 0
@@ -80,6 +82,9 @@ class EngineOptions:
             raise TrainerError(f"device {self.device!r}: use 'cpu' or 'cuda'")
         if self.micro_batch_size < 1:
             raise TrainerError(f"micro_batch_size must be at least 1, got {self.micro_batch_size}")
+        if self.weights_path and self.rope_scaling is None:
+            # The checkpoint decides: a Llama 3.1+ config.json asks for scaled RoPE frequencies.
+            object.__setattr__(self, "rope_scaling", weights.read_rope_scaling(self.weights_path))
 
     @classmethod
     def from_config(cls, config, *, device: str | None = None, **overrides) -> "EngineOptions":
@@ -162,7 +167,7 @@ class TrainerEngine:
 
     def _build(self, *, trainable: bool):
         o = self.options
-        model = titan.build_model(o.shape, max_seq_len=o.max_seq_len, device="meta")
+        model = titan.build_model(o.shape, max_seq_len=o.max_seq_len, rope_scaling=o.rope_scaling, device="meta")
         if o.activation_checkpointing and trainable:
             titan.apply_activation_checkpointing(model)
         if self.mesh is not None:

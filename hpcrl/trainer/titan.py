@@ -17,14 +17,16 @@ Choices that differ from torchtitan's own recipes, and why:
 
 Families: Llama 3 (`Llama3Model`), Qwen3 (`Qwen3Model`, q/k norms), and Qwen2 built from Qwen3's
 blocks with q/k/v biases and no q/k norm (torchtitan 0.3.0 has no Qwen2 model). Llama 3.1+
-"llama3" RoPE frequency scaling is not modelled yet (ModelShape has no field for it);
-`hpcrl.trainer.weights` refuses checkpoints that ask for it.
+"llama3" RoPE frequency scaling (`RopeScaling`, read from config.json) is applied to the
+rotate-half cache the way transformers computes it (torchtitan's CosSinRoPE refuses it).
 """
 
 from __future__ import annotations
 
+import math
 import re
-from functools import partial
+from dataclasses import dataclass
+from functools import cache, partial
 
 import torch
 from torch import nn
@@ -36,6 +38,66 @@ from hpcrl.errors import TrainerError
 _AC_PREFIX = "_checkpoint_wrapped_module."
 
 
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama 3.1+ RoPE frequency scaling (config.json rope_scaling / rope_parameters, type "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+def llama3_inv_freq(*, head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse RoPE frequencies, scaled as transformers' `_compute_llama3_parameters` does."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen, high_wavelen = old_len / scaling.low_freq_factor, old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+@cache
+def _scaled_rope_class():
+    """CosSinRoPE whose cache uses Llama 3 scaled frequencies (made once, on first use)."""
+    from torchtitan.models.common.rope import CosSinRoPE
+
+    class Llama3ScaledCosSinRoPE(CosSinRoPE):
+        @dataclass(kw_only=True, slots=True)
+        class Config(CosSinRoPE.Config):
+            pass
+
+        def _precompute_cache(self) -> torch.Tensor:
+            cfg = self.config
+            inv_freq = llama3_inv_freq(head_dim=cfg.dim, theta=cfg.theta, scaling=RopeScaling(
+                factor=cfg.scaling_factor, low_freq_factor=cfg.low_freq_factor,
+                high_freq_factor=cfg.high_freq_factor,
+                original_max_position_embeddings=cfg.original_max_position_embeddings))
+            freqs = torch.outer(torch.arange(cfg.max_seq_len, dtype=inv_freq.dtype), inv_freq).float()
+            angles = torch.cat([freqs, freqs], dim=-1)
+            return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+    return Llama3ScaledCosSinRoPE
+
+
+def _rope_config(shape: ModelShape, *, max_seq_len: int, scaling: RopeScaling | None):
+    from torchtitan.models.common.rope import CosSinRoPE
+
+    if scaling is None:
+        return CosSinRoPE.Config(dim=shape.head_dim, max_seq_len=max_seq_len, theta=shape.rope_theta)
+    return _scaled_rope_class().Config(
+        dim=shape.head_dim, max_seq_len=max_seq_len, theta=shape.rope_theta, scaling="llama",
+        scaling_factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
+        high_freq_factor=scaling.high_freq_factor,
+        original_max_position_embeddings=scaling.original_max_position_embeddings)
+
+
 def _inits(shape: ModelShape):
     std = 0.02
     linear = {"weight": partial(nn.init.normal_, std=std), "bias": nn.init.zeros_}
@@ -44,14 +106,12 @@ def _inits(shape: ModelShape):
     return linear, depth, {"weight": nn.init.ones_}
 
 
-def model_config(shape: ModelShape, *, max_seq_len: int):
+def model_config(shape: ModelShape, *, max_seq_len: int, rope_scaling: RopeScaling | None = None):
     """The torchtitan `Decoder.Config` for `shape` (see the module docstring for the choices)."""
     from torchtitan.models.common import Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
     from torchtitan.models.common.param_init import skip_param_init
-    from torchtitan.models.common.rope import CosSinRoPE
-
     if shape.architecture == "LlamaForCausalLM":
         from torchtitan.models.llama3.model import Llama3Model as ModelCls
         from torchtitan.models.llama3.model import Llama3TransformerBlock as BlockCls
@@ -70,7 +130,7 @@ def model_config(shape: ModelShape, *, max_seq_len: int):
             dim=dim, n_heads=shape.num_heads, n_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
             wqkv_param_init=linear, wo_param_init=depth,
             inner_attention=ScaledDotProductAttention.Config(),
-            rope=CosSinRoPE.Config(dim=shape.head_dim, max_seq_len=max_seq_len, theta=shape.rope_theta),
+            rope=_rope_config(shape, max_seq_len=max_seq_len, scaling=rope_scaling),
             fuse_qkv=False,
             qk_norm=RMSNorm.Config(normalized_shape=shape.head_dim, eps=eps, param_init=norm)
             if shape.qk_norm else None)
@@ -93,9 +153,10 @@ def model_config(shape: ModelShape, *, max_seq_len: int):
         layers=layers)
 
 
-def build_model(shape: ModelShape, *, max_seq_len: int, device: str | torch.device = "meta") -> nn.Module:
+def build_model(shape: ModelShape, *, max_seq_len: int, rope_scaling: RopeScaling | None = None,
+                device: str | torch.device = "meta") -> nn.Module:
     """The torchtitan model of `shape`, with parameters on `device` (meta: no memory, fill later)."""
-    config = model_config(shape, max_seq_len=max_seq_len)
+    config = model_config(shape, max_seq_len=max_seq_len, rope_scaling=rope_scaling)
     with torch.device(device):
         return config.build()
 

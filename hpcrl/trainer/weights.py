@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from hpcrl.errors import TrainerError
-from hpcrl.trainer.titan import clean_name
+from hpcrl.trainer.titan import RopeScaling, clean_name
 
 #: HF checkpoint entries that are not parameters of the model.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -81,18 +81,26 @@ def full_state_dict_hf(model: nn.Module, hf_to_titan: dict[str, str], *, rank: i
     return out
 
 
-def check_rope_scaling(path: Path) -> None:
-    """Refuse checkpoints whose RoPE needs frequency scaling (not modelled yet, see titan.py)."""
-    config_file = path / "config.json"
+def read_rope_scaling(path: str | Path) -> RopeScaling | None:
+    """The checkpoint's Llama 3 RoPE scaling from its config.json (None: plain RoPE).
+
+    Other kinds (linear, dynamic, yarn, ...) are refused: the trainer's logits would differ from vLLM's.
+    """
+    config_file = Path(path) / "config.json"
     if not config_file.is_file():
-        return
+        return None
     config = json.loads(config_file.read_text())
-    scaling = config.get("rope_scaling") or {}
-    kind = scaling.get("rope_type") or scaling.get("type") or (config.get("rope_parameters") or {}).get(
-        "rope_type", "default")
-    if kind not in (None, "default"):
-        raise TrainerError(f"{config_file}: rope scaling {kind!r} is not supported by the trainer yet; "
-                           "its logits would differ from vLLM's. Use a checkpoint without rope_scaling")
+    # transformers >= 5 writes rope_parameters (with rope_theta in it); older files rope_scaling.
+    params = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise TrainerError(f"{config_file}: rope scaling {kind!r} is not supported by the trainer; "
+                           "only Llama 3's 'llama3' scaling is. Use a checkpoint without it")
+    return RopeScaling(factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+                       high_freq_factor=float(params["high_freq_factor"]),
+                       original_max_position_embeddings=int(params["original_max_position_embeddings"]))
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -108,7 +116,6 @@ def load_hf_weights(model: nn.Module, hf_to_titan: dict[str, str], path: str | P
     from safetensors import safe_open
 
     path = Path(path)
-    check_rope_scaling(path)
     params = parameters_by_hf_name(model, hf_to_titan, rank=rank)
     seen: set[str] = set()
     for file in _safetensors_files(path):
