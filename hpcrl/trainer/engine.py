@@ -9,6 +9,7 @@ with the same options. Without a process group it runs unsharded in one process 
     batch = RolloutBatch(...)   --->       engine.train_step(batch.shard(rank, world)) -> StepMetrics
                                            engine.logprobs(batch)        (mismatch vs vLLM)
                                            engine.local_shards()         (weight transfer source)
+                                           engine.save_checkpoint(dir)   (DCP; load_checkpoint resumes)
 
 Collectives: `train_step`, `logprobs`, `ref_logprobs` and `full_state_dict_hf` must be called
 by all ranks together (FSDP gathers parameters); ranks may pass different numbers of rows,
@@ -28,7 +29,7 @@ from torch import Tensor
 from hpcrl.config.model_shapes import ModelShape, load_shape
 from hpcrl.errors import TrainerError
 from hpcrl.rl.grpo import LossSettings, Normaliser, entropy_from_logits, grpo_loss, local_counts, token_logprobs
-from hpcrl.trainer import titan, weights
+from hpcrl.trainer import checkpoint, titan, weights
 from hpcrl.trainer.batch import RolloutBatch
 from hpcrl.trainer.parallel import make_dp_mesh, shard_decoder
 from hpcrl.trainer.schedule import lr_at
@@ -293,6 +294,15 @@ class TrainerEngine:
     def full_state_dict_hf(self) -> dict[str, Tensor]:
         """{hf_name: full CPU tensor} on every rank (for tests and HF export). Collective."""
         return weights.full_state_dict_hf(self.model, self.hf_names, rank=self.rank)
+
+    def save_checkpoint(self, directory) -> None:
+        """Model, optimizer and step under `directory` (DCP, one file per rank). Collective."""
+        checkpoint.save(self.model, self.optimizer, self.step, directory)
+
+    def load_checkpoint(self, directory) -> None:
+        """Resume from `directory`, written by any number of ranks. Collective. The reference
+        model is not saved: it is the initial weights, reloaded from the checkpoint path at start."""
+        self.step = checkpoint.load(self.model, self.optimizer, directory, rank=self.rank)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())

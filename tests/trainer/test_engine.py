@@ -117,3 +117,24 @@ def test_a_checkpoint_missing_a_parameter_names_it(tiny_model, tmp_path):
     (tmp_path / "config.json").write_text((tiny_model / "config.json").read_text())
     with pytest.raises(TrainerError, match=r"rank 0: .* lacks 1 parameters.*layers\.1\.mlp\.up_proj"):
         TrainerEngine(engine_options(str(tmp_path)))
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_engine_takes_the_same_next_step_as_one_that_never_stopped(tiny_model, tmp_path):
+    batch = toy_batch()
+    running = TrainerEngine(engine_options(str(tiny_model)))
+    running.train_step(batch)
+    running.save_checkpoint(tmp_path / "step_1")
+    running.train_step(batch)
+    resumed = TrainerEngine(engine_options(str(tiny_model)))
+    resumed.load_checkpoint(tmp_path / "step_1")
+    assert resumed.step == 1
+    resumed.train_step(batch)  # needs AdamW's moments and the step count back, not just the weights
+    a, b = running.full_state_dict_hf(), resumed.full_state_dict_hf()
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_an_incomplete_checkpoint_directory_is_refused(tiny_model, tmp_path):
+    engine = TrainerEngine(engine_options(str(tiny_model)))
+    with pytest.raises(TrainerError, match="not a complete trainer checkpoint"):
+        engine.load_checkpoint(tmp_path)

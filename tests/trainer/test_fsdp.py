@@ -56,6 +56,12 @@ def test_one_step_on_two_fsdp_gloo_ranks_gives_the_weights_of_one_process(tiny_m
     # toy_batch has 5 rows: rank 0 gets rows 0-2, rank 1 rows 3-4 (and idles one micro-batch).
     _assert_same_step(ranks, one_process_step, [range(0, 3), range(3, 5)])
     _assert_shards_tile_the_full_weights(ranks)
+    # The 2 ranks' DCP checkpoint loads in one process (resharded on load).
+    resumed = TrainerEngine(engine_options(str(tiny_model)))
+    resumed.load_checkpoint(tmp_path / "checkpoint")
+    assert resumed.step == 1
+    full = resumed.full_state_dict_hf()
+    assert all(torch.equal(full[name], ranks[0]["full"][name]) for name in full)
 
 
 @pytest.mark.timeout(180)

@@ -58,6 +58,7 @@ def _worker(rank: int, world_size: int, store_path: str, out_dir: str, model_dir
         shards = {name: (s.tensor.clone(), s.global_shape, s.dim0_offset)
                   for name, s in engine.local_shards().items()}
         full = engine.full_state_dict_hf()
+        engine.save_checkpoint(os.path.join(out_dir, "checkpoint"))
         torch.save({"metrics": metrics.as_dict(), "shards": shards, "full": full, "logprobs": logprobs},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
