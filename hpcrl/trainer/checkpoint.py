@@ -19,6 +19,12 @@ from torch import nn
 from hpcrl.errors import TrainerError
 
 
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -32,7 +38,7 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, director
 
     state = _state(model, optimizer)
     state["step"] = torch.tensor(step)
-    dcp.save(state, checkpoint_id=str(directory))
+    dcp.save(state, checkpoint_id=str(directory), no_dist=not _distributed())
 
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Path, *, rank: int = 0) -> int:
@@ -45,6 +51,6 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Pa
                            "resume from the last checkpoint the run's manifest lists")
     state = _state(model, optimizer)
     state["step"] = torch.tensor(0)
-    dcp.load(state, checkpoint_id=str(directory))
+    dcp.load(state, checkpoint_id=str(directory), no_dist=not _distributed())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     return int(state["step"])
