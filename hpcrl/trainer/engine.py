@@ -11,17 +11,21 @@ with the same options. Without a process group it runs unsharded in one process 
                                            engine.local_shards()         (weight transfer source)
                                            engine.save_checkpoint(dir)   (DCP; load_checkpoint resumes)
 
-Collectives: `train_step`, `logprobs`, `ref_logprobs` and `full_state_dict_hf` must be called
-by all ranks together (FSDP gathers parameters); ranks may pass different numbers of rows,
+Collectives: `train_step`, `logprobs`, `ref_logprobs`, `full_state_dict_hf` and the checkpoint
+methods must be called by all ranks together (FSDP gathers parameters); ranks may pass different numbers of rows,
 including none (the engine pads with empty micro-batches so the collectives line up).
 
-    PYTHONPATH=. python -m pytest tests/trainer -q     # the tests run it on 1 and 2 gloo ranks
+Logprobs are of softmax(logits / temperature), temperature = inference.temperature: with a
+temperature other than 1 the inference role must report vLLM's processed (not raw) logprobs.
+
+    PYTHONPATH=. python -m pytest tests/trainer -q     # runs it in 1 process and on 2, 3, 4 gloo ranks
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -58,12 +62,19 @@ class EngineOptions:
     seed: int = 0
     """Seed of random initialisation."""
     lr: float = 1e-6
+    """Peak learning rate (AdamW)."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
     eps: float = 1e-8
+    """AdamW epsilon."""
     weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
     lr_schedule: str = "constant"
+    """After warmup: constant, linear or cosine (hpcrl.trainer.schedule)."""
     warmup_steps: int = 0
+    """Steps of linear warmup."""
     min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of lr (linear and cosine)."""
     total_steps: int = 100
     """Optimizer steps of the run (the decay horizon)."""
     micro_batch_size: int = 1
@@ -71,8 +82,11 @@ class EngineOptions:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 = no clipping (the norm is still reported)."""
     activation_checkpointing: bool = False
+    """Recompute each transformer block in backward."""
     dp_replicate: int = 1
+    """Replicas of the model (HSDP outer axis); 1 = plain FSDP."""
     dp_shard: int = -1
+    """Ranks each replica is sharded over; -1 = world size / dp_replicate."""
     loss: LossSettings = LossSettings()
     """GRPO loss settings (clips, KL, aggregation)."""
 

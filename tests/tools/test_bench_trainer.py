@@ -10,6 +10,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_trainer_benchmark_runs_on_cpu_with_the_tiny_preset(repo, tmp_path):
     out = tmp_path / "bench.json"

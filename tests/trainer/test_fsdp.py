@@ -50,6 +50,7 @@ def _assert_shards_tile_the_full_weights(ranks: list[dict]) -> None:
         assert torch.equal(torch.cat([p[0] for p in pieces], dim=0), tensor), name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_one_step_on_two_fsdp_gloo_ranks_gives_the_weights_of_one_process(tiny_model, tmp_path, one_process_step):
     ranks = run_ranks(2, tmp_path, str(tiny_model))
@@ -64,6 +65,7 @@ def test_one_step_on_two_fsdp_gloo_ranks_gives_the_weights_of_one_process(tiny_m
     assert all(torch.equal(full[name], ranks[0]["full"][name]) for name in full)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_local_shards_of_three_ranks_concatenate_to_the_full_weights_with_uneven_chunks(
         tiny_model, tmp_path, one_process_step):
@@ -77,6 +79,7 @@ def test_local_shards_of_three_ranks_concatenate_to_the_full_weights_with_uneven
     _assert_same_step(ranks, one_process_step, [range(0, 2), range(2, 4), range(4, 5)])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_hsdp_with_two_replicas_of_two_shards_takes_the_same_step_as_one_process(
         tiny_model, tmp_path, one_process_step):
