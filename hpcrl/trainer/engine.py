@@ -35,7 +35,7 @@ from hpcrl.errors import TrainerError
 from hpcrl.rl.grpo import LossSettings, Normaliser, entropy_from_logits, grpo_loss, local_counts, token_logprobs
 from hpcrl.trainer import checkpoint, titan, weights
 from hpcrl.trainer.batch import RolloutBatch
-from hpcrl.trainer.parallel import make_dp_mesh, shard_decoder
+from hpcrl.trainer.parallel import make_dp_mesh, reshard, shard_decoder
 from hpcrl.trainer.schedule import lr_at
 
 #: Tokens per slice when computing the entropy metric.
@@ -226,7 +226,12 @@ class TrainerEngine:
                 if row < batch.size:  # idle micro-batches come last and give nothing back
                     out[row:row + mb.size, :logp.shape[1]] = logp.cpu()
                 row += mb.size
+        self._reshard(model)
         return out
+
+    def _reshard(self, model) -> None:
+        if self.mesh is not None:
+            reshard(model)
 
     # ---------------------------------------------------------------------------- public API
 
@@ -275,6 +280,8 @@ class TrainerEngine:
                 sums[:5] += torch.stack([share.loss.detach().double(), share.policy_loss, share.kl,
                                          share.clipped_low, share.clipped_high])
             del logits, logp, share
+        if self.reference is not None:
+            self._reshard(self.reference)  # its no-grad forwards left the root gathered
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -303,7 +310,8 @@ class TrainerEngine:
 
     def local_shards(self) -> dict[str, weights.LocalShard]:
         """{hf_name: LocalShard(tensor, global_shape, dim0_offset)} of this rank. No communication."""
-        return weights.local_shards(self.model, self.hf_names, rank=self.rank)
+        self._reshard(self.model)  # a no-op unless something left parameters gathered
+        return weights.local_shards(self.model, self.hf_names, rank=self.rank, sharded=self.mesh is not None)
 
     def full_state_dict_hf(self) -> dict[str, Tensor]:
         """{hf_name: full CPU tensor} on every rank (for tests and HF export). Collective."""

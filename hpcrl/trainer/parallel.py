@@ -54,3 +54,17 @@ def shard_decoder(model: nn.Module, blocks: list[nn.Module], mesh, *, param_dtyp
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free gathered parameters, so the module's parameters are its sharded DTensors again.
+
+    The root unit keeps its parameters gathered after forward (reshard_after_forward=False,
+    since backward needs them next); after a no-grad forward nothing reshards it, and
+    `named_parameters()` would then give full tensors instead of this rank's shards.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

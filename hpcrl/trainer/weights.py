@@ -63,10 +63,18 @@ def parameters_by_hf_name(model: nn.Module, hf_to_titan: dict[str, str], *, rank
     return {hf: params[titan] for hf, titan in hf_to_titan.items()}
 
 
-def local_shards(model: nn.Module, hf_to_titan: dict[str, str], *, rank: int = 0) -> dict[str, LocalShard]:
-    """{hf_name: LocalShard} of this rank, in checkpoint order. No communication."""
+def local_shards(model: nn.Module, hf_to_titan: dict[str, str], *, rank: int = 0,
+                 sharded: bool = False) -> dict[str, LocalShard]:
+    """{hf_name: LocalShard} of this rank, in checkpoint order. No communication.
+
+    sharded=True (an FSDP model) checks that every parameter is a DTensor: a gathered one would
+    silently be reported as the whole tensor at offset 0.
+    """
     out = {}
     for hf_name, param in parameters_by_hf_name(model, hf_to_titan, rank=rank).items():
+        if sharded and not isinstance(param, DTensor):
+            raise TrainerError(f"rank {rank}: {hf_name} is gathered, not sharded; reshard the FSDP "
+                               "model (hpcrl.trainer.parallel.reshard) before reading its local shards")
         local, offset = _rows(param)
         out[hf_name] = LocalShard(local, tuple(param.shape), offset)
     return out

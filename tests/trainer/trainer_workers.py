@@ -55,6 +55,7 @@ def _worker(rank: int, world_size: int, store_path: str, out_dir: str, model_dir
         batch = toy_batch()
         logprobs = engine.logprobs(batch.shard(rank, world_size))
         metrics = engine.train_step(batch.shard(rank, world_size))
+        engine.logprobs(batch.shard(rank, world_size))  # a no-grad forward must leave the shards in place
         shards = {name: (s.tensor.clone(), s.global_shape, s.dim0_offset)
                   for name, s in engine.local_shards().items()}
         full = engine.full_state_dict_hf()
