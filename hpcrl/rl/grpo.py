@@ -168,6 +168,14 @@ def clipped_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tens
     return loss, clipped_low, clipped_high
 
 
+def logprob_mismatch(trainer_logprobs: Tensor, inference_logprobs: Tensor, mask: Tensor) -> tuple[float, int]:
+    """(sum of |trainer - inference| over masked tokens, token count): the train-inference mismatch
+    metric is the sum over ranks divided by the count over ranks."""
+    mask = mask.bool()
+    difference = (trainer_logprobs.float() - inference_logprobs.float()).abs()
+    return float(difference[mask].sum()), int(mask.sum())
+
+
 # ------------------------------------------------------------------------------------- loss
 
 @dataclass(frozen=True, kw_only=True)

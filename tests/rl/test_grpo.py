@@ -18,6 +18,7 @@ from hpcrl.rl.grpo import (
     grpo_loss,
     kl_per_token,
     local_counts,
+    logprob_mismatch,
     token_logprobs,
 )
 
@@ -153,3 +154,10 @@ def test_token_logprobs_and_entropy_match_softmax_by_hand():
     assert token_logprobs(logits, torch.tensor([0]), temperature=2.0).item() == pytest.approx(
         LOG(1 / (1 + math.sqrt(3))))
     assert entropy_from_logits(logits).item() == pytest.approx(-(0.25 * LOG(0.25) + 0.75 * LOG(0.75)))
+
+
+def test_logprob_mismatch_sums_absolute_differences_over_completion_tokens_only():
+    trainer = torch.tensor([[0.0, -1.0, -2.0, -9.0]])
+    vllm = torch.tensor([[5.0, -1.5, -1.0, 0.0]])
+    mask = torch.tensor([[0, 1, 1, 0]])
+    assert logprob_mismatch(trainer, vllm, mask) == (pytest.approx(1.5), 2)
