@@ -45,3 +45,7 @@ class PlanError(HpcrlError):
 
 class SlurmError(HpcrlError):
     """Slurm refused or failed something we asked of it (sbatch, squeue, scancel)."""
+
+
+class TrainerError(HpcrlError):
+    """The trainer engine cannot build, load or step the model (names the rank and parameter)."""

@@ -1,1 +1,1 @@
-"""The head controller: the RL loop, advantages, replay buffer, staleness bound, metrics."""
+"""The head controller: the RL loop, GRPO maths, advantages, replay buffer, staleness bound, metrics."""

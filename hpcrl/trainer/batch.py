@@ -1,0 +1,117 @@
+"""The trainer's batch: right-padded token ids with per-token tensors aligned to them.
+
+Layout (one row per completion; B rows, T positions):
+
+    tokens           [B, T] int64   prompt ids, then completion ids, then padding (any id)
+    completion_mask  [B, T] bool    True on completion tokens (the ones the policy sampled)
+    old_logprobs     [B, T] float   log p_old(tokens[b, t]) from vLLM where the mask is True
+    advantages       [B]    float   one advantage per completion (GRPO), or [B, T] per token
+    ref_logprobs     [B, T] float   optional: reference logprobs (else the engine computes them)
+
+Position t holds the value of token t, which the model predicts from the logits at t - 1; the
+mask is therefore False at t = 0. Each trainer rank gets its own rows (`shard`), and the loss is
+normalised over the whole step by the engine, so rows may be split unevenly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from hpcrl.errors import TrainerError
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutBatch:
+    tokens: Tensor
+    """[B, T] int64 token ids, right-padded."""
+    completion_mask: Tensor
+    """[B, T] bool: True where tokens[b, t] was sampled by the policy (False at t = 0)."""
+    old_logprobs: Tensor
+    """[B, T] float: behaviour-policy logprob of tokens[b, t] where the mask is True."""
+    advantages: Tensor
+    """[B] (or [B, T]) float: advantage of each completion (or token)."""
+    ref_logprobs: Tensor | None = None
+    """[B, T] float: reference-policy logprobs, or None to let the engine compute them."""
+
+    def __post_init__(self) -> None:
+        if self.tokens.dim() != 2:
+            raise TrainerError(f"batch tokens must be [B, T], got shape {tuple(self.tokens.shape)}")
+        shape = tuple(self.tokens.shape)
+        for name in ("completion_mask", "old_logprobs", "ref_logprobs"):
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != shape:
+                raise TrainerError(f"batch {name} has shape {tuple(value.shape)} but tokens {shape}; "
+                                   "every per-token tensor is aligned with the token ids")
+        if tuple(self.advantages.shape) not in ((shape[0],), shape):
+            raise TrainerError(f"batch advantages have shape {tuple(self.advantages.shape)}; "
+                               f"expected [{shape[0]}] (per completion) or {list(shape)} (per token)")
+        if self.completion_mask.dtype != torch.bool:
+            object.__setattr__(self, "completion_mask", self.completion_mask.bool())
+        if shape[1] and bool(self.completion_mask[:, 0].any()):
+            raise TrainerError("completion_mask is True at position 0, which no logits predict; "
+                               "a completion follows at least one prompt token (e.g. <bos>)")
+
+    @property
+    def size(self) -> int:
+        """Rows (completions) in the batch."""
+        return self.tokens.shape[0]
+
+    @property
+    def lengths(self) -> Tensor:
+        """[B] real length of each row: one past its last completion token (0 for an empty row)."""
+        positions = torch.arange(1, self.tokens.shape[1] + 1).expand_as(self.completion_mask)
+        return (positions * self.completion_mask).amax(dim=1) if self.size else torch.zeros(0, dtype=torch.long)
+
+    def rows(self, start: int, stop: int) -> "RolloutBatch":
+        """Rows start..stop-1, trimmed to their longest real length (padding costs compute)."""
+        width = max(int(self.lengths[start:stop].max()), 2) if stop > start else 2
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                value = value[start:stop]
+                out[f.name] = value[:, :width] if value.dim() == 2 else value
+        return RolloutBatch(**out)
+
+    def micro_batches(self, size: int) -> list["RolloutBatch"]:
+        """Consecutive chunks of at most `size` rows."""
+        return [self.rows(i, min(i + size, self.size)) for i in range(0, self.size, size)]
+
+    def shard(self, rank: int, world_size: int) -> "RolloutBatch":
+        """This data-parallel rank's rows (torch.chunk-like: the first ranks get one more when uneven)."""
+        base, extra = divmod(self.size, world_size)
+        start = rank * base + min(rank, extra)
+        stop = start + base + (1 if rank < extra else 0)
+        return self.rows(start, stop) if stop > start else self.empty()
+
+    def empty(self) -> "RolloutBatch":
+        """A batch with no rows (a rank that got none still joins the collectives)."""
+        return RolloutBatch(tokens=self.tokens[:0, :2], completion_mask=self.completion_mask[:0, :2],
+                            old_logprobs=self.old_logprobs[:0, :2], advantages=self.advantages[:0],
+                            ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[:0, :2])
+
+    def to(self, device: torch.device) -> "RolloutBatch":
+        return RolloutBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                               for f in fields(self)})
+
+
+def pad_rows(sequences: list[list[int]], prompt_lengths: list[int], old_logprobs: list[list[float]],
+             advantages: list[float], *, pad_id: int = 0) -> RolloutBatch:
+    """A batch from Python lists: each sequence is prompt + completion ids, with the completion's
+    logprobs (one per completion token). Handy for the head and for tests."""
+    width = max(len(s) for s in sequences)
+    tokens = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width, dtype=torch.bool)
+    old = torch.zeros(len(sequences), width)
+    for i, (seq, plen, lps) in enumerate(zip(sequences, prompt_lengths, old_logprobs, strict=True)):
+        if plen < 1 or len(lps) != len(seq) - plen:
+            raise TrainerError(f"row {i}: prompt length {plen} and {len(lps)} logprobs do not fit "
+                               f"{len(seq)} tokens (need prompt >= 1 and one logprob per completion token)")
+        tokens[i, :len(seq)] = torch.tensor(seq)
+        mask[i, plen:len(seq)] = True
+        old[i, plen:len(seq)] = torch.tensor(lps, dtype=torch.float32)
+    return RolloutBatch(tokens=tokens, completion_mask=mask, old_logprobs=old,
+                        advantages=torch.tensor(advantages, dtype=torch.float32))

@@ -1,0 +1,339 @@
+"""The trainer engine: a torchtitan model under FSDP2, trained with the GRPO loss.
+
+One `TrainerEngine` per trainer rank. It joins no process group itself: the role (or a test)
+initialises torch.distributed first (gloo on CPU, NCCL on GPUs) and every rank builds the engine
+with the same options. Without a process group it runs unsharded in one process (same API).
+
+    head / role                            every trainer rank
+    -----------                            ------------------
+    batch = RolloutBatch(...)   --->       engine.train_step(batch.shard(rank, world)) -> StepMetrics
+                                           engine.logprobs(batch)        (mismatch vs vLLM)
+                                           engine.local_shards()         (weight transfer source)
+                                           engine.save_checkpoint(dir)   (DCP; load_checkpoint resumes)
+
+Collectives: `train_step`, `logprobs`, `ref_logprobs`, `full_state_dict_hf` and the checkpoint
+methods must be called by all ranks together (FSDP gathers parameters); ranks may pass different numbers of rows,
+including none (the engine pads with empty micro-batches so the collectives line up).
+
+Logprobs are of softmax(logits / temperature), temperature = inference.temperature: with a
+temperature other than 1 the inference role must report vLLM's processed (not raw) logprobs.
+
+    PYTHONPATH=. python -m pytest tests/trainer -q     # runs it in 1 process and on 2, 3, 4 gloo ranks
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hpcrl.config.model_shapes import ModelShape, load_shape
+from hpcrl.errors import TrainerError
+from hpcrl.rl.grpo import LossSettings, Normaliser, entropy_from_logits, grpo_loss, local_counts, token_logprobs
+from hpcrl.trainer import checkpoint, titan, weights
+from hpcrl.trainer.batch import RolloutBatch
+from hpcrl.trainer.parallel import make_dp_mesh, reshard, shard_decoder
+from hpcrl.trainer.schedule import lr_at
+
+#: Tokens per slice when computing the entropy metric.
+_ENTROPY_SLICE = 2048
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions:
+    shape: ModelShape
+    """Architecture and sizes of the model."""
+    weights_path: str = ""
+    """HF checkpoint directory to load; empty = random initialisation (benchmarks)."""
+    dtype: str = "float32"
+    """Compute dtype: bfloat16 = bf16 mixed precision (fp32 master weights, fp32 reduction); CPU uses float32."""
+    device: str = "cpu"
+    """"cpu", or "cuda" (the current CUDA device of this process)."""
+    max_seq_len: int = 4096
+    """Longest row (prompt + completion) the RoPE cache covers."""
+    rope_scaling: titan.RopeScaling | None = None
+    """Llama 3 RoPE scaling; None = read it from weights_path/config.json (or none without weights)."""
+    temperature: float = 1.0
+    """Logits are divided by this before logprobs (match the logprobs vLLM reports)."""
+    seed: int = 0
+    """Seed of random initialisation."""
+    lr: float = 1e-6
+    """Peak learning rate (AdamW)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    lr_schedule: str = "constant"
+    """After warmup: constant, linear or cosine (hpcrl.trainer.schedule)."""
+    warmup_steps: int = 0
+    """Steps of linear warmup."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of lr (linear and cosine)."""
+    total_steps: int = 100
+    """Optimizer steps of the run (the decay horizon)."""
+    micro_batch_size: int = 1
+    """Rows per forward/backward; gradients accumulate over a rank's rows."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 = no clipping (the norm is still reported)."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block in backward."""
+    dp_replicate: int = 1
+    """Replicas of the model (HSDP outer axis); 1 = plain FSDP."""
+    dp_shard: int = -1
+    """Ranks each replica is sharded over; -1 = world size / dp_replicate."""
+    loss: LossSettings = LossSettings()
+    """GRPO loss settings (clips, KL, aggregation)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise TrainerError(f"dtype {self.dtype!r} is not one of {', '.join(_DTYPES)}")
+        if self.device not in ("cpu", "cuda"):
+            raise TrainerError(f"device {self.device!r}: use 'cpu' or 'cuda'")
+        if self.micro_batch_size < 1:
+            raise TrainerError(f"micro_batch_size must be at least 1, got {self.micro_batch_size}")
+        if self.weights_path and self.rope_scaling is None:
+            # The checkpoint decides: a Llama 3.1+ config.json asks for scaled RoPE frequencies.
+            object.__setattr__(self, "rope_scaling", weights.read_rope_scaling(self.weights_path))
+
+    @classmethod
+    def from_config(cls, config, *, device: str | None = None, **overrides) -> "EngineOptions":
+        """Options from an `hpcrl.config.Config` (device: cuda when the trainer has GPUs)."""
+        t, m = config.trainer, config.model
+        device = device or ("cuda" if t.gpus_per_node > 0 else "cpu")
+        values = dict(
+            shape=load_shape(preset_name=m.preset, path=m.path), weights_path=m.path,
+            dtype=m.dtype if device == "cuda" else "float32", device=device, seed=config.run.seed,
+            temperature=config.inference.temperature or 1.0, lr=t.lr, betas=tuple(t.betas), eps=t.eps,
+            weight_decay=t.weight_decay, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
+            min_lr_ratio=t.min_lr_ratio, total_steps=t.steps, micro_batch_size=t.micro_batch_size,
+            grad_clip=t.grad_clip, activation_checkpointing=t.activation_checkpointing,
+            dp_replicate=t.dp_replicate, dp_shard=t.dp_shard,
+            loss=LossSettings.from_config(config.algorithm))
+        values.update(overrides)
+        return cls(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepMetrics:
+    """What one optimizer step did, summed over all trainer ranks."""
+
+    step: int
+    loss: float
+    policy_loss: float
+    kl: float
+    """Token-mean KL to the reference (0 when kl_coef = 0)."""
+    entropy: float
+    """Token-mean entropy of the policy over completion tokens."""
+    clip_fraction: float
+    clip_fraction_low: float
+    clip_fraction_high: float
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    lr: float
+    completion_tokens: int
+    sequences: int
+    tokens_per_s: float
+    """(prompt + completion) tokens of the step / wall time of the step."""
+    step_time_s: float
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+class TrainerEngine:
+    """Policy (and frozen reference) model, optimizer and the GRPO step of one trainer rank."""
+
+    def __init__(self, options: EngineOptions) -> None:
+        self.options = options
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        if options.device == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        if not self.distributed and options.dtype != "float32":
+            raise TrainerError("mixed precision runs through FSDP: initialise torch.distributed first "
+                               "(a world of 1 is fine), or use dtype float32")
+        self.hf_names = titan.hf_to_titan_names(options.shape)
+        self.mesh = make_dp_mesh(dp_replicate=options.dp_replicate, dp_shard=options.dp_shard,
+                                 device_type=self.device.type) if self.distributed else None
+        self.model = self._build(trainable=True)
+        if options.weights_path:
+            weights.load_hf_weights(self.model, self.hf_names, options.weights_path, rank=self.rank)
+        self.reference = None
+        if options.loss.kl_coef > 0:
+            self.reference = self._build(trainable=False)
+            weights.copy_weights(self.model, self.reference, self.hf_names, rank=self.rank)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad], lr=options.lr, betas=options.betas,
+            eps=options.eps, weight_decay=options.weight_decay, fused=self.device.type == "cuda")
+        self.step = 0
+
+    @classmethod
+    def from_config(cls, config, *, device: str | None = None, **overrides) -> "TrainerEngine":
+        return cls(EngineOptions.from_config(config, device=device, **overrides))
+
+    def _build(self, *, trainable: bool):
+        o = self.options
+        model = titan.build_model(o.shape, max_seq_len=o.max_seq_len, rope_scaling=o.rope_scaling, device="meta")
+        if o.activation_checkpointing and trainable:
+            titan.apply_activation_checkpointing(model)
+        if self.mesh is not None:
+            mixed = _DTYPES[o.dtype] if o.dtype != "float32" else None
+            shard_decoder(model, titan.transformer_blocks(model), self.mesh, param_dtype=mixed)
+        model.to_empty(device=self.device)
+        torch.manual_seed(o.seed)
+        titan.init_states(model, device=self.device)
+        model.requires_grad_(trainable)
+        model.train(trainable)
+        return model
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _all_reduce(self, values: Tensor, *, op: str = "sum") -> Tensor:
+        """Sum (or max) over all trainer ranks; identity without a process group."""
+        if self.distributed:
+            values = values.to(self.device)
+            dist.all_reduce(values, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return values.cpu()
+
+    def _micro_batches(self, batch: RolloutBatch) -> list[RolloutBatch]:
+        """This rank's micro-batches, then idle ones up to the largest count of any rank."""
+        chunks = batch.micro_batches(self.options.micro_batch_size)
+        most = int(self._all_reduce(torch.tensor([len(chunks)], dtype=torch.float64), op="max")[0])
+        return chunks + [_idle_batch(batch)] * (most - len(chunks))
+
+    def _forward_logprobs(self, model, mb: RolloutBatch) -> tuple[Tensor, Tensor]:
+        """(logits [b, T-1, V], logprobs [b, T] aligned with the tokens; 0 at t = 0)."""
+        tokens = mb.tokens.to(self.device)
+        logits = model(tokens)[:, :-1]
+        logp = token_logprobs(logits, tokens[:, 1:], temperature=self.options.temperature)
+        return logits, torch.nn.functional.pad(logp, (1, 0))
+
+    def _logprobs_of(self, model, batch: RolloutBatch) -> Tensor:
+        out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        row = 0
+        with torch.no_grad():
+            for mb in self._micro_batches(batch):
+                _, logp = self._forward_logprobs(model, mb)
+                if row < batch.size:  # idle micro-batches come last and give nothing back
+                    out[row:row + mb.size, :logp.shape[1]] = logp.cpu()
+                row += mb.size
+        self._reshard(model)
+        return out
+
+    def _reshard(self, model) -> None:
+        if self.mesh is not None:
+            reshard(model)
+
+    # ---------------------------------------------------------------------------- public API
+
+    def logprobs(self, batch: RolloutBatch) -> Tensor:
+        """[B, T] logprob of each token under the current policy (0 at t = 0). Collective."""
+        return self._logprobs_of(self.model, batch)
+
+    def ref_logprobs(self, batch: RolloutBatch) -> Tensor:
+        """[B, T] logprobs under the frozen reference (needs kl_coef > 0). Collective."""
+        if self.reference is None:
+            raise TrainerError("there is no reference model: it is built only when algorithm.kl_coef > 0")
+        return self._logprobs_of(self.reference, batch)
+
+    def lr(self, step: int | None = None) -> float:
+        o = self.options
+        return lr_at(self.step if step is None else step, peak=o.lr, total_steps=o.total_steps,
+                     warmup_steps=o.warmup_steps, schedule=o.lr_schedule, min_lr_ratio=o.min_lr_ratio)
+
+    def train_step(self, batch: RolloutBatch) -> StepMetrics:
+        """One optimizer step on this rank's rows of the step's batch. Collective."""
+        start = time.perf_counter()
+        o = self.options
+        counts = self._all_reduce(torch.cat([local_counts(batch.completion_mask),
+                                             batch.lengths.sum().double().view(1)]))
+        norm = Normaliser(tokens=float(counts[0]), sequences=float(counts[1]))
+        lr = self.lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        # loss, policy, kl, clipped low, clipped high, entropy sum: kept on the device (no sync per micro-batch)
+        sums = torch.zeros(6, dtype=torch.float64, device=self.device)
+        for mb in self._micro_batches(batch):
+            ref = mb.ref_logprobs
+            if o.loss.kl_coef > 0 and ref is None:
+                with torch.no_grad():
+                    ref = self._forward_logprobs(self.reference, mb)[1]
+            logits, logp = self._forward_logprobs(self.model, mb)
+            mask = mb.completion_mask.to(self.device)
+            share = grpo_loss(logprobs=logp, old_logprobs=mb.old_logprobs.to(self.device),
+                              advantages=mb.advantages.to(self.device), mask=mask, settings=o.loss,
+                              norm=norm, ref_logprobs=None if ref is None else ref.to(self.device))
+            share.loss.backward()
+            with torch.no_grad():  # in slices: a float32 copy of [tokens, vocab] logits is large
+                completion_logits = logits[mask[:, 1:]]
+                for piece in completion_logits.split(_ENTROPY_SLICE):
+                    sums[5] += entropy_from_logits(piece).sum().double()
+                sums[:5] += torch.stack([share.loss.detach().double(), share.policy_loss, share.kl,
+                                         share.clipped_low, share.clipped_high])
+            del logits, logp, share
+        if self.reference is not None:
+            self._reshard(self.reference)  # its no-grad forwards left the root gathered
+        grad_norm = self._clip_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = self._all_reduce(sums)
+        self.step += 1
+        elapsed = time.perf_counter() - start
+        tokens = max(norm.tokens, 1.0)
+        return StepMetrics(
+            step=self.step, loss=float(totals[0]), policy_loss=float(totals[1]), kl=float(totals[2]),
+            entropy=float(totals[5]) / tokens, clip_fraction=float(totals[3] + totals[4]) / tokens,
+            clip_fraction_low=float(totals[3]) / tokens, clip_fraction_high=float(totals[4]) / tokens,
+            grad_norm=grad_norm, lr=lr, completion_tokens=int(norm.tokens), sequences=int(norm.sequences),
+            tokens_per_s=float(counts[2]) / elapsed, step_time_s=elapsed)
+
+    def _clip_gradients(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.options.grad_clip if self.options.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        value = float(norm)
+        if not torch.isfinite(norm):
+            raise TrainerError(f"rank {self.rank}: gradient norm is {value} at step {self.step}; "
+                               "lower trainer.lr or check the batch's old_logprobs and advantages")
+        return value
+
+    def local_shards(self) -> dict[str, weights.LocalShard]:
+        """{hf_name: LocalShard(tensor, global_shape, dim0_offset)} of this rank. No communication."""
+        self._reshard(self.model)  # a no-op unless something left parameters gathered
+        return weights.local_shards(self.model, self.hf_names, rank=self.rank, sharded=self.mesh is not None)
+
+    def full_state_dict_hf(self) -> dict[str, Tensor]:
+        """{hf_name: full CPU tensor} on every rank (for tests and HF export). Collective."""
+        return weights.full_state_dict_hf(self.model, self.hf_names, rank=self.rank)
+
+    def save_checkpoint(self, directory) -> None:
+        """Model, optimizer and step under `directory` (DCP, one file per rank). Collective."""
+        checkpoint.save(self.model, self.optimizer, self.step, directory)
+
+    def load_checkpoint(self, directory) -> None:
+        """Resume from `directory`, written by any number of ranks. Collective. The reference
+        model is not saved: it is the initial weights, reloaded from the checkpoint path at start."""
+        self.step = checkpoint.load(self.model, self.optimizer, directory, rank=self.rank)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def _idle_batch(like: RolloutBatch) -> RolloutBatch:
+    """One row with no completion tokens: runs forward and backward (joining FSDP's collectives)
+    and adds exactly zero to the loss and the gradients."""
+    return RolloutBatch(tokens=torch.zeros(1, 2, dtype=torch.long),
+                        completion_mask=torch.zeros(1, 2, dtype=torch.bool), old_logprobs=torch.zeros(1, 2),
+                        advantages=torch.zeros(1) if like.advantages.dim() == 1 else torch.zeros(1, 2),
+                        ref_logprobs=None if like.ref_logprobs is None else torch.zeros(1, 2))

@@ -1,0 +1,214 @@
+"""The one adapter to torchtitan: model definitions from a `ModelShape`, and HF <-> torchtitan names.
+
+Everything here imports torchtitan lazily (inside functions), so `import hpcrl.trainer` stays cheap.
+
+Choices that differ from torchtitan's own recipes, and why:
+
+- Attention is `ScaledDotProductAttention` (causal): FlexAttention has no backward on CPU, and our
+  batches are right-padded single documents, so a causal mask is all that is needed.
+- Q/K/V are separate linears (`fuse_qkv=False`): torchtitan's fused `wqkv` breaks
+  `get_model_state_dict` and has no HF row order.
+- RoPE is `CosSinRoPE` (rotate-half, as Hugging Face computes it) for every family, Llama
+  included. torchtitan's Llama recipe uses complex RoPE and permutes q/k rows on load
+  (`Llama3StateDictAdapter._reverse_permute`); with rotate-half no permutation is needed, so every
+  trainer parameter *is* the HF tensor of the same name, row for row. That is what lets the weight
+  transfer send FSDP dim-0 shards as HF row ranges (see `hpcrl.trainer.weights.local_shards`).
+  The names still come from torchtitan's adapters (`from_hf_map`).
+
+Families: Llama 3 (`Llama3Model`), Qwen3 (`Qwen3Model`, q/k norms), and Qwen2 built from Qwen3's
+blocks with q/k/v biases and no q/k norm (torchtitan 0.3.0 has no Qwen2 model). Llama 3.1+
+"llama3" RoPE frequency scaling (`RopeScaling`, read from config.json) is applied to the
+rotate-half cache the way transformers computes it (torchtitan's CosSinRoPE refuses it).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from functools import cache, partial
+
+import torch
+from torch import nn
+
+from hpcrl.config.model_shapes import ModelShape
+from hpcrl.errors import TrainerError
+
+#: Inserted into parameter names by torch's activation-checkpoint wrapper.
+_AC_PREFIX = "_checkpoint_wrapped_module."
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama 3.1+ RoPE frequency scaling (config.json rope_scaling / rope_parameters, type "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+def llama3_inv_freq(*, head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse RoPE frequencies, scaled as transformers' `_compute_llama3_parameters` does."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen, high_wavelen = old_len / scaling.low_freq_factor, old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+@cache
+def _scaled_rope_class():
+    """CosSinRoPE whose cache uses Llama 3 scaled frequencies (made once, on first use)."""
+    from torchtitan.models.common.rope import CosSinRoPE
+
+    class Llama3ScaledCosSinRoPE(CosSinRoPE):
+        @dataclass(kw_only=True, slots=True)
+        class Config(CosSinRoPE.Config):
+            pass
+
+        def _precompute_cache(self) -> torch.Tensor:
+            cfg = self.config
+            inv_freq = llama3_inv_freq(head_dim=cfg.dim, theta=cfg.theta, scaling=RopeScaling(
+                factor=cfg.scaling_factor, low_freq_factor=cfg.low_freq_factor,
+                high_freq_factor=cfg.high_freq_factor,
+                original_max_position_embeddings=cfg.original_max_position_embeddings))
+            freqs = torch.outer(torch.arange(cfg.max_seq_len, dtype=inv_freq.dtype), inv_freq).float()
+            angles = torch.cat([freqs, freqs], dim=-1)
+            return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+    return Llama3ScaledCosSinRoPE
+
+
+def _rope_config(shape: ModelShape, *, max_seq_len: int, scaling: RopeScaling | None):
+    from torchtitan.models.common.rope import CosSinRoPE
+
+    if scaling is None:
+        return CosSinRoPE.Config(dim=shape.head_dim, max_seq_len=max_seq_len, theta=shape.rope_theta)
+    return _scaled_rope_class().Config(
+        dim=shape.head_dim, max_seq_len=max_seq_len, theta=shape.rope_theta, scaling="llama",
+        scaling_factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
+        high_freq_factor=scaling.high_freq_factor,
+        original_max_position_embeddings=scaling.original_max_position_embeddings)
+
+
+def _inits(shape: ModelShape):
+    std = 0.02
+    linear = {"weight": partial(nn.init.normal_, std=std), "bias": nn.init.zeros_}
+    depth = {"weight": partial(nn.init.normal_, std=std / (2 * shape.num_layers) ** 0.5),
+             "bias": nn.init.zeros_}
+    return linear, depth, {"weight": nn.init.ones_}
+
+
+def model_config(shape: ModelShape, *, max_seq_len: int, rope_scaling: RopeScaling | None = None):
+    """The torchtitan `Decoder.Config` for `shape` (see the module docstring for the choices)."""
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+    from torchtitan.models.common.param_init import skip_param_init
+    if shape.architecture == "LlamaForCausalLM":
+        from torchtitan.models.llama3.model import Llama3Model as ModelCls
+        from torchtitan.models.llama3.model import Llama3TransformerBlock as BlockCls
+    elif shape.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        from torchtitan.models.qwen3.model import Qwen3Model as ModelCls
+        from torchtitan.models.qwen3.model import Qwen3TransformerBlock as BlockCls
+    else:
+        raise TrainerError(f"architecture {shape.architecture!r} has no torchtitan model here; "
+                           "use a Llama, Qwen2 or Qwen3 checkpoint")
+
+    linear, depth, norm = _inits(shape)
+    dim, eps = shape.hidden_size, shape.rms_norm_eps
+    layers = []
+    for _ in range(shape.num_layers):
+        attention = make_gqa_config(
+            dim=dim, n_heads=shape.num_heads, n_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+            wqkv_param_init=linear, wo_param_init=depth,
+            inner_attention=ScaledDotProductAttention.Config(),
+            rope=_rope_config(shape, max_seq_len=max_seq_len, scaling=rope_scaling),
+            fuse_qkv=False,
+            qk_norm=RMSNorm.Config(normalized_shape=shape.head_dim, eps=eps, param_init=norm)
+            if shape.qk_norm else None)
+        if shape.qkv_bias:
+            attention.qkv_linear.wq.bias = True
+            attention.qkv_linear.wkv.bias = True
+        layers.append(BlockCls.Config(
+            attention_norm=RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=norm),
+            ffn_norm=RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=norm),
+            attention=attention,
+            feed_forward=make_ffn_config(dim=dim, hidden_dim=shape.intermediate_size,
+                                         w1_param_init=linear, w2w3_param_init=depth)))
+    return ModelCls.Config(
+        dim=dim, vocab_size=shape.vocab_size, enable_weight_tying=shape.tie_embeddings,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=shape.vocab_size, embedding_dim=dim,
+            param_init={"weight": skip_param_init} if shape.tie_embeddings else linear),
+        norm=RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=norm),
+        lm_head=Linear.Config(in_features=dim, out_features=shape.vocab_size, param_init=linear),
+        layers=layers)
+
+
+def build_model(shape: ModelShape, *, max_seq_len: int, rope_scaling: RopeScaling | None = None,
+                device: str | torch.device = "meta") -> nn.Module:
+    """The torchtitan model of `shape`, with parameters on `device` (meta: no memory, fill later)."""
+    config = model_config(shape, max_seq_len=max_seq_len, rope_scaling=rope_scaling)
+    with torch.device(device):
+        return config.build()
+
+
+def init_states(model: nn.Module, *, device: torch.device) -> None:
+    """Random parameters (torchtitan's per-module inits) and RoPE caches, after `to_empty`."""
+    with torch.no_grad():
+        model.init_states(buffer_device=device)
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute every transformer block in backward (torch's checkpoint wrapper, as torchtitan's full AC)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for name, block in list(model.layers.named_children()):
+        model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder's blocks in order (each becomes one FSDP unit)."""
+    return list(model.layers.values())
+
+
+def _hf_templates(shape: ModelShape, config) -> dict[str, str | None]:
+    """HF name template -> torchtitan name template, from torchtitan's state-dict adapters."""
+    if shape.architecture == "LlamaForCausalLM":
+        from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+        templates = dict(Llama3StateDictAdapter(config, None).from_hf_map)
+    else:
+        from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+        templates = dict(Qwen3StateDictAdapter(config, None).from_hf_map)
+    for proj, short in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv")):
+        # Qwen2 and Llama with attention_bias: the biases sit beside the weights.
+        templates[f"model.layers.{{}}.self_attn.{proj}.bias"] = f"layers.{{}}.attention.qkv_linear.{short}.bias"
+    return templates
+
+
+def hf_to_titan_names(shape: ModelShape, *, max_seq_len: int = 16) -> dict[str, str]:
+    """Every HF parameter name of `shape` -> the torchtitan parameter name holding the same tensor."""
+    templates = _hf_templates(shape, model_config(shape, max_seq_len=max_seq_len))
+    names = {}
+    for hf_name, _ in shape.hf_parameters():
+        layer = re.search(r"\d+", hf_name)
+        template = re.sub(r"\d+", "{}", hf_name, count=1) if layer else hf_name
+        titan = templates.get(template)
+        if titan is None:
+            raise TrainerError(f"no torchtitan parameter for HF parameter {hf_name!r} "
+                               f"({shape.architecture}); the adapter map lacks {template!r}")
+        names[hf_name] = titan.format(layer.group(0)) if layer else titan
+    return names
+
+
+def clean_name(fqn: str) -> str:
+    """A parameter name without wrapper prefixes (activation checkpointing, torch.compile)."""
+    return fqn.replace(_AC_PREFIX, "").replace("_orig_mod.", "")

@@ -1,0 +1,159 @@
+"""Parameters by Hugging Face name: load HF safetensors into FSDP shards, expose each rank's shards.
+
+Trainer parameters hold HF tensors unchanged (same rows, same order; see hpcrl.trainer.titan),
+so FSDP2's Shard(0) placement makes each rank's local tensor a contiguous range of the HF
+tensor's rows, with torch.chunk semantics (a [3, 8] weight over 2 ranks: rows 0-1 and row 2;
+a rank may hold zero rows). Loading reads only those rows from the safetensors files (no
+collective, no full tensor in memory); `local_shards` gives them to the weight transfer.
+
+    shards = local_shards(model, names)          # {hf_name: LocalShard(tensor, global_shape, dim0_offset)}
+    full = full_state_dict_hf(model, names)      # collective: every rank gets every full tensor
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from hpcrl.errors import TrainerError
+from hpcrl.trainer.titan import RopeScaling, clean_name
+
+#: HF checkpoint entries that are not parameters of the model.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LocalShard(NamedTuple):
+    """This rank's rows of one parameter."""
+
+    tensor: Tensor
+    """The rows [dim0_offset, dim0_offset + tensor.shape[0]); a view of the live parameter: read only."""
+    global_shape: tuple[int, ...]
+    """Shape of the whole parameter (the HF tensor)."""
+    dim0_offset: int
+    """First row of the whole parameter held here."""
+
+
+def _rows(param: Tensor) -> tuple[Tensor, int]:
+    """(local tensor, first global row) of a parameter, sharded (DTensor) or not."""
+    if not isinstance(param, DTensor):
+        return param.detach(), 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = param.to_local().detach()
+    local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if tuple(local.shape) != tuple(local_shape) or any(offset[1:]):
+        raise TrainerError(f"parameter of shape {tuple(param.shape)} is placed {param.placements}: "
+                           "only dim-0 sharding (FSDP2 Shard(0)) is supported by the HF shard view")
+    return local, int(offset[0])
+
+
+def parameters_by_hf_name(model: nn.Module, hf_to_titan: dict[str, str], *, rank: int) -> dict[str, Tensor]:
+    """{hf_name: parameter}; every HF name must have exactly one parameter and vice versa."""
+    params = {clean_name(n): p for n, p in model.named_parameters()}
+    missing = [t for t in hf_to_titan.values() if t not in params]
+    extra = sorted(set(params) - set(hf_to_titan.values()))
+    if missing or extra:
+        raise TrainerError(f"rank {rank}: model and HF names disagree: no parameter for {missing[:3]}, "
+                           f"no HF name for {extra[:3]}")
+    return {hf: params[titan] for hf, titan in hf_to_titan.items()}
+
+
+def local_shards(model: nn.Module, hf_to_titan: dict[str, str], *, rank: int = 0,
+                 sharded: bool = False) -> dict[str, LocalShard]:
+    """{hf_name: LocalShard} of this rank, in checkpoint order. No communication.
+
+    sharded=True (an FSDP model) checks that every parameter is a DTensor: a gathered one would
+    silently be reported as the whole tensor at offset 0.
+    """
+    out = {}
+    for hf_name, param in parameters_by_hf_name(model, hf_to_titan, rank=rank).items():
+        if sharded and not isinstance(param, DTensor):
+            raise TrainerError(f"rank {rank}: {hf_name} is gathered, not sharded; reshard the FSDP "
+                               "model (hpcrl.trainer.parallel.reshard) before reading its local shards")
+        local, offset = _rows(param)
+        out[hf_name] = LocalShard(local, tuple(param.shape), offset)
+    return out
+
+
+def full_state_dict_hf(model: nn.Module, hf_to_titan: dict[str, str], *, rank: int = 0) -> dict[str, Tensor]:
+    """{hf_name: full tensor (CPU)} on every rank. A collective: all ranks call it together."""
+    out = {}
+    for hf_name, param in parameters_by_hf_name(model, hf_to_titan, rank=rank).items():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        out[hf_name] = full.detach().to("cpu", copy=True)
+    return out
+
+
+def read_rope_scaling(path: str | Path) -> RopeScaling | None:
+    """The checkpoint's Llama 3 RoPE scaling from its config.json (None: plain RoPE).
+
+    Other kinds (linear, dynamic, yarn, ...) are refused: the trainer's logits would differ from vLLM's.
+    """
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    # transformers >= 5 writes rope_parameters (with rope_theta in it); older files rope_scaling.
+    params = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise TrainerError(f"{config_file}: rope scaling {kind!r} is not supported by the trainer; "
+                           "only Llama 3's 'llama3' scaling is. Use a checkpoint without it")
+    return RopeScaling(factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+                       high_freq_factor=float(params["high_freq_factor"]),
+                       original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise TrainerError(f"{path} holds no *.safetensors files; point model.path at a Hugging Face "
+                           "checkpoint (tools/make_tiny_model.py makes one)")
+    return files
+
+
+def load_hf_weights(model: nn.Module, hf_to_titan: dict[str, str], path: str | Path, *, rank: int = 0) -> None:
+    """Copy each parameter's local rows from the safetensors files under `path` into the model."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    params = parameters_by_hf_name(model, hf_to_titan, rank=rank)
+    seen: set[str] = set()
+    for file in _safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for hf_name in handle.keys():
+                if hf_name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if hf_name not in params:
+                    if hf_name == "lm_head.weight" and "model.embed_tokens.weight" in params:
+                        continue  # tied embeddings saved twice: the embedding is the one we keep
+                    raise TrainerError(f"rank {rank}: {file.name} has {hf_name!r}, which the model "
+                                       "has no parameter for; is model.preset the checkpoint's shape?")
+                param = params[hf_name]
+                entry = handle.get_slice(hf_name)
+                if tuple(entry.get_shape()) != tuple(param.shape):
+                    raise TrainerError(f"rank {rank}: {hf_name} is {tuple(entry.get_shape())} in {file.name} "
+                                       f"but {tuple(param.shape)} in the model")
+                local, offset = _rows(param)
+                with torch.no_grad():
+                    local.copy_(entry[offset:offset + local.shape[0]])
+                seen.add(hf_name)
+    missing = [name for name in params if name not in seen]
+    if missing:
+        raise TrainerError(f"rank {rank}: {path} lacks {len(missing)} parameters, e.g. {missing[:3]}")
+
+
+def copy_weights(source: nn.Module, target: nn.Module, hf_to_titan: dict[str, str], *, rank: int = 0) -> None:
+    """Copy every local shard of `source` into `target` (same shapes and sharding; no communication)."""
+    src = parameters_by_hf_name(source, hf_to_titan, rank=rank)
+    dst = parameters_by_hf_name(target, hf_to_titan, rank=rank)
+    with torch.no_grad():
+        for name, param in src.items():
+            _rows(dst[name])[0].copy_(_rows(param)[0])

@@ -1,0 +1,25 @@
+"""tools/bench_trainer.py runs end to end on CPU with the tiny preset and reports its figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_trainer_benchmark_runs_on_cpu_with_the_tiny_preset(repo, tmp_path):
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, str(repo / "tools" / "bench_trainer.py"), "--preset", "tiny-llama", "--device", "cpu",
+         "--batch", "2", "--seq-len", "32", "--steps", "1", "--warmup", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=140, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tokens/s/rank" in done.stdout and "MFU n/a" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["step_ms"] > 0 and result["tokens_per_s_per_rank"] > 0 and result["mfu"] is None
+    assert result["parameters"] == 328320
