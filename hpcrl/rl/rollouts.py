@@ -1,8 +1,7 @@
-"""From generated completions and their rewards to GRPO groups and a training batch (pure Python).
+"""From generated completions and their rewards to GRPO groups and a training batch.
 
     groups = score_groups(prompts, completions, results, weight_version=3)
-    kept, stats = advantages_for(groups, norm="mean_std", drop_zero_variance=False)
-    batch = TrainBatch.from_groups(kept)
+    batch, dropped = build_batch(groups, norm="mean_std", drop_zero_variance=False)
 
 A completion whose reward could not be computed (the verifier raised, hung or died) is never
 scored zero: its whole group is held out of training and counted, so a broken verifier shows up
@@ -11,17 +10,12 @@ in the metrics instead of silently teaching the policy.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from hpcrl.data.prompts import Prompt
 from hpcrl.inference.types import Completion
 from hpcrl.reward.pool import RewardResult, Sample
 from hpcrl.rl.buffer import ScoredGroup
-
-#: Added to the standard deviation so that near-constant groups do not blow up.
-STD_EPS = 1e-6
-
 
 def samples_for(prompts: list[Prompt], completions: list[list[Completion]]) -> list[Sample]:
     """The reward requests of a batch: one per completion, ids "prompt_id/k"."""
@@ -55,16 +49,6 @@ def score_groups(prompts: list[Prompt], completions: list[list[Completion]], res
             rewards=[float(r.reward) for r in rewards], weight_version=weight_version, batch=batch,
             finish_reasons=[c.finish_reason for c in group]))
     return groups, ScoreStats(groups=len(prompts), groups_with_errors=bad, errors=errors)
-
-
-def group_advantages(rewards: list[float], *, norm: str) -> list[float]:
-    """GRPO advantages of one group: r - mean, divided by the std ("mean_std") or not ("mean")."""
-    mean = sum(rewards) / len(rewards)
-    centred = [r - mean for r in rewards]
-    if norm == "mean":
-        return centred
-    std = math.sqrt(sum(c * c for c in centred) / max(1, len(rewards) - 1))
-    return [c / (std + STD_EPS) for c in centred]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,12 +96,17 @@ class TrainBatch:
 
 
 def build_batch(groups: list[ScoredGroup], *, norm: str, drop_zero_variance: bool) -> tuple[TrainBatch, int]:
-    """The training batch of `groups` and how many zero-variance groups were dropped."""
-    kept, advantages, dropped = [], [], 0
-    for group in groups:
-        if drop_zero_variance and max(group.rewards) == min(group.rewards):
-            dropped += 1
-            continue
-        kept.append(group)
-        advantages.append(group_advantages(group.rewards, norm=norm))
-    return TrainBatch.from_groups(kept, advantages), dropped
+    """The training batch of `groups` (advantages by `hpcrl.rl.grpo.group_advantages`) and how many
+    zero-variance groups were dropped."""
+    if not groups:
+        return TrainBatch.from_groups([], []), 0
+    import torch
+
+    from hpcrl.rl.grpo import group_advantages
+
+    rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float64)
+    result = group_advantages(rewards, group_size=len(groups[0].rewards), norm=norm)
+    per_group = result.advantages.view(len(groups), -1).tolist()
+    kept = [(g, a) for g, a, flat in zip(groups, per_group, result.zero_variance.tolist())
+            if not (drop_zero_variance and flat)]
+    return TrainBatch.from_groups([g for g, _ in kept], [a for _, a in kept]), len(groups) - len(kept)
