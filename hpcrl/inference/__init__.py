@@ -1,0 +1,1 @@
+"""The inference role (vLLM engines); for now its tasks run hpcrl.launch.group."""
