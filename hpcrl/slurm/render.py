@@ -27,8 +27,15 @@ def _flag(option: str, value: str) -> str:
     return f"#SBATCH --{option}" if value == "" else f"#SBATCH --{option}={shlex.quote(value)}"
 
 
-def render_script(spec: JobSpec, *, run_dir: str, command: str, stdout: str, stderr: str) -> str:
-    """The batch script of `spec`; `command` is exec'd by the batch step (the head)."""
+#: The head's command in the hand-usable templates of sbatch/ (see render_template).
+TEMPLATE_COMMAND = '"${HPCRL_PYTHON:-python3}" -u -m hpcrl.launch.head "$HPCRL_RUN_DIR"'
+
+
+def render_script(spec: JobSpec, *, run_dir: str | None, command: str, stdout: str, stderr: str) -> str:
+    """The batch script of `spec`; `command` is exec'd by the batch step (the head).
+
+    With run_dir None the script takes HPCRL_RUN_DIR from the environment (templates).
+    """
     names = ", ".join(g.name for g in spec.groups)
     kind = (f"{len(spec.blocks)} components ({names})" if spec.layout == "hetjob"
             else f"one allocation split among {names}")
@@ -59,8 +66,31 @@ def render_script(spec: JobSpec, *, run_dir: str, command: str, stdout: str, std
     lines += [
         "",
         "# the head runs here (batch step, component 0) and starts one srun step per group",
-        f"export HPCRL_RUN_DIR={shlex.quote(run_dir)}",
+        f"export HPCRL_RUN_DIR={shlex.quote(run_dir)}" if run_dir is not None else
+        ': "${HPCRL_RUN_DIR:?set HPCRL_RUN_DIR to a run directory made by hpcrl submit --dry-run}"',
         f"exec {command}",
         "",
     ]
     return "\n".join(lines)
+
+
+def render_template(spec: JobSpec) -> str:
+    """A script for plain `sbatch`, run by the head's own entry point instead of submitit.
+
+    Usage (documented at the top of sbatch/hetjob.sbatch and sbatch/split.sbatch):
+        hpcrl submit CONFIG --cluster local --dry-run      # prepares RUN_DIR (launch.json, logs/)
+        HPCRL_RUN_DIR=RUN_DIR HPCRL_PYTHON=$(which python) sbatch sbatch/hetjob.sbatch
+    """
+    usage = [
+        "# Hand-usable template (no Python needed on the login node to submit it):",
+        "#   1. prepare a run directory once:  hpcrl submit CONFIG --cluster local --dry-run",
+        "#      (or copy one: config.toml, launch.json and logs/<group>/ are all the head reads)",
+        "#   2. HPCRL_RUN_DIR=/abs/run/dir HPCRL_PYTHON=/path/to/venv/bin/python sbatch THIS_FILE",
+        "# Environment: HPCRL_RUN_DIR (required, absolute), HPCRL_PYTHON (default python3; must import",
+        "# hpcrl), HPCRL_HEAD_HOST (address the groups reach the head at; default: its host name).",
+        "# The #SBATCH blocks below are for configs/tiny_grpo.toml on launch/local.toml; edit nodes,",
+        "# tasks and partitions to match launch.json's groups (hpcrl plan CONFIG prints them).",
+    ]
+    text = render_script(spec, run_dir=None, command=TEMPLATE_COMMAND, stdout="hpcrl-%j.out", stderr="hpcrl-%j.out")
+    first, rest = text.split("\n", 1)
+    return "\n".join([first, *usage, rest])

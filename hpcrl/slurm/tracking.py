@@ -100,9 +100,15 @@ def parse_squeue(text: str) -> list[ComponentState]:
 
 
 def overall_state(states: list[str]) -> str:
-    """One state for the run from its components' states."""
+    """One state for the run from its components' states.
+
+    Terminal only when every component is: a run whose head has ended while other components
+    still complete is COMPLETING, so a caller waiting for CANCELLED sees every component gone.
+    """
     if not states:
         return "UNKNOWN"
+    if any(s in _ACTIVE for s in states):
+        return "RUNNING" if all(s == "RUNNING" for s in states) else "COMPLETING"
     for bad in _FAILURES:
         if bad in states:
             return bad
@@ -110,9 +116,9 @@ def overall_state(states: list[str]) -> str:
         return "CANCELLED"
     if all(s == "COMPLETED" for s in states):
         return "COMPLETED"
-    if any(s in _ACTIVE for s in states):
-        return "RUNNING"
-    return states[0]
+    if all(s in TERMINAL for s in states):
+        return "ENDED"
+    return next(s for s in states if s not in TERMINAL)  # PENDING, REQUEUED, ...
 
 
 def _run(argv: list[str], env: Mapping[str, str] | None) -> subprocess.CompletedProcess:
