@@ -1,0 +1,153 @@
+"""The launcher against the real local Slurm cluster (tools/local_slurm.sh, no accounting).
+
+Hetjob components never share nodes on Slurm 22.05 (measured), so the 4-component acceptance
+job (head 1 task, trainer 2 nodes, inference 1, reward 1) needs 5 nodes: tools/local_slurm.sh
+starts 5 by default.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrl.cli.main import main as cli
+from hpcrl.config import load_config
+from hpcrl.errors import ConfigError
+from hpcrl.launch import jobs
+from hpcrl.launch.rundir import EXIT_FILE, JOB_FILE, SCRIPT_FILE, log_path, read_json
+from hpcrl.launch.submit import submit_run
+
+pytestmark = [pytest.mark.slurm]
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def cluster(local_slurm, monkeypatch, tmp_path):
+    """The local cluster's environment for this process; cancels whatever a test left queued."""
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], env=local_slurm, capture_output=True,
+                           text=True, timeout=30).stdout.split()
+    if len(set(nodes)) < 5:
+        pytest.fail(f"the local cluster has {len(set(nodes))} nodes, these tests need 5: "
+                    "tools/local_slurm.sh down && tools/local_slurm.sh up")
+    monkeypatch.setenv("SLURM_CONF", local_slurm["SLURM_CONF"])
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    yield local_slurm
+    for job in tmp_path.glob("*/job.json"):
+        subprocess.run(["scancel", str(read_json(job)["job_id"])], env=local_slurm, capture_output=True, timeout=30)
+
+
+def tiny(tmp_path: Path, name: str, local_slurm: dict, *overrides: str):
+    return load_config(REPO / "configs" / "tiny_grpo.toml", cluster=str(REPO / "launch" / "local.toml"),
+                       overrides=[f"run.run_dir={tmp_path / name}", f"cluster.slurm_conf={local_slurm['SLURM_CONF']}",
+                                  "trainer.nodes=2", *overrides])
+
+
+def reported(run_dir: Path) -> list[tuple[str, int, str]]:
+    return sorted((r["group"], r["rank"], r["node"]) for r in read_json(run_dir / EXIT_FILE)["reports"])
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("layout, expected", [
+    ("hetjob", [("head", 0, "n1"), ("inference", 0, "n4"), ("reward", 0, "n5"),
+                ("trainer", 0, "n2"), ("trainer", 1, "n3")]),
+    ("split", [("head", 0, "n1"), ("inference", 0, "n3"), ("reward", 0, "n4"),
+               ("trainer", 0, "n1"), ("trainer", 1, "n2")]),
+])
+def test_every_task_of_every_group_reports_to_the_head_and_the_submitit_result_comes_back(
+        cluster, tmp_path, layout, expected):
+    started = time.monotonic()
+    done = submit_run(tiny(tmp_path, layout, cluster, f'cluster.layout="{layout}"'))
+    result = done.job.result()
+    elapsed = time.monotonic() - started
+    assert result["state"] == "COMPLETED"
+    assert sorted((r["group"], r["rank"], r["node"]) for r in result["reports"]) == expected
+    assert {r["group"]: r["replica"] for r in result["reports"]} == {"head": 0, "trainer": 0, "inference": 0, "reward": 0}
+    final = jobs.wait(done.run_dir, timeout_s=30)
+    assert final.state == "COMPLETED" and final.source == "squeue"  # no accounting on this cluster
+    assert len(final.rows) == (4 if layout == "hetjob" else 1)
+    assert "reporting to" in log_path(done.run_dir, "trainer", 1).read_text()
+    print(f"{layout}: submit -> result {elapsed:.1f} s")
+
+
+@pytest.mark.timeout(90)
+def test_a_task_exiting_3_fails_the_run_naming_its_group_and_rank(cluster, tmp_path):
+    done = submit_run(tiny(tmp_path, "fail", cluster), exit_codes={"trainer/1": 3})
+    with pytest.raises(Exception, match="group trainer rank 1 on node n3 exited with code 3"):
+        done.job.result()
+    final = jobs.wait(done.run_dir, timeout_s=30)
+    assert final.state == "FAILED"
+    assert final.failures == ("group trainer rank 1 on node n3: exited with code 3",)
+    assert "run FAILED: group trainer rank 1" in log_path(done.run_dir, "head", 0).read_text()
+
+
+@pytest.mark.timeout(90)
+def test_hpcrl_cancel_ends_every_component_and_status_says_cancelled_within_15_s(cluster, tmp_path, capsys):
+    done = submit_run(tiny(tmp_path, "cancel", cluster), hold_s=300)
+    head_log = log_path(done.run_dir, "head", 0)
+    deadline = time.monotonic() + 60
+    while "tasks reported" not in (head_log.read_text() if head_log.exists() else ""):
+        assert time.monotonic() < deadline, "the groups never reported"
+        time.sleep(0.2)
+    assert jobs.status(done.run_dir).state == "RUNNING"
+    started = time.monotonic()
+    assert cli(["cancel", str(done.run_dir), "--wait", "15"]) == 0
+    elapsed = time.monotonic() - started
+    final = jobs.status(done.run_dir)
+    assert final.state == "CANCELLED" and elapsed < 15
+    assert all(row.state == "CANCELLED" for row in final.rows) and len(final.rows) == 4
+    with pytest.raises(Exception):  # submitit's result() ends too: no waiting for ever
+        done.job.result()
+    print(f"cancel -> every component CANCELLED in {elapsed:.1f} s")
+
+
+@pytest.mark.timeout(60)
+def test_dry_run_writes_exactly_the_script_that_is_submitted(cluster, tmp_path):
+    config = tiny(tmp_path, "same", cluster)
+    dry = submit_run(config, dry_run=True)
+    assert dry.job_id == "" and not (dry.run_dir / JOB_FILE).exists()
+    planned = (dry.run_dir / SCRIPT_FILE).read_text()
+    done = submit_run(config)
+    submitted = (done.run_dir / "submitit" / f"{done.job_id}_submission.sh").read_text()
+    assert submitted == planned
+    done.job.result()
+
+
+@pytest.mark.timeout(60)
+def test_the_hetjob_template_runs_by_hand_with_plain_sbatch(cluster, tmp_path):
+    config = load_config(REPO / "configs" / "tiny_grpo.toml", cluster=str(REPO / "launch" / "local.toml"),
+                         overrides=[f"run.run_dir={tmp_path / 'hand'}"])
+    run_dir = submit_run(config, dry_run=True).run_dir
+    env = {**cluster, "HPCRL_RUN_DIR": str(run_dir), "HPCRL_PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(["sbatch", "--parsable", str(REPO / "sbatch" / "hetjob.sbatch")], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    (run_dir / JOB_FILE).write_text(f'{{"executor": "slurm", "job_id": "{out}", "groups": []}}')
+    assert jobs.wait(run_dir, timeout_s=40).state == "COMPLETED"
+    assert [g for g, _, _ in reported(run_dir)] == ["head", "inference", "reward", "trainer"]
+
+
+@pytest.mark.timeout(30)
+def test_a_partition_the_cluster_lacks_is_refused_before_sbatch(cluster, tmp_path):
+    config = tiny(tmp_path, "nopart", cluster, 'groups.trainer.partition="gpu"')
+    with pytest.raises(ConfigError) as err:
+        submit_run(config)
+    assert err.value.key == "groups.trainer.partition" and "debug" in err.value.fix
+    assert not (tmp_path / "nopart").exists()
+
+
+@pytest.mark.timeout(60)
+def test_status_by_job_id_and_logs_of_one_rank_from_the_command_line(cluster, tmp_path, capsys):
+    done = submit_run(tiny(tmp_path, "cli", cluster))
+    done.job.result()
+    jobs.wait(done.run_dir, timeout_s=30)
+    capsys.readouterr()
+    assert cli(["status", done.job_id]) == 0
+    out = capsys.readouterr().out
+    assert f"job {done.job_id} [slurm]: COMPLETED" in out and f"{done.job_id}+3" in out
+    assert cli(["logs", str(done.run_dir), "--group", "trainer", "--rank", "1"]) == 0
+    assert capsys.readouterr().out.startswith("trainer rank 1/2 replica 0 on n3")
+    assert cli(["logs", str(done.run_dir), "-f"]) == 0  # the run has ended: follow returns
+    assert "[reward/0] reward rank 0/1" in capsys.readouterr().out
