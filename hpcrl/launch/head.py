@@ -87,7 +87,7 @@ class _Supervisor:
         self.problems: list[str] = []
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         self.head_identity = {"group": "head", "component": 0, "rank": 0, "group_size": 1, "replica": 0,
-                              "local_rank": 0, "node": node, "node_index": 0}
+                              "local_rank": 0, "node": node, "node_index": 0, "pid": os.getpid()}
 
     def start(self, server: ReportServer) -> None:
         layout = {"groups": self.launch["groups"]}
@@ -121,7 +121,7 @@ class _Supervisor:
                 if key not in self.expected:
                     self.problems.append(f"unexpected task {key[0]} rank {key[1]} reported from {event.peer}")
                     continue
-                self.tasks[key] = _Task(identity=identity, conn=event.conn)
+                self.tasks[key] = _Task(identity={**identity, "pid": event.message.get("pid")}, conn=event.conn)
                 self.by_conn[event.conn] = key
                 self.log.info(f"report: {identity['group']} rank {identity['rank']} replica {identity['replica']} "
                               f"on node {identity['node']} (pid {event.message.get('pid')})")

@@ -10,14 +10,18 @@ HetJob replaces submitit's sacct-only watcher with hpcrl.slurm.tracking, which f
 squeue when accounting is off (submitit alone then reports UNKNOWN for ever and `result()`
 never returns on a cancelled job) and understands hetjob rows (N+0, N+1, ...).
 
-LocalExecutor is submitit's own, with the head as its single task; the head starts the
-groups as local process trees.
+DetachedLocalExecutor is submitit's LocalExecutor, with the head as its single task (the head
+starts the groups as local process trees), except that its controller is detached like a
+batch job: own session, stdin from /dev/null, output to the submitit folder. submitit's own
+controller inherits the caller's stdout, so `hpcrl submit | tee` would wait for the whole run.
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -94,10 +98,27 @@ def slurm_job(folder: Path | str, job_id: str) -> HetJob:
     return HetJob(folder=folder, job_id=job_id, tasks=(0,))
 
 
-def local_executor(folder: Path | str, *, timeout_min: float) -> LocalExecutor:
-    executor = LocalExecutor(folder)
+class DetachedLocalExecutor(LocalExecutor):
+    """submitit's LocalExecutor whose controller outlives the caller and keeps off its terminal."""
+
+    def _submit_command(self, command: str) -> LocalJob:
+        env = {**os.environ, "SUBMITIT_LOCAL_NTASKS": "1", "SUBMITIT_LOCAL_COMMAND": command,
+               "SUBMITIT_LOCAL_TIMEOUT_S": str(int(60 * self.parameters.get("timeout_min", 2.0))),
+               "SUBMITIT_LOCAL_SIGNAL_DELAY_S": str(int(self.parameters.get("signal_delay_s", 30))),
+               "SUBMITIT_LOCAL_NODEID": "0", "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
+               "SUBMITIT_STDERR_TO_STDOUT": "", "SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_WITH_SHELL": ""}
+        folder = utils.JobPaths.get_first_id_independent_folder(self.folder)
+        with open(folder / "controller.log", "ab") as log:
+            process = subprocess.Popen([sys.executable, "-m", "submitit.local._local", str(self.folder)], env=env,
+                                       stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
+        return LocalJob(folder=self.folder, job_id=str(process.pid), process=process, tasks=[0])
+
+
+def local_executor(folder: Path | str, *, timeout_min: float) -> DetachedLocalExecutor:
+    executor = DetachedLocalExecutor(folder)
     executor.update_parameters(timeout_min=timeout_min, tasks_per_node=1, nodes=1)
     return executor
 
 
-__all__ = ["HetJob", "HetJobExecutor", "LocalJob", "local_executor", "slurm_job"]
+__all__ = ["DetachedLocalExecutor", "HetJob", "HetJobExecutor", "local_executor", "slurm_job"]
