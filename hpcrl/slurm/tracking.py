@@ -1,8 +1,9 @@
 """Where a job stands, with or without accounting (hetjob ids handled).
 
     sacct -j ID -X --parsable2 -o JobID,State,ExitCode,NodeList,Elapsed    when accounting works
-    squeue -h --states=all -j ID -o %i|%T|%N|%M                            otherwise (Slurm keeps
-                                           ended jobs in squeue for MinJobAge, 300 s by default)
+                                           (once it has every component ended: it lags a live job)
+    squeue -h --states=all -j ID -o %i|%T|%N|%M                            otherwise, and for live
+                   jobs (Slurm keeps ended jobs in squeue for MinJobAge, 300 s by default)
 
 A hetjob shows one row per component, `N+0`, `N+1`, ...; a plain job one row `N`. When
 neither command knows the job any more, the state is ENDED (gone from the controller and no
@@ -131,23 +132,30 @@ def _run(argv: list[str], env: Mapping[str, str] | None) -> subprocess.Completed
 
 
 def query(job_id: str, env: Mapping[str, str] | None = None) -> JobState:
-    """The job's state: from sacct when accounting works, from squeue otherwise."""
+    """The job's state: sacct's when accounting works and has the whole job ended, else squeue's.
+
+    slurmdbd records asynchronously: for a moment sacct can show a started job PENDING, or
+    only some components of a hetjob. So sacct speaks when it has every component squeue lists
+    and they have ended, or when the controller has forgotten the job; squeue otherwise.
+    """
     leader = job_id.split("+")[0]
+    accounted = None
     done = _run(["sacct", "-j", leader, "-X", "--parsable2", "-o", "JobID,State,ExitCode,NodeList,Elapsed"], env)
     if done.returncode == 0:
         rows = [r for r in parse_sacct(done.stdout) if r.job_id.split("+")[0] == leader]
         if rows:
-            return JobState(job_id=leader, state=overall_state([r.state for r in rows]),
-                            components=tuple(rows), source="sacct")
+            accounted = JobState(job_id=leader, state=overall_state([r.state for r in rows]),
+                                 components=tuple(rows), source="sacct")
     done = _run(["squeue", "-h", "--states=all", "-j", leader, "-o", "%i|%T|%N|%M"], env)
-    if done.returncode == 0:
-        rows = [r for r in parse_squeue(done.stdout) if r.job_id.split("+")[0] == leader]
-        if rows:
-            return JobState(job_id=leader, state=overall_state([r.state for r in rows]),
-                            components=tuple(rows), source="squeue")
-    elif "Invalid job id" not in done.stderr:
+    if done.returncode != 0 and "Invalid job id" not in done.stderr:
         raise SlurmError(f"squeue failed for job {leader}: {done.stderr.strip()[-300:]}")
-    return JobState(job_id=leader, state="ENDED", components=(), source="none")
+    rows = [r for r in parse_squeue(done.stdout) if r.job_id.split("+")[0] == leader] if done.returncode == 0 else []
+    if not rows:
+        return accounted or JobState(job_id=leader, state="ENDED", components=(), source="none")
+    if accounted and accounted.done and len(accounted.components) >= len(rows):
+        return accounted
+    return JobState(job_id=leader, state=overall_state([r.state for r in rows]), components=tuple(rows),
+                    source="squeue")
 
 
 def slurm_env(slurm_conf: str) -> dict[str, str]:

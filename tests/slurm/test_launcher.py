@@ -1,4 +1,7 @@
-"""The launcher against the real local Slurm cluster (tools/local_slurm.sh, no accounting).
+"""The launcher against the real local Slurm clusters of tools/local_slurm.sh.
+
+`cluster` is the cluster without accounting (sacct fails, state comes from squeue);
+`any_cluster` runs a test on it and on the accounting cluster (MariaDB + slurmdbd: sacct works).
 
 Hetjob components never share nodes on Slurm 22.05 (measured), so the 4-component acceptance
 job (head 1 task, trainer 2 nodes, inference 1, reward 1) needs 5 nodes: tools/local_slurm.sh
@@ -20,24 +23,49 @@ from hpcrl.errors import ConfigError
 from hpcrl.launch import jobs
 from hpcrl.launch.rundir import EXIT_FILE, JOB_FILE, SCRIPT_FILE, log_path, read_json
 from hpcrl.launch.submit import submit_run
+from hpcrl.slurm import tracking
 
 pytestmark = [pytest.mark.slurm]
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def cluster(local_slurm, monkeypatch, tmp_path):
-    """The local cluster's environment for this process; cancels whatever a test left queued."""
-    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], env=local_slurm, capture_output=True,
+def _use(env: dict[str, str], monkeypatch, tmp_path: Path):
+    """Point this process at the cluster of `env`; cancel whatever the test left queued."""
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], env=env, capture_output=True,
                            text=True, timeout=30).stdout.split()
     if len(set(nodes)) < 5:
         pytest.fail(f"the local cluster has {len(set(nodes))} nodes, these tests need 5: "
                     "tools/local_slurm.sh down && tools/local_slurm.sh up")
-    monkeypatch.setenv("SLURM_CONF", local_slurm["SLURM_CONF"])
+    monkeypatch.setenv("SLURM_CONF", env["SLURM_CONF"])
     monkeypatch.setenv("PYTHONPATH", str(REPO))
-    yield local_slurm
+    yield env
     for job in tmp_path.glob("*/job.json"):
-        subprocess.run(["scancel", str(read_json(job)["job_id"])], env=local_slurm, capture_output=True, timeout=30)
+        subprocess.run(["scancel", str(read_json(job)["job_id"])], env=env, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def cluster(local_slurm, monkeypatch, tmp_path):
+    yield from _use(local_slurm, monkeypatch, tmp_path)
+
+
+@pytest.fixture(params=["without-sacct", "with-sacct"])
+def any_cluster(request, monkeypatch, tmp_path):
+    name = "local_slurm" if request.param == "without-sacct" else "local_slurm_accounting"
+    env = request.getfixturevalue(name)
+    yield from _use(env, monkeypatch, tmp_path)
+
+
+def settled(job_id: str, env: dict[str, str]) -> tracking.JobState:
+    """The job's final state once the source that should say it does: sacct on the accounting
+    cluster (slurmdbd records asynchronously, so it may trail squeue by a moment), else squeue."""
+    want = "sacct" if "_acct" in env["SLURM_CONF"] else "squeue"
+    deadline = time.monotonic() + 15
+    while True:
+        state = tracking.query(job_id)
+        if (state.done and state.source == want) or time.monotonic() > deadline:
+            assert state.source == want, state
+            return state
+        time.sleep(0.3)
 
 
 def tiny(tmp_path: Path, name: str, local_slurm: dict, *overrides: str):
@@ -58,35 +86,35 @@ def reported(run_dir: Path) -> list[tuple[str, int, str]]:
                ("trainer", 0, "n1"), ("trainer", 1, "n2")]),
 ])
 def test_every_task_of_every_group_reports_to_the_head_and_the_submitit_result_comes_back(
-        cluster, tmp_path, layout, expected):
+        any_cluster, tmp_path, layout, expected):
     started = time.monotonic()
-    done = submit_run(tiny(tmp_path, layout, cluster, f'cluster.layout="{layout}"'))
+    done = submit_run(tiny(tmp_path, layout, any_cluster, f'cluster.layout="{layout}"'))
     result = done.job.result()
     elapsed = time.monotonic() - started
     assert result["state"] == "COMPLETED"
     assert sorted((r["group"], r["rank"], r["node"]) for r in result["reports"]) == expected
     assert {r["group"]: r["replica"] for r in result["reports"]} == {"head": 0, "trainer": 0, "inference": 0, "reward": 0}
     final = jobs.wait(done.run_dir, timeout_s=30)
-    assert final.state == "COMPLETED" and final.source == "squeue"  # no accounting on this cluster
+    assert final.state == "COMPLETED" and settled(done.job_id, any_cluster).state == "COMPLETED"
     assert len(final.rows) == (4 if layout == "hetjob" else 1)
     assert "reporting to" in log_path(done.run_dir, "trainer", 1).read_text()
-    print(f"{layout}: submit -> result {elapsed:.1f} s")
+    print(f"{layout} ({final.source}): submit -> result {elapsed:.1f} s")
 
 
 @pytest.mark.timeout(90)
-def test_a_task_exiting_3_fails_the_run_naming_its_group_and_rank(cluster, tmp_path):
-    done = submit_run(tiny(tmp_path, "fail", cluster), exit_codes={"trainer/1": 3})
+def test_a_task_exiting_3_fails_the_run_naming_its_group_and_rank(any_cluster, tmp_path):
+    done = submit_run(tiny(tmp_path, "fail", any_cluster), exit_codes={"trainer/1": 3})
     with pytest.raises(Exception, match="group trainer rank 1 on node n3 exited with code 3"):
         done.job.result()
     final = jobs.wait(done.run_dir, timeout_s=30)
-    assert final.state == "FAILED"
+    assert final.state == "FAILED" and settled(done.job_id, any_cluster).state == "FAILED"
     assert final.failures == ("group trainer rank 1 on node n3: exited with code 3",)
     assert "run FAILED: group trainer rank 1" in log_path(done.run_dir, "head", 0).read_text()
 
 
 @pytest.mark.timeout(90)
-def test_hpcrl_cancel_ends_every_component_and_status_says_cancelled_within_15_s(cluster, tmp_path, capsys):
-    done = submit_run(tiny(tmp_path, "cancel", cluster), hold_s=300)
+def test_hpcrl_cancel_ends_every_component_and_status_says_cancelled_within_15_s(any_cluster, tmp_path):
+    done = submit_run(tiny(tmp_path, "cancel", any_cluster), hold_s=300)
     head_log = log_path(done.run_dir, "head", 0)
     deadline = time.monotonic() + 60
     while "tasks reported" not in (head_log.read_text() if head_log.exists() else ""):
@@ -98,10 +126,11 @@ def test_hpcrl_cancel_ends_every_component_and_status_says_cancelled_within_15_s
     elapsed = time.monotonic() - started
     final = jobs.status(done.run_dir)
     assert final.state == "CANCELLED" and elapsed < 15
+    assert settled(done.job_id, any_cluster).state == "CANCELLED"
     assert all(row.state == "CANCELLED" for row in final.rows) and len(final.rows) == 4
     with pytest.raises(Exception):  # submitit's result() ends too: no waiting for ever
         done.job.result()
-    print(f"cancel -> every component CANCELLED in {elapsed:.1f} s")
+    print(f"cancel ({final.source}) -> every component CANCELLED in {elapsed:.1f} s")
 
 
 @pytest.mark.timeout(60)

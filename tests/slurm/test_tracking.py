@@ -1,10 +1,13 @@
 """Job state from sacct or squeue output, hetjob rows (N+0, N+1, ...) included.
 
 The squeue lines were recorded on tools/local_slurm.sh (Slurm 22.05, no accounting); the sacct
-lines are real `sacct -X --parsable2 -o JobID,State,ExitCode,NodeList,Elapsed` output.
+files in data/ are real `sacct --parsable2 -o JobID,State,ExitCode,NodeList,Elapsed` output recorded
+on the accounting cluster of tools/local_slurm.sh (HPCRL_LOCAL_SLURM_ACCOUNTING=1, MariaDB + slurmdbd).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -49,3 +52,24 @@ def test_overall_state_prefers_failures_then_cancellation(states, expected):
 def test_every_state_a_waiter_stops_on_is_terminal():
     assert {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "ENDED"} <= TERMINAL
     assert not {"RUNNING", "PENDING", "COMPLETING", "REQUEUED"} & TERMINAL
+
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.mark.parametrize("name, expected, components", [
+    ("sacct_hetjob_completed.txt", "COMPLETED", ["COMPLETED"] * 4),
+    ("sacct_hetjob_failed.txt", "FAILED", ["FAILED"] * 4),
+    ("sacct_hetjob_cancelled.txt", "CANCELLED", ["CANCELLED"] * 4),
+])
+def test_recorded_sacct_output_of_a_hetjob_gives_one_row_per_component_without_steps(name, expected, components):
+    rows = parse_sacct((DATA / name).read_text())
+    assert [r.component for r in rows] == [0, 1, 2, 3]
+    assert [r.state for r in rows] == components  # "CANCELLED by 0" read as CANCELLED; .batch/.0 steps skipped
+    assert overall_state([r.state for r in rows]) == expected
+    assert rows[1].nodes == "n[2-3]"
+
+
+def test_empty_sacct_output_means_no_rows_yet():
+    assert parse_sacct("JobID|State|ExitCode|NodeList|Elapsed\n") == []
+    assert parse_sacct("") == []
