@@ -76,6 +76,17 @@ def check_partitions(config: Config, spec: JobSpec, env: dict[str, str]) -> None
                               fix=f"use one of: {', '.join(known)}")
 
 
+def refuse_live_run(run_dir: Path) -> None:
+    """A run directory holds one job at a time: refuse to overwrite one whose job still runs."""
+    if not (run_dir / JOB_FILE).is_file():
+        return
+    from hpcrl.launch.jobs import status
+    current = status(run_dir)
+    if not current.done:
+        raise SlurmError(f"{run_dir} belongs to {current.executor} job {current.job_id}, still {current.state}; "
+                         f"`hpcrl cancel {run_dir}` first, or set run.run_dir to another directory")
+
+
 def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
                exit_codes: dict[str, int] | None = None, start_timeout_s: float = 600.0) -> Submission:
     """Check, write the run directory, render, and (unless dry_run) submit; see the module docstring."""
@@ -88,6 +99,7 @@ def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
         os.environ["SLURM_CONF"] = env["SLURM_CONF"] = config.cluster.slurm_conf
     if executor == "slurm" and not dry_run:
         check_partitions(config, spec, env)
+    refuse_live_run(run_dir)
     launch = launch_record(config, spec, executor=executor, python=sys.executable, hold_s=hold_s,
                            exit_codes=exit_codes, start_timeout_s=start_timeout_s)
     prepare_run_dir(run_dir, config_toml=dump_toml(config), launch=launch, groups=[g.name for g in spec.groups])
