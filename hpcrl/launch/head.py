@@ -19,6 +19,7 @@ The RL loop of hpcrl.rl replaces step 3 later; starting, watching and stopping g
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -167,7 +168,6 @@ class _Supervisor:
 
 
 def _compact_json(data: object) -> str:
-    import json
     return json.dumps(data, separators=(",", ":"))
 
 

@@ -69,12 +69,17 @@ class Step:
                 pass  # ended between poll() and the signal
 
     def kill(self) -> None:
+        """SIGKILL what is left (local: the whole process group)."""
         for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL) if self.local else proc.kill()
-                except ProcessLookupError:
-                    pass
+            if proc.poll() is not None:
+                continue
+            try:
+                if self.local:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                else:
+                    proc.kill()
+            except ProcessLookupError:
+                pass  # ended in between
 
 
 def start_slurm_step(slot: GroupSlot, *, layout: str, run_dir: Path, python: str,

@@ -98,6 +98,9 @@ def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
         # sbatch, squeue and the job's own srun calls all read it; the job inherits it from sbatch.
         os.environ["SLURM_CONF"] = env["SLURM_CONF"] = config.cluster.slurm_conf
     if executor == "slurm" and not dry_run:
+        if shutil.which("sbatch") is None:
+            raise SlurmError('cluster.executor = "slurm" but sbatch is not on PATH: run on a Slurm login node, '
+                             'or set cluster.executor = "auto" (local when no sbatch) or "local"')
         check_partitions(config, spec, env)
     refuse_live_run(run_dir)
     launch = launch_record(config, spec, executor=executor, python=sys.executable, hold_s=hold_s,
