@@ -92,7 +92,9 @@ class _Supervisor:
 
     def start(self, server: ReportServer) -> None:
         layout = {"groups": self.launch["groups"]}
-        env = {**os.environ, "HPCRL_RUN_DIR": str(self.run_dir), "HPCRL_HEAD_ADDR": server.address,
+        # cluster.env is exported by the batch script too; the local executor has only this.
+        env = {**os.environ, **self.launch.get("env", {}), "HPCRL_RUN_DIR": str(self.run_dir),
+               "HPCRL_HEAD_ADDR": server.address,
                "HPCRL_LAYOUT": _compact_json(layout)}
         python = self.launch["python"]
         job_nodes = expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", "")) if self.launch["layout"] == "split" else []

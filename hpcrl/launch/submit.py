@@ -56,7 +56,8 @@ def launch_record(config: Config, spec: JobSpec, *, executor: str, python: str, 
     return {"version": 1, "run_name": config.run.name, "run_dir": str(Path(config.run_dir).absolute()),
             "executor": executor, "layout": spec.layout, "cluster": spec.cluster, "python": python,
             "groups": spec.to_dict()["groups"], "hold_s": hold_s, "exit_codes": dict(exit_codes or {}),
-            "start_timeout_s": start_timeout_s, "slurm_conf": config.cluster.slurm_conf}
+            "start_timeout_s": start_timeout_s, "slurm_conf": config.cluster.slurm_conf,
+            "env": dict(config.cluster.env)}
 
 
 def check_partitions(config: Config, spec: JobSpec, env: dict[str, str]) -> None:

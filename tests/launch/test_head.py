@@ -89,3 +89,19 @@ def test_planning_and_the_cli_modules_do_not_import_submitit():
     done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.timeout(60)
+def test_cluster_environment_reaches_every_group_task(tmp_path: Path, monkeypatch):
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "envdump.py").write_text(
+        "import os, sys\nfrom hpcrl.launch.group import main\n"
+        "open(os.path.join(os.environ['HPCRL_RUN_DIR'], 'mark'), 'w').write(os.environ['HPCRL_TEST_MARK'])\n"
+        "sys.exit(main('trainer'))\n")
+    monkeypatch.setenv("PYTHONPATH", f"{REPO}:{tmp_path / 'mods'}")
+    run_dir = prepared(tmp_path / "run", 'cluster.env.HPCRL_TEST_MARK="seen"')
+    launch = read_json(run_dir / "launch.json")
+    launch["groups"][1]["module"] = "envdump"
+    write_json(run_dir / "launch.json", launch)
+    assert run_head(run_dir)["state"] == "COMPLETED"
+    assert (run_dir / "mark").read_text() == "seen"

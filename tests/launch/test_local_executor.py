@@ -66,3 +66,23 @@ def test_cancelling_a_local_run_stops_every_process_within_15_s(tmp_path: Path):
         job = read_json(tmp_path / "job.json")
         if jobs._local_alive(int(job["job_id"])):
             os.kill(int(job["job_id"]), 9)
+
+
+@pytest.mark.timeout(30)
+def test_a_broken_group_spec_is_one_line_on_stderr_and_nothing_is_written(tmp_path: Path):
+    done = hpcrl("submit", "configs/tiny_grpo.toml", "--set", f"run.run_dir={tmp_path / 'run'}",
+                 "--set", 'groups.trainer.partiton="debug"')
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("hpcrl: error: --set: groups.trainer.partiton: unknown key")
+    assert "did you mean 'partition'?" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(30)
+def test_dry_run_with_the_local_executor_prepares_the_run_directory_only(tmp_path: Path):
+    done = hpcrl("submit", "configs/tiny_grpo.toml", "--set", f"run.run_dir={tmp_path}", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "launch.json").is_file() and (tmp_path / "config.toml").is_file()
+    assert not (tmp_path / "job.json").exists()
+    status = hpcrl("status", str(tmp_path))
+    assert status.returncode == 2 and "prepared by --dry-run but never submitted" in status.stderr

@@ -180,3 +180,15 @@ def test_status_by_job_id_and_logs_of_one_rank_from_the_command_line(cluster, tm
     assert capsys.readouterr().out.startswith("trainer rank 1/2 replica 0 on n3")
     assert cli(["logs", str(done.run_dir), "-f"]) == 0  # the run has ended: follow returns
     assert "[reward/0] reward rank 0/1" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(30)
+def test_a_job_the_controller_has_forgotten_is_ended_and_the_head_record_says_how(cluster, tmp_path):
+    assert tracking.query("987654").state == "ENDED"
+    run_dir = tmp_path / "old"
+    run_dir.mkdir()
+    (run_dir / JOB_FILE).write_text('{"executor": "slurm", "job_id": "987654", "groups": ["head"]}')
+    (run_dir / EXIT_FILE).write_text('{"state": "FAILED", "error": "x", "failures": '
+                                     '[{"group": "trainer", "rank": 0, "node": "n2", "why": "exited with code 3"}]}')
+    final = jobs.wait(run_dir, timeout_s=10)
+    assert final.state == "FAILED" and final.failures == ("group trainer rank 0 on node n2: exited with code 3",)
