@@ -39,12 +39,14 @@ def run_logs(args: argparse.Namespace) -> int:
     if args.rank is not None and args.group is None:
         print("hpcrl: error: --rank needs --group", file=sys.stderr)
         return 2
-    files = log_files(args.run_dir, group=args.group, rank=args.rank)
-    prefix = len(files) > 1
     if args.follow:
-        for path, line in follow(args.run_dir, files):
+        log_files(args.run_dir, group=args.group, rank=args.rank, must_exist=False)  # checks the group
+        prefix = args.rank is None
+        for path, line in follow(args.run_dir, group=args.group, rank=args.rank):
             print(f"[{path.parent.name}/{path.stem[4:]}] {line}" if prefix else line, flush=True)
         return 0
+    files = log_files(args.run_dir, group=args.group, rank=args.rank)
+    prefix = len(files) > 1
     for path in files:
         for line in path.read_text(errors="replace").splitlines():
             print(f"[{path.parent.name}/{path.stem[4:]}] {line}" if prefix else line)

@@ -162,35 +162,40 @@ def cancel(run_dir: str | Path) -> Run:
     return run
 
 
-def log_files(run_dir: str | Path, *, group: str | None = None, rank: int | None = None) -> list[Path]:
-    """The run's task logs (logs/<group>/rank<k>.log), optionally of one group or rank."""
-    logs = Path(run_dir) / LOGS_DIR
-    if group is not None and not (logs / group).is_dir():
-        known = sorted(p.name for p in logs.iterdir()) if logs.is_dir() else []
-        raise SlurmError(f"no logs for group {group!r} in {logs}; groups: {', '.join(known) or 'none yet'}")
+def _discover(logs: Path, group: str | None, rank: int | None) -> list[Path]:
     folders = [logs / group] if group else sorted(p for p in logs.iterdir() if p.is_dir()) if logs.is_dir() else []
     files = []
     for folder in folders:
         ranked = sorted(folder.glob("rank*.log"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else -1)
         files += [p for p in ranked if rank is None or p.stem == f"rank{rank}"]
-    if rank is not None and not files:
+    return files
+
+
+def log_files(run_dir: str | Path, *, group: str | None = None, rank: int | None = None,
+              must_exist: bool = True) -> list[Path]:
+    """The run's task logs (logs/<group>/rank<k>.log), optionally of one group or rank."""
+    logs = Path(run_dir) / LOGS_DIR
+    if group is not None and not (logs / group).is_dir():
+        known = sorted(p.name for p in logs.iterdir()) if logs.is_dir() else []
+        raise SlurmError(f"no logs for group {group!r} in {logs}; groups: {', '.join(known) or 'none yet'}")
+    files = _discover(logs, group, rank)
+    if must_exist and rank is not None and not files:
         raise SlurmError(f"no log for {group or 'any group'} rank {rank} in {logs}")
     return files
 
 
-def follow(run_dir: str | Path, files: list[Path], *, poll_s: float = 0.5) -> Iterator[tuple[Path, str]]:
-    """Yield (file, line) as the logs grow, until the run has ended and every file is drained."""
-    offsets = {path: 0 for path in files}
+def follow(run_dir: str | Path, *, group: str | None = None, rank: int | None = None,
+           poll_s: float = 0.5) -> Iterator[tuple[Path, str]]:
+    """Yield (file, line) as logs appear and grow, until the run has ended and all are drained."""
+    offsets: dict[Path, int] = {}
     while True:
         ended = status(run_dir).done
-        for path in files:
-            if not path.is_file():
-                continue
+        for path in log_files(run_dir, group=group, rank=rank, must_exist=False):
             with open(path, "rb") as f:
-                f.seek(offsets[path])
+                f.seek(offsets.get(path, 0))
                 data = f.read()
-            complete = data[:data.rfind(b"\n") + 1] if not ended else data
-            offsets[path] += len(complete)
+            complete = data if ended else data[:data.rfind(b"\n") + 1]
+            offsets[path] = offsets.get(path, 0) + len(complete)
             for line in complete.decode(errors="replace").splitlines():
                 yield path, line
         if ended:

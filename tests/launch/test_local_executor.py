@@ -86,3 +86,14 @@ def test_dry_run_with_the_local_executor_prepares_the_run_directory_only(tmp_pat
     assert not (tmp_path / "job.json").exists()
     status = hpcrl("status", str(tmp_path))
     assert status.returncode == 2 and "prepared by --dry-run but never submitted" in status.stderr
+
+
+@pytest.mark.timeout(60)
+def test_logs_follow_a_live_run_and_return_when_it_ends(tmp_path: Path):
+    assert hpcrl("submit", "configs/tiny_grpo.toml", "--set", f"run.run_dir={tmp_path}", "--hold", "2").returncode == 0
+    started = time.monotonic()
+    followed = hpcrl("logs", str(tmp_path), "-f")
+    assert followed.returncode == 0, followed.stderr
+    assert "[trainer/0] trainer rank 0: exiting with code 0" in followed.stdout
+    assert "head: run COMPLETED" in followed.stdout
+    assert time.monotonic() - started > 1.5  # it waited for the hold, then stopped by itself
