@@ -156,6 +156,8 @@ def cancel(run_dir: str | Path) -> Run:
         if _local_alive(pid):
             os.kill(pid, signal.SIGTERM)  # submitit's controller forwards it to the head
         return run
+    if status(run_dir).done:
+        return run  # nothing left to cancel
     done = subprocess.run(["scancel", run.job_id], capture_output=True, text=True, timeout=30, env=run.env)
     if done.returncode != 0 and "already completing or completed" not in done.stderr:
         raise SlurmError(f"scancel {run.job_id} failed: {done.stderr.strip()[-300:]}")
