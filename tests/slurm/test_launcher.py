@@ -95,10 +95,11 @@ def test_every_task_of_every_group_reports_to_the_head_and_the_submitit_result_c
     assert sorted((r["group"], r["rank"], r["node"]) for r in result["reports"]) == expected
     assert {r["group"]: r["replica"] for r in result["reports"]} == {"head": 0, "trainer": 0, "inference": 0, "reward": 0}
     final = jobs.wait(done.run_dir, timeout_s=30)
-    assert final.state == "COMPLETED" and settled(done.job_id, any_cluster).state == "COMPLETED"
+    recorded = settled(done.job_id, any_cluster)
+    assert final.state == "COMPLETED" and recorded.state == "COMPLETED"
     assert len(final.rows) == (4 if layout == "hetjob" else 1)
     assert "reporting to" in log_path(done.run_dir, "trainer", 1).read_text()
-    print(f"{layout} ({final.source}): submit -> result {elapsed:.1f} s")
+    print(f"{layout} (final state from {recorded.source}): submit -> result {elapsed:.1f} s")
 
 
 @pytest.mark.timeout(90)
@@ -126,11 +127,12 @@ def test_hpcrl_cancel_ends_every_component_and_status_says_cancelled_within_15_s
     elapsed = time.monotonic() - started
     final = jobs.status(done.run_dir)
     assert final.state == "CANCELLED" and elapsed < 15
-    assert settled(done.job_id, any_cluster).state == "CANCELLED"
+    recorded = settled(done.job_id, any_cluster)
+    assert recorded.state == "CANCELLED"
     assert all(row.state == "CANCELLED" for row in final.rows) and len(final.rows) == 4
     with pytest.raises(Exception):  # submitit's result() ends too: no waiting for ever
         done.job.result()
-    print(f"cancel ({final.source}) -> every component CANCELLED in {elapsed:.1f} s")
+    print(f"cancel (final state from {recorded.source}) -> every component CANCELLED in {elapsed:.1f} s")
 
 
 @pytest.mark.timeout(60)
