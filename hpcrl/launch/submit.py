@@ -66,7 +66,9 @@ def check_partitions(config: Config, spec: JobSpec, env: dict[str, str]) -> None
         return
     done = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=30, env=env)
     if done.returncode != 0:
-        raise SlurmError(f"sinfo failed: {done.stderr.strip()[-300:]}; is the cluster up (SLURM_CONF)?")
+        raise SlurmError(f"sinfo cannot reach a Slurm controller ({done.stderr.strip().splitlines()[-1][:200]}); "
+                         "check SLURM_CONF (or cluster.slurm_conf), e.g. `tools/local_slurm.sh up` and --cluster local, "
+                         'or run without Slurm: --set cluster.executor="local"')
     known = sorted(set(done.stdout.split()))
     groups = [g.name for g in spec.groups] if spec.layout == "hetjob" else [spec.groups[-1].name]
     for name, block in zip(groups, spec.blocks):
