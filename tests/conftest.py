@@ -1,4 +1,4 @@
-"""Shared fixtures: the repository root and the local Slurm cluster of tools/local_slurm.sh."""
+"""Shared fixtures: the repository root and the local Slurm clusters of tools/local_slurm.sh."""
 
 from __future__ import annotations
 
@@ -17,16 +17,12 @@ def repo() -> Path:
     return REPO
 
 
-@pytest.fixture(scope="session")
-def local_slurm() -> dict[str, str]:
-    """Start (or reuse) the localhost Slurm cluster; the environment clients need.
-
-    Skips, saying why, only where this machine cannot run Slurm (no packages and not root to
-    install them). Set HPCRL_REQUIRE_SLURM=1 (as CI does) to fail instead of skipping.
-    """
+def _cluster_up(settings: dict[str, str]) -> dict[str, str]:
+    """Run `tools/local_slurm.sh up` with `settings`; the client environment, or skip/fail saying why."""
     script = REPO / "tools" / "local_slurm.sh"
     try:
-        done = subprocess.run(["bash", str(script), "up"], capture_output=True, text=True, timeout=300)
+        done = subprocess.run(["bash", str(script), "up"], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, **settings})
     except subprocess.TimeoutExpired:
         done = None
     if done is None or done.returncode != 0:
@@ -39,6 +35,28 @@ def local_slurm() -> dict[str, str]:
     if not shutil.which("sbatch"):
         pytest.fail("local_slurm.sh reported success but sbatch is not on PATH")
     return {**os.environ, "SLURM_CONF": conf}
+
+
+@pytest.fixture(scope="session")
+def local_slurm() -> dict[str, str]:
+    """Start (or reuse) the localhost Slurm cluster (no accounting: sacct fails); its client environment.
+
+    Skips, saying why, only where this machine cannot run Slurm (no packages and not root to
+    install them). Set HPCRL_REQUIRE_SLURM=1 (as CI does) to fail instead of skipping.
+    """
+    return _cluster_up({})
+
+
+@pytest.fixture(scope="session")
+def local_slurm_accounting() -> dict[str, str]:
+    """A second localhost cluster with MariaDB + slurmdbd, so sacct works (same skip rules).
+
+    Lives beside the first: directory <HPCRL_LOCAL_SLURM_DIR or .local_slurm>_acct, ports +100.
+    """
+    base_dir = os.environ.get("HPCRL_LOCAL_SLURM_DIR", str(REPO / ".local_slurm"))
+    base_port = int(os.environ.get("HPCRL_LOCAL_SLURM_PORT", "16817"))
+    return _cluster_up({"HPCRL_LOCAL_SLURM_DIR": f"{base_dir}_acct", "HPCRL_LOCAL_SLURM_PORT": str(base_port + 100),
+                        "HPCRL_LOCAL_SLURM_ACCOUNTING": "1"})
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,10 @@
 #   export SLURM_CONF=$PWD/.local_slurm/slurm.conf; sbatch --wrap hostname
 #
 # Settings (environment): HPCRL_LOCAL_SLURM_DIR (default <repo>/.local_slurm),
-# HPCRL_LOCAL_SLURM_NODES (4), HPCRL_LOCAL_SLURM_PORT (16817; slurmd ports follow from +184).
+# HPCRL_LOCAL_SLURM_ACCOUNTING=1 (also start MariaDB + slurmdbd on ports +1/+2 so sacct works;
+# apt packages mariadb-server and slurmdbd; about 2 s more to start),
+# HPCRL_LOCAL_SLURM_NODES (5: a 4-component hetjob with a 2-node trainer; hetjob components
+# never share nodes), HPCRL_LOCAL_SLURM_PORT (16817; slurmd ports follow from +184).
 # Tuned for tests (measured on Slurm 22.05): bf_interval=1 because only the backfill scheduler
 # starts heterogeneous jobs; JobRequeue=1; SlurmdTimeout=10; cred_expire=10 (a requeued job
 # otherwise waits 121 s); ReturnToService=1 (keeps an admin-downed node down).
@@ -24,9 +27,12 @@ set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DIR=${HPCRL_LOCAL_SLURM_DIR:-$REPO/.local_slurm}
-NODES=${HPCRL_LOCAL_SLURM_NODES:-4}
+NODES=${HPCRL_LOCAL_SLURM_NODES:-5}
 CTLD_PORT=${HPCRL_LOCAL_SLURM_PORT:-16817}
 SLURMD_PORT0=$((CTLD_PORT + 184))   # 17001 by default: n1 -> 17001, n2 -> 17002, ...
+ACCOUNTING=${HPCRL_LOCAL_SLURM_ACCOUNTING:-0}
+DBD_PORT=$((CTLD_PORT + 1))
+DB_PORT=$((CTLD_PORT + 2))
 CONF=$DIR/slurm.conf
 MUNGE_SOCKET=$DIR/munge/munge.socket
 
@@ -40,6 +46,10 @@ install_packages() {
     command -v slurmctld >/dev/null || missing+=(slurmctld)
     command -v slurmd >/dev/null || missing+=(slurmd)
     command -v sbatch >/dev/null || missing+=(slurm-client)
+    if [[ $ACCOUNTING == 1 ]]; then
+        command -v mariadbd >/dev/null || missing+=(mariadb-server)
+        command -v slurmdbd >/dev/null || missing+=(slurmdbd)
+    fi
     ((${#missing[@]} == 0)) && return 0
     if [[ $(id -u) != 0 ]]; then
         say "missing ${missing[*]} and not root: install them (apt-get install ${missing[*]}) and retry"
@@ -62,6 +72,30 @@ write_config() {
         dd if=/dev/urandom of="$DIR/munge/munge.key" bs=1024 count=1 status=none
     fi
     chmod 400 "$DIR/munge/munge.key"
+    local accounting="AccountingStorageType=accounting_storage/none"
+    if [[ $ACCOUNTING == 1 ]]; then
+        accounting="AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=localhost
+AccountingStoragePort=$DBD_PORT
+AccountingStoragePass=$MUNGE_SOCKET"
+        # slurmdbd reads slurmdbd.conf from the directory of SLURM_CONF; it must be mode 600.
+        cat >"$DIR/slurmdbd.conf" <<EOF
+AuthType=auth/munge
+AuthInfo=socket=$MUNGE_SOCKET
+DbdHost=localhost
+DbdPort=$DBD_PORT
+SlurmUser=$(id -un)
+PidFile=$DIR/run/slurmdbd.pid
+LogFile=$DIR/log/slurmdbd.log
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$DB_PORT
+StorageUser=slurm
+StoragePass=slurm
+StorageLoc=hpcrl_acct
+EOF
+        chmod 600 "$DIR/slurmdbd.conf"
+    fi
     cat >"$CONF.tmp" <<EOF
 # Written by tools/local_slurm.sh: a ${NODES}-node cluster on localhost for tests.
 ClusterName=hpcrl-local
@@ -83,7 +117,7 @@ TaskPlugin=task/none
 MpiDefault=none
 SwitchType=switch/none
 JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
+$accounting
 JobCompType=jobcomp/none
 SchedulerType=sched/backfill
 SchedulerParameters=bf_interval=1
@@ -109,6 +143,7 @@ start_daemons() {
             --pid-file="$DIR/run/munged.pid" --log-file="$DIR/log/munged.log" \
             --seed-file="$DIR/munge/munge.seed"
     fi
+    if [[ $ACCOUNTING == 1 ]]; then start_accounting; fi
     if ! alive "$DIR/run/slurmctld.pid"; then
         slurmctld -f "$CONF"
         for _ in $(seq 50); do alive "$DIR/run/slurmctld.pid" && break; sleep 0.1; done
@@ -121,6 +156,35 @@ start_daemons() {
     for ((i = 1; i <= NODES; i++)); do
         alive "$DIR/run/slurmd.n$i.pid" || slurmd -N "n$i" -f "$CONF"
     done
+}
+
+start_accounting() {
+    local db=$DIR/mysql socket=$DIR/run/mysql.sock deadline
+    if [[ ! -d $db/mysql ]]; then
+        mkdir -p "$db"
+        mariadb-install-db --user="$(id -un)" --datadir="$db" --auth-root-authentication-method=normal \
+            --skip-test-db >"$DIR/log/mariadb-install.log" 2>&1
+    fi
+    if ! alive "$DIR/run/mysqld.pid"; then
+        mariadbd --user="$(id -un)" --datadir="$db" --socket="$socket" --port="$DB_PORT" \
+            --bind-address=127.0.0.1 --pid-file="$DIR/run/mysqld.pid" --log-error="$DIR/log/mariadb.log" \
+            --innodb-buffer-pool-size=32M >/dev/null 2>&1 &
+        deadline=$((SECONDS + 30))
+        until mariadb --socket="$socket" -uroot -e "select 1" >/dev/null 2>&1; do
+            ((SECONDS < deadline)) || { say "MariaDB did not start; see $DIR/log/mariadb.log"; return 1; }
+            sleep 0.2
+        done
+        mariadb --socket="$socket" -uroot -e "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm';
+            GRANT ALL ON *.* TO 'slurm'@'127.0.0.1'; FLUSH PRIVILEGES;"
+    fi
+    if ! alive "$DIR/run/slurmdbd.pid"; then
+        SLURM_CONF=$CONF slurmdbd
+        deadline=$((SECONDS + 30))
+        until (: >"/dev/tcp/127.0.0.1/$DBD_PORT") 2>/dev/null; do
+            ((SECONDS < deadline)) || { say "slurmdbd did not start; see $DIR/log/slurmdbd.log"; return 1; }
+            sleep 0.2
+        done
+    fi
 }
 
 wait_ready() {
@@ -158,7 +222,8 @@ up() {
 
 down() {
     local pidfile pid stopped=0
-    for pidfile in "$DIR"/run/slurmd.*.pid "$DIR/run/slurmctld.pid" "$DIR/run/munged.pid"; do
+    for pidfile in "$DIR"/run/slurmd.*.pid "$DIR/run/slurmctld.pid" "$DIR/run/slurmdbd.pid" \
+        "$DIR/run/mysqld.pid" "$DIR/run/munged.pid"; do
         [[ -f $pidfile ]] || continue
         pid=$(cat "$pidfile")
         if kill -0 "$pid" 2>/dev/null; then
@@ -173,7 +238,8 @@ down() {
 
 status() {
     local pidfile
-    for pidfile in "$DIR/run/munged.pid" "$DIR/run/slurmctld.pid" "$DIR"/run/slurmd.*.pid; do
+    for pidfile in "$DIR/run/munged.pid" "$DIR/run/mysqld.pid" "$DIR/run/slurmdbd.pid" \
+        "$DIR/run/slurmctld.pid" "$DIR"/run/slurmd.*.pid; do
         [[ -f $pidfile ]] || continue
         if alive "$pidfile"; then echo "$(basename "$pidfile" .pid): running ($(cat "$pidfile"))";
         else echo "$(basename "$pidfile" .pid): dead"; fi

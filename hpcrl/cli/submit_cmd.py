@@ -1,0 +1,59 @@
+"""`hpcrl submit CONFIG`: check, write the run directory, submit one job (Slurm or local).
+
+    hpcrl submit configs/tiny_grpo.toml --cluster local       # a hetjob on tools/local_slurm.sh
+    hpcrl submit configs/tiny_grpo.toml --dry-run             # write RUN_DIR/job.sbatch only
+    hpcrl submit configs/tiny_grpo.toml                       # no sbatch here: local executor
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from hpcrl.config import load_config
+from hpcrl.errors import ConfigError
+
+
+def add_parser(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    parser = subparsers.add_parser(
+        "submit", parents=[common], help="submit a run: one Slurm hetjob (or local processes)",
+        description="Validate the config, write the run directory (resolved config, launch.json, "
+                    "job.sbatch) and submit one job whose components are the run's groups.")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="write RUN_DIR/job.sbatch (the exact script) and submit nothing")
+    parser.add_argument("--wait", action="store_true", help="wait for the run to end; exit 1 unless COMPLETED")
+    parser.add_argument("--hold", type=float, default=0.0, metavar="S",
+                        help="keep every group alive S seconds after all reported (testing)")
+    parser.add_argument("--debug-exit", action="append", default=[], metavar="GROUP/RANK=CODE",
+                        help="make that task exit with CODE after reporting (testing failure handling)")
+    parser.set_defaults(func=run)
+
+
+def parse_exit_codes(items: list[str]) -> dict[str, int]:
+    codes = {}
+    for item in items:
+        match = re.fullmatch(r"(head|trainer|inference|reward)/(\d+)=(\d+)", item)
+        if not match:
+            raise ConfigError(file="--debug-exit", key="", problem=f"{item!r} is not GROUP/RANK=CODE",
+                              fix="write it like --debug-exit trainer/1=3")
+        codes[f"{match.group(1)}/{match.group(2)}"] = int(match.group(3))
+    return codes
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config, cluster=args.cluster, overrides=args.set)
+    from hpcrl.launch.jobs import wait
+    from hpcrl.launch.submit import submit_run
+    done = submit_run(config, dry_run=args.dry_run, hold_s=args.hold, exit_codes=parse_exit_codes(args.debug_exit))
+    if done.note:
+        print(f"hpcrl: {done.note}", file=sys.stderr)
+    if args.dry_run:
+        print(f"dry run: wrote {done.script or done.run_dir} (nothing submitted)")
+        return 0
+    print(f"submitted {config.run.name}: {done.executor} job {done.job_id}, run directory {done.run_dir}")
+    if not args.wait:
+        return 0
+    final = wait(done.run_dir, timeout_s=float("inf"))
+    print(final.render())
+    return 0 if final.state == "COMPLETED" else 1

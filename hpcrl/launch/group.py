@@ -1,0 +1,44 @@
+"""The program every group task runs until its role is built: report, then obey the head.
+
+    python -m hpcrl.trainer [--exit-code N]      (likewise hpcrl.inference, hpcrl.reward)
+
+It works out its group, replica, rank and node from its environment (hpcrl.slurm.identity),
+reports them to the head over the report protocol (HPCRL_HEAD_ADDR), waits until the head
+says how to exit, and exits with that code, or with N when --exit-code is given (to test how
+a failing rank is reported). The trainer, inference and reward roles will replace the waiting
+with their work and keep the same start-up: identity, then report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from hpcrl.errors import HpcrlError
+from hpcrl.launch.report import report_and_wait
+from hpcrl.slurm.identity import identify_task
+
+
+def main(role: str, argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m hpcrl.{role}",
+                                     description=f"A task of the {role} group (started by the head).")
+    parser.add_argument("--exit-code", type=int, default=None,
+                        help="exit with this code whatever the head says (after reporting)")
+    args = parser.parse_args(argv)
+    try:
+        identity = identify_task(os.environ)
+        if identity.group != role:
+            raise HpcrlError(f"hpcrl.{role} was started as a task of group {identity.group!r}; "
+                             f"the head starts hpcrl.{identity.group} for that group")
+        address = os.environ.get("HPCRL_HEAD_ADDR")
+        if not address:
+            raise HpcrlError("HPCRL_HEAD_ADDR is not set: group tasks are started by the head (hpcrl submit)")
+        print(f"{role} rank {identity.rank}/{identity.group_size} replica {identity.replica} "
+              f"on {identity.node} (node {identity.node_index}): reporting to {address}", flush=True)
+        code = report_and_wait(address, identity.to_dict(), pid=os.getpid(), given_code=args.exit_code)
+    except HpcrlError as err:
+        print(f"hpcrl.{role}: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    print(f"{role} rank {identity.rank}: exiting with code {code}", flush=True)
+    return code

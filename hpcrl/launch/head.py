@@ -1,0 +1,287 @@
+"""The head: runs in component 0 (the batch step), starts every group, and propagates exits.
+
+    python -m hpcrl.launch.head RUN_DIR      (the sbatch/ templates; submitit calls Head(run_dir))
+
+  1. reads RUN_DIR/launch.json (written by hpcrl submit) and listens for reports (report.py)
+  2. starts one step per group: `srun --het-group=i` (hetjob), srun on the group's node range
+     (split), or local process trees (local executor); each task gets HPCRL_RUN_DIR,
+     HPCRL_HEAD_ADDR and HPCRL_LAYOUT in its environment
+  3. waits until every task has said hello (group, replica, rank, node), holds them for
+     launch.json's hold_s, then tells each task its exit code (0, or launch.json's exit_codes,
+     "group/rank" -> code, used to test failure handling)
+  4. when every step has ended with 0, writes exit.json (COMPLETED) and returns the reports;
+     when any step fails, names the group and ranks in its log and exit.json, stops the other
+     steps and raises GroupFailed, so the job ends FAILED; SIGTERM (scancel, hpcrl cancel) stops
+     every step and records CANCELLED.
+
+The RL loop of hpcrl.rl replaces step 3 later; starting, watching and stopping groups stays here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcrl.errors import HpcrlError
+from hpcrl.launch.report import ReportServer
+from hpcrl.launch.rundir import EXIT_FILE, LAUNCH_FILE, log_path, read_json, write_json
+from hpcrl.launch.steps import Step, start_local_step, start_slurm_step
+from hpcrl.slurm.nodelist import expand_nodelist
+from hpcrl.slurm.spec import GroupSlot
+
+#: Seconds every task has to report after its step started.
+DEFAULT_START_TIMEOUT_S = 600.0
+
+
+class GroupFailed(HpcrlError):
+    """A group's step ended with a non-zero exit code, or its tasks never reported."""
+
+
+class RunCancelled(HpcrlError):
+    """The head was told to stop (SIGTERM or SIGINT), e.g. by scancel or hpcrl cancel."""
+
+
+@dataclass
+class _Task:
+    identity: dict
+    conn: int
+    bye: int | None = None
+    closed: bool = False
+
+
+def _logger(run_dir: Path) -> logging.Logger:
+    log = logging.getLogger(f"hpcrl.head.{run_dir}")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    fmt = logging.Formatter("%(asctime)s head: %(message)s")
+    path = log_path(run_dir, "head", 0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for handler in (logging.FileHandler(path), logging.StreamHandler(sys.stderr)):
+        handler.setFormatter(fmt)
+        log.addHandler(handler)
+    return log
+
+
+def _raise_cancelled(signum: int, frame: object) -> None:
+    raise RunCancelled(f"received {signal.Signals(signum).name}")
+
+
+class _Supervisor:
+    """The head's state: steps, tasks that reported, and what went wrong."""
+
+    def __init__(self, launch: dict, run_dir: Path, log: logging.Logger) -> None:
+        self.launch = launch
+        self.run_dir = run_dir
+        self.log = log
+        self.groups = [GroupSlot(**{k: v for k, v in g.items() if k != "tasks"}) for g in launch["groups"]]
+        self.expected = {(g.name, r) for g in self.groups if g.module for r in range(g.tasks)}
+        self.tasks: dict[tuple[str, int], _Task] = {}
+        self.by_conn: dict[int, tuple[str, int]] = {}
+        self.steps: list[Step] = []
+        self.problems: list[str] = []
+        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        self.head_identity = {"group": "head", "component": 0, "rank": 0, "group_size": 1, "replica": 0,
+                              "local_rank": 0, "node": node, "node_index": 0, "pid": os.getpid()}
+
+    def start(self, server: ReportServer) -> None:
+        layout = {"groups": self.launch["groups"]}
+        # cluster.env is exported by the batch script too; the local executor has only this.
+        env = {**os.environ, **self.launch.get("env", {}), "HPCRL_RUN_DIR": str(self.run_dir),
+               "HPCRL_HEAD_ADDR": server.address,
+               "HPCRL_LAYOUT": _compact_json(layout)}
+        python = self.launch["python"]
+        job_nodes = expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", "")) if self.launch["layout"] == "split" else []
+        for slot in self.groups:
+            if not slot.module:
+                continue
+            if self.launch["executor"] == "local":
+                step = start_local_step(slot, run_dir=self.run_dir, python=python, env=env)
+            else:
+                nodes = job_nodes[slot.first_node:slot.first_node + slot.nodes] if job_nodes else None
+                step = start_slurm_step(slot, layout=self.launch["layout"], run_dir=self.run_dir,
+                                        python=python, env=env, nodelist=nodes)
+            self.steps.append(step)
+            self.log.info(f"started group {slot.name}: {slot.nodes} node(s) x {slot.tasks_per_node} task(s)")
+
+    def handle(self, events: list) -> None:
+        for event in events:
+            key = self.by_conn.get(event.conn)
+            if event.kind == "error":
+                self.problems.append(f"protocol error from {key or event.peer}: {event.error}")
+            elif event.kind == "closed":
+                if key:
+                    self.tasks[key].closed = True
+            elif event.message["type"] == "hello":
+                identity = event.message["identity"]
+                key = (identity["group"], int(identity["rank"]))
+                if key not in self.expected:
+                    self.problems.append(f"unexpected task {key[0]} rank {key[1]} reported from {event.peer}")
+                    continue
+                self.tasks[key] = _Task(identity={**identity, "pid": event.message.get("pid")}, conn=event.conn)
+                self.by_conn[event.conn] = key
+                self.log.info(f"report: {identity['group']} rank {identity['rank']} replica {identity['replica']} "
+                              f"on node {identity['node']} (pid {event.message.get('pid')})")
+            elif event.message["type"] == "bye" and key:
+                self.tasks[key].bye = int(event.message["code"])
+            else:
+                self.problems.append(f"unknown message {event.message['type']!r} from {key or event.peer}")
+
+    def release(self, server: ReportServer) -> None:
+        codes = self.launch.get("exit_codes", {})
+        for (group, rank), task in sorted(self.tasks.items()):
+            server.send(task.conn, {"type": "exit", "code": int(codes.get(f"{group}/{rank}", 0))})
+
+    def failures_of(self, step: Step, code: int) -> list[dict]:
+        """Name the ranks of a failed step: non-zero bye, gone without bye, or never reported."""
+        found = []
+        for rank in range(step.slot.tasks):
+            task = self.tasks.get((step.slot.name, rank))
+            if task is None:
+                found.append({"group": step.slot.name, "rank": rank, "node": None, "code": None,
+                              "why": "never reported to the head"})
+            elif task.bye not in (None, 0):
+                found.append({"group": step.slot.name, "rank": rank, "node": task.identity["node"],
+                              "code": task.bye, "why": f"exited with code {task.bye}"})
+            elif task.bye is None and task.closed:
+                found.append({"group": step.slot.name, "rank": rank, "node": task.identity["node"],
+                              "code": None, "why": "ended without telling the head its exit code"})
+        return found or [{"group": step.slot.name, "rank": None, "node": None, "code": code,
+                          "why": f"its step exited with code {code}"}]
+
+    def stop_steps(self) -> None:
+        running = [s for s in self.steps if s.poll() is None]
+        for step in running:
+            step.terminate()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(s.poll() is None for s in running):
+            time.sleep(0.1)
+        for step in running:
+            step.kill()
+        for step in running:
+            for proc in step.procs:
+                proc.wait()
+
+
+def _compact_json(data: object) -> str:
+    return json.dumps(data, separators=(",", ":"))
+
+
+def _describe(failure: dict) -> str:
+    rank = f" rank {failure['rank']}" if failure["rank"] is not None else ""
+    node = f" on node {failure['node']}" if failure["node"] else ""
+    return f"group {failure['group']}{rank}{node} {failure['why']}"
+
+
+def _supervise(sup: _Supervisor, server: ReportServer) -> None:
+    launch = sup.launch
+    hold_s = float(launch.get("hold_s", 0))
+    deadline = time.monotonic() + float(launch.get("start_timeout_s", DEFAULT_START_TIMEOUT_S))
+    started, reported_at, released = time.monotonic(), None, False
+    while True:
+        sup.handle(server.poll(0.2))
+        if sup.problems:
+            raise GroupFailed("; ".join(sup.problems))
+        if reported_at is None and sup.expected <= sup.tasks.keys():
+            reported_at = time.monotonic()
+            sup.log.info(f"all {len(sup.expected)} tasks reported in {reported_at - started:.1f} s")
+        if reported_at is not None and not released and time.monotonic() - reported_at >= hold_s:
+            sup.release(server)
+            released = True
+        codes = [(step, step.poll()) for step in sup.steps]
+        failed = [(step, code) for step, code in codes if code not in (None, 0)]
+        if failed:
+            sup.handle(server.poll(0.3))  # collect byes still in flight
+            failures = [f for step, code in failed for f in sup.failures_of(step, code)]
+            raise GroupFailed("; ".join(_describe(f) for f in failures), failures)
+        for step, code in codes:
+            if code == 0 and not released:
+                missing = [r for r in range(step.slot.tasks) if (step.slot.name, r) not in sup.tasks]
+                if missing:
+                    raise GroupFailed(f"group {step.slot.name} ended before ranks {missing} reported to the head")
+        if all(code == 0 for _, code in codes):
+            return
+        if not released and time.monotonic() > deadline:
+            missing = sorted(sup.expected - sup.tasks.keys())
+            raise GroupFailed("tasks never reported within start_timeout_s: "
+                              + ", ".join(f"{g} rank {r}" for g, r in missing))
+
+
+def run_head(run_dir: Path | str) -> dict:
+    """Start, watch and stop every group of the run in `run_dir`; return the reports."""
+    run_dir = Path(run_dir).absolute()
+    launch = read_json(run_dir / LAUNCH_FILE)
+    log = _logger(run_dir)
+    sup = _Supervisor(launch, run_dir, log)
+    advertise = os.environ.get("HPCRL_HEAD_HOST") or socket.gethostname()
+    server = ReportServer(advertise)
+    log.info(f"run {launch['run_name']} ({launch['executor']}, layout {launch['layout']}): "
+             f"head on {sup.head_identity['node']}, reports at {server.address}")
+    previous = {sig: signal.signal(sig, _raise_cancelled) for sig in (signal.SIGTERM, signal.SIGINT)}
+    started = time.time()
+    state, failures, error = "FAILED", [], ""
+    try:
+        sup.start(server)
+        _supervise(sup, server)
+        state = "COMPLETED"
+    except GroupFailed as err:
+        failures = err.args[1] if len(err.args) > 1 else []
+        error = err.args[0]
+        log.error(f"run FAILED: {error}")
+        raise GroupFailed(error) from None
+    except RunCancelled as err:
+        state, error = "CANCELLED", str(err)
+        log.info(f"run CANCELLED ({err}); stopping every group")
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sup.stop_steps()
+        server.close()
+        reports = [sup.head_identity] + [t.identity for _, t in sorted(sup.tasks.items())]
+        write_json(run_dir / EXIT_FILE, {"state": state, "error": error, "failures": failures,
+                                         "reports": reports, "elapsed_s": round(time.time() - started, 3),
+                                         "step_codes": {s.slot.name: s.poll() for s in sup.steps}})
+        if state == "COMPLETED":
+            log.info(f"run COMPLETED in {time.time() - started:.1f} s")
+        for handler in list(log.handlers):
+            handler.close()
+            log.removeHandler(handler)
+    return {"state": state, "reports": reports, "run_dir": str(run_dir)}
+
+
+class Head:
+    """What submitit runs in the batch step: picklable, it carries only the run directory."""
+
+    def __init__(self, run_dir: Path | str) -> None:
+        self.run_dir = str(run_dir)
+
+    def __call__(self) -> dict:
+        return run_head(self.run_dir)
+
+    def __repr__(self) -> str:
+        return f"Head({self.run_dir!r})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m hpcrl.launch.head RUN_DIR", file=sys.stderr)
+        return 2
+    try:
+        run_head(args[0])
+    except GroupFailed:
+        return 1
+    except RunCancelled:
+        return 143
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,211 @@
+"""A submitted run seen from the login node: status, logs, cancel, wait.
+
+Every function takes a run directory (job.json says which executor and job id) or, for
+status, a bare Slurm job id. Slurm runs are tracked by hpcrl.slurm.tracking (sacct, else
+squeue); local runs by their controller process and the head's exit.json. Waiting always
+ends: a job the controller has forgotten is ENDED, and exit.json says how.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from hpcrl.errors import SlurmError
+from hpcrl.launch.rundir import EXIT_FILE, JOB_FILE, LAUNCH_FILE, LOGS_DIR, METRICS_FILE, read_json
+from hpcrl.slurm import tracking
+
+
+@dataclass(frozen=True)
+class Row:
+    component: str
+    state: str
+    nodes: str = ""
+    elapsed: str = ""
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    job_id: str
+    executor: str
+    state: str
+    rows: tuple[Row, ...] = ()
+    source: str = ""
+    failures: tuple[str, ...] = ()
+    last_metrics: str = ""
+    run_dir: Path | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.state in tracking.TERMINAL
+
+    def render(self) -> str:
+        where = f" ({self.run_dir})" if self.run_dir else ""
+        lines = [f"job {self.job_id or '-'} [{self.executor}]{where}: {self.state}"
+                 + (f"  (from {self.source})" if self.source else "")]
+        if self.rows:
+            lines.append(f"  {'component':<12} {'state':<12} {'nodes':<16} elapsed")
+            lines += [f"  {r.component:<12} {r.state:<12} {r.nodes:<16} {r.elapsed}" for r in self.rows]
+        lines += [f"  failed: {f}" for f in self.failures]
+        if self.last_metrics:
+            lines.append(f"  last metrics: {self.last_metrics}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run directory with a submitted job."""
+
+    run_dir: Path
+    executor: str
+    job_id: str
+    slurm_conf: str = ""
+    groups: tuple[str, ...] = field(default=())
+
+    @classmethod
+    def open(cls, run_dir: Path | str) -> "Run":
+        run_dir = Path(run_dir)
+        if not (run_dir / JOB_FILE).is_file():
+            hint = ("it was prepared by --dry-run but never submitted" if (run_dir / LAUNCH_FILE).is_file()
+                    else "it is not a run directory")
+            raise SlurmError(f"{run_dir} has no {JOB_FILE}: {hint}; submit with `hpcrl submit CONFIG`")
+        job = read_json(run_dir / JOB_FILE)
+        return cls(run_dir=run_dir, executor=job["executor"], job_id=str(job["job_id"]),
+                   slurm_conf=job.get("slurm_conf", ""), groups=tuple(job.get("groups", ())))
+
+    @property
+    def env(self) -> dict[str, str]:
+        return tracking.slurm_env(self.slurm_conf)
+
+    def exit_record(self) -> dict | None:
+        path = self.run_dir / EXIT_FILE
+        return read_json(path) if path.is_file() else None
+
+
+def _local_alive(pid: int) -> bool:
+    """True while the process runs (a zombie, ended but not reaped, counts as ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _last_line(path: Path) -> str:
+    if not path.is_file():
+        return ""
+    with open(path, "rb") as f:
+        f.seek(max(0, path.stat().st_size - 4096))
+        lines = f.read().decode(errors="replace").strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def status(target: str | Path) -> RunStatus:
+    """The status of a run directory or a Slurm job id."""
+    if str(target).isdigit() and not Path(target).is_dir():
+        state = tracking.query(str(target))
+        return RunStatus(job_id=state.job_id, executor="slurm", state=state.state, source=state.source,
+                         rows=tuple(Row(c.job_id, c.state, c.nodes, c.elapsed) for c in state.components))
+    run = Run.open(target)
+    record = run.exit_record()
+    failures = tuple(f"group {f['group']} rank {f['rank']} on node {f['node']}: {f['why']}"
+                     if f.get("rank") is not None else f"group {f['group']}: {f['why']}"
+                     for f in (record or {}).get("failures", []))
+    if record and record.get("error") and not failures and record["state"] == "FAILED":
+        failures = (record["error"],)
+    metrics = _last_line(run.run_dir / METRICS_FILE)
+    if run.executor == "local":
+        state = "RUNNING" if _local_alive(int(run.job_id)) else (record or {}).get("state", "ENDED")
+        return RunStatus(job_id=run.job_id, executor="local", state=state, failures=failures,
+                         last_metrics=metrics, run_dir=run.run_dir, source="process")
+    job = tracking.query(run.job_id, run.env)
+    state = job.state
+    if state == "ENDED" and record:
+        state = record["state"]
+    names = {i: name for i, name in enumerate(run.groups)}
+    rows = tuple(Row(names.get(c.component, c.job_id) if len(job.components) > 1 else "all",
+                     c.state, c.nodes, c.elapsed) for c in job.components)
+    return RunStatus(job_id=run.job_id, executor="slurm", state=state, rows=rows, source=job.source,
+                     failures=failures, last_metrics=metrics, run_dir=run.run_dir)
+
+
+def wait(target: str | Path, *, timeout_s: float, poll_s: float = 0.5) -> RunStatus:
+    """Poll until the run reaches a terminal state; SlurmError after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        current = status(target)
+        if current.done:
+            return current
+        if time.monotonic() > deadline:
+            raise SlurmError(f"job {current.job_id} is still {current.state} after {timeout_s:g} s; "
+                             f"`hpcrl cancel {target}` stops it")
+        time.sleep(poll_s)
+
+
+def cancel(run_dir: str | Path) -> Run:
+    """Cancel every component of the run (scancel of the hetjob leader, or SIGTERM locally)."""
+    run = Run.open(run_dir)
+    if run.executor == "local":
+        pid = int(run.job_id)
+        if _local_alive(pid):
+            os.kill(pid, signal.SIGTERM)  # submitit's controller forwards it to the head
+        return run
+    if status(run_dir).done:
+        return run  # nothing left to cancel
+    done = subprocess.run(["scancel", run.job_id], capture_output=True, text=True, timeout=30, env=run.env)
+    if done.returncode != 0 and "already completing or completed" not in done.stderr:
+        raise SlurmError(f"scancel {run.job_id} failed: {done.stderr.strip()[-300:]}")
+    return run
+
+
+def _discover(logs: Path, group: str | None, rank: int | None) -> list[Path]:
+    folders = [logs / group] if group else sorted(p for p in logs.iterdir() if p.is_dir()) if logs.is_dir() else []
+    files = []
+    for folder in folders:
+        ranked = sorted(folder.glob("rank*.log"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else -1)
+        files += [p for p in ranked if rank is None or p.stem == f"rank{rank}"]
+    return files
+
+
+def log_files(run_dir: str | Path, *, group: str | None = None, rank: int | None = None,
+              must_exist: bool = True) -> list[Path]:
+    """The run's task logs (logs/<group>/rank<k>.log), optionally of one group or rank."""
+    logs = Path(run_dir) / LOGS_DIR
+    if group is not None and not (logs / group).is_dir():
+        known = sorted(p.name for p in logs.iterdir()) if logs.is_dir() else []
+        raise SlurmError(f"no logs for group {group!r} in {logs}; groups: {', '.join(known) or 'none yet'}")
+    files = _discover(logs, group, rank)
+    if must_exist and rank is not None and not files:
+        raise SlurmError(f"no log for {group or 'any group'} rank {rank} in {logs}")
+    return files
+
+
+def follow(run_dir: str | Path, *, group: str | None = None, rank: int | None = None,
+           poll_s: float = 0.5) -> Iterator[tuple[Path, str]]:
+    """Yield (file, line) as logs appear and grow, until the run has ended and all are drained."""
+    offsets: dict[Path, int] = {}
+    while True:
+        ended = status(run_dir).done
+        for path in log_files(run_dir, group=group, rank=rank, must_exist=False):
+            with open(path, "rb") as f:
+                f.seek(offsets.get(path, 0))
+                data = f.read()
+            complete = data if ended else data[:data.rfind(b"\n") + 1]
+            offsets[path] = offsets.get(path, 0) + len(complete)
+            for line in complete.decode(errors="replace").splitlines():
+                yield path, line
+        if ended:
+            return
+        time.sleep(poll_s)
+
+
+def describe_exit(run_dir: str | Path) -> str:
+    """One line from exit.json, for the CLI."""
+    record = Run.open(run_dir).exit_record()
+    return json.dumps({k: record[k] for k in ("state", "error")}) if record else "no exit record yet"

@@ -1,0 +1,71 @@
+"""The run directory: the unit of a run on disk (see DESIGN.md).
+
+    <run_dir>/
+      config.toml        resolved configuration (profile + experiment + --set)
+      launch.json        what the head needs to start the groups (written before submitting)
+      job.sbatch         the exact batch script submitted (or that --dry-run would submit)
+      job.json           executor, job id (the hetjob leader id), submit time
+      job_id             the job id alone, for shell scripts
+      secret             per-run bus secret: written by hpcrl.bus.secret (not yet merged);
+                         prepare_run_dir is where it is created, before anything is submitted
+      logs/<group>/rank<k>.log   one log per task; logs/head/rank0.log is the head's
+      submitit/          submitit's pickles, results and batch-step output
+      exit.json          written by the head when the run ends: state, failures, reports
+      metrics.jsonl      (later) one JSON line per step
+
+Files other processes read are written to a temporary name, fsynced and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+CONFIG_FILE = "config.toml"
+LAUNCH_FILE = "launch.json"
+SCRIPT_FILE = "job.sbatch"
+JOB_FILE = "job.json"
+JOB_ID_FILE = "job_id"
+SECRET_FILE = "secret"
+EXIT_FILE = "exit.json"
+METRICS_FILE = "metrics.jsonl"
+SUBMITIT_DIR = "submitit"
+LOGS_DIR = "logs"
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write `text` to `path` so readers see the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, data: Any) -> None:
+    atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def log_path(run_dir: Path, group: str, rank: int) -> Path:
+    return Path(run_dir) / LOGS_DIR / group / f"rank{rank}.log"
+
+
+def prepare_run_dir(run_dir: Path, *, config_toml: str, launch: dict, groups: list[str]) -> None:
+    """Create the run directory with its config copy, launch.json and one log folder per group."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for group in groups:
+        (run_dir / LOGS_DIR / group).mkdir(parents=True, exist_ok=True)
+    (run_dir / SUBMITIT_DIR).mkdir(exist_ok=True)
+    atomic_write(run_dir / CONFIG_FILE, config_toml)
+    write_json(run_dir / LAUNCH_FILE, launch)
+    # The per-run secret (hpcrl.bus.secret) is created here once merged: before submitting,
+    # readable by the owner only, and never copied into logs or job.json.
+    for stale in (EXIT_FILE, JOB_FILE, JOB_ID_FILE):
+        (run_dir / stale).unlink(missing_ok=True)

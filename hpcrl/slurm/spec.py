@@ -1,0 +1,233 @@
+"""From a validated Config to what the job asks of Slurm: a JobSpec (pure, no I/O).
+
+Two layouts (cluster.layout):
+
+  hetjob  one #SBATCH block per component, separated by `#SBATCH hetjob`, in the order of
+          hpcrl.plan.make_components (head, trainer, inference, reward; reward only when
+          reward.tasks > 0). Each block takes its partition, account and QOS from
+          [groups.<name>], falling back to [cluster]. Components never share nodes.
+  split   one homogeneous job for clusters that forbid heterogeneous jobs: the non-head groups
+          get consecutive node ranges of one allocation (trainer first), and the head runs in
+          the batch step on the allocation's first node. Every Slurm setting must then agree
+          across groups; where two groups differ, the spec is refused with the key to change.
+
+The JobSpec also carries the launch layout the head needs (which group is which component,
+how many tasks, how ranks form replicas) so the same data drives rendering and launching.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hpcrl.config.schema import Config, GroupConfig
+from hpcrl.errors import ConfigError
+from hpcrl.plan.resources import Component, make_components
+
+#: Module run by `python -m` for each group; the head runs in the batch step itself.
+GROUP_MODULES = {"trainer": "hpcrl.trainer", "inference": "hpcrl.inference", "reward": "hpcrl.reward"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupSlot:
+    """One group of the run as the launcher sees it."""
+
+    name: str
+    component: int
+    """Het-group index (hetjob); in a split job the index among groups, the head 0."""
+    nodes: int
+    tasks_per_node: int
+    gpus_per_node: int
+    cpus_per_task: int
+    ranks_per_replica: int
+    """Consecutive ranks forming one replica (trainer: an HSDP replica; others: 1)."""
+    module: str
+    """`python -m` module run by each task; empty for the head."""
+    first_node: int = 0
+    """Split layout: index of the group's first node in the allocation."""
+
+    @property
+    def tasks(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+@dataclass(frozen=True, kw_only=True)
+class SbatchBlock:
+    """The #SBATCH options of one component (hetjob) or of the whole job (split)."""
+
+    title: str
+    options: tuple[tuple[str, str], ...]
+    """(option, value) in order; value "" for a bare flag; options given verbatim keep their '='."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """Everything the batch script says, except paths and the command (see render.py)."""
+
+    job_name: str
+    layout: str
+    cluster: str
+    groups: tuple[GroupSlot, ...]
+    blocks: tuple[SbatchBlock, ...]
+    modules: tuple[str, ...] = ()
+    setup: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    signal_delay_s: int = 90
+    time_limit: str = ""
+    """Longest --time of the job ("" = partition default); used by the local executor too."""
+    notes: tuple[str, ...] = field(default=())
+
+    def group(self, name: str) -> GroupSlot:
+        for slot in self.groups:
+            if slot.name == name:
+                return slot
+        raise KeyError(name)
+
+    def to_dict(self) -> dict:
+        return {
+            "job_name": self.job_name, "layout": self.layout, "cluster": self.cluster,
+            "groups": [{**vars(g), "tasks": g.tasks} for g in self.groups],
+        }
+
+
+def _ranks_per_replica(config: Config, name: str, tasks: int) -> int:
+    if name != "trainer":
+        return 1
+    t = config.trainer
+    shard = t.dp_shard if t.dp_shard != -1 else tasks // t.dp_replicate
+    return max(1, shard)
+
+
+def _slots(config: Config, components: list[Component]) -> list[GroupSlot]:
+    return [GroupSlot(name=c.name, component=c.index, nodes=c.nodes, tasks_per_node=c.tasks_per_node,
+                      gpus_per_node=c.gpus_per_node, cpus_per_task=c.cpus_per_task,
+                      ranks_per_replica=_ranks_per_replica(config, c.name, c.tasks),
+                      module=GROUP_MODULES.get(c.name, ""))
+            for c in components]
+
+
+def _check_slots(config: Config, slots: list[GroupSlot]) -> None:
+    cpu_only = config.cluster.gpus_per_node == 0
+    for slot in slots:
+        if slot.nodes < 1 or slot.tasks_per_node < 1:
+            raise ConfigError(key=f"groups.{slot.name}.nodes",
+                              problem=f"component {slot.name!r} would get {slot.nodes} nodes x "
+                                      f"{slot.tasks_per_node} tasks",
+                              fix=f"give [groups.{slot.name}] at least 1 node (or remove nodes to derive it)")
+        if cpu_only and slot.gpus_per_node > 0:
+            raise ConfigError(key=f"groups.{slot.name}.gpus_per_node",
+                              problem=f"component {slot.name!r} asks for {slot.gpus_per_node} GPUs per node, "
+                                      f"but cluster profile {config.cluster.name!r} has no GPUs",
+                              fix="set the role's gpus_per_node = 0, or use a cluster profile with GPUs")
+
+
+def _setting(config: Config, group: GroupConfig, key: str) -> str:
+    value = getattr(group, key)
+    return value or (getattr(config.cluster, key) if key in ("partition", "account", "qos") else "")
+
+
+def _resource_options(config: Config, group: GroupConfig, *, nodes: int, tasks_per_node: int,
+                      cpus_per_task: int, gpus_per_node: int) -> list[tuple[str, str]]:
+    options = []
+    for key in ("partition", "account", "qos"):
+        if value := _setting(config, group, key):
+            options.append((key, value))
+    options += [("nodes", str(nodes)), ("ntasks-per-node", str(tasks_per_node))]
+    if cpus_per_task:
+        options.append(("cpus-per-task", str(cpus_per_task)))
+    if gpus_per_node > 0:
+        options.append(("gpus-per-node", str(gpus_per_node)))
+    for key in ("mem", "time", "constraint"):
+        if value := getattr(group, key):
+            options.append((key, value))
+    for extra in group.sbatch_extra:
+        flag, _, value = extra[2:].partition("=")
+        options.append((flag, value))
+    return options
+
+
+def _hetjob_blocks(config: Config, slots: list[GroupSlot]) -> list[SbatchBlock]:
+    blocks = []
+    for slot in slots:
+        options = _resource_options(config, config.group(slot.name), nodes=slot.nodes,
+                                    tasks_per_node=slot.tasks_per_node, cpus_per_task=slot.cpus_per_task,
+                                    gpus_per_node=slot.gpus_per_node)
+        blocks.append(SbatchBlock(title=f"component {slot.component}: {slot.name}", options=tuple(options)))
+    return blocks
+
+
+_AGREE = ("partition", "account", "qos", "mem", "time", "constraint", "sbatch_extra")
+
+
+def _split_layout(config: Config, slots: list[GroupSlot]) -> tuple[list[GroupSlot], SbatchBlock]:
+    """Lay the non-head groups end to end in one allocation; the head takes no node of its own."""
+    workers = [s for s in slots if s.name != "head"]
+    if not workers:
+        raise ConfigError(key="cluster.layout", problem='layout = "split" with no group besides the head',
+                          fix='use layout = "hetjob", or give the run a trainer')
+    for key in _AGREE:
+        seen: dict[str, str] = {}
+        for slot in workers:
+            value = getattr(config.group(slot.name), key)
+            value = " ".join(value) if isinstance(value, list) else value
+            value = value or (_setting(config, config.group(slot.name), key) if key in ("partition", "account", "qos") else "")
+            seen.setdefault(value, slot.name)
+        if len(seen) > 1:
+            (first_value, first), (other_value, other) = list(seen.items())[:2]
+            raise ConfigError(
+                key=f"groups.{other}.{key}",
+                problem=f'layout = "split" puts every group in one job, but groups.{first}.{key} = '
+                        f"{first_value!r} and groups.{other}.{key} = {other_value!r} differ",
+                fix=f'give every group the same {key} (or none), or use layout = "hetjob"')
+    placed, first_node = [], 0
+    for index, slot in enumerate(slots):
+        if slot.name == "head":
+            placed.append(GroupSlot(**{**vars(slot), "component": 0, "first_node": 0}))
+            continue
+        placed.append(GroupSlot(**{**vars(slot), "component": index, "first_node": first_node}))
+        first_node += slot.nodes
+    lead = config.group(workers[0].name)
+    options = _resource_options(
+        config, lead, nodes=first_node,
+        tasks_per_node=max(s.tasks_per_node for s in workers),
+        cpus_per_task=max(s.cpus_per_task for s in workers),
+        gpus_per_node=max(s.gpus_per_node for s in workers))
+    return placed, SbatchBlock(title="one job for every group (layout split)", options=tuple(options))
+
+
+def job_spec(config: Config) -> JobSpec:
+    """The JobSpec of a validated config (see the module docstring for the two layouts)."""
+    slots = _slots(config, make_components(config))
+    _check_slots(config, slots)
+    cluster = config.cluster
+    notes = []
+    if cluster.layout == "split":
+        slots, block = _split_layout(config, slots)
+        blocks = [block]
+        if any(getattr(config.group("head"), k) for k in ("partition", "account", "qos", "mem", "constraint")):
+            notes.append('layout = "split": the head runs in the batch step, so [groups.head] Slurm settings are unused')
+    else:
+        blocks = _hetjob_blocks(config, slots)
+    times = [config.group(s.name).time for s in slots if config.group(s.name).time]
+    return JobSpec(
+        job_name=config.run.name, layout=cluster.layout, cluster=cluster.name,
+        groups=tuple(slots), blocks=tuple(blocks), modules=tuple(cluster.modules),
+        setup=tuple(cluster.setup), env=tuple(sorted(cluster.env.items())),
+        time_limit=max(times, key=_time_seconds) if times else "", notes=tuple(notes))
+
+
+def _time_seconds(text: str) -> int:
+    """Slurm --time text -> seconds (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS)."""
+    days, _, rest = text.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    elif len(parts) == 3:
+        hours, minutes, seconds = parts
+    else:
+        hours, (minutes, seconds) = 0, (parts + [0])[:2]
+    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def time_limit_seconds(spec: JobSpec) -> int:
+    """The job's --time in seconds; 0 when unset."""
+    return _time_seconds(spec.time_limit) if spec.time_limit else 0

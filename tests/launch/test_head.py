@@ -1,0 +1,107 @@
+"""The head on its own (local executor, in this process): reports, failures named, no hangs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcrl.config import load_config
+from hpcrl.errors import SlurmError
+from hpcrl.launch.head import GroupFailed, run_head
+from hpcrl.launch.rundir import EXIT_FILE, JOB_FILE, prepare_run_dir, read_json, write_json
+from hpcrl.launch.submit import launch_record, refuse_live_run
+from hpcrl.slurm.spec import job_spec
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def prepared(tmp_path: Path, *overrides: str, **launch_options) -> Path:
+    config = load_config(REPO / "configs" / "tiny_grpo.toml", overrides=[f"run.run_dir={tmp_path}", *overrides])
+    spec = job_spec(config)
+    launch = launch_record(config, spec, executor="local", python=sys.executable, **launch_options)
+    prepare_run_dir(tmp_path, config_toml="", launch=launch, groups=[g.name for g in spec.groups])
+    return tmp_path
+
+
+@pytest.fixture(autouse=True)
+def importable(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+
+
+@pytest.mark.timeout(60)
+def test_the_head_collects_one_report_per_task_and_records_completion(tmp_path: Path):
+    run_dir = prepared(tmp_path, "trainer.nodes=2")
+    result = run_head(run_dir)
+    assert result["state"] == "COMPLETED"
+    assert sorted((r["group"], r["rank"]) for r in result["reports"]) == [
+        ("head", 0), ("inference", 0), ("reward", 0), ("trainer", 0), ("trainer", 1)]
+    assert read_json(run_dir / EXIT_FILE)["step_codes"] == {"trainer": 0, "inference": 0, "reward": 0}
+
+
+@pytest.mark.timeout(60)
+def test_tasks_that_die_before_reporting_are_named_as_never_reported(tmp_path: Path):
+    run_dir = prepared(tmp_path)
+    launch = read_json(run_dir / "launch.json")
+    launch["groups"][2]["module"] = "hpcrl.no_such_role"  # python -m fails at once, exit 1
+    write_json(run_dir / "launch.json", launch)
+    with pytest.raises(GroupFailed, match="group inference rank 0 never reported to the head"):
+        run_head(run_dir)
+    record = read_json(run_dir / EXIT_FILE)
+    assert record["state"] == "FAILED" and record["failures"][0]["group"] == "inference"
+
+
+@pytest.mark.timeout(60)
+def test_a_group_ending_cleanly_before_reporting_fails_the_run_instead_of_waiting(tmp_path: Path):
+    run_dir = prepared(tmp_path)
+    launch = read_json(run_dir / "launch.json")
+    launch["groups"][3]["module"] = "this"  # prints the Zen of Python, exits 0 without reporting
+    write_json(run_dir / "launch.json", launch)
+    with pytest.raises(GroupFailed, match="group reward ended before ranks \\[0\\] reported"):
+        run_head(run_dir)
+
+
+@pytest.mark.timeout(60)
+def test_a_nonzero_exit_code_is_named_with_group_rank_and_node(tmp_path: Path):
+    run_dir = prepared(tmp_path, exit_codes={"reward/0": 5})
+    with pytest.raises(GroupFailed, match="group reward rank 0 on node .* exited with code 5"):
+        run_head(run_dir)
+
+
+def test_a_run_directory_with_a_live_job_is_not_overwritten(tmp_path: Path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        write_json(tmp_path / JOB_FILE, {"executor": "local", "job_id": str(sleeper.pid)})
+        with pytest.raises(SlurmError, match="still RUNNING"):
+            refuse_live_run(tmp_path)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    refuse_live_run(tmp_path)  # ended: resubmitting is fine
+
+
+def test_planning_and_the_cli_modules_do_not_import_submitit():
+    code = ("import sys, hpcrl.cli.main, hpcrl.launch.submit, hpcrl.launch.jobs, hpcrl.slurm.render; "
+            "hpcrl.cli.main.build_parser(); assert 'submitit' not in sys.modules, 'submitit imported'")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.timeout(60)
+def test_cluster_environment_reaches_every_group_task(tmp_path: Path, monkeypatch):
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "envdump.py").write_text(
+        "import os, sys\nfrom hpcrl.launch.group import main\n"
+        "open(os.path.join(os.environ['HPCRL_RUN_DIR'], 'mark'), 'w').write(os.environ['HPCRL_TEST_MARK'])\n"
+        "sys.exit(main('trainer'))\n")
+    monkeypatch.setenv("PYTHONPATH", f"{REPO}:{tmp_path / 'mods'}")
+    run_dir = prepared(tmp_path / "run", 'cluster.env.HPCRL_TEST_MARK="seen"')
+    launch = read_json(run_dir / "launch.json")
+    launch["groups"][1]["module"] = "envdump"
+    write_json(run_dir / "launch.json", launch)
+    assert run_head(run_dir)["state"] == "COMPLETED"
+    assert (run_dir / "mark").read_text() == "seen"
