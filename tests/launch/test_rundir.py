@@ -17,7 +17,7 @@ def test_the_resolved_config_copy_loads_back_to_an_equal_config(tmp_path: Path):
                              overrides=["trainer.lr=2e-6"])
         copy = tmp_path / f"{name}.toml"
         copy.write_text(dump_toml(config))
-        assert load_config(copy, check=False) == config
+        assert load_config(copy) == config
 
 
 def test_prepare_run_dir_writes_config_launch_and_one_log_folder_per_group(tmp_path: Path):
