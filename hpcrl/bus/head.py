@@ -24,7 +24,7 @@ import inspect
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from hpcrl.bus import channel as _channel
@@ -63,7 +63,7 @@ class _Pending:
     future: asyncio.Future
     peer: _PeerState
     endpoint: str
-    timer: asyncio.TimerHandle | None = field(default=None)
+    timer: asyncio.TimerHandle
 
 
 class Head:
@@ -190,6 +190,15 @@ class Head:
         Raises UnknownPeerError, UnknownEndpointError, PeerDeadError (also when it dies during
         the call), DeadlineExceeded, RemoteError (the endpoint raised) — each naming the peer.
         """
+        return await self.start_request(peer, endpoint, args, buffers=buffers, timeout=timeout)
+
+    def start_request(self, peer: str, endpoint: str, args: Any = None, *, buffers: Iterable[Any] = (),
+                      timeout: float | None = None) -> asyncio.Future:
+        """Send the call now and return a future of its result (cancel it to give up).
+
+        The building block of fanout: many calls in flight without a task each. Errors that are
+        known before sending (unknown/dead peer, unknown endpoint) are raised here.
+        """
         st = self._state(peer)
         if not st.healthy:
             raise PeerDeadError(peer, st.dead_reason)
@@ -198,22 +207,23 @@ class Head:
         timeout = self.config.default_deadline if timeout is None else timeout
         if timeout <= 0:
             raise DeadlineExceeded(peer, endpoint, timeout)
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         self._next_id += 1
         rid = self._next_id
-        pending = _Pending(future=loop.create_future(), peer=st, endpoint=endpoint)
+        future = loop.create_future()
+        if not self._send(st, Kind.REQUEST, {"id": rid, "ep": endpoint, "a": args, "ttl": timeout}, buffers):
+            raise PeerDeadError(peer, "unreachable (not connected, or its send queue is full)")
+        pending = _Pending(future=future, peer=st, endpoint=endpoint,
+                           timer=loop.call_later(timeout, self._expire, rid, timeout))
         self._pending[rid] = pending
         st.outstanding += 1
-        try:
-            pending.timer = loop.call_later(timeout, self._expire, rid, timeout)
-            if not self._send(st, Kind.REQUEST, {"id": rid, "ep": endpoint, "a": args, "ttl": timeout}, buffers):
-                raise PeerDeadError(peer, "unreachable (not connected, or its send queue is full)")
-            return await pending.future
-        finally:
-            if pending.timer is not None:
-                pending.timer.cancel()
-            del self._pending[rid]
-            st.outstanding -= 1
+        future.add_done_callback(lambda _f: self._forget(rid))
+        return future
+
+    def _forget(self, rid: int) -> None:
+        pending = self._pending.pop(rid)
+        pending.timer.cancel()
+        pending.peer.outstanding -= 1
 
     def _expire(self, rid: int, timeout: float) -> None:
         pending = self._pending.get(rid)

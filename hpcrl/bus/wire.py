@@ -55,7 +55,7 @@ class Kind(IntEnum):
     BYE = 6        # either way: I am leaving / you must leave
 
 
-_KINDS = frozenset(int(k) for k in Kind)
+_KINDS = {int(k): k for k in Kind}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,9 +112,13 @@ def _as_bytes_view(buf: Any) -> memoryview:
     return view.cast("B") if (view.format != "B" or view.ndim != 1) else view
 
 
-def _mac(key: bytes, version: bytes, frames: Iterable[Any], count: int) -> bytes:
-    mac = hmac.new(key, _DOMAIN + version + count.to_bytes(4, "big"), hashlib.sha256)
-    for frame in frames:
+def _mac(key: bytes, version: bytes, frames: list, count: int) -> bytes:
+    prefix = _DOMAIN + version + count.to_bytes(4, "big")
+    if count == 1:  # header only (most messages): one-shot, no HMAC object
+        header = frames[0]
+        return hmac.digest(key, b"".join((prefix, memoryview(header).nbytes.to_bytes(8, "big"), header)), "sha256")
+    mac = hmac.new(key, prefix, hashlib.sha256)
+    for frame in frames:  # buffers are fed as they are, never joined (no copy)
         mac.update(memoryview(frame).nbytes.to_bytes(8, "big"))
         mac.update(frame)
     return mac.digest()
@@ -198,5 +202,5 @@ class Opener:
         if seq <= self._last_seq.get(sender, 0):
             return drop("replay", f"seq {seq} from {sender.hex()}")
         self._last_seq[sender] = seq
-        return Envelope(kind=Kind(kind), seq=seq, sender=sender, to=to, body=body,
+        return Envelope(kind=_KINDS[kind], seq=seq, sender=sender, to=to, body=body,
                         buffers=tuple(body_frames[1:]))

@@ -63,9 +63,7 @@ class Service:
         leaders = self._leaders()
         if not leaders:
             raise NoHealthyReplicaError(self.group, "fanout found none registered and healthy")
-        bufs = tuple(buffers)
-        return await self._gather([self.head.request(name, endpoint, args, buffers=bufs, timeout=timeout)
-                                   for name in leaders])
+        return await self._gather(leaders, endpoint, args, tuple(buffers), timeout)
 
     async def call_all(self, replica: int, endpoint: str, args: Any = None, *, buffers: Iterable[Any] = (),
                        timeout: float | None = None) -> list[Any]:
@@ -80,9 +78,7 @@ class Service:
         for p in ranks:  # a dead rank fails the whole call, naming it
             if not self.head.is_healthy(p.name):
                 raise PeerDeadError(p.name, "is unhealthy; call_all needs every rank of the replica")
-        bufs = tuple(buffers)
-        return await self._gather([self.head.request(p.name, endpoint, args, buffers=bufs, timeout=timeout)
-                                   for p in ranks])
+        return await self._gather([p.name for p in ranks], endpoint, args, tuple(buffers), timeout)
 
     # ---------------------------------------------------------------- inside
 
@@ -122,14 +118,16 @@ class Service:
                 if pin_key is not None and self._pins.get(pin_key) == name:
                     del self._pins[pin_key]
 
-    @staticmethod
-    async def _gather(calls: list) -> list[Any]:
-        tasks = [asyncio.ensure_future(c) for c in calls]
+    async def _gather(self, peers: list[str], endpoint: str, args: Any, buffers: tuple,
+                      timeout: float | None) -> list[Any]:
+        futures: list[asyncio.Future] = []
         try:
-            return await asyncio.gather(*tasks)
-        finally:  # on the first error, stop waiting for the others (their entries are cleaned up)
-            for task in tasks:
-                task.cancel()
+            for name in peers:  # futures, not tasks: cheap enough for thousands of peers
+                futures.append(self.head.start_request(name, endpoint, args, buffers=buffers, timeout=timeout))
+            return await asyncio.gather(*futures)
+        finally:  # after the first error, stop waiting for the others
+            for future in futures:
+                future.cancel()
 
     def _on_unhealthy(self, peer: PeerInfo) -> None:
         if peer.group == self.group:
