@@ -64,8 +64,9 @@ def test_fanout_reaches_every_replica_and_returns_results_in_replica_order(secre
                 out = await svc.fanout("echo", {"v": 7})
                 assert [o["peer"] for o in out] == [f"inf/{r}/0" for r in range(4)]
                 assert all(o["args"] == {"v": 7} for o in out)
-                with pytest.raises(RemoteError, match=r"peer inf/0/0: endpoint 'fail' raised ValueError: boom"):
-                    await svc.fanout("fail")
+                with pytest.raises(RemoteError, match=r"peer inf/\d/0: endpoint 'fail' raised ValueError: boom"):
+                    await svc.fanout("fail")  # the first error to arrive, from any replica
+                await asyncio.sleep(0.01)  # the abandoned calls are forgotten on the next loop turn
                 assert all(head.outstanding(f"inf/{r}/0") == 0 for r in range(4))
     run(go())
 
