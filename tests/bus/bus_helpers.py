@@ -71,3 +71,27 @@ def spawn_worker(address: str, run_dir: Path, *, replica: int, group: str = "inf
                              "--group", group, "--replica", str(replica), "--heartbeat", str(heartbeat),
                              "--timeout", str(timeout)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+class LoopThread:
+    """An event loop on its own thread, for a live head or worker beside synchronous test code."""
+
+    def __init__(self) -> None:
+        import threading
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="bus-test-loop", daemon=True)
+        self._thread.start()
+
+    def call(self, coro, timeout: float = 10.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def spawn(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.loop.is_running()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        self.loop.close()
