@@ -34,7 +34,21 @@ RUN_ID = "bench"
 
 # ---------------------------------------------------------------- worker processes
 
-def serve(address: str, run_dir: str, names: list[str]) -> None:
+def new_loop_policy(name: str) -> str:
+    """Use uvloop when asked (or, with "auto", when it is installed); returns the loop's name."""
+    if name in ("auto", "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            if name == "uvloop":
+                raise
+        else:
+            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+            return "uvloop"
+    return "asyncio"
+
+
+def serve(address: str, run_dir: str, loop: str, names: list[str]) -> None:
     """Host one Worker per "group:replica" in this process, all on one event loop."""
     sys.path.insert(0, str(REPO))
     from hpcrl.bus import BusConfig, PeerInfo, Worker, load_secret
@@ -42,7 +56,7 @@ def serve(address: str, run_dir: str, names: list[str]) -> None:
     secret = load_secret(run_dir)
     config = BusConfig(heartbeat_interval=1.0, heartbeat_timeout=5.0)
 
-    async def echo(call):
+    def echo(call):  # a plain function, like Ray's actor method: answered without a task
         return call.args
 
     async def main() -> None:
@@ -55,15 +69,16 @@ def serve(address: str, run_dir: str, names: list[str]) -> None:
             workers.append(worker.serve())
         await asyncio.gather(*workers)
 
+    new_loop_policy(loop)
     asyncio.run(main())
 
 
-def spawn(address: str, run_dir: str, group: str, replicas: int, procs: int) -> list[subprocess.Popen]:
+def spawn(address: str, run_dir: str, group: str, replicas: int, procs: int, loop: str) -> list[subprocess.Popen]:
     per = -(-replicas // procs)
     out = []
     for start in range(0, replicas, per):
         names = [f"{group}:{r}" for r in range(start, min(replicas, start + per))]
-        out.append(subprocess.Popen([sys.executable, __file__, "--serve", address, run_dir, *names]))
+        out.append(subprocess.Popen([sys.executable, __file__, "--serve", address, run_dir, loop, *names]))
     return out
 
 
@@ -92,7 +107,7 @@ async def bench_hpcrl(opts: argparse.Namespace, run_dir: str) -> list[dict]:
     try:
         for replicas in (1, 8):
             group = f"route{replicas}"
-            procs += spawn(address, run_dir, group, replicas, replicas)
+            procs += spawn(address, run_dir, group, replicas, replicas, opts.loop)
             await head.wait_for_peers(group, replicas, timeout=60)
             svc = Service(head, group)
             for _ in range(opts.warmup):
@@ -108,7 +123,7 @@ async def bench_hpcrl(opts: argparse.Namespace, run_dir: str) -> list[dict]:
                 await asyncio.gather(*(svc.route("echo", ARG) for _ in range(batch)))
                 done += batch
             rows.append(row(f"hpcrl route(), {replicas} replica(s)", lat, done / (time.perf_counter() - t)))
-        procs += spawn(address, run_dir, "fan", 64, opts.fanout_procs)
+        procs += spawn(address, run_dir, "fan", 64, opts.fanout_procs, opts.loop)
         await head.wait_for_peers("fan", 64, timeout=90)
         svc = Service(head, "fan")
         for _ in range(opts.warmup // 4):
@@ -181,7 +196,7 @@ def bench_ray(opts: argparse.Namespace) -> list[dict]:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
-        serve(sys.argv[2], sys.argv[3], sys.argv[4:])
+        serve(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=2000, help="sequential calls per latency figure")
@@ -189,6 +204,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=2.0, help="duration of each throughput figure")
     ap.add_argument("--fanouts", type=int, default=300, help="fanout calls measured")
     ap.add_argument("--fanout-procs", type=int, default=64, help="processes hosting the 64 fanout workers")
+    ap.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
+                    help="event loop of hpcrl's side; auto = uvloop when installed")
     ap.add_argument("--ray-fanout", type=int, default=8, help="actors in Ray's fanout figure")
     opts = ap.parse_args()
 
@@ -197,6 +214,7 @@ def main() -> int:
     from hpcrl.bus import create_secret
     with tempfile.TemporaryDirectory(prefix="hpcrl-bench-") as run_dir:
         create_secret(run_dir)
+        opts.loop = new_loop_policy(opts.loop)
         rows = asyncio.run(bench_hpcrl(opts, run_dir))
     try:
         import ray  # noqa: F401
@@ -216,7 +234,7 @@ def main() -> int:
         print(f"\nroute() p50 / Ray p50 = {ours['p50_us'] / theirs['p50_us']:.3f} (target <= 0.2)")
     fan = [r for r in rows if r["what"].startswith("hpcrl fanout")][0]
     print(f"fanout to 64 workers p50 = {fan['p50_us'] / 1000:.2f} ms (target < 2 ms)")
-    print(f"total {time.perf_counter() - start:.0f} s; python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+    print(f"hpcrl event loop: {opts.loop}; total {time.perf_counter() - start:.0f} s; python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
     return 0
 
 

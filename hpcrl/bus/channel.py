@@ -6,8 +6,9 @@ without copying. Sockets are plain (not zmq.asyncio): the loop watches the socke
 readable FD drains every waiting message in one go, which keeps fanout to many peers cheap.
 
 ZeroMQ's FD is edge-triggered: it signals only when the socket's state changes, and a send
-may consume that change. So after every send, and whenever a drain stops early, the channel
-schedules one more drain (coalesced) instead of waiting for an FD event that may never come.
+may consume that change. So after every send that leaves a message waiting (ZMQ_EVENTS), and
+whenever a drain stops early, the channel schedules one more drain (coalesced) instead of
+waiting for an FD event that may never come.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ _HWM = 100_000
 _NOBLOCK = int(zmq.NOBLOCK)
 _NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 def _context() -> zmq.Context:
@@ -96,7 +99,8 @@ class Channel:
                 return False
             raise
         finally:
-            self._kick()
+            if self._sock.get(_EVENTS) & _POLLIN:  # the send may have eaten the FD's edge
+                self._kick()
         return True
 
     def close(self) -> None:

@@ -10,7 +10,8 @@
     reason = await worker.serve()           # returns when the head says BYE, goes silent, or stop()
 
 `serve()` registers (retrying every heartbeat_interval for register_timeout), then answers
-requests, each in its own task under the caller's deadline. It returns a `WorkerExit` and
+requests: an async endpoint runs in its own task, cancelled at the caller's deadline; a plain
+function runs inline on the loop (cheapest, for quick work) and is answered at once. It returns a `WorkerExit` and
 closes its socket; when the head has been silent for heartbeat_timeout it returns HEAD_LOST
 within 2 x heartbeat_timeout of the head's death, so the process can exit and free its GPU.
 """
@@ -44,7 +45,7 @@ class WorkerExit(enum.Enum):
     STOPPED = "stop() was called"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Call:
     """One request as an endpoint sees it."""
 
@@ -213,11 +214,27 @@ class Worker:
             self._reply_error(rid, "UnknownEndpoint", f"{self.name} has no endpoint {name!r}")
             return
         fn = self._endpoints[name][0]
-        call = Call(endpoint=name, args=body.get("a"), buffers=env.buffers,
-                    deadline=asyncio.get_running_loop().time() + body["ttl"])
-        task = asyncio.create_task(self._run(rid, fn, call, body["ttl"]))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        loop = asyncio.get_running_loop()
+        call = Call(endpoint=name, args=body.get("a"), buffers=env.buffers, deadline=loop.time() + body["ttl"])
+        if inspect.iscoroutinefunction(fn):
+            task = asyncio.create_task(self._run(rid, fn, call, body["ttl"]))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
+        # A plain function runs right here, on the loop (keep such endpoints quick): no task.
+        try:
+            result = fn(call)
+        except Exception as exc:  # the endpoint's own failure goes back to the caller, typed
+            return self._reply_error(rid, type(exc).__name__, str(exc))
+        if inspect.isawaitable(result):  # a plain function that hands back a coroutine
+            task = asyncio.create_task(self._run(rid, lambda _call: result, call, body["ttl"]))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
+        if loop.time() > call.deadline:
+            self._counters.count("expired")
+            return
+        self._reply(rid, call, result)
 
     async def _run(self, rid: int, fn: Callable[[Call], Any], call: Call, ttl: float) -> None:
         try:
@@ -234,6 +251,9 @@ class Worker:
         except Exception as exc:  # the endpoint's own failure goes back to the caller, typed
             log.debug("bus: %s: %s raised %r", self.name, call.endpoint, exc)
             return self._reply_error(rid, type(exc).__name__, str(exc))
+        self._reply(rid, call, result)
+
+    def _reply(self, rid: int, call: Call, result: Any) -> None:
         if isinstance(result, Payload):
             body, buffers = {"id": rid, "ok": True, "r": result.value, "pl": True}, result.buffers
         else:

@@ -202,3 +202,21 @@ def test_non_idempotent_call_on_a_replica_that_leaves_raises_peer_dead(secret, a
                     await call
                 assert not head.is_healthy("inf/0/0") and head.is_healthy("inf/1/0")
     run(go())
+
+
+def test_plain_function_endpoints_are_answered_and_their_errors_come_back_typed(secret, address):
+    async def go():
+        async with head_at(secret, address) as head:
+            worker = Worker(info=PeerInfo(run_id=RUN_ID, group="inf", replica=0), secret=secret,
+                            address=head.address, config=fast_config())
+            worker.add_endpoint("double", lambda call: call.args * 2, idempotent=True)
+            worker.add_endpoint("divide", lambda call: 1 / call.args)
+            worker.add_endpoint("opaque", lambda call: object())
+            async with serving(worker):
+                await head.wait_for_peers("inf", 1, timeout=10)
+                assert await head.request("inf/0/0", "double", 21) == 42
+                with pytest.raises(RemoteError, match="ZeroDivisionError"):
+                    await head.request("inf/0/0", "divide", 0)
+                with pytest.raises(RemoteError, match="cannot be sent"):
+                    await head.request("inf/0/0", "opaque")
+    run(go())
