@@ -145,6 +145,10 @@ class Head:
         st = self._peers.get(name)
         return st is not None and st.healthy
 
+    def unhealthy_reason(self, name: str) -> str:
+        """Why the peer was declared unhealthy ("left: ..." when it said goodbye); "" while healthy."""
+        return self._state(name).dead_reason
+
     def outstanding(self, name: str) -> int:
         st = self._peers.get(name)
         return st.outstanding if st else 0
@@ -305,7 +309,8 @@ class Head:
             return
         previous = self._peers.get(info.name)
         if previous is not None and previous.healthy:
-            self._declare_dead(previous, "replaced by a new registration of the same peer")
+            # No hooks: the replacement is already here, the launcher must not start another.
+            self._declare_dead(previous, "replaced by a new registration of the same peer", notify=False)
         st = _PeerState(info=info, incarnation=env.sender, endpoints=dict(endpoints),
                         last_seen=self._loop.time())
         self._peers[info.name] = st
@@ -353,7 +358,7 @@ class Head:
                 else:
                     self._send(st, Kind.HEARTBEAT)
 
-    def _declare_dead(self, st: _PeerState, reason: str) -> None:
+    def _declare_dead(self, st: _PeerState, reason: str, *, notify: bool = True) -> None:
         st.healthy = False
         st.dead_reason = reason
         log.warning("bus: peer %s (host %s, pid %d) is unhealthy: %s", st.name, st.info.host, st.info.pid, reason)
@@ -361,7 +366,7 @@ class Head:
             if pending.peer is st and not pending.future.done():
                 pending.future.set_exception(PeerDeadError(st.name, reason))
         self._send(st, Kind.BYE, {"reason": f"declared dead: {reason}"})
-        for listener in self._listeners:
+        for listener in self._listeners if notify else ():
             # call_soon: a failing hook is reported by the loop and cannot stop the monitor.
             self._loop.call_soon(self._run_hook, listener, st.info)
         self._changed.set()

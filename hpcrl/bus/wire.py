@@ -163,10 +163,6 @@ class Opener:
     def __repr__(self) -> str:
         return f"Opener(me={self.me.hex()}, senders={len(self._last_seq)})"
 
-    def forget(self, sender: bytes) -> None:
-        """Keep nothing about `sender` (never needed for safety: its seq floor is kept otherwise)."""
-        self._last_seq.pop(sender, None)
-
     def open(self, frames: list) -> Envelope | None:
         drop = self.counters.drop
         if len(frames) < 2:

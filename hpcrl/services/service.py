@@ -100,10 +100,14 @@ class Service:
         timeout = self.head.config.default_deadline if timeout is None else timeout
         deadline = loop.time() + timeout
         tried: set[str] = set()
+        last_death: PeerDeadError | None = None
         while True:
             name = self._pins.get(pin_key) if pin_key is not None else None
             if name is None or not self.head.is_healthy(name):
-                name = self._pick(tried)
+                try:
+                    name = self._pick(tried)
+                except NoHealthyReplicaError as none_left:
+                    raise none_left from last_death
                 if pin_key is not None:
                     self._pins[pin_key] = name
             try:
@@ -112,6 +116,7 @@ class Service:
             except PeerDeadError as dead:
                 if not self.head.is_idempotent(name, endpoint):
                     raise
+                last_death = dead
                 tried.add(name)
                 if loop.time() >= deadline:
                     raise DeadlineExceeded(name, endpoint, timeout) from dead

@@ -201,6 +201,7 @@ def test_non_idempotent_call_on_a_replica_that_leaves_raises_peer_dead(secret, a
                 with pytest.raises(PeerDeadError, match="peer inf/0/0: left: leaving for the test"):
                     await call
                 assert not head.is_healthy("inf/0/0") and head.is_healthy("inf/1/0")
+                assert head.unhealthy_reason("inf/0/0") == "left: leaving for the test"
     run(go())
 
 
@@ -220,3 +221,22 @@ def test_plain_function_endpoints_are_answered_and_their_errors_come_back_typed(
                 with pytest.raises(RemoteError, match="cannot be sent"):
                     await head.request("inf/0/0", "opaque")
     run(go())
+
+
+def test_second_registration_of_a_peer_replaces_the_first_without_calling_the_hook(secret, address):
+    hooked = []
+
+    async def go():
+        head = Head(run_id=RUN_ID, secret=secret, address=address, config=fast_config(), on_unhealthy=hooked.append)
+        async with head:
+            old, new = echo_worker(secret, head.address), echo_worker(secret, head.address)
+            async with serving(old) as (old_task,):
+                await head.wait_for_peers("inf", 1, timeout=10)
+                async with serving(new):
+                    assert await asyncio.wait_for(old_task, 5) == WorkerExit.SHUTDOWN
+                    assert "replaced" in old.exit_detail
+                    assert head.is_healthy("inf/0/0")
+                    assert (await head.request("inf/0/0", "echo", 1))["args"] == 1
+            await asyncio.sleep(0.05)
+    run(go())
+    assert [p.name for p in hooked] == ["inf/0/0"]  # only when `new` left at the end, not on replacement
