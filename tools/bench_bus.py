@@ -12,7 +12,9 @@ Set up Ray's environment once (Ray stays out of hpcrl's dependencies):
 Run (about a minute; prints a Markdown table for BENCHMARKS.md):
     PYTHONPATH=. .venv-bench/bin/python tools/bench_bus.py
 Any Python with pyzmq and msgpack runs the hpcrl part; without Ray it says that Ray was skipped.
-Options: --fanout-procs N hosts the 64 fanout workers in N processes (default 64: one each).
+Options: --fanout-procs N hosts the 64 fanout workers in N processes (default 8, one per 8 workers);
+--transport ipc instead of tcp; --loop asyncio|uvloop (default: uvloop when installed).
+The first row is the floor: a blocking pyzmq echo with no asyncio, auth or msgpack.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,7 +83,42 @@ def spawn(address: str, run_dir: str, group: str, replicas: int, procs: int, loo
     return out
 
 
+def serve_raw(address: str) -> None:
+    """The floor: a plain blocking DEALER that echoes (no asyncio, no auth, no msgpack)."""
+    import zmq
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(address)
+    sock.send(b"hello")
+    while (msg := sock.recv_multipart()) != [b"quit"]:
+        sock.send_multipart(msg)
+    sock.close(linger=0)
+
+
+def bench_raw_zmq(opts: argparse.Namespace, address: str) -> dict:
+    import msgpack
+    import zmq
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(address)
+    proc = subprocess.Popen([sys.executable, __file__, "--serve-raw", sock.getsockopt_string(zmq.LAST_ENDPOINT)])
+    ident, _ = sock.recv_multipart()
+    payload = msgpack.packb(ARG)
+    lat = []
+    for i in range(opts.warmup + opts.calls):
+        t = time.perf_counter()
+        sock.send_multipart([ident, payload])
+        sock.recv_multipart()
+        lat.append(time.perf_counter() - t)
+    sock.send_multipart([ident, b"quit"])
+    proc.wait(timeout=10)
+    sock.close(linger=0)
+    return row("floor: blocking pyzmq DEALER/ROUTER echo, no auth (not a bus)", lat[opts.warmup:])
+
+
 # ---------------------------------------------------------------- measurement helpers
+
+def bind_address(opts: argparse.Namespace, run_dir: str, name: str) -> str:
+    return "tcp://127.0.0.1:0" if opts.transport == "tcp" else f"ipc://{run_dir}/{name}.sock"
+
 
 def pct(samples: list[float], q: float) -> float:
     s = sorted(samples)
@@ -100,7 +136,7 @@ async def bench_hpcrl(opts: argparse.Namespace, run_dir: str) -> list[dict]:
     from hpcrl.bus import BusConfig, Head, load_secret
     from hpcrl.services import Service
 
-    head = Head(run_id=RUN_ID, secret=load_secret(run_dir), address="tcp://127.0.0.1:0",
+    head = Head(run_id=RUN_ID, secret=load_secret(run_dir), address=bind_address(opts, run_dir, "bus"),
                 config=BusConfig(heartbeat_interval=1.0, heartbeat_timeout=5.0))
     address = await head.start()
     rows, procs = [], []
@@ -195,6 +231,9 @@ def bench_ray(opts: argparse.Namespace) -> list[dict]:
 # ---------------------------------------------------------------- main
 
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve-raw":
+        serve_raw(sys.argv[2])
+        return 0
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
         serve(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
         return 0
@@ -203,9 +242,10 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=2.0, help="duration of each throughput figure")
     ap.add_argument("--fanouts", type=int, default=300, help="fanout calls measured")
-    ap.add_argument("--fanout-procs", type=int, default=64, help="processes hosting the 64 fanout workers")
+    ap.add_argument("--fanout-procs", type=int, default=8, help="processes hosting the 64 fanout workers")
     ap.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
                     help="event loop of hpcrl's side; auto = uvloop when installed")
+    ap.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="tcp on 127.0.0.1, or ipc")
     ap.add_argument("--ray-fanout", type=int, default=8, help="actors in Ray's fanout figure")
     opts = ap.parse_args()
 
@@ -215,7 +255,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="hpcrl-bench-") as run_dir:
         create_secret(run_dir)
         opts.loop = new_loop_policy(opts.loop)
-        rows = asyncio.run(bench_hpcrl(opts, run_dir))
+        rows = [bench_raw_zmq(opts, bind_address(opts, run_dir, "raw"))]
+        rows += asyncio.run(bench_hpcrl(opts, run_dir))
     try:
         import ray  # noqa: F401
     except ImportError:
@@ -234,7 +275,7 @@ def main() -> int:
         print(f"\nroute() p50 / Ray p50 = {ours['p50_us'] / theirs['p50_us']:.3f} (target <= 0.2)")
     fan = [r for r in rows if r["what"].startswith("hpcrl fanout")][0]
     print(f"fanout to 64 workers p50 = {fan['p50_us'] / 1000:.2f} ms (target < 2 ms)")
-    print(f"hpcrl event loop: {opts.loop}; total {time.perf_counter() - start:.0f} s; python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+    print(f"hpcrl event loop: {opts.loop}; transport {opts.transport}; total {time.perf_counter() - start:.0f} s; python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
     return 0
 
 

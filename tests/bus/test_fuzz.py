@@ -8,7 +8,6 @@ run's secret) to replay and to mutate, which is the strongest position short of 
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 
