@@ -113,13 +113,14 @@ def _as_bytes_view(buf: Any) -> memoryview:
 
 
 def _mac(key: bytes, version: bytes, frames: list, count: int) -> bytes:
+    """HMAC over the frames; each is bytes or a flat byte view (so len() counts bytes)."""
     prefix = _DOMAIN + version + count.to_bytes(4, "big")
     if count == 1:  # header only (most messages): one-shot, no HMAC object
         header = frames[0]
-        return hmac.digest(key, b"".join((prefix, memoryview(header).nbytes.to_bytes(8, "big"), header)), "sha256")
+        return hmac.digest(key, b"".join((prefix, len(header).to_bytes(8, "big"), header)), "sha256")
     mac = hmac.new(key, prefix, hashlib.sha256)
     for frame in frames:  # buffers are fed as they are, never joined (no copy)
-        mac.update(memoryview(frame).nbytes.to_bytes(8, "big"))
+        mac.update(len(frame).to_bytes(8, "big"))
         mac.update(frame)
     return mac.digest()
 
@@ -169,18 +170,19 @@ class Opener:
             return drop("truncated", f"{len(frames)} frame(s)")
         if len(frames) > self.max_frames:
             return drop("oversized", f"{len(frames)} frames")
-        views = [memoryview(f) for f in frames]
-        total = sum(v.nbytes for v in views)
+        # Frames are bytes or flat byte memoryviews (as the channel delivers them): len() is bytes.
+        total = 0
+        for frame in frames:
+            total += len(frame)
         if total > self.max_bytes:
             return drop("oversized", f"{total} bytes")
-        trailer = views[-1]
-        if trailer.nbytes != TRAILER_BYTES:
-            return drop("truncated", f"trailer of {trailer.nbytes} bytes")
-        version = bytes(trailer[:1])
-        if version != _VERSION_BYTE:
-            return drop("version", f"version {version[0]}, we speak {PROTOCOL_VERSION}")
-        body_frames = views[:-1]
-        if not hmac.compare_digest(_mac(self._key, version, body_frames, len(body_frames)), trailer[1:]):
+        trailer = frames[-1]
+        if len(trailer) != TRAILER_BYTES:
+            return drop("truncated", f"trailer of {len(trailer)} bytes")
+        if trailer[0] != PROTOCOL_VERSION:
+            return drop("version", f"version {trailer[0]}, we speak {PROTOCOL_VERSION}")
+        body_frames = frames[:-1]
+        if not hmac.compare_digest(_mac(self._key, _VERSION_BYTE, body_frames, len(body_frames)), trailer[1:]):
             return drop("bad_mac")
         try:
             header = msgpack.unpackb(body_frames[0], raw=False, strict_map_key=False, ext_hook=_no_ext)

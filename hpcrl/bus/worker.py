@@ -68,10 +68,11 @@ class Worker:
         self._sealer = Sealer(secret, self.incarnation)
         self._opener = Opener(secret, me=self.incarnation, counters=self._counters,
                               max_bytes=self.config.max_message_bytes, max_frames=self.config.max_frames)
-        self._endpoints: dict[str, tuple[Callable[[Call], Any], bool]] = {}
+        self._endpoints: dict[str, tuple[Callable[[Call], Any], bool, bool]] = {}  # fn, idempotent, async
         self._head: bytes | None = None
         self._heartbeat = (self.config.heartbeat_interval, self.config.heartbeat_timeout)
         self._last_heard = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._channel: _channel.Channel | None = None
         self._welcomed: asyncio.Event | None = None
         self._done: asyncio.Future | None = None
@@ -97,7 +98,7 @@ class Worker:
             raise BusError(f"peer {self.name}: endpoints must be added before serve()")
         if name in self._endpoints:
             raise BusError(f"peer {self.name}: endpoint {name!r} is defined twice")
-        self._endpoints[name] = (fn, idempotent)
+        self._endpoints[name] = (fn, idempotent, inspect.iscoroutinefunction(fn))
 
     def endpoint(self, name: str | None = None, *, idempotent: bool = False) -> Callable:
         """Decorator form of add_endpoint; the name defaults to the function's."""
@@ -110,7 +111,7 @@ class Worker:
 
     async def serve(self) -> WorkerExit:
         """Register, then serve until the head says BYE, falls silent, or stop() is called."""
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         self._welcomed = asyncio.Event()
         self._done = loop.create_future()
         sock = _channel.connect_dealer(self.address, routing_id=routing_id(self.incarnation),
@@ -149,7 +150,7 @@ class Worker:
             if loop.time() - start > self.config.register_timeout:
                 return self._finish(WorkerExit.UNREACHABLE, f"no WELCOME from {self.address}")
             self._send(Kind.REGISTER, {"peer": self.info.to_wire(), "t": time.time(),
-                                       "endpoints": {n: idem for n, (_, idem) in self._endpoints.items()}})
+                                       "endpoints": {n: idem for n, (_, idem, _) in self._endpoints.items()}})
             try:
                 await asyncio.wait_for(self._welcomed.wait(), self.config.heartbeat_interval)
             except TimeoutError:
@@ -184,14 +185,14 @@ class Worker:
                 return self._counters.drop("malformed", "WELCOME without heartbeat settings")
             self._head = env.sender
             self._heartbeat = (float(body["hb"]), float(body["hbt"]))
-            self._last_heard = asyncio.get_running_loop().time()
+            self._last_heard = self._loop.time()
             self._counters.accept()
             self._welcomed.set()
             log.info("bus: %s registered with the head at %s", self.name, self.address)
             return
         if env.sender != self._head:
             return self._counters.drop("drop_unknown_peer", "a message from another head")
-        self._last_heard = asyncio.get_running_loop().time()
+        self._last_heard = self._loop.time()
         if env.kind in (Kind.HEARTBEAT, Kind.WELCOME):
             self._counters.accept()
         elif env.kind == Kind.REQUEST:
@@ -213,10 +214,10 @@ class Worker:
         if name not in self._endpoints:
             self._reply_error(rid, "UnknownEndpoint", f"{self.name} has no endpoint {name!r}")
             return
-        fn = self._endpoints[name][0]
-        loop = asyncio.get_running_loop()
+        fn, _, is_async = self._endpoints[name]
+        loop = self._loop
         call = Call(endpoint=name, args=body.get("a"), buffers=env.buffers, deadline=loop.time() + body["ttl"])
-        if inspect.iscoroutinefunction(fn):
+        if is_async:
             task = asyncio.create_task(self._run(rid, fn, call, body["ttl"]))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
