@@ -103,13 +103,14 @@ class Channel:
                 self._kick()
         return True
 
-    def close(self) -> None:
+    def close(self, *, linger: float = 0.0) -> None:
+        """Close now; messages already queued (a goodbye) still go out for `linger` seconds."""
         if self.closed:
             return
         self.closed = True
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._fd)
-        self._sock.close(linger=0)
+        self._sock.close(linger=int(linger * 1000))
 
     def _kick(self) -> None:
         if not self._kicked and not self.closed and self._loop is not None:

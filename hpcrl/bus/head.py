@@ -119,7 +119,7 @@ class Head:
         for pending in list(self._pending.values()):
             if not pending.future.done():
                 pending.future.set_exception(PeerDeadError(pending.peer.name, f"call abandoned: {reason}"))
-        self._channel.close()
+        self._channel.close(linger=1.0)  # the goodbyes still go out
 
     async def __aenter__(self) -> "Head":
         await self.start()

@@ -11,9 +11,10 @@
 
 `serve()` registers (retrying every heartbeat_interval for register_timeout), then answers
 requests: an async endpoint runs in its own task, cancelled at the caller's deadline; a plain
-function runs inline on the loop (cheapest, for quick work) and is answered at once. It returns a `WorkerExit` and
-closes its socket; when the head has been silent for heartbeat_timeout it returns HEAD_LOST
-within 2 x heartbeat_timeout of the head's death, so the process can exit and free its GPU.
+function runs inline on the loop (cheapest, for quick work) and is answered at once. serve()
+returns a `WorkerExit` and closes its socket; when the head has been silent for
+heartbeat_timeout it returns HEAD_LOST, within 2 x heartbeat_timeout of the head's death, so
+the process can exit and free its GPU. A Worker lives on one event loop and is not thread-safe.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class Call:
 
 
 class Worker:
-    """Serves named async endpoints of one group process to the head."""
+    """Serves the named endpoints (async or plain functions) of one group process to the head."""
 
     def __init__(self, *, info: PeerInfo, secret: Secret, address: str, config: BusConfig | None = None) -> None:
         self.info = info
@@ -127,9 +128,9 @@ class Worker:
                 task.cancel()
             if self._tasks:
                 await asyncio.wait(list(self._tasks), timeout=1.0)
-            self._channel.close()
-            log.info("bus: %s left the bus: %s%s", self.name, self._done.result().value if self._done.done()
-                     and not self._done.cancelled() else "cancelled",
+            how = self._done.result() if self._done.done() and not self._done.cancelled() else None
+            self._channel.close(linger=1.0 if how is WorkerExit.STOPPED else 0.0)  # let the BYE out
+            log.info("bus: %s left the bus: %s%s", self.name, how.value if how else "serve() was cancelled",
                      f" ({self.exit_detail})" if self.exit_detail else "")
 
     def stop(self, reason: str = "stopped by its process") -> None:
