@@ -17,7 +17,7 @@ RUN_ID = "test-run"
 
 def fast_config(**overrides):
     from hpcrl.bus import BusConfig
-    return BusConfig(**{"heartbeat_interval": 0.1, "heartbeat_timeout": 0.5, "register_timeout": 10,
+    return BusConfig(**{"heartbeat_interval": 0.1, "heartbeat_timeout": 1.0, "register_timeout": 10,
                         **overrides})
 
 

@@ -43,7 +43,7 @@ def test_route_goes_to_the_replica_with_fewest_outstanding_calls(secret, address
             async with serving(*workers):
                 await head.wait_for_peers("inf", 2, timeout=10)
                 svc = Service(head, "inf")
-                busy = asyncio.ensure_future(svc.route("slow", {"s": 0.5}))
+                busy = asyncio.ensure_future(svc.route("slow", {"s": 1.5}))
                 await asyncio.sleep(0.05)
                 busy_peer = "inf/0/0" if head.outstanding("inf/0/0") else "inf/1/0"
                 quick = [await svc.route("echo", i) for i in range(5)]
