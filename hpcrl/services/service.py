@@ -125,14 +125,7 @@ class Service:
 
     async def _gather(self, peers: list[str], endpoint: str, args: Any, buffers: tuple,
                       timeout: float | None) -> list[Any]:
-        futures: list[asyncio.Future] = []
-        try:
-            for name in peers:  # futures, not tasks: cheap enough for thousands of peers
-                futures.append(self.head.start_request(name, endpoint, args, buffers=buffers, timeout=timeout))
-            return await asyncio.gather(*futures)
-        finally:  # after the first error, stop waiting for the others
-            for future in futures:
-                future.cancel()
+        return await self.head.start_fanout(peers, endpoint, args, buffers=buffers, timeout=timeout)
 
     def _on_unhealthy(self, peer: PeerInfo) -> None:
         if peer.group == self.group:

@@ -240,3 +240,18 @@ def test_second_registration_of_a_peer_replaces_the_first_without_calling_the_ho
             await asyncio.sleep(0.05)
     run(go())
     assert [p.name for p in hooked] == ["inf/0/0"]  # only when `new` left at the end, not on replacement
+
+
+def test_fanout_past_its_deadline_raises_naming_a_peer_and_forgets_every_call(secret, address):
+    async def go():
+        async with head_at(secret, address) as head:
+            workers = [echo_worker(secret, head.address, replica=r) for r in range(3)]
+            async with serving(*workers):
+                await head.wait_for_peers("inf", 3, timeout=10)
+                svc = Service(head, "inf")
+                with pytest.raises(DeadlineExceeded, match=r"peer inf/0/0: call to 'slow' did not complete within 0.2 s"):
+                    await svc.fanout("slow", {"s": 5}, timeout=0.2)
+                await asyncio.sleep(0.01)
+                assert [head.outstanding(f"inf/{r}/0") for r in range(3)] == [0, 0, 0]
+                assert len(await svc.fanout("echo", 1, timeout=5)) == 3
+    run(go())
