@@ -9,6 +9,15 @@
     config.py   BusConfig
     errors.py   typed errors naming the peer
 
+In short (head, then a worker process; see head.py, worker.py and hpcrl.services):
+
+    head = Head(run_id="r1", secret=load_secret(run_dir), on_unhealthy=relaunch)
+    address = await head.start()                                   # hand it to the workers
+    worker = Worker(info=PeerInfo(run_id="r1", group="inference", replica=0), secret=..., address=address)
+    worker.add_endpoint("generate", generate, idempotent=True); await worker.serve()
+    await head.wait_for_peers("inference", 1, timeout=600)
+    out = await Service(head, "inference").route("generate", {"prompt": [1, 2, 3]}, timeout=30)
+
 Names are re-exported lazily so that importing hpcrl.bus does not import zmq.
 """
 
