@@ -1,0 +1,141 @@
+"""The one adapter for ZeroMQ: sockets of the bus, driven by the asyncio event loop.
+
+`bind_router` (head) and `connect_dealer` (workers) make the sockets; `Channel` reads whole
+multipart messages as memoryviews (no copy) and hands them to a callback, and sends frames
+without copying. Sockets are plain (not zmq.asyncio): the loop watches the socket's FD and a
+readable FD drains every waiting message in one go, which keeps fanout to many peers cheap.
+
+ZeroMQ's FD is edge-triggered: it signals only when the socket's state changes, and a send
+may consume that change. So after every send that leaves a message waiting (ZMQ_EVENTS), and
+whenever a drain stops early, the channel schedules one more drain (coalesced) instead of
+waiting for an FD event that may never come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import zmq
+
+log = logging.getLogger("hpcrl.bus")
+
+#: Messages handled per drain before yielding to the loop.
+_DRAIN_BATCH = 256
+_HWM = 100_000
+# Plain ints: pyzmq's flag enums cost microseconds per frame on the hot path.
+_NOBLOCK = int(zmq.NOBLOCK)
+_NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+
+
+def _context() -> zmq.Context:
+    return zmq.Context.instance()
+
+
+def bind_router(address: str, *, hard_max_bytes: int) -> tuple[zmq.Socket, str]:
+    """Bind a ROUTER to `address` (port 0 or '*' for a free port); return it and the real address."""
+    sock = _context().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer fails instead of vanishing
+    sock.setsockopt(zmq.MAXMSGSIZE, hard_max_bytes)  # memory guard; the counted limit is in wire
+    sock.setsockopt(zmq.SNDHWM, _HWM)
+    sock.setsockopt(zmq.RCVHWM, _HWM)
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)
+        from hpcrl.bus.errors import BusError
+        raise BusError(f"cannot bind the head's bus socket to {address}: {exc}") from None
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def connect_dealer(address: str, *, routing_id: bytes, hard_max_bytes: int) -> zmq.Socket:
+    """Connect a DEALER to the head at `address`, with a routing id that survives reconnects."""
+    sock = _context().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    sock.setsockopt(zmq.MAXMSGSIZE, hard_max_bytes)
+    sock.setsockopt(zmq.SNDHWM, _HWM)
+    sock.setsockopt(zmq.RCVHWM, _HWM)
+    sock.connect(address)
+    return sock
+
+
+class Channel:
+    """One socket on the running loop: `on_message(frames)` for every message, `send(frames)`."""
+
+    def __init__(self, sock: zmq.Socket, on_message: Callable[[list[memoryview]], None]) -> None:
+        self._sock = sock
+        self._on_message = on_message
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd = sock.getsockopt(zmq.FD)
+        self._kicked = False
+        self.closed = False
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._fd, self._drain)
+        self._kick()
+
+    def send(self, frames: list) -> bool:
+        """Send one message now; False if the peer is not connected or its queue is full."""
+        if self.closed:
+            return False
+        send = self._sock.send
+        try:
+            # Without copy: buffers at or above zmq.COPY_THRESHOLD go out zero-copy. With
+            # NOBLOCK, once the first frame is queued the rest of the message is too.
+            for frame in frames[:-1]:
+                send(frame, _NOBLOCK_MORE, copy=False)
+            send(frames[-1], _NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+        finally:
+            if self._sock.get(_EVENTS) & _POLLIN:  # the send may have eaten the FD's edge
+                self._kick()
+        return True
+
+    def close(self, *, linger: float = 0.0) -> None:
+        """Close now; messages already queued (a goodbye) still go out for `linger` seconds."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+        self._sock.close(linger=int(linger * 1000))
+
+    def _kick(self) -> None:
+        if not self._kicked and not self.closed and self._loop is not None:
+            self._kicked = True
+            self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._kicked = False
+        if self.closed:
+            return
+        recv, more = self._sock.recv, self._sock.get
+        finished = False
+        try:
+            for _ in range(_DRAIN_BATCH):
+                try:
+                    frames = [recv(_NOBLOCK, copy=False).buffer]
+                except zmq.Again:
+                    finished = True
+                    return
+                while more(_RCVMORE):  # the rest of a multipart message is already here
+                    frames.append(recv(_NOBLOCK, copy=False).buffer)
+                self._on_message(frames)
+                if self.closed:
+                    finished = True
+                    return
+        finally:
+            if not finished:  # batch full, or a handler raised: more may wait behind the edge
+                self._kick()

@@ -1,0 +1,456 @@
+"""The head's end of the control bus: one ROUTER, the peer table, calls, health.
+
+    head = Head(run_id="r1", secret=load_secret(run_dir), address="tcp://0.0.0.0:0",
+                on_unhealthy=launcher.relaunch)        # hook: called with the dead PeerInfo
+    address = await head.start()                        # the real address, to hand to workers
+    await head.wait_for_peers("inference", replicas=4, timeout=600)
+    reply = await head.request("inference/2/0", "generate", {"prompt": ...}, timeout=30)
+
+Workers register (PeerInfo + the endpoints they expose, each marked idempotent or not); the
+head welcomes them with the run's heartbeat settings. Heartbeats go both ways every
+heartbeat_interval; a peer silent for heartbeat_timeout is declared unhealthy: its pending
+calls fail with PeerDeadError (services retry the idempotent ones elsewhere), it is told to
+leave, and the unhealthy hooks run. A new registration under the same name re-admits it.
+A process once declared dead stays dead: its later messages are dropped and answered by BYE.
+
+Per-peer state is a small mutable record (`_PeerState`); what callers see is `PeerInfo`.
+Spread calls over replicas with `hpcrl.services.Service`, not by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from hpcrl.bus import channel as _channel
+from hpcrl.bus.config import BusConfig
+from hpcrl.bus.errors import (BusError, DeadlineExceeded, PeerDeadError, RemoteError,
+                              UnknownEndpointError, UnknownPeerError)
+from hpcrl.bus.peer import PeerInfo
+from hpcrl.bus.secret import Secret
+from hpcrl.bus.wire import INCARNATION_BYTES, Counters, Envelope, Kind, Opener, Payload, Sealer
+
+log = logging.getLogger("hpcrl.bus")
+
+
+def routing_id(incarnation: bytes) -> bytes:
+    """The ZeroMQ routing id a worker uses: fixed per process, so it survives reconnects."""
+    return b"w" + incarnation
+
+
+@dataclass(kw_only=True, eq=False)
+class _PeerState:
+    info: PeerInfo
+    incarnation: bytes
+    endpoints: dict[str, bool]
+    last_seen: float
+    healthy: bool = True
+    dead_reason: str = ""
+    outstanding: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+
+@dataclass(kw_only=True, eq=False)
+class _Fanout:
+    """One call to many peers: one future for all, one timer, results in order."""
+
+    future: asyncio.Future
+    results: list
+    left: int
+    open: set[int]
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(kw_only=True, eq=False)
+class _Pending:
+    future: asyncio.Future
+    """The caller's future (for a fanout: the fanout's, shared by all its peers)."""
+    peer: _PeerState
+    endpoint: str
+    timer: asyncio.TimerHandle | None = None
+    fan: _Fanout | None = None
+    index: int = 0
+
+
+class Head:
+    """Binds the bus, admits workers, calls their endpoints, and watches their health."""
+
+    def __init__(self, *, run_id: str, secret: Secret, address: str = "tcp://127.0.0.1:0",
+                 config: BusConfig | None = None,
+                 on_unhealthy: Callable[[PeerInfo], Any] | None = None) -> None:
+        self.run_id = run_id
+        self.config = config or BusConfig()
+        self._bind = address
+        self.address = ""
+        self.incarnation = secrets.token_bytes(INCARNATION_BYTES)
+        self._counters = Counters()
+        self._sealer = Sealer(secret, self.incarnation)
+        self._opener = Opener(secret, me=self.incarnation, counters=self._counters,
+                              max_bytes=self.config.max_message_bytes, max_frames=self.config.max_frames)
+        self._peers: dict[str, _PeerState] = {}
+        self._by_incarnation: dict[bytes, _PeerState] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._next_id = 0
+        self._listeners: list[Callable[[PeerInfo], Any]] = [on_unhealthy] if on_unhealthy else []
+        self._changed = asyncio.Event()
+        self._channel: _channel.Channel | None = None
+        self._monitor: asyncio.Task | None = None
+        self._hook_tasks: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def __repr__(self) -> str:
+        return f"Head(run_id={self.run_id!r}, address={self.address!r}, peers={len(self._peers)})"
+
+    # ---------------------------------------------------------------- life cycle
+
+    async def start(self) -> str:
+        """Bind and start serving; returns the real address (the port chosen by the OS)."""
+        self._loop = asyncio.get_running_loop()
+        sock, self.address = _channel.bind_router(self._bind, hard_max_bytes=4 * self.config.max_message_bytes)
+        self._channel = _channel.Channel(sock, self._on_message)
+        self._channel.start()
+        self._monitor = asyncio.create_task(self._watch(), name="hpcrl-bus-head-monitor")
+        log.info("bus: head of run %s listening on %s", self.run_id, self.address)
+        return self.address
+
+    async def close(self, reason: str = "the head is shutting down") -> None:
+        """Tell every healthy worker to leave, fail pending calls, close the socket."""
+        if self._channel is None or self._channel.closed:
+            return
+        for st in self._peers.values():
+            if st.healthy:
+                self._send(st, Kind.BYE, {"reason": reason})
+        if self._monitor is not None:
+            self._monitor.cancel()
+        for pending in list(self._pending.values()):
+            if not pending.future.done():
+                pending.future.set_exception(PeerDeadError(pending.peer.name, f"call abandoned: {reason}"))
+        self._channel.close(linger=1.0)  # the goodbyes still go out
+
+    async def __aenter__(self) -> "Head":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---------------------------------------------------------------- what the head knows
+
+    def counters(self) -> dict[str, int]:
+        """Accepted messages, and dropped ones by reason (forged, replayed, oversized, ...)."""
+        return self._counters.snapshot()
+
+    def peers(self, group: str | None = None, *, healthy_only: bool = True) -> list[PeerInfo]:
+        return [st.info for st in self._peers.values()
+                if (group is None or st.info.group == group) and (st.healthy or not healthy_only)]
+
+    def peer(self, name: str) -> PeerInfo:
+        return self._state(name).info
+
+    def is_healthy(self, name: str) -> bool:
+        st = self._peers.get(name)
+        return st is not None and st.healthy
+
+    def unhealthy_reason(self, name: str) -> str:
+        """Why the peer was declared unhealthy ("left: ..." when it said goodbye); "" while healthy."""
+        return self._state(name).dead_reason
+
+    def outstanding(self, name: str) -> int:
+        st = self._peers.get(name)
+        return st.outstanding if st else 0
+
+    def is_idempotent(self, name: str, endpoint: str) -> bool:
+        st = self._peers.get(name)
+        return bool(st and st.endpoints.get(endpoint, False))
+
+    def complete_replicas(self, group: str) -> list[int]:
+        """Replicas of `group` whose every rank is registered and healthy."""
+        ranks: dict[int, list[_PeerState]] = {}
+        for st in self._peers.values():
+            if st.info.group == group and st.healthy:
+                ranks.setdefault(st.info.replica, []).append(st)
+        return sorted(r for r, sts in ranks.items() if len(sts) == sts[0].info.replica_ranks)
+
+    def subscribe(self, on_unhealthy: Callable[[PeerInfo], Any]) -> None:
+        """Call `on_unhealthy(peer_info)` (plain or async) whenever a peer is declared unhealthy."""
+        self._listeners.append(on_unhealthy)
+
+    async def wait_for_peers(self, group: str, replicas: int = 1, *, timeout: float) -> list[int]:
+        """Wait until `replicas` replicas of `group` are complete; returns their indices."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while len(done := self.complete_replicas(group)) < replicas:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise BusError(f"group {group}: {len(done)} of {replicas} replicas registered within "
+                               f"{timeout} s (complete: {done})")
+            changed = self._changed
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+            except TimeoutError:
+                pass
+        return done
+
+    # ---------------------------------------------------------------- calls
+
+    async def request(self, peer: str, endpoint: str, args: Any = None, *, buffers: Iterable[Any] = (),
+                      timeout: float | None = None) -> Any:
+        """Call `endpoint` on `peer`; its return value (a Payload if it returned buffers).
+
+        Raises UnknownPeerError, UnknownEndpointError, PeerDeadError (also when it dies during
+        the call), DeadlineExceeded, RemoteError (the endpoint raised) — each naming the peer.
+        """
+        return await self.start_request(peer, endpoint, args, buffers=buffers, timeout=timeout)
+
+    def start_request(self, peer: str, endpoint: str, args: Any = None, *, buffers: Iterable[Any] = (),
+                      timeout: float | None = None) -> asyncio.Future:
+        """Send the call now and return a future of its result (cancel it to give up).
+
+        The building block of fanout: many calls in flight without a task each. Errors that are
+        known before sending (unknown/dead peer, unknown endpoint) are raised here.
+        """
+        st = self._state(peer)
+        if not st.healthy:
+            raise PeerDeadError(peer, st.dead_reason)
+        if endpoint not in st.endpoints:
+            raise UnknownEndpointError(peer, endpoint, list(st.endpoints))
+        timeout = self.config.default_deadline if timeout is None else timeout
+        if timeout <= 0:
+            raise DeadlineExceeded(peer, endpoint, timeout)
+        loop = self._loop
+        self._next_id += 1
+        rid = self._next_id
+        future = loop.create_future()
+        if not self._send(st, Kind.REQUEST, {"id": rid, "ep": endpoint, "a": args, "ttl": timeout}, buffers):
+            raise PeerDeadError(peer, "unreachable (not connected, or its send queue is full)")
+        pending = _Pending(future=future, peer=st, endpoint=endpoint,
+                           timer=loop.call_later(timeout, self._expire, rid, timeout))
+        self._pending[rid] = pending
+        st.outstanding += 1
+        future.add_done_callback(lambda _f: self._forget(rid))
+        return future
+
+    def start_fanout(self, peers: list[str], endpoint: str, args: Any = None, *, buffers: Iterable[Any] = (),
+                     timeout: float | None = None) -> asyncio.Future:
+        """Send one call to every peer now; a future of the results in `peers` order, or the first
+        error (then the other calls are abandoned). One future and one timer for all: cheap enough
+        for thousands of peers. Errors known before sending are raised here, naming the peer."""
+        states = [self._state(name) for name in peers]
+        for st in states:
+            if not st.healthy:
+                raise PeerDeadError(st.name, st.dead_reason)
+            if endpoint not in st.endpoints:
+                raise UnknownEndpointError(st.name, endpoint, list(st.endpoints))
+        timeout = self.config.default_deadline if timeout is None else timeout
+        if timeout <= 0 and states:
+            raise DeadlineExceeded(states[0].name, endpoint, timeout)
+        loop = self._loop
+        fan = _Fanout(future=loop.create_future(), results=[None] * len(states), left=len(states), open=set())
+        if not states:
+            fan.future.set_result([])
+            return fan.future
+        buffers = tuple(buffers)
+        for index, st in enumerate(states):
+            self._next_id += 1
+            rid = self._next_id
+            if not self._send(st, Kind.REQUEST, {"id": rid, "ep": endpoint, "a": args, "ttl": timeout}, buffers):
+                fan.future.set_exception(PeerDeadError(st.name, "unreachable (not connected, or its send queue is full)"))
+                break
+            self._pending[rid] = _Pending(future=fan.future, peer=st, endpoint=endpoint, fan=fan, index=index)
+            st.outstanding += 1
+            fan.open.add(rid)
+        fan.timer = loop.call_later(timeout, self._expire_fanout, fan, timeout)
+        fan.future.add_done_callback(lambda _f: self._forget_fanout(fan))
+        return fan.future
+
+    def _forget_fanout(self, fan: _Fanout) -> None:
+        fan.timer.cancel()
+        for rid in fan.open:
+            self._pending.pop(rid).peer.outstanding -= 1
+        fan.open.clear()
+
+    def _expire_fanout(self, fan: _Fanout, timeout: float) -> None:
+        if not fan.future.done():
+            first = self._pending[min(fan.open)]
+            fan.future.set_exception(DeadlineExceeded(first.peer.name, first.endpoint, timeout))
+
+    def _forget(self, rid: int) -> None:
+        pending = self._pending.pop(rid)
+        pending.timer.cancel()
+        pending.peer.outstanding -= 1
+
+    def _expire(self, rid: int, timeout: float) -> None:
+        pending = self._pending.get(rid)
+        if pending is not None and not pending.future.done():
+            pending.future.set_exception(DeadlineExceeded(pending.peer.name, pending.endpoint, timeout))
+
+    def _state(self, name: str) -> _PeerState:
+        st = self._peers.get(name)
+        if st is None:
+            raise UnknownPeerError(name, "has not registered with the head")
+        return st
+
+    def _send(self, st: _PeerState, kind: Kind, body: Any = None, buffers: Iterable[Any] = ()) -> bool:
+        frames = self._sealer.seal(kind, body, to=st.incarnation, buffers=buffers)
+        ok = self._channel is not None and self._channel.send([routing_id(st.incarnation), *frames])
+        if not ok:
+            self._counters.count("send_failed")
+        return ok
+
+    # ---------------------------------------------------------------- incoming
+
+    def _on_message(self, frames: list[memoryview]) -> None:
+        identity = bytes(frames[0])
+        env = self._opener.open(frames[1:])
+        if env is None:
+            return
+        if env.kind == Kind.REGISTER:
+            return self._on_register(identity, env)
+        st = self._by_incarnation.get(env.sender)
+        if st is None:
+            return self._counters.drop("drop_unknown_peer", f"{env.kind.name} before REGISTER")
+        if identity != routing_id(st.incarnation):
+            return self._counters.drop("drop_identity", f"{st.name} on a foreign connection")
+        if not st.healthy:
+            self._counters.drop("drop_stale_peer", f"{st.name} was declared dead")
+            self._send(st, Kind.BYE, {"reason": f"declared dead: {st.dead_reason}"})
+            return
+        st.last_seen = self._loop.time()
+        if env.kind == Kind.HEARTBEAT:
+            self._counters.accept()
+        elif env.kind == Kind.REPLY:
+            self._on_reply(st, env)
+        elif env.kind == Kind.BYE:
+            self._counters.accept()
+            reason = env.body.get("reason") if isinstance(env.body, dict) else None
+            self._declare_dead(st, f"left: {reason if isinstance(reason, str) else 'no reason given'}")
+        else:
+            self._counters.drop("malformed", f"{env.kind.name} is not sent to the head")
+
+    def _on_register(self, identity: bytes, env: Envelope) -> None:
+        body = env.body
+        try:
+            if not isinstance(body, dict) or set(body) != {"peer", "endpoints", "t"}:
+                raise ValueError("registration body has the wrong fields")
+            info = PeerInfo.from_wire(body["peer"])
+            endpoints = body["endpoints"]
+            if not (isinstance(endpoints, dict) and all(isinstance(k, str) and isinstance(v, bool)
+                                                       for k, v in endpoints.items())):
+                raise ValueError("endpoints must map names to idempotent flags")
+            if not isinstance(body["t"], (int, float)):
+                raise ValueError("registration time is not a number")
+        except ValueError as exc:
+            return self._counters.drop("malformed", str(exc))
+        if identity != routing_id(env.sender):
+            return self._counters.drop("drop_identity", f"{info.name} registered on a foreign connection")
+        if info.run_id != self.run_id:
+            return self._counters.drop("drop_wrong_run", f"{info.name} belongs to run {info.run_id!r}")
+        if abs(time.time() - body["t"]) > self.config.register_window:
+            return self._counters.drop("drop_stale_register", f"{info.name}: stamped {body['t']}")
+        known = self._by_incarnation.get(env.sender)
+        if known is not None:
+            if not known.healthy:
+                self._counters.drop("drop_stale_peer", f"{known.name} was declared dead")
+                self._send(known, Kind.BYE, {"reason": f"declared dead: {known.dead_reason}"})
+                return
+            self._counters.accept()  # a repeated registration: its WELCOME was slow or lost
+            known.last_seen = self._loop.time()
+            self._welcome(known)
+            return
+        previous = self._peers.get(info.name)
+        if previous is not None and previous.healthy:
+            # No hooks: the replacement is already here, the launcher must not start another.
+            self._declare_dead(previous, "replaced by a new registration of the same peer", notify=False)
+        st = _PeerState(info=info, incarnation=env.sender, endpoints=dict(endpoints),
+                        last_seen=self._loop.time())
+        self._peers[info.name] = st
+        self._by_incarnation[env.sender] = st
+        self._counters.accept()
+        self._welcome(st)
+        log.info("bus: %s registered (host %s, pid %d, gpu %r)%s", info.name, info.host, info.pid,
+                 info.gpu, " again" if previous is not None else "")
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _welcome(self, st: _PeerState) -> None:
+        self._send(st, Kind.WELCOME, {"hb": self.config.heartbeat_interval,
+                                      "hbt": self.config.heartbeat_timeout})
+
+    def _on_reply(self, st: _PeerState, env: Envelope) -> None:
+        body = env.body
+        if not (isinstance(body, dict) and isinstance(body.get("id"), int) and isinstance(body.get("ok"), bool)):
+            return self._counters.drop("malformed", f"reply from {st.name} without id/ok")
+        self._counters.accept()
+        pending = self._pending.get(body["id"])
+        if pending is None or pending.peer is not st or pending.future.done():
+            self._counters.count("late_reply")
+            return
+        if not body["ok"]:
+            err = body.get("e")
+            etype, emsg = (err if isinstance(err, list) and len(err) == 2 else ("?", repr(err)))
+            pending.future.set_exception(RemoteError(st.name, pending.endpoint, str(etype), str(emsg)))
+            return
+        value = body.get("r")
+        if body.get("pl"):
+            value = Payload(value=value, buffers=env.buffers)
+        fan = pending.fan
+        if fan is None:
+            pending.future.set_result(value)
+            return
+        fan.results[pending.index] = value
+        del self._pending[body["id"]]
+        fan.open.discard(body["id"])
+        st.outstanding -= 1
+        fan.left -= 1
+        if fan.left == 0:
+            fan.future.set_result(fan.results)
+
+    # ---------------------------------------------------------------- health
+
+    async def _watch(self) -> None:
+        interval, timeout = self.config.heartbeat_interval, self.config.heartbeat_timeout
+        while True:
+            await asyncio.sleep(interval)
+            now = self._loop.time()
+            for st in list(self._peers.values()):
+                if not st.healthy:
+                    continue
+                if now - st.last_seen > timeout:
+                    self._declare_dead(st, f"silent for {now - st.last_seen:.2f} s (heartbeat_timeout {timeout} s)")
+                else:
+                    self._send(st, Kind.HEARTBEAT)
+
+    def _declare_dead(self, st: _PeerState, reason: str, *, notify: bool = True) -> None:
+        st.healthy = False
+        st.dead_reason = reason
+        log.warning("bus: peer %s (host %s, pid %d) is unhealthy: %s", st.name, st.info.host, st.info.pid, reason)
+        for pending in self._pending.values():
+            if pending.peer is st and not pending.future.done():
+                pending.future.set_exception(PeerDeadError(st.name, reason))
+        self._send(st, Kind.BYE, {"reason": f"declared dead: {reason}"})
+        for listener in self._listeners if notify else ():
+            # call_soon: a failing hook is reported by the loop and cannot stop the monitor.
+            self._loop.call_soon(self._run_hook, listener, st.info)
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _run_hook(self, hook: Callable[[PeerInfo], Any], info: PeerInfo) -> None:
+        result = hook(info)
+        if inspect.isawaitable(result):
+            task = asyncio.ensure_future(result)
+            self._hook_tasks.add(task)
+            task.add_done_callback(self._hook_done)
+
+    def _hook_done(self, task: asyncio.Task) -> None:
+        self._hook_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._loop.call_exception_handler({"message": "bus: an on_unhealthy hook failed",
+                                               "exception": task.exception(), "task": task})

@@ -1,0 +1,204 @@
+"""The wire format of the control bus: seal and open authenticated multipart messages.
+
+Pure (no sockets): the transport hands frames in and out. One message is
+
+    [header, buffer_0, ..., buffer_n, trailer]
+
+    header   msgpack array [kind, seq, sender, to, body]
+             kind    `Kind` (int); seq: the sender's sequence number, strictly increasing
+             sender  the sending process's incarnation id (16 random bytes, new per process)
+             to      the receiver's incarnation id (b"" only on REGISTER, before it is known)
+             body    a msgpack value, by kind (see head.py / worker.py)
+    buffer_i raw bytes (small tensors/arrays), sent without copying, never deserialized here
+    trailer  1 byte protocol version + 32 bytes HMAC-SHA256(secret, "hpcrl-bus" | version |
+             frame count | for each frame: its 8-byte length and its bytes)
+
+The MAC covers every frame and the frame boundaries, so a frame cannot be altered, dropped,
+added or moved. `Opener.open` checks, in this order and before deserializing anything: frame
+count and total size, trailer length, version, MAC; only then unpacks the header (no ext
+types, no pickle), checks its shape, the addressee, and that seq is above the last one seen
+from that sender (replays). Anything else is dropped and counted in `Counters` by reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Iterable
+
+import msgpack
+
+from hpcrl.bus.secret import Secret
+
+log = logging.getLogger("hpcrl.bus")
+
+PROTOCOL_VERSION = 1
+MAC_BYTES = 32
+TRAILER_BYTES = 1 + MAC_BYTES
+INCARNATION_BYTES = 16
+_DOMAIN = b"hpcrl-bus"
+_VERSION_BYTE = bytes([PROTOCOL_VERSION])
+
+#: Reasons a message is dropped at the wire level.
+WIRE_DROPS = ("truncated", "oversized", "version", "bad_mac", "malformed", "replay", "misaddressed")
+
+
+class Kind(IntEnum):
+    REGISTER = 1   # worker -> head: PeerInfo + endpoints
+    WELCOME = 2    # head -> worker: registration accepted, heartbeat settings
+    HEARTBEAT = 3  # both ways
+    REQUEST = 4    # head -> worker: call an endpoint
+    REPLY = 5      # worker -> head: result or error of a request
+    BYE = 6        # either way: I am leaving / you must leave
+
+
+_KINDS = {int(k): k for k in Kind}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Payload:
+    """A value plus raw buffers (bytes-like: bytes, memoryview, numpy/torch CPU arrays)."""
+
+    value: Any = None
+    buffers: tuple = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Envelope:
+    """One opened, authenticated message."""
+
+    kind: Kind
+    seq: int
+    sender: bytes
+    to: bytes
+    body: Any
+    buffers: tuple[memoryview, ...] = ()
+
+
+class Counters:
+    """How many messages were accepted, and dropped by reason. `snapshot()` for a copy."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = dict.fromkeys(("accepted", *WIRE_DROPS), 0)
+
+    def accept(self) -> None:
+        self._counts["accepted"] += 1
+
+    def drop(self, reason: str, detail: str = "") -> None:
+        self._counts[reason] = self._counts.get(reason, 0) + 1
+        log.debug("bus: dropped a message (%s) %s", reason, detail)
+
+    def count(self, name: str) -> None:
+        """Count an event that is not a drop (late replies, failed sends)."""
+        self._counts[name] = self._counts.get(name, 0) + 1
+
+    @property
+    def dropped(self) -> int:
+        return sum(v for k, v in self._counts.items() if k in WIRE_DROPS or k.startswith("drop_"))
+
+    def snapshot(self) -> dict[str, int]:
+        snap = dict(self._counts)
+        snap["dropped"] = self.dropped
+        return snap
+
+
+def _as_bytes_view(buf: Any) -> memoryview:
+    view = memoryview(buf)
+    if not view.contiguous:
+        raise ValueError("bus buffers must be contiguous (call .contiguous() / np.ascontiguousarray)")
+    return view.cast("B") if (view.format != "B" or view.ndim != 1) else view
+
+
+def _mac(key: bytes, version: bytes, frames: list, count: int) -> bytes:
+    """HMAC over the frames; each is bytes or a flat byte view (so len() counts bytes)."""
+    prefix = _DOMAIN + version + count.to_bytes(4, "big")
+    if count == 1:  # header only (most messages): one-shot, no HMAC object
+        header = frames[0]
+        return hmac.digest(key, b"".join((prefix, len(header).to_bytes(8, "big"), header)), "sha256")
+    mac = hmac.new(key, prefix, hashlib.sha256)
+    for frame in frames:  # buffers are fed as they are, never joined (no copy)
+        mac.update(len(frame).to_bytes(8, "big"))
+        mac.update(frame)
+    return mac.digest()
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack ext type {code} is not allowed on the bus")
+
+
+class Sealer:
+    """Signs outgoing messages of one process; owns its incarnation id and sequence counter."""
+
+    def __init__(self, secret: Secret, incarnation: bytes) -> None:
+        if len(incarnation) != INCARNATION_BYTES:
+            raise ValueError(f"an incarnation id is {INCARNATION_BYTES} bytes")
+        self._key = secret.key
+        self.incarnation = incarnation
+        self._seq = 0
+
+    def __repr__(self) -> str:
+        return f"Sealer(incarnation={self.incarnation.hex()}, seq={self._seq})"
+
+    def seal(self, kind: Kind, body: Any = None, *, to: bytes = b"", buffers: Iterable[Any] = ()) -> list:
+        self._seq += 1
+        header = msgpack.packb([int(kind), self._seq, self.incarnation, to, body], use_bin_type=True)
+        frames: list = [header, *(_as_bytes_view(b) for b in buffers)]
+        frames.append(_VERSION_BYTE + _mac(self._key, _VERSION_BYTE, frames, len(frames)))
+        return frames
+
+
+class Opener:
+    """Authenticates incoming messages for one receiver (`me`: its incarnation id)."""
+
+    def __init__(self, secret: Secret, *, me: bytes, counters: Counters, max_bytes: int, max_frames: int) -> None:
+        self._key = secret.key
+        self.me = me
+        self.counters = counters
+        self.max_bytes = max_bytes
+        self.max_frames = max_frames
+        self._last_seq: dict[bytes, int] = {}
+
+    def __repr__(self) -> str:
+        return f"Opener(me={self.me.hex()}, senders={len(self._last_seq)})"
+
+    def open(self, frames: list) -> Envelope | None:
+        drop = self.counters.drop
+        if len(frames) < 2:
+            return drop("truncated", f"{len(frames)} frame(s)")
+        if len(frames) > self.max_frames:
+            return drop("oversized", f"{len(frames)} frames")
+        # Frames are bytes or flat byte memoryviews (as the channel delivers them): len() is bytes.
+        total = 0
+        for frame in frames:
+            total += len(frame)
+        if total > self.max_bytes:
+            return drop("oversized", f"{total} bytes")
+        trailer = frames[-1]
+        if len(trailer) != TRAILER_BYTES:
+            return drop("truncated", f"trailer of {len(trailer)} bytes")
+        if trailer[0] != PROTOCOL_VERSION:
+            return drop("version", f"version {trailer[0]}, we speak {PROTOCOL_VERSION}")
+        body_frames = frames[:-1]
+        if not hmac.compare_digest(_mac(self._key, _VERSION_BYTE, body_frames, len(body_frames)), trailer[1:]):
+            return drop("bad_mac")
+        try:
+            header = msgpack.unpackb(body_frames[0], raw=False, strict_map_key=False, ext_hook=_no_ext)
+        except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
+            return drop("malformed", f"header does not unpack: {exc}")
+        if not (isinstance(header, list) and len(header) == 5):
+            return drop("malformed", "header is not a 5-element array")
+        kind, seq, sender, to, body = header
+        if not (isinstance(kind, int) and kind in _KINDS and isinstance(seq, int)
+                and seq > 0 and isinstance(sender, bytes) and len(sender) == INCARNATION_BYTES
+                and isinstance(to, bytes)):
+            return drop("malformed", "header fields of the wrong type")
+        if to != self.me and not (to == b"" and kind == Kind.REGISTER):
+            return drop("misaddressed", f"to {to.hex()}")
+        if seq <= self._last_seq.get(sender, 0):
+            return drop("replay", f"seq {seq} from {sender.hex()}")
+        self._last_seq[sender] = seq
+        return Envelope(kind=_KINDS[kind], seq=seq, sender=sender, to=to, body=body,
+                        buffers=tuple(body_frames[1:]))

@@ -1,0 +1,133 @@
+"""A Service: the head's calls to one group, spread over that group's replicas.
+
+    svc = Service(head, "inference")
+    out = await svc.route("generate", args, timeout=30)        # one healthy replica, least busy
+    outs = await svc.fanout("load_weights", {"version": 7})    # every healthy replica, in order
+    out = await svc.session(prompt_id, "generate", args)       # same replica for the same key
+    per_rank = await svc.call_all(0, "report")                 # every rank of replica 0
+
+route(), fanout() and session() talk to rank 0 of each replica. An idempotent endpoint (as
+the worker declared it) whose replica dies during the call is retried on another healthy
+replica within the call's original deadline; a non-idempotent one raises PeerDeadError.
+Sessions pinned to a replica that dies are re-pinned (eagerly, through the head's unhealthy
+hook, and again on use).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any, Hashable, Iterable
+
+from hpcrl.bus.errors import DeadlineExceeded, NoHealthyReplicaError, PeerDeadError
+from hpcrl.bus.head import Head
+from hpcrl.bus.peer import PeerInfo
+
+
+class Service:
+    """The replicas of one group, as the head sees them."""
+
+    def __init__(self, head: Head, group: str) -> None:
+        self.head = head
+        self.group = group
+        self._pins: dict[Hashable, str] = {}
+        self._turn = itertools.count()
+        head.subscribe(self._on_unhealthy)
+
+    def __repr__(self) -> str:
+        return f"Service({self.group!r}, healthy replicas={self.replicas()})"
+
+    def replicas(self) -> list[int]:
+        """Indices of the replicas whose rank 0 is healthy."""
+        return sorted(p.replica for p in self.head.peers(self.group) if p.rank == 0)
+
+    def pinned(self, key: Hashable) -> str | None:
+        """The peer a session key is pinned to, if any."""
+        return self._pins.get(key)
+
+    # ---------------------------------------------------------------- adverbs
+
+    async def route(self, endpoint: str, args: Any = None, *, buffers: Iterable[Any] = (),
+                    timeout: float | None = None) -> Any:
+        """Call `endpoint` on one healthy replica, the one with the fewest outstanding calls."""
+        return await self._call_retrying(endpoint, args, tuple(buffers), timeout, pin_key=None)
+
+    async def session(self, key: Hashable, endpoint: str, args: Any = None, *, buffers: Iterable[Any] = (),
+                      timeout: float | None = None) -> Any:
+        """Like route(), but every call with the same `key` goes to the same replica while it lives."""
+        return await self._call_retrying(endpoint, args, tuple(buffers), timeout, pin_key=key)
+
+    async def fanout(self, endpoint: str, args: Any = None, *, buffers: Iterable[Any] = (),
+                     timeout: float | None = None) -> list[Any]:
+        """Call `endpoint` on every healthy replica; results in replica order, or the first error."""
+        leaders = self._leaders()
+        if not leaders:
+            raise NoHealthyReplicaError(self.group, "fanout found none registered and healthy")
+        return await self._gather(leaders, endpoint, args, tuple(buffers), timeout)
+
+    async def call_all(self, replica: int, endpoint: str, args: Any = None, *, buffers: Iterable[Any] = (),
+                       timeout: float | None = None) -> list[Any]:
+        """Call `endpoint` on every rank of one replica; results in rank order, or the first error."""
+        ranks = sorted((p for p in self.head.peers(self.group, healthy_only=False) if p.replica == replica),
+                       key=lambda p: p.rank)
+        if not ranks:
+            raise NoHealthyReplicaError(self.group, f"replica {replica} has not registered")
+        missing = sorted(set(range(ranks[0].replica_ranks)) - {p.rank for p in ranks})
+        if missing:
+            raise NoHealthyReplicaError(self.group, f"replica {replica} lacks ranks {missing}")
+        for p in ranks:  # a dead rank fails the whole call, naming it
+            if not self.head.is_healthy(p.name):
+                raise PeerDeadError(p.name, "is unhealthy; call_all needs every rank of the replica")
+        return await self._gather([p.name for p in ranks], endpoint, args, tuple(buffers), timeout)
+
+    # ---------------------------------------------------------------- inside
+
+    def _leaders(self) -> list[str]:
+        return [p.name for p in sorted(self.head.peers(self.group), key=lambda p: p.replica) if p.rank == 0]
+
+    def _pick(self, exclude: set[str]) -> str:
+        leaders = [n for n in self._leaders() if n not in exclude]
+        if not leaders:
+            detail = f"tried {sorted(exclude)}" if exclude else "none registered and healthy"
+            raise NoHealthyReplicaError(self.group, detail)
+        turn = next(self._turn) % len(leaders)  # rotate ties so equal loads spread out
+        rotated = leaders[turn:] + leaders[:turn]
+        return min(rotated, key=self.head.outstanding)
+
+    async def _call_retrying(self, endpoint: str, args: Any, buffers: tuple, timeout: float | None,
+                             pin_key: Hashable | None) -> Any:
+        loop = asyncio.get_running_loop()
+        timeout = self.head.config.default_deadline if timeout is None else timeout
+        deadline = loop.time() + timeout
+        tried: set[str] = set()
+        last_death: PeerDeadError | None = None
+        while True:
+            name = self._pins.get(pin_key) if pin_key is not None else None
+            if name is None or not self.head.is_healthy(name):
+                try:
+                    name = self._pick(tried)
+                except NoHealthyReplicaError as none_left:
+                    raise none_left from last_death
+                if pin_key is not None:
+                    self._pins[pin_key] = name
+            try:
+                return await self.head.request(name, endpoint, args, buffers=buffers,
+                                               timeout=deadline - loop.time())
+            except PeerDeadError as dead:
+                if not self.head.is_idempotent(name, endpoint):
+                    raise
+                last_death = dead
+                tried.add(name)
+                if loop.time() >= deadline:
+                    raise DeadlineExceeded(name, endpoint, timeout) from dead
+                if pin_key is not None and self._pins.get(pin_key) == name:
+                    del self._pins[pin_key]
+
+    async def _gather(self, peers: list[str], endpoint: str, args: Any, buffers: tuple,
+                      timeout: float | None) -> list[Any]:
+        return await self.head.start_fanout(peers, endpoint, args, buffers=buffers, timeout=timeout)
+
+    def _on_unhealthy(self, peer: PeerInfo) -> None:
+        if peer.group == self.group:
+            for key in [k for k, name in self._pins.items() if name == peer.name]:
+                del self._pins[key]

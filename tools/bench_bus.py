@@ -1,0 +1,289 @@
+"""Benchmark: the hpcrl control bus against Ray actor calls, on loopback, in one run.
+
+What it measures (the same work on both sides: an endpoint / actor method that returns its
+small argument, a dict of about 64 bytes):
+  route()   1 replica and 8 replicas (one process each): sequential round trip p50/p99, and
+            throughput with batches of concurrent calls;
+  fanout()  to 64 workers: p50/p99 of one call answered by every worker;
+  Ray       an actor method call (`ray.get(actor.echo.remote(x))`) in the same shapes.
+
+Set up Ray's environment once (Ray stays out of hpcrl's dependencies):
+    python3 -m venv .venv-bench && .venv-bench/bin/pip install ray pyzmq msgpack
+Run (about a minute; prints a Markdown table for BENCHMARKS.md):
+    PYTHONPATH=. .venv-bench/bin/python tools/bench_bus.py
+Any Python with pyzmq and msgpack runs the hpcrl part; without Ray it says that Ray was skipped.
+Options: --fanout-procs N hosts the 64 fanout workers in N processes (default 8, one per 8 workers);
+--transport ipc instead of tcp; --loop asyncio|uvloop (default: uvloop when installed).
+The first row is the floor: a blocking pyzmq echo with no asyncio, auth or msgpack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+ARG = {"prompt_id": 12345, "tokens": list(range(12)), "note": "sixty-four bytes"}
+RUN_ID = "bench"
+
+
+# ---------------------------------------------------------------- worker processes
+
+def new_loop_policy(name: str) -> str:
+    """Use uvloop when asked (or, with "auto", when it is installed); returns the loop's name."""
+    if name in ("auto", "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            if name == "uvloop":
+                raise
+        else:
+            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+            return "uvloop"
+    return "asyncio"
+
+
+def serve(address: str, run_dir: str, loop: str, names: list[str]) -> None:
+    """Host one Worker per "group:replica" in this process, all on one event loop."""
+    sys.path.insert(0, str(REPO))
+    from hpcrl.bus import BusConfig, PeerInfo, Worker, load_secret
+
+    secret = load_secret(run_dir)
+    config = BusConfig(heartbeat_interval=1.0, heartbeat_timeout=5.0)
+
+    def echo(call):  # a plain function, like Ray's actor method: answered without a task
+        return call.args
+
+    async def main() -> None:
+        workers = []
+        for name in names:
+            group, replica = name.split(":")
+            worker = Worker(info=PeerInfo(run_id=RUN_ID, group=group, replica=int(replica), pid=os.getpid()),
+                            secret=secret, address=address, config=config)
+            worker.add_endpoint("echo", echo, idempotent=True)
+            workers.append(worker.serve())
+        await asyncio.gather(*workers)
+
+    new_loop_policy(loop)
+    asyncio.run(main())
+
+
+def spawn(address: str, run_dir: str, group: str, replicas: int, procs: int, loop: str) -> list[subprocess.Popen]:
+    per = -(-replicas // procs)
+    out = []
+    for start in range(0, replicas, per):
+        names = [f"{group}:{r}" for r in range(start, min(replicas, start + per))]
+        out.append(subprocess.Popen([sys.executable, __file__, "--serve", address, run_dir, loop, *names]))
+    return out
+
+
+def serve_raw(address: str) -> None:
+    """The floor: a plain blocking DEALER that echoes (no asyncio, no auth, no msgpack)."""
+    import zmq
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(address)
+    sock.send(b"hello")
+    while (msg := sock.recv_multipart()) != [b"quit"]:
+        sock.send_multipart(msg)
+    sock.close(linger=0)
+
+
+def bench_raw_zmq(opts: argparse.Namespace, address: str) -> dict:
+    import msgpack
+    import zmq
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(address)
+    proc = subprocess.Popen([sys.executable, __file__, "--serve-raw", sock.getsockopt_string(zmq.LAST_ENDPOINT)])
+    ident, _ = sock.recv_multipart()
+    payload = msgpack.packb(ARG)
+    lat = []
+    for i in range(opts.warmup + opts.calls):
+        t = time.perf_counter()
+        sock.send_multipart([ident, payload])
+        sock.recv_multipart()
+        lat.append(time.perf_counter() - t)
+    sock.send_multipart([ident, b"quit"])
+    proc.wait(timeout=10)
+    sock.close(linger=0)
+    return row("floor: blocking pyzmq DEALER/ROUTER echo, no auth (not a bus)", lat[opts.warmup:])
+
+
+# ---------------------------------------------------------------- measurement helpers
+
+def bind_address(opts: argparse.Namespace, run_dir: str, name: str) -> str:
+    return "tcp://127.0.0.1:0" if opts.transport == "tcp" else f"ipc://{run_dir}/{name}.sock"
+
+
+def pct(samples: list[float], q: float) -> float:
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def row(what: str, lat: list[float] | None = None, rate: float | None = None) -> dict:
+    return {"what": what, "p50_us": pct(lat, 0.5) * 1e6 if lat else None,
+            "p99_us": pct(lat, 0.99) * 1e6 if lat else None, "calls_s": rate}
+
+
+# ---------------------------------------------------------------- hpcrl
+
+async def bench_hpcrl(opts: argparse.Namespace, run_dir: str) -> list[dict]:
+    from hpcrl.bus import BusConfig, Head, load_secret
+    from hpcrl.services import Service
+
+    head = Head(run_id=RUN_ID, secret=load_secret(run_dir), address=bind_address(opts, run_dir, "bus"),
+                config=BusConfig(heartbeat_interval=1.0, heartbeat_timeout=5.0))
+    address = await head.start()
+    rows, procs = [], []
+    try:
+        for replicas in (1, 8):
+            group = f"route{replicas}"
+            procs += spawn(address, run_dir, group, replicas, replicas, opts.loop)
+            await head.wait_for_peers(group, replicas, timeout=60)
+            svc = Service(head, group)
+            for _ in range(opts.warmup):
+                await svc.route("echo", ARG)
+            lat = []
+            for _ in range(opts.calls):
+                t = time.perf_counter()
+                await svc.route("echo", ARG)
+                lat.append(time.perf_counter() - t)
+            batch = 32 * replicas
+            done, t = 0, time.perf_counter()
+            while time.perf_counter() - t < opts.seconds:
+                await asyncio.gather(*(svc.route("echo", ARG) for _ in range(batch)))
+                done += batch
+            rows.append(row(f"hpcrl route(), {replicas} replica(s)", lat, done / (time.perf_counter() - t)))
+        lat = []
+        for _ in range(opts.fanouts):  # the shape of Ray's fanout row below
+            t = time.perf_counter()
+            await svc.fanout("echo", ARG)
+            lat.append(time.perf_counter() - t)
+        rows.append(row("hpcrl fanout() to 8 replicas (one process each)", lat))
+        procs += spawn(address, run_dir, "fan", 64, opts.fanout_procs, opts.loop)
+        await head.wait_for_peers("fan", 64, timeout=90)
+        svc = Service(head, "fan")
+        for _ in range(opts.warmup // 4):
+            await svc.fanout("echo", ARG)
+        lat = []
+        for _ in range(opts.fanouts):
+            t = time.perf_counter()
+            out = await svc.fanout("echo", ARG)
+            lat.append(time.perf_counter() - t)
+            assert len(out) == 64
+        rows.append(row(f"hpcrl fanout() to 64 workers in {len(procs) - 9} process(es)", lat))
+        assert head.counters()["dropped"] == 0, head.counters()
+    finally:
+        await head.close()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return rows
+
+
+# ---------------------------------------------------------------- Ray
+
+def bench_ray(opts: argparse.Namespace) -> list[dict]:
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+
+    @ray.remote(num_cpus=0)
+    class Echo:
+        def echo(self, x):
+            return x
+
+    rows = []
+    try:
+        for replicas in (1, 8):
+            actors = [Echo.remote() for _ in range(replicas)]
+            ray.get([a.echo.remote(ARG) for a in actors])
+            for i in range(opts.warmup):
+                ray.get(actors[i % replicas].echo.remote(ARG))
+            lat = []
+            for i in range(opts.calls):
+                t = time.perf_counter()
+                ray.get(actors[i % replicas].echo.remote(ARG))
+                lat.append(time.perf_counter() - t)
+            batch = 32 * replicas
+            done, t = 0, time.perf_counter()
+            while time.perf_counter() - t < opts.seconds:
+                ray.get([actors[i % replicas].echo.remote(ARG) for i in range(batch)])
+                done += batch
+            rows.append(row(f"Ray actor call, {replicas} actor(s) (round robin)", lat,
+                            done / (time.perf_counter() - t)))
+            for a in actors:
+                ray.kill(a)
+        actors = [Echo.remote() for _ in range(opts.ray_fanout)]
+        ray.get([a.echo.remote(ARG) for a in actors])
+        lat = []
+        for _ in range(opts.fanouts):
+            t = time.perf_counter()
+            ray.get([a.echo.remote(ARG) for a in actors])
+            lat.append(time.perf_counter() - t)
+        rows.append(row(f"Ray call to {opts.ray_fanout} actors (ray.get of a list), like fanout()", lat))
+    finally:
+        ray.shutdown()
+    return rows
+
+
+# ---------------------------------------------------------------- main
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve-raw":
+        serve_raw(sys.argv[2])
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve":
+        serve(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=2000, help="sequential calls per latency figure")
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--seconds", type=float, default=2.0, help="duration of each throughput figure")
+    ap.add_argument("--fanouts", type=int, default=300, help="fanout calls measured")
+    ap.add_argument("--fanout-procs", type=int, default=8, help="processes hosting the 64 fanout workers")
+    ap.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
+                    help="event loop of hpcrl's side; auto = uvloop when installed")
+    ap.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="tcp on 127.0.0.1, or ipc")
+    ap.add_argument("--ray-fanout", type=int, default=8, help="actors in Ray's fanout figure")
+    opts = ap.parse_args()
+
+    start = time.perf_counter()
+    sys.path.insert(0, str(REPO))  # this checkout's hpcrl, whichever Python runs the script
+    from hpcrl.bus import create_secret
+    with tempfile.TemporaryDirectory(prefix="hpcrl-bench-") as run_dir:
+        create_secret(run_dir)
+        opts.loop = new_loop_policy(opts.loop)
+        rows = [bench_raw_zmq(opts, bind_address(opts, run_dir, "raw"))]
+        rows += asyncio.run(bench_hpcrl(opts, run_dir))
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        print("Ray was skipped: it is not installed in this Python (see the set-up at the top of "
+              "tools/bench_bus.py)", file=sys.stderr)
+    else:
+        rows += bench_ray(opts)
+
+    print(f"\n| what | p50 (us) | p99 (us) | calls/s |\n| --- | --- | --- | --- |")
+    for r in rows:
+        fmt = lambda v, f: f.format(v) if v is not None else "-"
+        print(f"| {r['what']} | {fmt(r['p50_us'], '{:.0f}')} | {fmt(r['p99_us'], '{:.0f}')} | {fmt(r['calls_s'], '{:.0f}')} |")
+    by = {r["what"]: r for r in rows}
+    ours, theirs = by.get("hpcrl route(), 1 replica(s)"), by.get("Ray actor call, 1 actor(s) (round robin)")
+    if ours and theirs:
+        print(f"\nroute() p50 / Ray p50 = {ours['p50_us'] / theirs['p50_us']:.3f} (target <= 0.2)")
+    fan = [r for r in rows if r["what"].startswith("hpcrl fanout() to 64")][0]
+    print(f"fanout to 64 workers p50 = {fan['p50_us'] / 1000:.2f} ms (target < 2 ms)")
+    print(f"hpcrl event loop: {opts.loop}; transport {opts.transport}; total {time.perf_counter() - start:.0f} s; python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
