@@ -45,3 +45,10 @@ class PlanError(HpcrlError):
 
 class SlurmError(HpcrlError):
     """Slurm refused or failed something we asked of it (sbatch, squeue, scancel)."""
+
+
+class TransferError(HpcrlError):
+    """A weight transfer failed: bad plan or digest, missing or mis-shaped tensor, peer gone, timeout.
+
+    The message names the parameter and the trainer / inference ranks it concerns.
+    """
