@@ -2,8 +2,8 @@
 
 Run by test_vllm_oracle.py as a subprocess in its own session (so the test can SIGKILL every
 engine process it leaves). For each FSDP size: perturb the checkpoint, start that many trainer
-processes (fully_shard over gloo, HF names), transfer through vLLM's weight-transfer API with
-our engine, take digests of every weight each vLLM rank computes with and a greedy generation;
+processes (fully_shard over gloo of the checkpoint's tensors under their HF names), transfer
+through vLLM's weight-transfer API with our engine, take digests of every weight each vLLM rank computes with and a greedy generation;
 then let vLLM reload the same checkpoint through its own load_weights path (`reload_weights`)
 and take them again. Prints one JSON line per FSDP size.
 
@@ -41,12 +41,28 @@ def perturb(model_dir: str, out: Path, seed: int) -> Path:
     return out
 
 
+def hf_module(ckpt: str):
+    """The checkpoint's tensors as parameters of nested modules named like the HF model (no transformers
+    import: trainer processes start in a couple of seconds)."""
+    import torch
+    from safetensors.torch import load_file
+
+    root = torch.nn.Module()
+    for name, tensor in load_file(str(Path(ckpt) / "model.safetensors")).items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(tensor.float()))
+    return root
+
+
 def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_port: int, transfer_port: int, results) -> None:
     try:
-        import torch
         import torch.distributed as dist
         from torch.distributed.fsdp import fully_shard
-        from transformers import AutoModelForCausalLM
 
         from hpcrl.config.model_shapes import PRESETS
         from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
@@ -55,9 +71,9 @@ def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_port: int, t
 
         store = dist.TCPStore("127.0.0.1", fsdp_port, world, is_master=False)
         dist.init_process_group("gloo", store=dist.PrefixStore("fsdp", store), rank=rank, world_size=world)
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        model = hf_module(ckpt)
         mesh = dist.init_device_mesh("cpu", (world,))
-        for layer in model.model.layers:
+        for layer in model.model.layers.children():
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         shards = local_shards(model)
