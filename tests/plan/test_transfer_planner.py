@@ -175,3 +175,24 @@ def test_llama3_70b_fsdp64_to_4_replicas_tp8_plans_and_checks_under_one_second_a
     stats = p.stats()
     assert stats.ratio() == 1.0
     assert sum(stats.received_per_inference_rank) == 4 * sum(stats.minimum_per_tp_rank)
+
+
+def test_torchtitan_fused_wqkv_layout_is_what_torchtitans_own_load_hooks_build():
+    torch = pytest.importorskip("torch")
+    adapter = pytest.importorskip("torchtitan.models.llama3.state_dict_adapter").Llama3StateDictAdapter
+    fused = pytest.importorskip("torchtitan.models.common.attention").FusedQKVLinear
+    from types import SimpleNamespace
+
+    from hpcrl.plan.transfer_check import _hf_ids, _trainer_tensors
+    p = make(LLAMA, naming="torchtitan", fuse_qkv=True)
+    hf = {k: torch.from_numpy(v).double() for k, v in _hf_ids(LLAMA).items()}
+    nh, nkv, d, h = LLAMA.num_heads, LLAMA.num_kv_heads, LLAMA.head_dim, LLAMA.hidden_size
+    prefix = "model.layers.1.self_attn."
+    state = {  # what Llama3StateDictAdapter.from_hf does to q/k, then FusedQKVLinear's load pre-hook
+        "wq.weight": adapter._reverse_permute(None, hf[prefix + "q_proj.weight"], nh),
+        "wk.weight": adapter._reverse_permute(None, hf[prefix + "k_proj.weight"], nkv, nkv * d, h),
+        "wv.weight": hf[prefix + "v_proj.weight"],
+    }
+    fused._merge_qkv_on_load(SimpleNamespace(head_dim=d, heads_per_kv=nh // nkv), state, "")
+    ours = _trainer_tensors(p, LLAMA, _hf_ids(LLAMA))["layers.1.attention.qkv_linear.wqkv.weight"]
+    assert np.array_equal(state["wqkv.weight"].numpy().astype(np.int64), ours)
