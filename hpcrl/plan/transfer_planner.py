@@ -101,6 +101,9 @@ def plan(trainer: TrainerLayout, inference: InferenceLayout, shape: ModelShape, 
     if bucket_bytes < WIRE_DTYPE_BYTES[wire_dtype]:
         raise PlanError(f"bucket_bytes = {bucket_bytes} is smaller than one element")
     tp, shards = inference.tensor_parallel, trainer.dp_shard
+    if inference.replicas >= 1 << 12 or tp >= 1 << 10 or trainer.world_size >= 1 << 17:
+        raise PlanError(f"plan too large to index: {trainer.world_size} trainer ranks, {inference.replicas} "
+                        f"replicas, TP {tp} (limits 2^17, 2^12, 2^10)")
     dests, segs = vllm_layout(shape, tp, inference.vocab_padding)
     sources, pieces = trainer_sources(shape, naming=trainer.naming, fuse_qkv=trainer.fuse_qkv)
     src_index = {s.name: i for i, s in enumerate(sources)}

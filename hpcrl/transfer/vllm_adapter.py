@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,7 +80,6 @@ class HpcrlInitInfo(WeightTransferInitInfo):
 @dataclass
 class HpcrlUpdateInfo(WeightTransferUpdateInfo):
     version: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateInfo]):
