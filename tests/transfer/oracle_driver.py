@@ -59,6 +59,34 @@ def hf_module(ckpt: str):
     return root
 
 
+def titan_module(ckpt: str, preset: str):
+    """torchtitan's llama3 (fused wqkv) holding the checkpoint, loaded through torchtitan's own adapter."""
+    import torch
+    from safetensors.torch import load_file
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init
+    from torchtitan.models.llama3.model import Llama3Model
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+    from hpcrl.config.model_shapes import PRESETS
+    s = PRESETS[preset]
+    config = Llama3Model.Config(
+        dim=s.hidden_size, vocab_size=s.vocab_size,
+        tok_embeddings=Embedding.Config(num_embeddings=s.vocab_size, embedding_dim=s.hidden_size,
+                                        param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=s.hidden_size, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=s.hidden_size, out_features=s.vocab_size,
+                              param_init=_output_linear_init(s.hidden_size)),
+        layers=_build_llama3_layers(fuse_qkv=True, n_layers=s.num_layers, dim=s.hidden_size, n_heads=s.num_heads,
+                                    n_kv_heads=s.num_kv_heads, hidden_dim=s.intermediate_size, attn_backend="flex",
+                                    rope=ComplexRoPE.Config(dim=s.head_dim, max_seq_len=1024, theta=s.rope_theta)))
+    model = config.build()
+    hf = load_file(str(Path(ckpt) / "model.safetensors"))
+    model.load_state_dict(Llama3StateDictAdapter(config, None).from_hf({k: v.float() for k, v in hf.items()}),
+                          strict=True)
+    return model, list(model.layers.children())
+
+
 def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_port: int, transfer_port: int, results) -> None:
     try:
         import torch.distributed as dist
@@ -71,14 +99,19 @@ def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_port: int, t
 
         store = dist.TCPStore("127.0.0.1", fsdp_port, world, is_master=False)
         dist.init_process_group("gloo", store=dist.PrefixStore("fsdp", store), rank=rank, world_size=world)
-        model = hf_module(ckpt)
+        naming = spec.get("naming", "hf")
+        if naming == "torchtitan":
+            model, layers = titan_module(ckpt, spec["preset"])
+        else:
+            model = hf_module(ckpt)
+            layers = list(model.model.layers.children())
         mesh = dist.init_device_mesh("cpu", (world,))
-        for layer in model.model.layers.children():
+        for layer in layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         shards = local_shards(model)
         assert all(type(p.data).__name__ == "DTensor" for p in model.parameters())
-        p = plan_transfer(TrainerLayout(dp_shard=world), InferenceLayout(tensor_parallel=spec["tp"]),
+        p = plan_transfer(TrainerLayout(dp_shard=world, naming=naming), InferenceLayout(tensor_parallel=spec["tp"]),
                           PRESETS[spec["preset"]], wire_dtype="float32", bucket_bytes=spec["bucket"])
         sender = TrainerSender.connect(p, rank=rank, host="127.0.0.1", port=transfer_port, timeout_s=120,
                                        external_store=True)
@@ -96,7 +129,8 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("--preset", required=True)
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--fsdp", default="1,2,3")
+    ap.add_argument("--fsdp", default="1,2,3",
+                    help="trainer sizes, one update each; a 't' suffix (e.g. 3t) runs torchtitan's llama3 with fused wqkv")
     ap.add_argument("--work", required=True)
     ap.add_argument("--bucket", type=int, default=1 << 16)
     ap.add_argument("--reference", action="store_true",
@@ -136,16 +170,18 @@ def main() -> int:
     before = llm.collective_rpc("hpcrl_weight_digests")
     ctx = mp.get_context("spawn")
     work = Path(args.work)
-    for k in (int(x) for x in args.fsdp.split(",")):
-        ckpt = perturb(args.model, work / f"{args.preset}-tp{args.tp}-fsdp{k}", seed=100 + k)
-        spec = {"preset": args.preset, "tp": args.tp, "bucket": args.bucket}
+    for entry in args.fsdp.split(","):
+        k, naming = int(entry.rstrip("t")), "torchtitan" if entry.endswith("t") else "hf"
+        ckpt = perturb(args.model, work / f"{args.preset}-tp{args.tp}-fsdp{entry}", seed=100 + k + 50 * (naming != "hf"))
+        spec = {"preset": args.preset, "tp": args.tp, "bucket": args.bucket, "naming": naming}
         fsdp_store, transfer_store = host_store(), host_store()
         results = ctx.Queue()
         procs = [ctx.Process(target=trainer_rank, args=(str(ckpt), spec, r, k, fsdp_store.port, transfer_store.port,
                                                         results)) for r in range(k)]
         for p in procs:
             p.start()
-        p = plan_transfer(TrainerLayout(dp_shard=k), InferenceLayout(tensor_parallel=args.tp), PRESETS[args.preset],
+        p = plan_transfer(TrainerLayout(dp_shard=k, naming=naming), InferenceLayout(tensor_parallel=args.tp),
+                          PRESETS[args.preset],
                           wire_dtype="float32", bucket_bytes=args.bucket)
         llm.init_weight_transfer_engine({"init_info": init_info(
             host="127.0.0.1", port=transfer_store.port, replica=0, trainer=p.trainer, inference=p.inference,
@@ -153,7 +189,7 @@ def main() -> int:
         t1 = time.perf_counter()
         llm.start_weight_update()
         llm.update_weights({"update_info": {"version": k}})
-        llm.finish_weight_update(weight_version=f"fsdp{k}")
+        llm.finish_weight_update(weight_version=f"fsdp{entry}")
         llm.reset_prefix_cache()
         update_s = time.perf_counter() - t1
         trainers = [results.get(timeout=180) for _ in procs]
@@ -169,7 +205,7 @@ def main() -> int:
         ref = llm.collective_rpc("hpcrl_weight_digests")
         gen_ref = generate()
         print(json.dumps({
-            "event": "update", "fsdp": k, "tp": args.tp, "preset": args.preset, "digest": p.digest,
+            "event": "update", "fsdp": k, "naming": naming, "tp": args.tp, "preset": args.preset, "digest": p.digest,
             "checkpoint": str(ckpt), "digests": ours,
             "trainers": trainers, "update_s": update_s, "reload_s": reload_s, "last": last,
             "mismatch": [sorted(n for n in set(o) | set(r) if o.get(n) != r.get(n)) for o, r in zip(ours, ref)],

