@@ -49,3 +49,10 @@ class SlurmError(HpcrlError):
 
 class TrainerError(HpcrlError):
     """The trainer engine cannot build, load or step the model (names the rank and parameter)."""
+
+
+class TransferError(HpcrlError):
+    """A weight transfer failed: bad plan or digest, missing or mis-shaped tensor, peer gone, timeout.
+
+    The message names the parameter and the trainer / inference ranks it concerns.
+    """

@@ -1,4 +1,8 @@
-"""`hpcrl plan CONFIG`: print the resource plan without touching Slurm."""
+"""`hpcrl plan CONFIG`: print the resource plan without touching Slurm.
+
+`hpcrl plan --transfer CONFIG [--link-gbps G]`: the weight-transfer plan instead (bytes per
+trainer and inference rank, versus the minimum and vLLM's own engines, predicted sync time).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,13 @@ def add_parser(subparsers: argparse._SubParsersAction, common: argparse.Argument
         description="Print every component with nodes, tasks, GPUs and ranks, the trainer mesh, "
                     "the inference layout, the model size and a per-GPU memory estimate.")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--transfer", action="store_true",
+                        help="print the weight-transfer plan (trainer FSDP shards -> vLLM TP shards)")
+    parser.add_argument("--link-gbps", type=float, default=400.0, metavar="G",
+                        help="with --transfer: link bandwidth per GPU in Gbit/s for the predicted sync "
+                             "time (default 400, one NDR InfiniBand port)")
+    parser.add_argument("--bucket-mib", type=float, default=64.0, metavar="M",
+                        help="with --transfer: message size in MiB (default 64)")
     parser.set_defaults(func=run)
 
 
@@ -62,6 +73,10 @@ def render_text(plan: ResourcePlan) -> str:
 
 def run(args: argparse.Namespace) -> int:
     config, shape = load_config_and_shape(args.config, cluster=args.cluster, overrides=args.set)
+    if args.transfer:
+        from hpcrl.cli.transfer_view import run_transfer
+        return run_transfer(config, shape, link_gbps=args.link_gbps, bucket_mib=args.bucket_mib,
+                            as_json=args.json)
     plan = plan_resources(config, shape)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))

@@ -1,0 +1,228 @@
+"""Proofs about a transfer plan, independent of how the planner made it.
+
+`check_plan(plan)` (any size; vectorised, about a second for 70B):
+  - every run reads inside the sender's local FSDP shard (torch.chunk size) and writes inside the
+    receiver's parameter, in rows a transfer must write (never vLLM's vocab padding);
+  - per (replica, TP rank, parameter) the written intervals tile the parameter's real elements
+    exactly: every destination element is written exactly once, so every byte sent is needed;
+  - messages are numbered in order, each within one route.
+
+`verify_elements(plan, shape)` (small shapes): runs the plan on index values. Each trainer
+shard is filled with the HF identity (tensor, row, column) of its elements, computed by a
+separate re-implementation of torchtitan's permutation and torch.chunk; each vLLM rank's
+expected parameters are built the way vLLM's weight loaders build them (narrow + concatenate,
+zero padding); the plan must reproduce them element for element.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpcrl.config.model_shapes import ModelShape
+from hpcrl.errors import PlanError
+from hpcrl.plan.transfer_layout import chunk_rows, pad_vocab_size
+from hpcrl.plan.transfer_plan import TransferPlan
+
+
+def _runs(plan: TransferPlan, side: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(block index, start, length) of every contiguous run on `side` ('src' or 'dst')."""
+    b = plan.blocks
+    off, stride, length, count = b[f"{side}_offset"], b[f"{side}_stride"], b["length"], b["count"]
+    dense = (count == 1) | (stride == length)
+    idx_dense = np.nonzero(dense)[0]
+    idx_sparse = np.nonzero(~dense)[0]
+    rep = np.repeat(idx_sparse, count[idx_sparse])
+    within = np.arange(len(rep)) - np.repeat(np.cumsum(count[idx_sparse]) - count[idx_sparse], count[idx_sparse])
+    idx = np.concatenate([idx_dense, rep])
+    start = np.concatenate([off[idx_dense], off[rep] + within * stride[rep]])
+    size = np.concatenate([length[idx_dense] * count[idx_dense], length[rep]])
+    return idx, start, size
+
+
+def _fail(plan: TransferPlan, block: int, problem: str) -> PlanError:
+    b = plan.blocks
+    return PlanError(f"transfer plan {plan.digest[:12]}: {problem} (block {block}: trainer rank "
+                     f"{b['src_rank'][block]} -> replica {b['replica'][block]} TP rank {b['tp_rank'][block]}, "
+                     f"{plan.sources[b['source'][block]].name} -> {plan.dests[b['dest'][block]].name})")
+
+
+def check_plan(plan: TransferPlan) -> None:
+    """Raise PlanError naming the block, ranks and tensors unless the plan is exact (see module doc)."""
+    b = plan.blocks
+    n = plan.num_blocks
+    if n == 0:
+        raise PlanError("transfer plan has no blocks")
+    tp = plan.inference.tensor_parallel
+    for name in ("length", "count"):
+        bad = np.nonzero(b[name] < 1)[0]
+        if len(bad):
+            raise _fail(plan, int(bad[0]), f"{name} {b[name][bad[0]]} < 1")
+    for name, limit in (("src_rank", plan.trainer.world_size), ("replica", plan.inference.replicas),
+                        ("tp_rank", tp), ("source", len(plan.sources)), ("dest", len(plan.dests))):
+        bad = np.nonzero((b[name] < 0) | (b[name] >= limit))[0]
+        if len(bad):
+            raise _fail(plan, int(bad[0]), f"{name} {b[name][bad[0]]} out of range [0, {limit})")
+    # Source bounds: inside the sender's local shard; runs of a block do not overlap.
+    shard = b["src_rank"] % plan.trainer.dp_shard
+    numel = np.zeros((len(plan.sources), plan.trainer.dp_shard), np.int64)
+    for i, s in enumerate(plan.sources):
+        numel[i] = [(e - a) * s.shape[1] for a, e in chunk_rows(s.shape[0], plan.trainer.dp_shard)]
+    src_end = b["src_offset"] + (b["count"] - 1) * b["src_stride"] + b["length"]
+    bad = np.nonzero((b["src_offset"] < 0) | (src_end > numel[b["source"], shard])
+                     | ((b["count"] > 1) & (b["src_stride"] < b["length"])))[0]
+    if len(bad):
+        raise _fail(plan, int(bad[0]), "reads outside the sender's local shard")
+    # Destination: runs tile [0, real elements) of each (replica, tp rank, dest) exactly once.
+    real = np.array([[d.real_rows[r] * d.local_shape[1] for r in range(tp)] for d in plan.dests], np.int64)
+    idx, start, size = _runs(plan, "dst")
+    group = (b["replica"][idx] * tp + b["tp_rank"][idx]) * len(plan.dests) + b["dest"][idx]
+    order = np.lexsort((start, group))
+    idx, start, size, group = idx[order], start[order], size[order], group[order]
+    first = np.ones(len(idx), bool)
+    first[1:] = group[1:] != group[:-1]
+    expected_start = np.where(first, 0, np.roll(start + size, 1))
+    bad = np.nonzero(start != expected_start)[0]
+    if len(bad):
+        i = int(bad[0])
+        what = "leaves elements unwritten before" if start[i] > expected_start[i] else "writes twice at"
+        raise _fail(plan, int(idx[i]), f"{what} element {min(start[i], expected_start[i])} of the destination")
+    last = np.ones(len(idx), bool)
+    last[:-1] = first[1:]
+    limit = real[b["dest"][idx], b["tp_rank"][idx]]
+    bad = np.nonzero(last & (start + size != limit))[0]
+    if len(bad):
+        i = int(bad[0])
+        problem = "writes padding or past the end" if start[i] + size[i] > limit[i] else "leaves the tail unwritten"
+        raise _fail(plan, int(idx[i]), f"{problem}: ends at {start[i] + size[i]}, {limit[i]} elements to write")
+    covered = np.zeros((plan.inference.replicas * tp, len(plan.dests)), bool)
+    covered[(b["replica"] * tp + b["tp_rank"]), b["dest"]] = True
+    missing = np.argwhere(~covered & (real[:, np.arange(plan.inference.replicas * tp) % tp].T > 0))
+    if len(missing):
+        rank, dest = (int(x) for x in missing[0])
+        raise PlanError(f"transfer plan {plan.digest[:12]}: nothing writes {plan.dests[dest].name} on replica "
+                        f"{rank // tp} TP rank {rank % tp}")
+    # Messages: non-decreasing, never shared by two routes.
+    key = np.stack([b["src_rank"], b["replica"], b["tp_rank"]], axis=1)
+    msg = b["message"]
+    step = np.diff(msg)
+    route_change = np.any(key[1:] != key[:-1], axis=1)
+    bad = np.nonzero((step < 0) | (step > 1) | (route_change & (step != 1)))[0]
+    if len(bad) or msg[0] != 0:
+        raise _fail(plan, int(bad[0]) + 1 if len(bad) else 0, "messages are not numbered in route order")
+
+
+# ---- element-level verification (small shapes) -------------------------------------------
+
+
+def _hf_ids(shape: ModelShape) -> dict[str, np.ndarray]:
+    """Every HF tensor filled with globally unique ids (2-D, 1-D as one column)."""
+    out, base = {}, 0
+    for name, dims in shape.hf_parameters():
+        rows, cols = dims[0], (dims[1] if len(dims) == 2 else 1)
+        out[name] = np.arange(base, base + rows * cols, dtype=np.int64).reshape(rows, cols)
+        base += rows * cols
+    return out
+
+
+def _trainer_tensors(plan: TransferPlan, shape: ModelShape, hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    if plan.trainer.naming == "hf":
+        return dict(hf)
+    # torchtitan: inverse of its to_hf `_permute` (view(nh, d/2, 2, C).transpose(1, 2)).
+    def to_tt(w: np.ndarray, heads: int) -> np.ndarray:
+        d = w.shape[0] // heads
+        return w.reshape(heads, 2, d // 2, -1).transpose(0, 2, 1, 3).reshape(w.shape)
+    nh, nkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    out = {}
+    names = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+             "lm_head.weight": "lm_head.weight"}
+    for i in range(shape.num_layers):
+        p, t = f"model.layers.{i}.", f"layers.{i}."
+        names.update({p + "input_layernorm.weight": t + "attention_norm.weight",
+                      p + "self_attn.o_proj.weight": t + "attention.wo.weight",
+                      p + "post_attention_layernorm.weight": t + "ffn_norm.weight",
+                      p + "mlp.gate_proj.weight": t + "feed_forward.w1.weight",
+                      p + "mlp.up_proj.weight": t + "feed_forward.w3.weight",
+                      p + "mlp.down_proj.weight": t + "feed_forward.w2.weight"})
+        q = to_tt(hf[p + "self_attn.q_proj.weight"], nh)
+        k = to_tt(hf[p + "self_attn.k_proj.weight"], nkv)
+        v = hf[p + "self_attn.v_proj.weight"]
+        if plan.trainer.fuse_qkv:
+            g = nh // nkv
+            out[t + "attention.qkv_linear.wqkv.weight"] = np.concatenate(
+                [np.concatenate([q[j * g * d:(j + 1) * g * d], k[j * d:(j + 1) * d], v[j * d:(j + 1) * d]])
+                 for j in range(nkv)])
+        else:
+            out[t + "attention.qkv_linear.wq.weight"] = q
+            out[t + "attention.qkv_linear.wk.weight"] = k
+            out[t + "attention.qkv_linear.wv.weight"] = v
+    for hf_name, w in hf.items():
+        if hf_name in names:
+            out[names[hf_name]] = w
+    return out
+
+
+def _vllm_expected(plan: TransferPlan, shape: ModelShape, hf: dict[str, np.ndarray], r: int) -> dict[str, np.ndarray]:
+    """One TP rank's parameters as vLLM's weight loaders would fill them (-1 = padding)."""
+    tp = plan.inference.tensor_parallel
+    nh, d = shape.num_heads // tp, shape.head_dim
+    reps = tp // shape.num_kv_heads if tp >= shape.num_kv_heads else 1
+    nkv = max(1, shape.num_kv_heads // tp)
+    out = {}
+    for name, w in hf.items():
+        if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias",
+                          "up_proj.weight")):
+            continue
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            kind = name.rsplit(".", 1)[1]
+            base = name[: -len("q_proj." + kind)]
+            kv_rank = r // reps
+            parts = [w[r * nh * d:(r + 1) * nh * d]]
+            parts += [hf[f"{base}{x}_proj.{kind}"][kv_rank * nkv * d:(kv_rank + 1) * nkv * d] for x in "kv"]
+            out[f"{base}qkv_proj.{kind}"] = np.concatenate(parts)
+        elif name.endswith("gate_proj.weight"):
+            f = w.shape[0] // tp
+            up = hf[name.replace("gate_proj", "up_proj")]
+            out[name.replace("gate_proj", "gate_up_proj")] = np.concatenate([w[r * f:(r + 1) * f], up[r * f:(r + 1) * f]])
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            k = w.shape[1] // tp
+            out[name] = w[:, r * k:(r + 1) * k]
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            per = pad_vocab_size(w.shape[0], plan.inference.vocab_padding) // tp
+            local = np.full((per, w.shape[1]), -1, np.int64)
+            part = w[r * per:(r + 1) * per]
+            local[:len(part)] = part
+            out[name] = local
+        else:
+            out[name] = w
+    return out
+
+
+def verify_elements(plan: TransferPlan, shape: ModelShape) -> None:
+    """Run the plan on element ids; raise PlanError naming the first wrong element."""
+    hf = _hf_ids(shape)
+    trainer = _trainer_tensors(plan, shape, hf)
+    shards = plan.trainer.dp_shard
+    local = {}
+    for s in plan.sources:
+        chunks = chunk_rows(s.shape[0], shards)
+        local[s.name] = [trainer[s.name][a:e].reshape(-1) for a, e in chunks]
+    tp = plan.inference.tensor_parallel
+    b = plan.blocks
+    for rep in range(plan.inference.replicas):
+        for r in range(tp):
+            expected = _vllm_expected(plan, shape, hf, r)
+            got = {d.name: np.full(d.local_shape, -1, np.int64).reshape(-1) for d in plan.dests}
+            for i in np.nonzero((b["replica"] == rep) & (b["tp_rank"] == r))[0]:
+                src = local[plan.sources[b["source"][i]].name][b["src_rank"][i] % shards]
+                dst = got[plan.dests[b["dest"][i]].name]
+                for j in range(b["count"][i]):
+                    so, do = b["src_offset"][i] + j * b["src_stride"][i], b["dst_offset"][i] + j * b["dst_stride"][i]
+                    dst[do:do + b["length"][i]] = src[so:so + b["length"][i]]
+            for d in plan.dests:
+                want = expected[d.name].reshape(-1)
+                have = got[d.name]
+                if want.shape != have.shape or not np.array_equal(want, have):
+                    k = int(np.argmax(want != have)) if want.shape == have.shape else -1
+                    raise PlanError(f"transfer plan {plan.digest[:12]}: replica {rep} TP rank {r} {d.name} "
+                                    f"element {k}: expected id {want[k] if k >= 0 else want.shape}, "
+                                    f"got {have[k] if k >= 0 else have.shape}")

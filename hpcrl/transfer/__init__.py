@@ -1,0 +1,10 @@
+"""Executing weight-transfer plans: trainer FSDP shards -> live vLLM parameters, point to point.
+
+  group.py         a gloo process group spanning trainer ranks and vLLM workers, digest handshake
+  execute.py       messages of a plan for one rank; pack, send, receive, unpack (torch only)
+  trainer.py       the trainer side: send from local FSDP shards, never full_tensor()
+  vllm_adapter.py  the vLLM side: a WeightTransferEngine ("hpcrl") and a worker extension
+
+Ranks in the transfer group: trainer rank t is t; inference (replica j, TP rank r) is
+trainer_world_size + j * tensor_parallel + r.
+"""

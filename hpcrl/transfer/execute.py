@@ -1,0 +1,190 @@
+"""Run one rank's part of a transfer plan over a process group (torch only, any device).
+
+A message is a run of consecutive plan blocks of one route (plan.blocks["message"]). The sender
+packs each block's `count` strided runs out of its local shard (torch.as_strided, casting to the
+wire dtype) into one buffer and `send`s it with the message number as tag; the receiver posts
+every `recv` up front (so no ordering of sends can deadlock), then unpacks each buffer into its
+destination tensors in plan order. Senders keep at most `window` messages in flight.
+
+Failures (a peer gone, a timeout, a tensor missing or mis-shaped) raise TransferError naming
+the message, its parameters and both ranks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import numpy as np
+import torch
+
+from hpcrl.errors import TransferError
+from hpcrl.plan.transfer_layout import chunk_rows
+from hpcrl.plan.transfer_plan import TransferPlan
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Message:
+    id: int
+    src_rank: int
+    replica: int
+    tp_rank: int
+    start: int
+    """First block (index into plan.blocks)."""
+    stop: int
+    numel: int
+
+
+def messages(plan: TransferPlan) -> list[Message]:
+    """Every message of the plan, in plan order."""
+    b = plan.blocks
+    if not plan.num_blocks:
+        return []
+    starts = np.flatnonzero(np.r_[True, b["message"][1:] != b["message"][:-1]])
+    stops = np.r_[starts[1:], plan.num_blocks]
+    numel = np.add.reduceat(b["length"] * b["count"], starts)
+    return [Message(id=int(b["message"][s]), src_rank=int(b["src_rank"][s]), replica=int(b["replica"][s]),
+                    tp_rank=int(b["tp_rank"][s]), start=int(s), stop=int(e), numel=int(n))
+            for s, e, n in zip(starts, stops, numel)]
+
+
+def inference_group_rank(plan: TransferPlan, replica: int, tp_rank: int) -> int:
+    return plan.trainer.world_size + replica * plan.inference.tensor_parallel + tp_rank
+
+
+def describe_group_rank(plan: TransferPlan, rank: int) -> str:
+    if rank < plan.trainer.world_size:
+        return f"trainer rank {rank}"
+    replica, tp_rank = divmod(rank - plan.trainer.world_size, plan.inference.tensor_parallel)
+    return f"replica {replica} TP rank {tp_rank}"
+
+
+def _what(plan: TransferPlan, m: Message, side: str) -> str:
+    b = plan.blocks
+    names = sorted({plan.dests[d].name if side == "dest" else plan.sources[d].name
+                    for d in b[side][m.start:m.stop]})
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (f"message {m.id} ({m.numel * plan.itemsize} bytes of {shown}) from trainer rank {m.src_rank} to "
+            f"replica {m.replica} TP rank {m.tp_rank}")
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+
+
+def check_sources(plan: TransferPlan, rank: int, sources: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
+    """This trainer rank's local shards by plan source index; TransferError if one is missing or mis-shaped."""
+    shard = rank % plan.trainer.dp_shard
+    used = set(plan.blocks["source"][plan.blocks["src_rank"] == rank].tolist())
+    out: list[torch.Tensor | None] = [None] * len(plan.sources)
+    for i in sorted(used):
+        s = plan.sources[i]
+        a, e = chunk_rows(s.shape[0], plan.trainer.dp_shard)[shard]
+        want = (e - a, s.shape[1])
+        t = sources.get(s.name)
+        if t is None:
+            raise TransferError(f"trainer rank {rank} has no tensor {s.name!r} to send (the plan needs rows "
+                                f"[{a}, {e}) of it); it has {len(sources)} tensors")
+        if t.numel() != want[0] * want[1] or (t.dim() and t.shape[0] != want[0]):
+            raise TransferError(f"trainer rank {rank}: local shard of {s.name} is {tuple(t.shape)}, the plan "
+                                f"expects {want} (rows [{a}, {e}) of {s.shape}, torch.chunk over "
+                                f"dp_shard {plan.trainer.dp_shard})")
+        out[i] = _flat(t)
+    return out
+
+
+def check_dests(plan: TransferPlan, replica: int, tp_rank: int, dests: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Destination tensors by plan dest index; TransferError naming the parameter if one does not fit."""
+    wire = TORCH_DTYPES[plan.wire_dtype]
+    out = []
+    for d in plan.dests:
+        t = dests.get(d.name)
+        where = f"replica {replica} TP rank {tp_rank}"
+        if t is None:
+            raise TransferError(f"{where} has no parameter {d.name!r} to receive into")
+        if tuple(t.shape) not in (d.local_shape, (d.local_shape[0],) if d.local_shape[1] == 1 else ()):
+            raise TransferError(f"{where}: {d.name} is {tuple(t.shape)}, the plan expects {d.local_shape}")
+        if t.dtype != wire:
+            raise TransferError(f"{where}: {d.name} is {t.dtype}, the plan's wire dtype is {plan.wire_dtype}")
+        if not t.is_contiguous():
+            raise TransferError(f"{where}: {d.name} is not contiguous; cannot receive into it in place")
+        out.append(t.view(-1))
+    return out
+
+
+def pack(plan: TransferPlan, m: Message, sources: list[torch.Tensor | None], out: torch.Tensor) -> None:
+    b, pos = plan.blocks, 0
+    for i in range(m.start, m.stop):
+        src = sources[b["source"][i]]
+        count, length = int(b["count"][i]), int(b["length"][i])
+        view = src.as_strided((count, length), (int(b["src_stride"][i]), 1),
+                              src.storage_offset() + int(b["src_offset"][i]))
+        out[pos:pos + count * length].view(count, length).copy_(view)
+        pos += count * length
+
+
+def unpack(plan: TransferPlan, m: Message, buf: torch.Tensor, dests: list[torch.Tensor]) -> None:
+    b, pos = plan.blocks, 0
+    for i in range(m.start, m.stop):
+        dst = dests[b["dest"][i]]
+        count, length = int(b["count"][i]), int(b["length"][i])
+        view = dst.as_strided((count, length), (int(b["dst_stride"][i]), 1),
+                              dst.storage_offset() + int(b["dst_offset"][i]))
+        view.copy_(buf[pos:pos + count * length].view(count, length))
+        pos += count * length
+
+
+def send(pg, plan: TransferPlan, rank: int, sources: list[torch.Tensor | None], *, timeout_s: float,
+         window: int = 8) -> int:
+    """Send every message of trainer `rank`; returns the bytes sent."""
+    wire = TORCH_DTYPES[plan.wire_dtype]
+    timeout = timedelta(seconds=timeout_s)
+    pending: deque = deque()
+    sent = 0
+
+    def wait_oldest() -> None:
+        m, work, _ = pending.popleft()
+        try:
+            work.wait(timeout)
+        except Exception as err:  # noqa: BLE001 - re-raised naming the message and ranks
+            raise TransferError(f"sending {_what(plan, m, 'source')} failed: {err}") from err
+
+    for m in messages(plan):
+        if m.src_rank != rank:
+            continue
+        buf = torch.empty(m.numel, dtype=wire)
+        pack(plan, m, sources, buf)
+        pending.append((m, pg.send([buf], inference_group_rank(plan, m.replica, m.tp_rank), m.id), buf))
+        sent += m.numel * plan.itemsize
+        while len(pending) > window:
+            wait_oldest()
+    while pending:
+        wait_oldest()
+    return sent
+
+
+def receive(pg, plan: TransferPlan, replica: int, tp_rank: int, dests: list[torch.Tensor], *, timeout_s: float,
+            on_message: Callable[[Message], None] | None = None) -> int:
+    """Receive every message for (replica, tp_rank) into `dests`; returns the bytes received."""
+    wire = TORCH_DTYPES[plan.wire_dtype]
+    timeout = timedelta(seconds=timeout_s)
+    posted = []
+    for m in messages(plan):
+        if m.replica == replica and m.tp_rank == tp_rank:
+            buf = torch.empty(m.numel, dtype=wire)
+            posted.append((m, buf, pg.recv([buf], m.src_rank, m.id)))
+    received = 0
+    for m, buf, work in posted:
+        try:
+            work.wait(timeout)
+        except Exception as err:  # noqa: BLE001 - re-raised naming the message and ranks
+            raise TransferError(f"receiving {_what(plan, m, 'dest')} failed: {err}") from err
+        unpack(plan, m, buf, dests)
+        received += m.numel * plan.itemsize
+        if on_message is not None:
+            on_message(m)
+    return received

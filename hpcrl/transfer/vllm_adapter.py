@@ -1,0 +1,225 @@
+"""The vLLM side of a weight transfer: our engine in vLLM's weight-transfer registry, and a worker extension.
+
+The only hpcrl module that imports vLLM's worker internals. Use vLLM's own entry points:
+
+    llm = LLM(model=..., worker_extension_cls="hpcrl.transfer.vllm_adapter.HpcrlWorkerExtension",
+              weight_transfer_config={"backend": "hpcrl"})
+    llm.init_weight_transfer_engine({"init_info": init_info(...)})   # once: joins the group, digests
+    llm.start_weight_update(); llm.update_weights({"update_info": {"version": 3}})
+    llm.finish_weight_update(weight_version="3"); llm.reset_prefix_cache()
+
+Registration: vLLM creates the engine inside each worker process (Worker.load_model ->
+WeightTransferEngineFactory.create_engine), and CPU workers are spawned, so the engine must be
+registered in the worker. Workers import `worker_extension_cls` before loading the model
+(vllm/v1/worker/worker_base.py), so importing this module registers "hpcrl" (idempotent): the
+one import-time side effect, and the reason it lives here.
+
+Receiving: every worker computes the plan itself from the layouts in the init info and the
+model's HF config, compares digests with every trainer rank and worker, then receives its
+messages straight into the live parameters. On CPU, vLLM repacks linear weights for oneDNN and
+leaves the parameter an empty [0] tensor (vllm/model_executor/layers/utils.py,
+dispatch_cpu_unquantized_gemm; lm_head keeps its weight but computes from a packed copy), so
+start_weight_update gives each such layer a fresh unpacked tensor to receive into and
+finish_weight_update re-runs the layer's `quant_method.process_weights_after_loading`, the same
+step vLLM runs after loading. Generation cannot interleave: update_weights is one blocking
+collective_rpc, so no half-written fused module is ever used (reset the prefix cache after).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from hpcrl.config.model_shapes import from_hf_config
+from hpcrl.errors import TransferError
+from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
+from hpcrl.plan.transfer_planner import plan as plan_transfer
+from hpcrl.transfer import execute
+from hpcrl.transfer.group import TransferGroup, check_digests, open_gloo_group
+
+ENGINE_NAME = "hpcrl"
+
+
+def init_info(*, host: str, port: int, replica: int, trainer: TrainerLayout, inference: InferenceLayout,
+              wire_dtype: str, bucket_bytes: int, timeout_s: float = 120.0, external_store: bool = False,
+              digest: str = "") -> dict[str, Any]:
+    """The `init_info` dict for `LLM.init_weight_transfer_engine` (plain data: crosses collective_rpc)."""
+    return dict(host=host, port=port, replica=replica, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes,
+                timeout_s=timeout_s, external_store=external_store, digest=digest,
+                trainer=dict(dp_replicate=trainer.dp_replicate, dp_shard=trainer.dp_shard, naming=trainer.naming,
+                             fuse_qkv=trainer.fuse_qkv),
+                inference=dict(replicas=inference.replicas, tensor_parallel=inference.tensor_parallel,
+                               vocab_padding=inference.vocab_padding))
+
+
+@dataclass
+class HpcrlInitInfo(WeightTransferInitInfo):
+    host: str
+    port: int
+    replica: int
+    trainer: dict
+    inference: dict
+    wire_dtype: str
+    bucket_bytes: int
+    timeout_s: float = 120.0
+    external_store: bool = False
+    digest: str = ""
+    """When set, the digest the caller planned with; a worker that plans differently fails at once."""
+
+
+@dataclass
+class HpcrlUpdateInfo(WeightTransferUpdateInfo):
+    version: int = 0
+
+
+class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateInfo]):
+    """Receives this worker's share of a TransferPlan from the trainer ranks (see module docstring)."""
+
+    init_info_cls = HpcrlInitInfo
+    update_info_cls = HpcrlUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.plan = None
+        self.group: TransferGroup | None = None
+        self.replica = self.tp_rank = 0
+        self._targets: dict[str, torch.Tensor] = {}
+        self._reprocess: list[torch.nn.Module] = []
+        self.last = {}
+
+    # -- set-up ---------------------------------------------------------------------------
+    def init_transfer_engine(self, info: HpcrlInitInfo) -> None:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        if self.group is not None:  # a new plan (e.g. the trainer was resized): leave the old group
+            self.shutdown()
+        shape = from_hf_config(self.model_config.hf_config.to_dict(), where="the served model's config")
+        inference = InferenceLayout(**info.inference)
+        if inference.tensor_parallel != self.parallel_config.tensor_parallel_size:
+            raise TransferError(f"the plan has TP {inference.tensor_parallel}, this engine runs TP "
+                                f"{self.parallel_config.tensor_parallel_size}")
+        self.plan = plan_transfer(TrainerLayout(**info.trainer), inference, shape, wire_dtype=info.wire_dtype,
+                                  bucket_bytes=info.bucket_bytes)
+        self.replica, self.tp_rank = info.replica, get_tensor_model_parallel_rank()
+        me = execute.describe_group_rank(self.plan, execute.inference_group_rank(self.plan, self.replica, self.tp_rank))
+        if info.digest and info.digest != self.plan.digest:
+            raise TransferError(f"{me} planned {self.plan.digest[:12]}, the caller {info.digest[:12]}: the served "
+                                "model or the layouts differ from what the caller planned with")
+        self.timeout_s = info.timeout_s
+        rank = execute.inference_group_rank(self.plan, self.replica, self.tp_rank)
+        world = self.plan.trainer.world_size + inference.replicas * inference.tensor_parallel
+        self.group = open_gloo_group(host=info.host, port=info.port, rank=rank, world_size=world,
+                                     timeout_s=info.timeout_s, external_store=info.external_store)
+        check_digests(self.group.pg, rank=rank, digest=self.plan.digest,
+                      describe=lambda r: execute.describe_group_rank(self.plan, r))
+
+    # -- one update -----------------------------------------------------------------------
+    def start_weight_update(self) -> None:
+        """Find the live tensor of every planned parameter; on CPU, unpacked tensors to receive into."""
+        from vllm.platforms import current_platform
+
+        if self.plan is None:
+            raise TransferError("start_weight_update before init_weight_transfer_engine")
+        params = dict(self.model.named_parameters())
+        on_cpu = current_platform.is_cpu()
+        self._targets, self._reprocess = {}, []
+        where = f"replica {self.replica} TP rank {self.tp_rank}"
+        written = set()
+        for d in self.plan.dests:
+            module_name, _, attr = d.name.rpartition(".")
+            module = self.model.get_submodule(module_name)
+            param = params.get(d.name)
+            if param is None:
+                raise TransferError(f"{where}: the served model has no parameter {d.name!r}")
+            target = param.data
+            if target.numel() == 0 and d.local_shape[0] * d.local_shape[1]:
+                # Repacked for oneDNN on CPU: receive into a fresh unpacked tensor, repack at finish.
+                target = torch.empty(d.local_shape, dtype=param.dtype, device=param.device)
+                setattr(module, attr, torch.nn.Parameter(target, requires_grad=False))
+            written.add(id(getattr(module, attr)))
+            self._targets[d.name] = target
+        if on_cpu:
+            # Every module computing from a written parameter repacks it, including a tied lm_head
+            # (its `weight` *is* embed_tokens.weight, but its packed copy is its own).
+            for module in self.model.modules():
+                if (hasattr(getattr(module, "quant_method", None), "process_weights_after_loading")
+                        and any(id(p) in written for p in module.parameters(recurse=False))):
+                    self._reprocess.append(module)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class calls torch.accelerator.synchronize(), which raises on CPU.
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: HpcrlUpdateInfo) -> None:
+        if not self._targets:
+            raise TransferError("update_weights outside start_weight_update / finish_weight_update")
+        t0 = time.perf_counter()
+        dests = execute.check_dests(self.plan, self.replica, self.tp_rank, self._targets)
+        with torch.no_grad():
+            received = execute.receive(self.group.pg, self.plan, self.replica, self.tp_rank, dests,
+                                       timeout_s=self.timeout_s)
+        self.last = {"version": update_info.version, "bytes": received, "receive_s": time.perf_counter() - t0}
+
+    def finish_weight_update(self) -> None:
+        t0 = time.perf_counter()
+        for module in self._reprocess:
+            module.quant_method.process_weights_after_loading(module)
+        self._targets, self._reprocess = {}, []
+        self.last["finish_s"] = time.perf_counter() - t0
+
+    def shutdown(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()
+
+
+def register() -> None:
+    """Put "hpcrl" in vLLM's weight-transfer registry of this process (idempotent)."""
+    if ENGINE_NAME not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(ENGINE_NAME, HpcrlWeightTransferEngine)
+
+
+register()
+
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+class HpcrlWorkerExtension:
+    """Methods vLLM mixes into its Worker (`worker_extension_cls`), called with `collective_rpc`."""
+
+    def hpcrl_weight_digests(self) -> dict[str, str]:
+        """sha256 of every weight this rank computes with: non-empty parameters, and for layers whose
+        weight vLLM repacked (CPU), the effective matrix read back through the packed kernel
+        (cpu_linear(I) = I W^T = W^T: exact, one non-zero product per output)."""
+        model = self.model_runner.get_model()
+        out = {name: _sha(p) for name, p in model.named_parameters() if p.numel()}
+        with torch.no_grad():
+            for name, module in model.named_modules():
+                kernel = getattr(module, "cpu_linear", None)
+                size = getattr(module, "input_size_per_partition", None)
+                if kernel is None or size is None:
+                    continue
+                dtype = next((p.dtype for p in module.parameters()), torch.float32)
+                eye = torch.eye(size, dtype=dtype)
+                out[f"{name}.weight@kernel"] = _sha(kernel(eye, module.weight, None).t().contiguous())
+        return out
+
+    def hpcrl_last_update(self) -> dict:
+        """Bytes and seconds of this rank's last received update."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return dict(getattr(engine, "last", {}) or {})

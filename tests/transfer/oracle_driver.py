@@ -1,0 +1,222 @@
+"""One vLLM engine (tiny model, TP 1 or 2) against trainer ranks with real FSDP2 shards.
+
+Run by test_vllm_oracle.py as a subprocess in its own session (so the test can SIGKILL every
+engine process it leaves). For each FSDP size: perturb the checkpoint, start that many trainer
+processes (fully_shard over gloo of the checkpoint's tensors under their HF names), transfer
+through vLLM's weight-transfer API with our engine, take digests of every weight each vLLM rank computes with and a greedy generation;
+then let vLLM reload the same checkpoint through its own load_weights path (`reload_weights`)
+and take them again. Prints one JSON line per FSDP size.
+
+    python tests/transfer/oracle_driver.py MODEL_DIR --preset tiny-llama --tp 2 --fsdp 1,2,3 --work DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = ["1+2=", "rev abc:", "hello world", "7*6="]
+
+
+def perturb(model_dir: str, out: Path, seed: int) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(model_dir) / name).is_file():
+            shutil.copy(Path(model_dir) / name, out / name)
+    return out
+
+
+def hf_module(ckpt: str):
+    """The checkpoint's tensors as parameters of nested modules named like the HF model (no transformers
+    import: trainer processes start in a couple of seconds)."""
+    import torch
+    from safetensors.torch import load_file
+
+    root = torch.nn.Module()
+    for name, tensor in load_file(str(Path(ckpt) / "model.safetensors")).items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(tensor.float()))
+    return root
+
+
+def titan_module(ckpt: str, preset: str):
+    """torchtitan's llama3 (fused wqkv) holding the checkpoint, loaded through torchtitan's own adapter."""
+    import torch
+    from safetensors.torch import load_file
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init
+    from torchtitan.models.llama3.model import Llama3Model
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+    from hpcrl.config.model_shapes import PRESETS
+    s = PRESETS[preset]
+    config = Llama3Model.Config(
+        dim=s.hidden_size, vocab_size=s.vocab_size,
+        tok_embeddings=Embedding.Config(num_embeddings=s.vocab_size, embedding_dim=s.hidden_size,
+                                        param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=s.hidden_size, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=s.hidden_size, out_features=s.vocab_size,
+                              param_init=_output_linear_init(s.hidden_size)),
+        layers=_build_llama3_layers(fuse_qkv=True, n_layers=s.num_layers, dim=s.hidden_size, n_heads=s.num_heads,
+                                    n_kv_heads=s.num_kv_heads, hidden_dim=s.intermediate_size, attn_backend="flex",
+                                    rope=ComplexRoPE.Config(dim=s.head_dim, max_seq_len=1024, theta=s.rope_theta)))
+    model = config.build()
+    hf = load_file(str(Path(ckpt) / "model.safetensors"))
+    model.load_state_dict(Llama3StateDictAdapter(config, None).from_hf({k: v.float() for k, v in hf.items()}),
+                          strict=True)
+    return model, list(model.layers.children())
+
+
+def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_port: int, transfer_port: int, results) -> None:
+    try:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        from hpcrl.config.model_shapes import PRESETS
+        from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
+        from hpcrl.plan.transfer_planner import plan as plan_transfer
+        from hpcrl.transfer.trainer import TrainerSender, local_shards
+
+        store = dist.TCPStore("127.0.0.1", fsdp_port, world, is_master=False)
+        dist.init_process_group("gloo", store=dist.PrefixStore("fsdp", store), rank=rank, world_size=world)
+        naming = spec.get("naming", "hf")
+        if naming == "torchtitan":
+            model, layers = titan_module(ckpt, spec["preset"])
+        else:
+            model = hf_module(ckpt)
+            layers = list(model.model.layers.children())
+        mesh = dist.init_device_mesh("cpu", (world,))
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        shards = local_shards(model)
+        assert all(type(p.data).__name__ == "DTensor" for p in model.parameters())
+        p = plan_transfer(TrainerLayout(dp_shard=world, naming=naming), InferenceLayout(tensor_parallel=spec["tp"]),
+                          PRESETS[spec["preset"]], wire_dtype="float32", bucket_bytes=spec["bucket"])
+        sender = TrainerSender.connect(p, rank=rank, host="127.0.0.1", port=transfer_port, timeout_s=120,
+                                       external_store=True)
+        sent = sender.send(shards)
+        results.put((rank, "ok", {"sent": sent, "seconds": sender.last_seconds,
+                                  "local_rows": {k: list(v.shape) for k, v in list(shards.items())[:3]}}))
+        sender.close()
+        dist.destroy_process_group()
+    except BaseException as err:  # noqa: BLE001 - reported to the driver
+        results.put((rank, type(err).__name__, f"{err}\n{traceback.format_exc()[-1500:]}"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--preset", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--fsdp", default="1,2,3",
+                    help="trainer sizes, one update each; a 't' suffix (e.g. 3t) runs torchtitan's llama3 with fused wqkv")
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--bucket", type=int, default=1 << 16)
+    ap.add_argument("--reference", action="store_true",
+                    help="only load MODEL with vLLM's own loader and print its digests and generation")
+    args = ap.parse_args()
+    sys.path.insert(0, str(REPO))
+    os.environ["PYTHONPATH"] = f"{REPO}:{os.environ.get('PYTHONPATH', '')}"
+    if args.tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % os.cpu_count()) for i in range(args.tp)))
+    import torch.distributed as dist
+    from vllm import LLM, SamplingParams
+
+    from hpcrl.config.model_shapes import PRESETS
+    from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
+    from hpcrl.plan.transfer_planner import plan as plan_transfer
+    from hpcrl.transfer.group import host_store
+    from hpcrl.transfer.vllm_adapter import init_info
+
+    t0 = time.perf_counter()
+    kwargs = dict(model=args.model, tensor_parallel_size=args.tp, dtype="float32", seed=0, max_model_len=128,
+                  gpu_memory_utilization=0.15, enforce_eager=True, enable_prefix_caching=False,
+                  worker_extension_cls="hpcrl.transfer.vllm_adapter.HpcrlWorkerExtension",
+                  weight_transfer_config={"backend": "hpcrl"})
+    if args.tp > 1:
+        kwargs["distributed_executor_backend"] = "mp"
+    llm = LLM(**kwargs)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+
+    def generate() -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+
+    print(json.dumps({"event": "engine", "seconds": time.perf_counter() - t0}), flush=True)
+    if args.reference:
+        print(json.dumps({"event": "reference", "digests": llm.collective_rpc("hpcrl_weight_digests"),
+                          "generation": generate()}), flush=True)
+        return 0
+    before = llm.collective_rpc("hpcrl_weight_digests")
+    ctx = mp.get_context("spawn")
+    work = Path(args.work)
+    for entry in args.fsdp.split(","):
+        k, naming = int(entry.rstrip("t")), "torchtitan" if entry.endswith("t") else "hf"
+        ckpt = perturb(args.model, work / f"{args.preset}-tp{args.tp}-fsdp{entry}", seed=100 + k + 50 * (naming != "hf"))
+        spec = {"preset": args.preset, "tp": args.tp, "bucket": args.bucket, "naming": naming}
+        fsdp_store, transfer_store = host_store(), host_store()
+        results = ctx.Queue()
+        procs = [ctx.Process(target=trainer_rank, args=(str(ckpt), spec, r, k, fsdp_store.port, transfer_store.port,
+                                                        results)) for r in range(k)]
+        for p in procs:
+            p.start()
+        p = plan_transfer(TrainerLayout(dp_shard=k, naming=naming), InferenceLayout(tensor_parallel=args.tp),
+                          PRESETS[args.preset],
+                          wire_dtype="float32", bucket_bytes=args.bucket)
+        llm.init_weight_transfer_engine({"init_info": init_info(
+            host="127.0.0.1", port=transfer_store.port, replica=0, trainer=p.trainer, inference=p.inference,
+            wire_dtype="float32", bucket_bytes=args.bucket, timeout_s=120, external_store=True, digest=p.digest)})
+        t1 = time.perf_counter()
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"version": k}})
+        llm.finish_weight_update(weight_version=f"fsdp{entry}")
+        llm.reset_prefix_cache()
+        update_s = time.perf_counter() - t1
+        trainers = [results.get(timeout=180) for _ in procs]
+        for proc in procs:
+            proc.join(timeout=30)
+        ours = llm.collective_rpc("hpcrl_weight_digests")
+        last = llm.collective_rpc("hpcrl_last_update")
+        gen_ours = generate()
+        t2 = time.perf_counter()
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(ckpt), "is_checkpoint_format": True})
+        llm.reset_prefix_cache()
+        reload_s = time.perf_counter() - t2
+        ref = llm.collective_rpc("hpcrl_weight_digests")
+        gen_ref = generate()
+        print(json.dumps({
+            "event": "update", "fsdp": k, "naming": naming, "tp": args.tp, "preset": args.preset, "digest": p.digest,
+            "checkpoint": str(ckpt), "digests": ours,
+            "trainers": trainers, "update_s": update_s, "reload_s": reload_s, "last": last,
+            "mismatch": [sorted(n for n in set(o) | set(r) if o.get(n) != r.get(n)) for o, r in zip(ours, ref)],
+            "unchanged": [sorted(n for n in o if o[n] == b.get(n)) for o, b in zip(ours, before)],
+            "generation_equal": gen_ours == gen_ref, "generation": gen_ours,
+            "weight_version": llm.get_weight_version()}), flush=True)
+        before = ref
+        fsdp_store, transfer_store = None, None
+    del dist
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""Processes for the transfer tests: trainer ranks and receivers that are not vLLM (spawned)."""
+
+from __future__ import annotations
+
+import traceback
+
+import numpy as np
+
+
+def _plan(spec: dict):
+    from hpcrl.config.model_shapes import PRESETS
+    from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
+    from hpcrl.plan.transfer_planner import plan
+    shape = PRESETS[spec["preset"]]
+    p = plan(TrainerLayout(**spec["trainer"]), InferenceLayout(**spec["inference"]), shape,
+             wire_dtype=spec.get("wire_dtype", "float32"), bucket_bytes=spec.get("bucket", 1 << 16))
+    return p, shape
+
+
+def id_shards(p, shape, rank: int) -> dict:
+    """This trainer rank's local shards of tensors filled with element ids (as float32)."""
+    import torch
+    from hpcrl.plan.transfer_check import _hf_ids, _trainer_tensors
+    from hpcrl.plan.transfer_layout import chunk_rows
+    tensors = _trainer_tensors(p, shape, _hf_ids(shape))
+    out = {}
+    for s in p.sources:
+        a, e = chunk_rows(s.shape[0], p.trainer.dp_shard)[rank % p.trainer.dp_shard]
+        out[s.name] = torch.from_numpy(tensors[s.name][a:e].astype(np.float32))
+    return out
+
+
+def trainer(spec: dict, rank: int, port: int, results) -> None:
+    try:
+        from hpcrl.transfer.trainer import TrainerSender
+        p, shape = _plan(spec)
+        sender = TrainerSender.connect(p, rank=rank, host="127.0.0.1", port=port, timeout_s=spec.get("timeout", 60),
+                                       external_store=True)
+        if spec.get("die_before_send") == rank:
+            import os
+            os._exit(3)
+        sent = sender.send(id_shards(p, shape, rank))
+        results.put(("trainer", rank, "ok", sent))
+    except BaseException as err:  # noqa: BLE001 - reported to the test
+        results.put(("trainer", rank, type(err).__name__, f"{err}\n{traceback.format_exc()[-600:]}"))
+
+
+def receiver(spec: dict, replica: int, tp_rank: int, port: int, results) -> None:
+    try:
+        import torch
+        from hpcrl.plan.transfer_check import _hf_ids, _vllm_expected
+        from hpcrl.transfer import execute
+        from hpcrl.transfer.group import check_digests, open_gloo_group
+        spec_here = dict(spec, **spec.get("receiver_override", {}))
+        p, shape = _plan(spec_here)
+        rank = execute.inference_group_rank(p, replica, tp_rank)
+        world = p.trainer.world_size + p.inference.replicas * p.inference.tensor_parallel
+        group = open_gloo_group(host="127.0.0.1", port=port, rank=rank, world_size=world,
+                             timeout_s=spec.get("timeout", 60), external_store=True)
+        check_digests(group.pg, rank=rank, digest=p.digest, describe=lambda r: execute.describe_group_rank(p, r))
+        dests = {d.name: torch.full(d.local_shape, -1.0) for d in p.dests}
+        got = execute.receive(group.pg, p, replica, tp_rank, execute.check_dests(p, replica, tp_rank, dests),
+                              timeout_s=spec.get("timeout", 60))
+        expected = _vllm_expected(p, shape, _hf_ids(shape), tp_rank)
+        wrong = [d.name for d in p.dests
+                 if not np.array_equal(dests[d.name].numpy(), expected[d.name].astype(np.float32).reshape(d.local_shape))]
+        results.put(("receiver", (replica, tp_rank), "ok" if not wrong else "wrong", wrong or got))
+    except BaseException as err:  # noqa: BLE001 - reported to the test
+        results.put(("receiver", (replica, tp_rank), type(err).__name__, f"{err}"))
