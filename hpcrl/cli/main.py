@@ -1,6 +1,7 @@
 """Entry point of the `hpcrl` command: sub-commands, and turning HpcrlError into one line.
 
     hpcrl plan CONFIG [--cluster NAME] [--set key=value ...] [--json]
+    hpcrl run CONFIG [--steps N]               (the whole loop in this process)
     hpcrl submit CONFIG [--cluster NAME] [--set ...] [--dry-run] [--wait]
     hpcrl status RUN_DIR|JOBID
     hpcrl logs RUN_DIR [--group G [--rank K]] [-f]
@@ -27,8 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hpcrl", description="Slurm-native RL post-training of LLMs.")
     parser.add_argument("--version", action="version", version=f"hpcrl {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from hpcrl.cli import jobs_cmd, plan_cmd, submit_cmd
+    from hpcrl.cli import jobs_cmd, plan_cmd, run_cmd, submit_cmd
     plan_cmd.add_parser(subparsers, common)
+    run_cmd.add_parser(subparsers, common)
     submit_cmd.add_parser(subparsers, common)
     jobs_cmd.add_parsers(subparsers)
     return parser

@@ -26,6 +26,10 @@ from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
 
 
+#: The vLLM worker extension that registers hpcrl's weight-transfer engine in every worker.
+WORKER_EXTENSION = "hpcrl.transfer.vllm_adapter.HpcrlWorkerExtension"
+
+
 class InferenceError(HpcrlError):
     """The vLLM engine failed to start or to generate."""
 
@@ -42,7 +46,7 @@ class VllmEngine:
     def __init__(self, *, model_path: str, tensor_parallel: int, on_cpu: bool, dtype: str, seed: int,
                  max_model_len: int, gpu_memory_utilization: float, enforce_eager: bool,
                  temperature: float, top_p: float, top_k: int, max_tokens: int,
-                 worker_extension_cls: str | None = None) -> None:
+                 weight_transfer: bool = False) -> None:
         if on_cpu and tensor_parallel > 1:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_thread_binding(tensor_parallel))
         try:
@@ -56,15 +60,17 @@ class VllmEngine:
             enforce_eager=enforce_eager, logprobs_mode="raw_logprobs", enable_prefix_caching=False)
         if tensor_parallel > 1:
             kwargs["distributed_executor_backend"] = "mp"
-        if worker_extension_cls:
-            kwargs["worker_extension_cls"] = worker_extension_cls
+        if weight_transfer:
+            # hpcrl's weight-transfer engine, registered inside each vLLM worker (hpcrl.transfer.vllm_adapter).
+            kwargs["worker_extension_cls"] = WORKER_EXTENSION
+            kwargs["weight_transfer_config"] = {"backend": "hpcrl"}
         self.llm = LLM(**kwargs)
         self._sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens)
         self.weight_version = 0
 
     @classmethod
     def from_config(cls, config: Config, *, model_path: str | None = None,
-                    worker_extension_cls: str | None = None) -> "VllmEngine":
+                    weight_transfer: bool = False) -> "VllmEngine":
         inf = config.inference
         on_cpu = inf.gpus_per_node == 0
         return cls(model_path=model_path or config.model.path, tensor_parallel=inf.tensor_parallel,
@@ -72,7 +78,7 @@ class VllmEngine:
                    max_model_len=inf.max_model_len or config.data.max_prompt_tokens + inf.max_tokens,
                    gpu_memory_utilization=inf.gpu_memory_utilization, enforce_eager=inf.enforce_eager,
                    temperature=inf.temperature, top_p=inf.top_p, top_k=inf.top_k, max_tokens=inf.max_tokens,
-                   worker_extension_cls=worker_extension_cls)
+                   weight_transfer=weight_transfer)
 
     def generate(self, prompts: list[Prompt], *, n: int, seed: int) -> list[list[Completion]]:
         """`n` completions of every prompt, as one list per prompt, in prompt order."""

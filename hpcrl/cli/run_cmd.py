@@ -1,0 +1,34 @@
+"""`hpcrl run CONFIG`: the whole GRPO loop in this one process (no Slurm, no bus).
+
+One trainer rank, one vLLM engine, a reward pool, with weights moving trainer -> vLLM through the
+same transfer plan and engine as in a job (see hpcrl.rl.inprocess). Resumes from the run
+directory's newest complete checkpoint when there is one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from pathlib import Path
+
+from hpcrl.config import load_config
+
+
+def add_parser(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    parser = subparsers.add_parser(
+        "run", parents=[common], help="run the whole GRPO loop in this process (1 trainer rank, 1 replica)",
+        description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, metavar="N", help="stop after step N (default: trainer.steps)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config, cluster=args.cluster, overrides=args.set)
+    from hpcrl.rl.inprocess import run as run_inprocess
+
+    started = time.monotonic()
+    asyncio.run(run_inprocess(config, steps=args.steps))
+    print(f"done in {time.monotonic() - started:.0f} s; metrics in {Path(config.run_dir) / 'metrics.jsonl'} "
+          f"(python tools/plot_metrics.py {config.run_dir})")
+    return 0

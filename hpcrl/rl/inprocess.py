@@ -1,0 +1,188 @@
+"""Every group of a run in this one process: `hpcrl run CONFIG`, and the loop's end-to-end test bed.
+
+    trainer    one unsharded TrainerEngine rank (torchtitan model, GRPO loss)
+    inference  one VllmEngine (its own engine-core / worker processes, as vLLM always starts them)
+    reward     a RewardPool (spawned worker processes, per-sample timeout)
+    weights    trainer -> vLLM workers through hpcrl's transfer plan and weight-transfer engine over
+               gloo: the same planner, digest handshake and receive path as in a heterogeneous job
+
+The Controller drives these through the same `Ports` as it drives the groups of a job; blocking
+calls run in threads so that generation of the next batch overlaps the training step.
+
+    hpcrl run configs/tiny_grpo.toml        # or: python -m hpcrl.rl.inprocess configs/tiny_grpo.toml
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+from hpcrl.config.schema import Config
+from hpcrl.data.prompts import Prompt
+from hpcrl.errors import HpcrlError
+from hpcrl.inference.types import Completion
+from hpcrl.reward.pool import RewardPool, RewardResult, Sample
+from hpcrl.rl.checkpointing import TRAINER_DIR, load_run_state, newest_checkpoint, rewind_metrics, save_checkpoint, \
+    store_for
+from hpcrl.rl.controller import Controller
+from hpcrl.rl.metrics import MetricsLog
+from hpcrl.rl.rollouts import TrainBatch
+
+#: Bytes per transfer message (the planner buckets runs up to this size).
+BUCKET_BYTES = 16 << 20
+
+
+class InProcessPorts:
+    """The `Ports` of hpcrl.rl.controller, served by engines living in this process."""
+
+    def __init__(self, config: Config) -> None:
+        from hpcrl.config.model_shapes import load_shape
+        from hpcrl.inference.engine import VllmEngine
+        from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
+        from hpcrl.plan.transfer_planner import plan as plan_transfer
+        from hpcrl.trainer import TrainerEngine
+        from hpcrl.transfer.group import host_store
+        from hpcrl.transfer.trainer import TrainerSender
+        from hpcrl.transfer.vllm_adapter import init_info
+
+        if config.trainer.world_size != 1 or config.inference.replicas != 1:
+            raise HpcrlError(f"running in one process needs 1 trainer rank and 1 inference replica, the config has "
+                             f"{config.trainer.world_size} and {config.inference.replicas}. Fix: --set "
+                             "trainer.nodes=1 --set trainer.ranks_per_node=1 --set inference.replicas=1, or submit "
+                             "the run as a job (hpcrl submit)")
+        max_len = config.inference.max_model_len or config.data.max_prompt_tokens + config.inference.max_tokens
+        self.config = config
+        self.trainer = TrainerEngine.from_config(config, max_seq_len=max_len + 1)
+        self.inference = VllmEngine.from_config(config, weight_transfer=True)
+        self.rewards = RewardPool(config.reward.function, workers=config.reward.workers,
+                                  timeout_s=config.reward.timeout_s)
+        shape = load_shape(preset_name=config.model.preset, path=config.model.path)
+        self.plan = plan_transfer(TrainerLayout(dp_shard=1, naming="hf"),
+                                  InferenceLayout(tensor_parallel=config.inference.tensor_parallel), shape,
+                                  wire_dtype="float32", bucket_bytes=BUCKET_BYTES)
+        self._store = host_store()
+        llm = self.inference.llm
+        info = init_info(host="127.0.0.1", port=self._store.port, replica=0, trainer=self.plan.trainer,
+                         inference=self.plan.inference, wire_dtype="float32", bucket_bytes=BUCKET_BYTES,
+                         timeout_s=120, external_store=True, digest=self.plan.digest)
+        # Both ends must join the transfer group at once: vLLM's side blocks in its workers.
+        with ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(llm.init_weight_transfer_engine, {"init_info": info})
+            self.sender = TrainerSender.connect(self.plan, rank=0, host="127.0.0.1", port=self._store.port,
+                                                timeout_s=120, external_store=True)
+            joined.result()
+
+    # -- Ports ---------------------------------------------------------------------------------
+    async def generate(self, prompts: list[Prompt], *, n: int, seed: int) -> list[list[Completion]]:
+        return await asyncio.to_thread(self.inference.generate, prompts, n=n, seed=seed)
+
+    async def score(self, samples: list[Sample]) -> list[RewardResult]:
+        return await asyncio.to_thread(self.rewards.score, samples)
+
+    def _train(self, batch: TrainBatch) -> dict[str, float]:
+        from hpcrl.trainer import pad_rows
+        rows = pad_rows(batch.input_ids, batch.prompt_lengths, batch.old_logprobs, batch.advantages)
+        return {k: v for k, v in asdict(self.trainer.train_step(rows)).items() if k != "step"}
+
+    async def train_step(self, batch: TrainBatch, *, step: int) -> dict[str, float]:
+        return await asyncio.to_thread(self._train, batch)
+
+    def _sync(self, version: int) -> None:
+        llm = self.inference.llm
+        shards = {name: shard.tensor for name, shard in self.trainer.local_shards().items()}
+
+        def receive() -> None:
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {"version": version}})
+            llm.finish_weight_update(weight_version=str(version))
+            llm.reset_prefix_cache()
+
+        with ThreadPoolExecutor(1) as pool:
+            received = pool.submit(receive)
+            self.sender.send(shards)
+            received.result()
+        self.inference.weight_version = version
+
+    async def sync_weights(self, version: int) -> None:
+        await asyncio.to_thread(self._sync, version)
+
+    def _trainer_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        from hpcrl.trainer import pad_rows
+        rows = pad_rows(sequences, [1] * len(sequences), [[0.0] * (len(s) - 1) for s in sequences],
+                        [0.0] * len(sequences))
+        values = self.trainer.logprobs(rows)
+        return [values[i, 1:len(seq)].tolist() for i, seq in enumerate(sequences)]
+
+    async def trainer_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        return await asyncio.to_thread(self._trainer_logprobs, sequences)
+
+    async def inference_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        return await asyncio.to_thread(self.inference.token_logprobs, sequences)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    async def save_trainer(self, directory: Path) -> None:
+        await asyncio.to_thread(self.trainer.save_checkpoint, directory)
+
+    def close(self) -> None:
+        self.sender.close()
+        self.rewards.close()
+        self.inference.close()
+
+
+def _progress(metrics: dict) -> str:
+    def num(key: str, fmt: str) -> str:
+        value = metrics.get(key)
+        return "-" if value is None else format(value, fmt)
+    return (f"step {metrics['step']:>4}  reward {num('reward_mean', '.3f')}  loss {num('loss', '+.4f')}  "
+            f"mismatch {num('logprob_mismatch', '.1e')}  gen {num('time_generate_s', '.2f')}s  "
+            f"train {num('time_train_s', '.2f')}s  sync {num('time_weight_sync_s', '.2f')}s")
+
+
+async def run(config: Config, *, log=print, steps: int | None = None) -> Controller:
+    """Run (or resume) the whole loop in this process; returns the finished controller."""
+    ports = InProcessPorts(config)
+    try:
+        controller = Controller(config, ports)
+        store = store_for(config)
+        found = newest_checkpoint(config, log=log)
+        if found is not None:
+            await asyncio.to_thread(ports.trainer.load_checkpoint, found.path / TRAINER_DIR)
+            controller.restore(load_run_state(found, config))
+            rewind_metrics(config, found.step)
+            log(f"resumed from {found.path} (step {found.step})")
+        metrics_log = MetricsLog(config.run_dir)
+        interval = config.trainer.checkpoint_interval
+        last = steps if steps is not None else config.trainer.steps
+
+        async def on_step(ctl: Controller, metrics: dict) -> None:
+            metrics_log.write(metrics)
+            log(_progress(metrics))
+            step = metrics["step"]
+            if (interval and step % interval == 0) or step == config.trainer.steps:
+                path = await save_checkpoint(store, config, ctl.snapshot(), ports.save_trainer)
+                log(f"checkpoint {path}")
+            if step >= last:
+                raise _StopAfter()
+
+        controller.on_step = on_step
+        try:
+            await controller.run()
+        except _StopAfter:
+            pass
+        metrics_log.close()
+        return controller
+    finally:
+        ports.close()
+
+
+class _StopAfter(Exception):
+    """Ends a run early after `steps` (tests and smoke runs)."""
+
+
+if __name__ == "__main__":
+    from hpcrl.cli.main import main
+
+    raise SystemExit(main(["run", *sys.argv[1:]]))
