@@ -152,15 +152,17 @@ class Controller:
             sync_started = time.monotonic()
             await self.ports.sync_weights(step + 1)
             sync_done = time.monotonic()
-            mismatch = await self._probe_mismatch(batch)
+            mismatch = await self._probe_mismatch(groups)
             self.state.step = step + 1
             rollout = self.state.rollout_metrics.pop(str(step), {})
             elapsed = time.monotonic() - started
             busy = (train_done - train_started) + (sync_done - sync_started)
+            # The reward of every scored rollout, also of groups that zero-variance filtering drops.
+            rewards = [r for g in groups for r in g.rewards]
             metrics = {
                 "step": step + 1, "weight_version": step + 1, "policy_lag": self.lag,
-                "reward_mean": sum(batch.rewards) / len(batch) if len(batch) else None,
-                "reward_std": _std(batch.rewards), "groups": len(groups), "groups_dropped_zero_variance": dropped,
+                "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+                "reward_std": _std(rewards), "groups": len(groups), "groups_dropped_zero_variance": dropped,
                 "groups_held_out_total": self.state.held_out_groups, "logprob_mismatch": mismatch,
                 "time_train_s": train_done - train_started, "time_weight_sync_s": sync_done - sync_started,
                 "time_step_s": elapsed, "train_tokens": sum(len(s) for s in batch.input_ids),
@@ -175,19 +177,20 @@ class Controller:
             if self.on_step is not None:
                 await self.on_step(self, metrics)
 
-    async def _probe_mismatch(self, batch: TrainBatch) -> float | None:
-        """Mean |logprob_vllm - logprob_trainer| over the completion tokens of the batch's first group."""
-        if not len(batch):
+    async def _probe_mismatch(self, groups: list) -> float | None:
+        """Mean |logprob_vllm - logprob_trainer| over the completion tokens of the step's first group
+        (scored under the freshly synced weights, whether or not the group was trained on)."""
+        if not groups:
             return None
-        n = self.config.algorithm.group_size
-        sequences = batch.input_ids[:n]
+        probe = groups[0]
+        sequences = [probe.prompt_token_ids + tokens for tokens in probe.completions]
         trainer_lp, inference_lp = await asyncio.gather(self.ports.trainer_logprobs(sequences),
                                                         self.ports.inference_logprobs(sequences))
         diffs = []
-        for seq_len, prompt_len, t_lp, i_lp in zip(map(len, sequences), batch.prompt_lengths[:n], trainer_lp,
-                                                   inference_lp):
-            completion = seq_len - prompt_len
-            diffs += [abs(a - b) for a, b in zip(t_lp[-completion:], i_lp[-completion:])]
+        for tokens, t_lp, i_lp in zip(probe.completions, trainer_lp, inference_lp):
+            completion = len(tokens)
+            if completion:
+                diffs += [abs(a - b) for a, b in zip(t_lp[-completion:], i_lp[-completion:])]
         return sum(diffs) / len(diffs) if diffs else None
 
 
