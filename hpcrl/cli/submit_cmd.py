@@ -3,6 +3,7 @@
     hpcrl submit configs/tiny_grpo.toml --cluster local       # a hetjob on tools/local_slurm.sh
     hpcrl submit configs/tiny_grpo.toml --dry-run             # write RUN_DIR/job.sbatch only
     hpcrl submit configs/tiny_grpo.toml                       # no sbatch here: local executor
+    hpcrl submit configs/llama70b_grpo.toml --check --wait    # start every task, report, end: no model loaded
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ def add_parser(subparsers: argparse._SubParsersAction, common: argparse.Argument
     parser.add_argument("--dry-run", action="store_true",
                         help="write RUN_DIR/job.sbatch (the exact script) and submit nothing")
     parser.add_argument("--wait", action="store_true", help="wait for the run to end; exit 1 unless COMPLETED")
+    parser.add_argument("--check", action="store_true",
+                        help="do not train: start every task of every group, have each report to the head, "
+                             "then end them (tests the allocation, srun layout and start-up in seconds)")
     parser.add_argument("--hold", type=float, default=0.0, metavar="S",
-                        help="keep every group alive S seconds after all reported (testing)")
+                        help="with --check: keep every group alive S seconds after all reported")
     parser.add_argument("--debug-exit", action="append", default=[], metavar="GROUP/RANK=CODE",
-                        help="make that task exit with CODE after reporting (testing failure handling)")
+                        help="with --check: make that task exit with CODE after reporting (tests failure handling)")
     parser.set_defaults(func=run)
 
 
@@ -45,7 +49,11 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, cluster=args.cluster, overrides=args.set)
     from hpcrl.launch.jobs import wait
     from hpcrl.launch.submit import submit_run
-    done = submit_run(config, dry_run=args.dry_run, hold_s=args.hold, exit_codes=parse_exit_codes(args.debug_exit))
+    if (args.hold or args.debug_exit) and not args.check:
+        raise ConfigError(file="--hold/--debug-exit", key="", problem="these shape a start-up check, not a training run",
+                          fix="add --check (or drop them to train)")
+    done = submit_run(config, dry_run=args.dry_run, hold_s=args.hold, exit_codes=parse_exit_codes(args.debug_exit),
+                      program="check" if args.check else "rl")
     if done.note:
         print(f"hpcrl: {done.note}", file=sys.stderr)
     if args.dry_run:

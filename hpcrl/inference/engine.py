@@ -80,8 +80,11 @@ class VllmEngine:
                    temperature=inf.temperature, top_p=inf.top_p, top_k=inf.top_k, max_tokens=inf.max_tokens,
                    weight_transfer=weight_transfer)
 
-    def generate(self, prompts: list[Prompt], *, n: int, seed: int) -> list[list[Completion]]:
-        """`n` completions of every prompt, as one list per prompt, in prompt order."""
+    def generate(self, prompts: list[Prompt], *, n: int, seed: int, offset: int = 0) -> list[list[Completion]]:
+        """`n` completions of every prompt, as one list per prompt, in prompt order.
+
+        Prompt k of the list is prompt `offset + k` of the batch: its samples' seeds depend only on
+        (seed, offset + k, sample), so a batch split over replicas samples what one replica would."""
         from vllm import SamplingParams
 
         requests, params = [], []
@@ -89,7 +92,8 @@ class VllmEngine:
             for s_index in range(n):
                 requests.append(prompt.text)
                 # One seeded request per completion: reproducible whatever the batching.
-                params.append(SamplingParams(n=1, logprobs=0, seed=(seed * 1_000_003 + p_index) * 1009 + s_index,
+                params.append(SamplingParams(n=1, logprobs=0,
+                                             seed=(seed * 1_000_003 + offset + p_index) * 1009 + s_index,
                                              **self._sampling))
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         groups: list[list[Completion]] = [[] for _ in prompts]

@@ -1,12 +1,16 @@
-"""The program every group task runs until its role is built: report, then obey the head.
+"""The program every group task runs: `python -m hpcrl.trainer` (likewise hpcrl.inference, hpcrl.reward).
 
-    python -m hpcrl.trainer [--exit-code N]      (likewise hpcrl.inference, hpcrl.reward)
+    python -m hpcrl.trainer [--exit-code N]
 
-It works out its group, replica, rank and node from its environment (hpcrl.slurm.identity),
-reports them to the head over the report protocol (HPCRL_HEAD_ADDR), waits until the head
-says how to exit, and exits with that code, or with N when --exit-code is given (to test how
-a failing rank is reported). The trainer, inference and reward roles will replace the waiting
-with their work and keep the same start-up: identity, then report.
+It works out its group, replica, rank and node from its environment (hpcrl.slurm.identity) and
+reports them to the head over the report protocol (HPCRL_HEAD_ADDR). Then, by the run's program
+(launch.json):
+
+  rl      build the group's role and serve it to the head over the bus until the head says exit
+          (hpcrl.roles.serve)
+  check   wait until the head says how to exit (`hpcrl submit --check`: the allocation and every
+          task's start-up, without loading a model), and exit with that code, or with N when
+          --exit-code is given (to test how a failing rank is reported)
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from hpcrl.errors import HpcrlError
 from hpcrl.launch.report import report_and_wait
+from hpcrl.launch.rundir import LAUNCH_FILE, read_json
 from hpcrl.slurm.identity import identify_task
 
 
@@ -36,7 +42,13 @@ def main(role: str, argv: list[str] | None = None) -> int:
             raise HpcrlError("HPCRL_HEAD_ADDR is not set: group tasks are started by the head (hpcrl submit)")
         print(f"{role} rank {identity.rank}/{identity.group_size} replica {identity.replica} "
               f"on {identity.node} (node {identity.node_index}): reporting to {address}", flush=True)
-        code = report_and_wait(address, identity.to_dict(), pid=os.getpid(), given_code=args.exit_code)
+        run_dir = Path(os.environ.get("HPCRL_RUN_DIR", "."))
+        launch = read_json(run_dir / LAUNCH_FILE)
+        if launch.get("program", "check") == "rl" and args.exit_code is None:
+            from hpcrl.roles.serve import serve_role
+            code = serve_role(role, identity, run_dir, launch, address)
+        else:
+            code = report_and_wait(address, identity.to_dict(), pid=os.getpid(), given_code=args.exit_code)
     except HpcrlError as err:
         print(f"hpcrl.{role}: error: {err}", file=sys.stderr, flush=True)
         return 2

@@ -6,19 +6,23 @@
   2. starts one step per group: `srun --het-group=i` (hetjob), srun on the group's node range
      (split), or local process trees (local executor); each task gets HPCRL_RUN_DIR,
      HPCRL_HEAD_ADDR and HPCRL_LAYOUT in its environment
-  3. waits until every task has said hello (group, replica, rank, node), holds them for
-     launch.json's hold_s, then tells each task its exit code (0, or launch.json's exit_codes,
-     "group/rank" -> code, used to test failure handling)
+  3. program "rl" (training): serves the control bus (HPCRL_BUS_ADDR, the run's secret) and a
+     rendezvous store (HPCRL_STORE_ADDR: trainer process group, weight-transfer group), waits for
+     every group's role to register, forms the weight-transfer group and runs the GRPO loop
+     (hpcrl.rl.loop over hpcrl.rl.ports.BusPorts) while it watches every step; then tells each
+     task to exit with 0.
+     program "check": waits until every task has said hello (group, replica, rank, node), holds
+     them for launch.json's hold_s, then tells each task its exit code (0, or launch.json's
+     exit_codes, "group/rank" -> code, used to test failure handling)
   4. when every step has ended with 0, writes exit.json (COMPLETED) and returns the reports;
      when any step fails, names the group and ranks in its log and exit.json, stops the other
      steps and raises GroupFailed, so the job ends FAILED; SIGTERM (scancel, hpcrl cancel) stops
      every step and records CANCELLED.
-
-The RL loop of hpcrl.rl replaces step 3 later; starting, watching and stopping groups stays here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -31,7 +35,7 @@ from pathlib import Path
 
 from hpcrl.errors import HpcrlError
 from hpcrl.launch.report import ReportServer
-from hpcrl.launch.rundir import EXIT_FILE, LAUNCH_FILE, log_path, read_json, write_json
+from hpcrl.launch.rundir import CONFIG_FILE, EXIT_FILE, LAUNCH_FILE, log_path, read_json, write_json
 from hpcrl.launch.steps import Step, start_local_step, start_slurm_step
 from hpcrl.slurm.nodelist import expand_nodelist
 from hpcrl.slurm.spec import GroupSlot
@@ -90,12 +94,12 @@ class _Supervisor:
         self.head_identity = {"group": "head", "component": 0, "rank": 0, "group_size": 1, "replica": 0,
                               "local_rank": 0, "node": node, "node_index": 0, "pid": os.getpid()}
 
-    def start(self, server: ReportServer) -> None:
+    def start(self, server: ReportServer, extra_env: dict[str, str] | None = None) -> None:
         layout = {"groups": self.launch["groups"]}
         # cluster.env is exported by the batch script too; the local executor has only this.
         env = {**os.environ, **self.launch.get("env", {}), "HPCRL_RUN_DIR": str(self.run_dir),
                "HPCRL_HEAD_ADDR": server.address,
-               "HPCRL_LAYOUT": _compact_json(layout)}
+               "HPCRL_LAYOUT": _compact_json(layout), **(extra_env or {})}
         python = self.launch["python"]
         job_nodes = expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", "")) if self.launch["layout"] == "split" else []
         for slot in self.groups:
@@ -179,38 +183,100 @@ def _describe(failure: dict) -> str:
     return f"group {failure['group']}{rank}{node} {failure['why']}"
 
 
-def _supervise(sup: _Supervisor, server: ReportServer) -> None:
-    launch = sup.launch
-    hold_s = float(launch.get("hold_s", 0))
-    deadline = time.monotonic() + float(launch.get("start_timeout_s", DEFAULT_START_TIMEOUT_S))
-    started, reported_at, released = time.monotonic(), None, False
+def _check_steps(sup: _Supervisor, server: ReportServer, *, released: bool, deadline: float) -> bool:
+    """One look at reports and steps: raise GroupFailed naming what failed; True once every step ended with 0."""
+    sup.handle(server.poll(0.0))
+    if sup.problems:
+        raise GroupFailed("; ".join(sup.problems))
+    codes = [(step, step.poll()) for step in sup.steps]
+    failed = [(step, code) for step, code in codes if code not in (None, 0)]
+    if failed:
+        sup.handle(server.poll(0.3))  # collect byes still in flight
+        failures = [f for step, code in failed for f in sup.failures_of(step, code)]
+        raise GroupFailed("; ".join(_describe(f) for f in failures), failures)
+    for step, code in codes:
+        if code == 0 and not released:
+            missing = [r for r in range(step.slot.tasks) if (step.slot.name, r) not in sup.tasks]
+            if missing:
+                raise GroupFailed(f"group {step.slot.name} ended before ranks {missing} reported to the head")
+            raise GroupFailed(f"group {step.slot.name} ended before the head told it to")
+    if not released and time.monotonic() > deadline and not sup.expected <= sup.tasks.keys():
+        missing = sorted(sup.expected - sup.tasks.keys())
+        raise GroupFailed("tasks never reported within start_timeout_s: "
+                          + ", ".join(f"{g} rank {r}" for g, r in missing))
+    return all(code == 0 for _, code in codes)
+
+
+def _start_deadline(launch: dict) -> float:
+    return time.monotonic() + float(launch.get("start_timeout_s", DEFAULT_START_TIMEOUT_S))
+
+
+def _supervise(sup: _Supervisor, server: ReportServer, *, released: bool = False) -> None:
+    """Program "check" (and the end of "rl"): release every task once all reported, wait for the steps."""
+    hold_s = float(sup.launch.get("hold_s", 0))
+    deadline = _start_deadline(sup.launch)
+    started, reported_at = time.monotonic(), None
     while True:
-        sup.handle(server.poll(0.2))
-        if sup.problems:
-            raise GroupFailed("; ".join(sup.problems))
-        if reported_at is None and sup.expected <= sup.tasks.keys():
+        if _check_steps(sup, server, released=released, deadline=deadline):
+            return
+        if reported_at is None and not released and sup.expected <= sup.tasks.keys():
             reported_at = time.monotonic()
             sup.log.info(f"all {len(sup.expected)} tasks reported in {reported_at - started:.1f} s")
         if reported_at is not None and not released and time.monotonic() - reported_at >= hold_s:
             sup.release(server)
             released = True
-        codes = [(step, step.poll()) for step in sup.steps]
-        failed = [(step, code) for step, code in codes if code not in (None, 0)]
-        if failed:
-            sup.handle(server.poll(0.3))  # collect byes still in flight
-            failures = [f for step, code in failed for f in sup.failures_of(step, code)]
-            raise GroupFailed("; ".join(_describe(f) for f in failures), failures)
-        for step, code in codes:
-            if code == 0 and not released:
-                missing = [r for r in range(step.slot.tasks) if (step.slot.name, r) not in sup.tasks]
-                if missing:
-                    raise GroupFailed(f"group {step.slot.name} ended before ranks {missing} reported to the head")
-        if all(code == 0 for _, code in codes):
-            return
-        if not released and time.monotonic() > deadline:
-            missing = sorted(sup.expected - sup.tasks.keys())
-            raise GroupFailed("tasks never reported within start_timeout_s: "
-                              + ", ".join(f"{g} rank {r}" for g, r in missing))
+        time.sleep(0.2)
+
+
+async def _train(sup: _Supervisor, server: ReportServer, advertise: str) -> None:
+    """Program "rl": bus + rendezvous store, start the groups, run the GRPO loop while watching the steps."""
+    from hpcrl.bus import BusConfig, load_secret
+    from hpcrl.bus import Head as BusHead
+    from hpcrl.config.load import load_config
+    from hpcrl.rl.loop import run_loop
+    from hpcrl.rl.ports import BusPorts
+    from hpcrl.roles.serve import BUS_SETTINGS
+    from hpcrl.transfer.group import host_store
+
+    log, launch = sup.log, sup.launch
+    config = load_config(sup.run_dir / CONFIG_FILE)
+    bus = BusHead(run_id=launch["run_name"], secret=load_secret(sup.run_dir), address="tcp://0.0.0.0:0",
+                  config=BusConfig(**BUS_SETTINGS))
+    bound = await bus.start()
+    bus_address = f"tcp://{advertise}:{bound.rpartition(':')[2]}"
+    store = host_store(advertise, 0, timeout_s=float(launch.get("start_timeout_s", DEFAULT_START_TIMEOUT_S)))
+    log.info(f"bus at {bus_address}, rendezvous store at {advertise}:{store.port}")
+    sup.start(server, {"HPCRL_BUS_ADDR": bus_address, "HPCRL_STORE_ADDR": f"{advertise}:{store.port}"})
+    ports = BusPorts(config, bus, store_host=advertise, store_port=store.port, log=log.info)
+    deadline = _start_deadline(launch)
+
+    async def work() -> None:
+        await ports.connect(timeout=max(1.0, deadline - time.monotonic()))
+        await run_loop(config, ports, log=log.info)
+
+    async def watch() -> None:
+        while not _check_steps(sup, server, released=False, deadline=deadline):
+            await asyncio.sleep(0.2)
+
+    loop_task, watch_task = asyncio.create_task(work()), asyncio.create_task(watch())
+    try:
+        done, _ = await asyncio.wait({loop_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+        if watch_task in done:
+            watch_task.result()  # raises GroupFailed naming the group and ranks
+        try:
+            loop_task.result()
+        except GroupFailed:
+            raise
+        except Exception as err:  # noqa: BLE001 - the loop's error ends the run FAILED, with its message
+            log.exception("the GRPO loop failed")
+            raise GroupFailed(f"the GRPO loop failed: {type(err).__name__}: {err}") from None
+        sup.release(server)  # every task: exit 0
+    finally:
+        for task in (loop_task, watch_task):
+            task.cancel()
+        await asyncio.gather(loop_task, watch_task, return_exceptions=True)
+        await bus.close("the run is over")
+        del store
 
 
 def run_head(run_dir: Path | str) -> dict:
@@ -227,8 +293,12 @@ def run_head(run_dir: Path | str) -> dict:
     started = time.time()
     state, failures, error = "FAILED", [], ""
     try:
-        sup.start(server)
-        _supervise(sup, server)
+        if launch.get("program", "check") == "rl":
+            asyncio.run(_train(sup, server, advertise))
+            _supervise(sup, server, released=True)
+        else:
+            sup.start(server)
+            _supervise(sup, server)
         state = "COMPLETED"
     except GroupFailed as err:
         failures = err.args[1] if len(err.args) > 1 else []

@@ -148,28 +148,60 @@ def _read_line(sock: socket.socket, buffer: bytearray) -> bytes | None:
     return line
 
 
+class ReportClient:
+    """A task's end of the protocol: hello on connect, then wait for the exit word, then bye.
+
+    A task that works while it waits (the RL roles) calls `wait_exit()` from a thread.
+    """
+
+    def __init__(self, address: str, identity: dict[str, Any], *, pid: int, connect_timeout_s: float = 60.0) -> None:
+        self.address = address
+        host, _, port = address.rpartition(":")
+        try:
+            self._sock = socket.create_connection((host, int(port)), timeout=connect_timeout_s)
+        except OSError as err:
+            raise ReportError(f"cannot reach the head at {address}: {err}") from None
+        self._sock.settimeout(None)
+        self._sock.sendall(encode({"type": "hello", "identity": identity, "pid": pid}))
+        self._buffer = bytearray()
+
+    def wait_exit(self) -> int | None:
+        """The code the head says to exit with; None when the head went away first."""
+        try:
+            line = _read_line(self._sock, self._buffer)
+        except OSError:
+            return None
+        if line is None:
+            return None
+        message = decode(line, f"head {self.address}")
+        if message["type"] == "exit":
+            return int(message["code"])
+        raise ReportError(f"head {self.address} sent unknown message type {message['type']!r}")
+
+    def bye(self, code: int) -> None:
+        """Tell the head the code this task exits with (ignored when the head is gone)."""
+        try:
+            self._sock.sendall(encode({"type": "bye", "code": code}))
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._sock.close()
+
+
 def report_and_wait(address: str, identity: dict[str, Any], *, pid: int,
                     connect_timeout_s: float = 60.0, given_code: int | None = None) -> int:
     """Say hello to the head, wait for its exit instruction, say bye; return the exit code.
 
     `given_code`, when set, is the code the task exits with whatever the head says.
     """
-    host, _, port = address.rpartition(":")
+    client = ReportClient(address, identity, pid=pid, connect_timeout_s=connect_timeout_s)
     try:
-        sock = socket.create_connection((host, int(port)), timeout=connect_timeout_s)
-    except OSError as err:
-        raise ReportError(f"cannot reach the head at {address}: {err}") from None
-    with sock:
-        sock.settimeout(None)
-        sock.sendall(encode({"type": "hello", "identity": identity, "pid": pid}))
-        buffer = bytearray()
-        while True:
-            line = _read_line(sock, buffer)
-            if line is None:
-                return HEAD_LOST if given_code is None else given_code
-            message = decode(line, f"head {address}")
-            if message["type"] == "exit":
-                code = int(message["code"]) if given_code is None else given_code
-                sock.sendall(encode({"type": "bye", "code": code}))
-                return code
-            raise ReportError(f"head {address} sent unknown message type {message['type']!r}")
+        said = client.wait_exit()
+        if said is None:
+            return HEAD_LOST if given_code is None else given_code
+        code = said if given_code is None else given_code
+        client.bye(code)
+        return code
+    finally:
+        client.close()

@@ -6,8 +6,8 @@
       job.sbatch         the exact batch script submitted (or that --dry-run would submit)
       job.json           executor, job id (the hetjob leader id), submit time
       job_id             the job id alone, for shell scripts
-      secret             per-run bus secret: written by hpcrl.bus.secret (not yet merged);
-                         prepare_run_dir is where it is created, before anything is submitted
+      secret             per-run bus secret (hpcrl.bus.secret, mode 0600), created before anything is
+                         submitted and kept for the run's life (restarts and resumes reuse it)
       logs/<group>/rank<k>.log   one log per task; logs/head/rank0.log is the head's
       submitit/          submitit's pickles, results and batch-step output
       exit.json          written by the head when the run ends: state, failures, reports
@@ -65,7 +65,9 @@ def prepare_run_dir(run_dir: Path, *, config_toml: str, launch: dict, groups: li
     (run_dir / SUBMITIT_DIR).mkdir(exist_ok=True)
     atomic_write(run_dir / CONFIG_FILE, config_toml)
     write_json(run_dir / LAUNCH_FILE, launch)
-    # The per-run secret (hpcrl.bus.secret) is created here once merged: before submitting,
-    # readable by the owner only, and never copied into logs or job.json.
+    # The per-run bus secret: before submitting, readable by the owner only, never in logs or job.json.
+    from hpcrl.bus.secret import create_secret, secret_path
+    if not secret_path(run_dir).exists():
+        create_secret(run_dir)
     for stale in (EXIT_FILE, JOB_FILE, JOB_ID_FILE):
         (run_dir / stale).unlink(missing_ok=True)

@@ -50,10 +50,17 @@ def choose_executor(config: Config) -> tuple[str, str]:
     return wanted, ""
 
 
+#: What the head runs once the groups started: the GRPO loop, or only the start-up check.
+PROGRAMS = ("rl", "check")
+
+
 def launch_record(config: Config, spec: JobSpec, *, executor: str, python: str, hold_s: float = 0.0,
-                  exit_codes: dict[str, int] | None = None, start_timeout_s: float = 600.0) -> dict:
+                  exit_codes: dict[str, int] | None = None, start_timeout_s: float = 600.0,
+                  program: str = "rl") -> dict:
     """The content of launch.json: what the head needs (pure)."""
-    return {"version": 1, "run_name": config.run.name, "run_dir": str(Path(config.run_dir).absolute()),
+    if program not in PROGRAMS:
+        raise ValueError(f"program {program!r}: use one of {PROGRAMS}")
+    return {"version": 1, "program": program, "run_name": config.run.name, "run_dir": str(Path(config.run_dir).absolute()),
             "executor": executor, "layout": spec.layout, "cluster": spec.cluster, "python": python,
             "groups": spec.to_dict()["groups"], "hold_s": hold_s, "exit_codes": dict(exit_codes or {}),
             "start_timeout_s": start_timeout_s, "slurm_conf": config.cluster.slurm_conf,
@@ -91,8 +98,12 @@ def refuse_live_run(run_dir: Path) -> None:
 
 
 def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
-               exit_codes: dict[str, int] | None = None, start_timeout_s: float = 600.0) -> Submission:
-    """Check, write the run directory, render, and (unless dry_run) submit; see the module docstring."""
+               exit_codes: dict[str, int] | None = None, start_timeout_s: float = 600.0,
+               program: str = "rl") -> Submission:
+    """Check, write the run directory, render, and (unless dry_run) submit; see the module docstring.
+
+    program "rl" trains (the head runs the GRPO loop over the bus); "check" only starts every
+    task, has it report, and ends it (with `exit_codes`, after `hold_s`): the allocation's smoke test."""
     executor, note = choose_executor(config)
     spec = job_spec(config)
     run_dir = Path(config.run_dir).absolute()
@@ -107,7 +118,7 @@ def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
         check_partitions(config, spec, env)
     refuse_live_run(run_dir)
     launch = launch_record(config, spec, executor=executor, python=sys.executable, hold_s=hold_s,
-                           exit_codes=exit_codes, start_timeout_s=start_timeout_s)
+                           exit_codes=exit_codes, start_timeout_s=start_timeout_s, program=program)
     prepare_run_dir(run_dir, config_toml=dump_toml(config), launch=launch, groups=[g.name for g in spec.groups])
     from hpcrl.slurm import executor as adapter  # submitit: only now
 

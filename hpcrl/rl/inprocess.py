@@ -25,25 +25,17 @@ from hpcrl.data.prompts import Prompt
 from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
 from hpcrl.reward.pool import RewardPool, RewardResult, Sample
-from hpcrl.rl.checkpointing import TRAINER_DIR, load_run_state, newest_checkpoint, rewind_metrics, save_checkpoint, \
-    store_for
 from hpcrl.rl.controller import Controller
-from hpcrl.rl.metrics import MetricsLog
+from hpcrl.rl.loop import run_loop
 from hpcrl.rl.rollouts import TrainBatch
-
-#: Bytes per transfer message (the planner buckets runs up to this size).
-BUCKET_BYTES = 16 << 20
-
 
 class InProcessPorts:
     """The `Ports` of hpcrl.rl.controller, served by engines living in this process."""
 
     def __init__(self, config: Config) -> None:
-        from hpcrl.config.model_shapes import load_shape
         from hpcrl.inference.engine import VllmEngine
-        from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
-        from hpcrl.plan.transfer_planner import plan as plan_transfer
         from hpcrl.trainer import TrainerEngine
+        from hpcrl.transfer.for_config import plan_for_config
         from hpcrl.transfer.group import host_store
         from hpcrl.transfer.trainer import TrainerSender
         from hpcrl.transfer.vllm_adapter import init_info
@@ -59,15 +51,12 @@ class InProcessPorts:
         self.inference = VllmEngine.from_config(config, weight_transfer=True)
         self.rewards = RewardPool(config.reward.function, workers=config.reward.workers,
                                   timeout_s=config.reward.timeout_s)
-        shape = load_shape(preset_name=config.model.preset, path=config.model.path)
-        self.plan = plan_transfer(TrainerLayout(dp_shard=1, naming="hf"),
-                                  InferenceLayout(tensor_parallel=config.inference.tensor_parallel), shape,
-                                  wire_dtype="float32", bucket_bytes=BUCKET_BYTES)
+        self.plan = plan_for_config(config)
         self._store = host_store()
         llm = self.inference.llm
         info = init_info(host="127.0.0.1", port=self._store.port, replica=0, trainer=self.plan.trainer,
-                         inference=self.plan.inference, wire_dtype="float32", bucket_bytes=BUCKET_BYTES,
-                         timeout_s=120, external_store=True, digest=self.plan.digest)
+                         inference=self.plan.inference, wire_dtype=self.plan.wire_dtype,
+                         bucket_bytes=self.plan.bucket_bytes, timeout_s=120, external_store=True, digest=self.plan.digest)
         # Both ends must join the transfer group at once: vLLM's side blocks in its workers.
         with ThreadPoolExecutor(1) as pool:
             joined = pool.submit(llm.init_weight_transfer_engine, {"init_info": info})
@@ -126,60 +115,22 @@ class InProcessPorts:
     async def save_trainer(self, directory: Path) -> None:
         await asyncio.to_thread(self.trainer.save_checkpoint, directory)
 
+    async def load_trainer(self, directory: Path) -> None:
+        await asyncio.to_thread(self.trainer.load_checkpoint, directory)
+
     def close(self) -> None:
         self.sender.close()
         self.rewards.close()
         self.inference.close()
 
 
-def _progress(metrics: dict) -> str:
-    def num(key: str, fmt: str) -> str:
-        value = metrics.get(key)
-        return "-" if value is None else format(value, fmt)
-    return (f"step {metrics['step']:>4}  reward {num('reward_mean', '.3f')}  loss {num('loss', '+.4f')}  "
-            f"mismatch {num('logprob_mismatch', '.1e')}  gen {num('time_generate_s', '.2f')}s  "
-            f"train {num('time_train_s', '.2f')}s  sync {num('time_weight_sync_s', '.2f')}s")
-
-
 async def run(config: Config, *, log=print, steps: int | None = None) -> Controller:
     """Run (or resume) the whole loop in this process; returns the finished controller."""
     ports = InProcessPorts(config)
     try:
-        controller = Controller(config, ports)
-        store = store_for(config)
-        found = newest_checkpoint(config, log=log)
-        if found is not None:
-            await asyncio.to_thread(ports.trainer.load_checkpoint, found.path / TRAINER_DIR)
-            controller.restore(load_run_state(found, config))
-            rewind_metrics(config, found.step)
-            log(f"resumed from {found.path} (step {found.step})")
-        metrics_log = MetricsLog(config.run_dir)
-        interval = config.trainer.checkpoint_interval
-        last = steps if steps is not None else config.trainer.steps
-
-        async def on_step(ctl: Controller, metrics: dict) -> None:
-            metrics_log.write(metrics)
-            log(_progress(metrics))
-            step = metrics["step"]
-            if (interval and step % interval == 0) or step == config.trainer.steps:
-                path = await save_checkpoint(store, config, ctl.snapshot(), ports.save_trainer)
-                log(f"checkpoint {path}")
-            if step >= last:
-                raise _StopAfter()
-
-        controller.on_step = on_step
-        try:
-            await controller.run()
-        except _StopAfter:
-            pass
-        metrics_log.close()
-        return controller
+        return await run_loop(config, ports, log=log, steps=steps)
     finally:
         ports.close()
-
-
-class _StopAfter(Exception):
-    """Ends a run early after `steps` (tests and smoke runs)."""
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 def prepared(tmp_path: Path, *overrides: str, **launch_options) -> Path:
     config = load_config(REPO / "configs" / "tiny_grpo.toml", overrides=[f"run.run_dir={tmp_path}", *overrides])
     spec = job_spec(config)
-    launch = launch_record(config, spec, executor="local", python=sys.executable, **launch_options)
+    launch = launch_record(config, spec, executor="local", python=sys.executable,
+                           **{"program": "check", **launch_options})
     prepare_run_dir(tmp_path, config_toml="", launch=launch, groups=[g.name for g in spec.groups])
     return tmp_path
 

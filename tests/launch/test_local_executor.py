@@ -26,7 +26,7 @@ def hpcrl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(60)
 def test_submit_without_sbatch_says_so_in_one_line_and_runs_every_group_locally(tmp_path: Path):
-    done = hpcrl("submit", "configs/tiny_grpo.toml", "--set", f"run.run_dir={tmp_path}", "--wait")
+    done = hpcrl("submit", "configs/tiny_grpo.toml", "--set", f"run.run_dir={tmp_path}", "--check", "--wait")
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip() == ("hpcrl: no sbatch found: running with the local executor "
                                    "(each group a process tree on this machine)")
@@ -39,7 +39,7 @@ def test_submit_without_sbatch_says_so_in_one_line_and_runs_every_group_locally(
 @pytest.mark.timeout(60)
 def test_a_failing_local_task_fails_the_run_naming_group_and_rank(tmp_path: Path):
     done = hpcrl("submit", "configs/tiny_grpo.toml", "--set", f"run.run_dir={tmp_path}",
-                 "--set", "trainer.nodes=2", "--debug-exit", "trainer/1=3", "--wait")
+                 "--set", "trainer.nodes=2", "--check", "--debug-exit", "trainer/1=3", "--wait")
     assert done.returncode == 1
     assert "failed: group trainer rank 1 on node" in done.stdout and "exited with code 3" in done.stdout
     assert "FAILED" in done.stdout
@@ -47,7 +47,7 @@ def test_a_failing_local_task_fails_the_run_naming_group_and_rank(tmp_path: Path
 
 @pytest.mark.timeout(60)
 def test_cancelling_a_local_run_stops_every_process_within_15_s(tmp_path: Path):
-    done = hpcrl("submit", "configs/tiny_grpo.toml", "--set", f"run.run_dir={tmp_path}", "--hold", "300")
+    done = hpcrl("submit", "configs/tiny_grpo.toml", "--set", f"run.run_dir={tmp_path}", "--check", "--hold", "300")
     assert done.returncode == 0, done.stderr
     head_log = log_path(tmp_path, "head", 0)
     deadline = time.monotonic() + 30
@@ -90,7 +90,7 @@ def test_dry_run_with_the_local_executor_prepares_the_run_directory_only(tmp_pat
 
 @pytest.mark.timeout(60)
 def test_logs_follow_a_live_run_and_return_when_it_ends(tmp_path: Path):
-    assert hpcrl("submit", "configs/tiny_grpo.toml", "--set", f"run.run_dir={tmp_path}", "--hold", "2").returncode == 0
+    assert hpcrl("submit", "configs/tiny_grpo.toml", "--set", f"run.run_dir={tmp_path}", "--check", "--hold", "2").returncode == 0
     started = time.monotonic()
     followed = hpcrl("logs", str(tmp_path), "-f")
     assert followed.returncode == 0, followed.stderr

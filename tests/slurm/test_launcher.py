@@ -88,7 +88,7 @@ def reported(run_dir: Path) -> list[tuple[str, int, str]]:
 def test_every_task_of_every_group_reports_to_the_head_and_the_submitit_result_comes_back(
         any_cluster, tmp_path, layout, expected):
     started = time.monotonic()
-    done = submit_run(tiny(tmp_path, layout, any_cluster, f'cluster.layout="{layout}"'))
+    done = submit_run(tiny(tmp_path, layout, any_cluster, f'cluster.layout="{layout}"'), program="check")
     result = done.job.result()
     elapsed = time.monotonic() - started
     assert result["state"] == "COMPLETED"
@@ -104,7 +104,7 @@ def test_every_task_of_every_group_reports_to_the_head_and_the_submitit_result_c
 
 @pytest.mark.timeout(90)
 def test_a_task_exiting_3_fails_the_run_naming_its_group_and_rank(any_cluster, tmp_path):
-    done = submit_run(tiny(tmp_path, "fail", any_cluster), exit_codes={"trainer/1": 3})
+    done = submit_run(tiny(tmp_path, "fail", any_cluster), exit_codes={"trainer/1": 3}, program="check")
     with pytest.raises(Exception, match="group trainer rank 1 on node n3 exited with code 3"):
         done.job.result()
     final = jobs.wait(done.run_dir, timeout_s=30)
@@ -115,7 +115,7 @@ def test_a_task_exiting_3_fails_the_run_naming_its_group_and_rank(any_cluster, t
 
 @pytest.mark.timeout(90)
 def test_hpcrl_cancel_ends_every_component_and_status_says_cancelled_within_15_s(any_cluster, tmp_path):
-    done = submit_run(tiny(tmp_path, "cancel", any_cluster), hold_s=300)
+    done = submit_run(tiny(tmp_path, "cancel", any_cluster), hold_s=300, program="check")
     head_log = log_path(done.run_dir, "head", 0)
     deadline = time.monotonic() + 60
     while "tasks reported" not in (head_log.read_text() if head_log.exists() else ""):
@@ -138,10 +138,10 @@ def test_hpcrl_cancel_ends_every_component_and_status_says_cancelled_within_15_s
 @pytest.mark.timeout(60)
 def test_dry_run_writes_exactly_the_script_that_is_submitted(cluster, tmp_path):
     config = tiny(tmp_path, "same", cluster)
-    dry = submit_run(config, dry_run=True)
+    dry = submit_run(config, dry_run=True, program="check")
     assert dry.job_id == "" and not (dry.run_dir / JOB_FILE).exists()
     planned = (dry.run_dir / SCRIPT_FILE).read_text()
-    done = submit_run(config)
+    done = submit_run(config, program="check")
     submitted = (done.run_dir / "submitit" / f"{done.job_id}_submission.sh").read_text()
     assert submitted == planned
     done.job.result()
@@ -151,7 +151,7 @@ def test_dry_run_writes_exactly_the_script_that_is_submitted(cluster, tmp_path):
 def test_the_hetjob_template_runs_by_hand_with_plain_sbatch(cluster, tmp_path):
     config = load_config(REPO / "configs" / "tiny_grpo.toml", cluster=str(REPO / "launch" / "local.toml"),
                          overrides=[f"run.run_dir={tmp_path / 'hand'}"])
-    run_dir = submit_run(config, dry_run=True).run_dir
+    run_dir = submit_run(config, dry_run=True, program="check").run_dir
     env = {**cluster, "HPCRL_RUN_DIR": str(run_dir), "HPCRL_PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
     out = subprocess.run(["sbatch", "--parsable", str(REPO / "sbatch" / "hetjob.sbatch")], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=30, check=True).stdout.strip()
@@ -171,7 +171,7 @@ def test_a_partition_the_cluster_lacks_is_refused_before_sbatch(cluster, tmp_pat
 
 @pytest.mark.timeout(60)
 def test_status_by_job_id_and_logs_of_one_rank_from_the_command_line(cluster, tmp_path, capsys):
-    done = submit_run(tiny(tmp_path, "cli", cluster))
+    done = submit_run(tiny(tmp_path, "cli", cluster), program="check")
     done.job.result()
     jobs.wait(done.run_dir, timeout_s=30)
     capsys.readouterr()

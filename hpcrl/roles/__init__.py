@@ -1,0 +1,10 @@
+"""The programs of a run's group tasks, serving the head over the control bus.
+
+    trainer.py     TrainerRole: one trainer rank (TrainerEngine under FSDP2 over gloo/NCCL)
+    inference.py   InferenceRole: one vLLM engine (a replica), hpcrl's weight-transfer engine inside
+    reward.py      RewardRole: a RewardPool (worker processes, per-sample timeout)
+    serve.py       a task's life: report to the head, build the role, serve its endpoints, exit
+
+Every role exposes endpoints (name -> (async fn, idempotent)); engine work runs on one thread per
+role, in the order the head sent it, so collectives of trainer ranks line up.
+"""

@@ -1,0 +1,85 @@
+"""`python -m hpcrl.inference`: one inference replica (a vLLM engine), serving the head.
+
+    generate {prompts, n, seed, offset}   n completions per prompt, tagged with the weight version
+    logprobs {sequences}                  logprob of every token after the first, live weights
+    connect_transfer {host, port, ...}    join the weight-transfer group (hpcrl's vLLM weight-transfer engine)
+    receive_weights {version}             receive one update from the trainer ranks, then serve it
+    status {}                             weight version and replica
+
+generate and logprobs are idempotent: if this replica dies mid-call, the head retries them on
+another one, and the seeds depend on the prompt's place in the batch, not on the replica.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from hpcrl.config.schema import Config
+from hpcrl.data.prompts import Prompt
+from hpcrl.errors import HpcrlError
+from hpcrl.roles.base import Endpoint, Role
+from hpcrl.slurm.identity import TaskIdentity
+
+
+class InferenceRole(Role):
+    group = "inference"
+
+    def __init__(self, config: Config, identity: TaskIdentity, env: dict[str, str]) -> None:
+        super().__init__()
+        from hpcrl.inference.engine import VllmEngine
+        from hpcrl.transfer.for_config import plan_for_config
+
+        self.config, self.replica = config, identity.replica
+        self.plan = plan_for_config(config)
+        self.engine = VllmEngine.from_config(config, weight_transfer=True)
+
+    def peer(self) -> dict[str, int]:
+        return {"replica": self.replica, "rank": 0, "replica_ranks": 1}
+
+    def endpoints(self) -> dict[str, Endpoint]:
+        return {"generate": (self.generate, True), "logprobs": (self.logprobs, True),
+                "connect_transfer": (self.connect_transfer, False),
+                "receive_weights": (self.receive_weights, False), "status": (self.status, True)}
+
+    async def generate(self, call) -> list[list[dict]]:
+        args = call.args
+        prompts = [Prompt(**p) for p in args["prompts"]]
+        groups = await self.on_engine(lambda: self.engine.generate(prompts, n=int(args["n"]), seed=int(args["seed"]),
+                                                                   offset=int(args.get("offset", 0))))
+        return [[asdict(c) for c in group] for group in groups]
+
+    async def logprobs(self, call) -> list[list[float]]:
+        return await self.on_engine(self.engine.token_logprobs, call.args["sequences"])
+
+    async def connect_transfer(self, call) -> dict:
+        from hpcrl.transfer.vllm_adapter import init_info
+
+        args = call.args
+        if args["digest"] != self.plan.digest:
+            raise HpcrlError(f"inference replica {self.replica} planned the weight transfer as "
+                             f"{self.plan.digest[:12]}, the head as {args['digest'][:12]}")
+        info = init_info(host=args["host"], port=int(args["port"]), replica=self.replica, trainer=self.plan.trainer,
+                         inference=self.plan.inference, wire_dtype=self.plan.wire_dtype,
+                         bucket_bytes=self.plan.bucket_bytes, timeout_s=float(args["timeout_s"]),
+                         external_store=True, digest=self.plan.digest)
+        await self.on_engine(self.engine.llm.init_weight_transfer_engine, {"init_info": info})
+        return {"replica": self.replica}
+
+    def _receive(self, version: int) -> None:
+        llm = self.engine.llm
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"version": version}})
+        llm.finish_weight_update(weight_version=str(version))
+        llm.reset_prefix_cache()
+        self.engine.weight_version = version
+
+    async def receive_weights(self, call) -> dict:
+        await self.on_engine(self._receive, int(call.args["version"]))
+        return {"replica": self.replica, "weight_version": self.engine.weight_version}
+
+    async def status(self, call) -> dict:
+        return {"replica": self.replica, "weight_version": self.engine.weight_version}
+
+    def close(self) -> None:
+        super().close()
+        self.engine.close()

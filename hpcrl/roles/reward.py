@@ -1,0 +1,41 @@
+"""`python -m hpcrl.reward`: the reward group's process, serving the head.
+
+    score {samples}     one RewardResult per sample; a verifier that raises, hangs or dies gives an
+                        error record naming the sample (never a silent zero), and the pool goes on
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from hpcrl.config.schema import Config
+from hpcrl.roles.base import Endpoint, Role
+from hpcrl.slurm.identity import TaskIdentity
+
+
+class RewardRole(Role):
+    group = "reward"
+
+    def __init__(self, config: Config, identity: TaskIdentity, env: dict[str, str]) -> None:
+        super().__init__()
+        from hpcrl.reward.pool import RewardPool
+
+        self.replica = identity.replica
+        self.pool = RewardPool(config.reward.function, workers=config.reward.workers, timeout_s=config.reward.timeout_s)
+
+    def peer(self) -> dict[str, int]:
+        return {"replica": self.replica, "rank": 0, "replica_ranks": 1}
+
+    def endpoints(self) -> dict[str, Endpoint]:
+        return {"score": (self.score, True)}
+
+    async def score(self, call) -> list[dict]:
+        from hpcrl.reward.pool import Sample
+
+        samples = [Sample(**s) for s in call.args["samples"]]
+        results = await self.on_engine(self.pool.score, samples)
+        return [asdict(r) for r in results]
+
+    def close(self) -> None:
+        super().close()
+        self.pool.close()

@@ -1,0 +1,158 @@
+"""`python -m hpcrl.trainer`: one trainer rank, serving the head.
+
+    train_step {batch, step}        this rank's rows of the batch -> one optimizer step (collective)
+    logprobs {sequences}            logprobs of whole sequences under the live policy (collective)
+    connect_transfer {host, port}   join the weight-transfer group with every inference engine
+    send_weights {version}          send this rank's FSDP shards to the inference engines
+    save {directory} / load {directory}   DCP checkpoint of model and optimizer (collective)
+
+Ranks form their torch.distributed group (gloo on CPU, NCCL+gloo on GPUs) through the head's
+rendezvous store (HPCRL_STORE_ADDR) before they register on the bus, so a registered trainer
+rank is a ready one. The head sends every call to all ranks at once (Service.call_all).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from hpcrl.config.schema import Config
+from hpcrl.errors import HpcrlError
+from hpcrl.roles.base import Endpoint, Role
+from hpcrl.slurm.identity import TaskIdentity
+
+#: Seconds trainer ranks wait for each other to form their process group.
+RENDEZVOUS_TIMEOUT_S = 600.0
+
+
+def parse_address(value: str, what: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise HpcrlError(f"{what} {value!r} is not HOST:PORT (it is set by the head)")
+    return host, int(port)
+
+
+def max_sequence_length(config: Config) -> int:
+    return (config.inference.max_model_len or config.data.max_prompt_tokens + config.inference.max_tokens) + 1
+
+
+def empty_batch():
+    import torch
+
+    from hpcrl.trainer import RolloutBatch
+    return RolloutBatch(tokens=torch.zeros(0, 2, dtype=torch.long), completion_mask=torch.zeros(0, 2, dtype=torch.bool),
+                        old_logprobs=torch.zeros(0, 2), advantages=torch.zeros(0))
+
+
+class TrainerRole(Role):
+    group = "trainer"
+
+    def __init__(self, config: Config, identity: TaskIdentity, env: dict[str, str]) -> None:
+        super().__init__()
+        import torch
+        import torch.distributed as dist
+
+        from hpcrl.trainer import TrainerEngine
+        from hpcrl.transfer.for_config import plan_for_config
+
+        self.config, self.rank, self.world = config, identity.rank, identity.group_size
+        if self.world != config.trainer.world_size:
+            raise HpcrlError(f"the trainer group has {self.world} tasks but the config asks for "
+                             f"{config.trainer.world_size} ranks")
+        gpus = config.trainer.gpus_per_node > 0
+        if gpus:
+            torch.cuda.set_device(identity.local_rank)
+        if self.world > 1:
+            host, port = parse_address(env.get("HPCRL_STORE_ADDR", ""), "HPCRL_STORE_ADDR")
+            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+            restart = env.get("SLURM_RESTART_COUNT", "0")
+            dist.init_process_group("cpu:gloo,cuda:nccl" if gpus else "gloo",
+                                    store=dist.PrefixStore(f"hpcrl-trainer/{restart}", store),
+                                    rank=self.rank, world_size=self.world,
+                                    timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+        self.engine = TrainerEngine.from_config(config, max_seq_len=max_sequence_length(config))
+        self.plan = plan_for_config(config)
+        self.sender = None
+
+    def peer(self) -> dict[str, int]:
+        return {"replica": 0, "rank": self.rank, "replica_ranks": self.world}
+
+    def endpoints(self) -> dict[str, Endpoint]:
+        return {"connect_transfer": (self.connect_transfer, False), "train_step": (self.train_step, False),
+                "send_weights": (self.send_weights, False), "logprobs": (self.logprobs, False),
+                "save": (self.save, False), "load": (self.load, False)}
+
+    # -- endpoints -------------------------------------------------------------------------------
+    async def connect_transfer(self, call) -> dict:
+        from hpcrl.transfer.trainer import TrainerSender
+
+        args = call.args
+        if args["digest"] != self.plan.digest:
+            raise HpcrlError(f"trainer rank {self.rank} planned the weight transfer as {self.plan.digest[:12]}, "
+                             f"the head as {args['digest'][:12]}: they read different configs or model files")
+
+        def connect() -> None:
+            if self.sender is not None:
+                self.sender.close()
+            self.sender = TrainerSender.connect(self.plan, rank=self.rank, host=args["host"], port=int(args["port"]),
+                                                timeout_s=float(args["timeout_s"]), external_store=True)
+        await self.on_engine(connect)
+        return {"rank": self.rank}
+
+    def _train(self, batch: dict, step: int) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        from hpcrl.rl.rollouts import TrainBatch
+        from hpcrl.trainer import pad_rows
+
+        mine = TrainBatch.from_dict(batch).shard(self.rank, self.world)
+        rows = pad_rows(mine.input_ids, mine.prompt_lengths, mine.old_logprobs, mine.advantages) if len(mine) \
+            else empty_batch()
+        metrics = asdict(self.engine.train_step(rows))
+        metrics.pop("step")
+        return metrics
+
+    async def train_step(self, call) -> dict[str, Any] | None:
+        metrics = await self.on_engine(self._train, call.args["batch"], int(call.args["step"]))
+        return metrics if self.rank == 0 else None
+
+    def _logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        from hpcrl.trainer import pad_rows
+
+        rows = pad_rows(sequences, [1] * len(sequences), [[0.0] * (len(s) - 1) for s in sequences],
+                        [0.0] * len(sequences))
+        values = self.engine.logprobs(rows)
+        return [values[i, 1:len(seq)].tolist() for i, seq in enumerate(sequences)]
+
+    async def logprobs(self, call) -> list[list[float]] | None:
+        values = await self.on_engine(self._logprobs, call.args["sequences"])
+        return values if self.rank == 0 else None
+
+    def _send(self, version: int) -> dict:
+        if self.sender is None:
+            raise HpcrlError(f"trainer rank {self.rank} was asked to send weights version {version} before "
+                             "connect_transfer")
+        shards = {name: shard.tensor for name, shard in self.engine.local_shards().items()}
+        sent = self.sender.send(shards)
+        return {"bytes": sent, "seconds": self.sender.last_seconds}
+
+    async def send_weights(self, call) -> dict:
+        return await self.on_engine(self._send, int(call.args["version"]))
+
+    async def save(self, call) -> dict:
+        await self.on_engine(self.engine.save_checkpoint, Path(call.args["directory"]))
+        return {"rank": self.rank}
+
+    async def load(self, call) -> dict:
+        await self.on_engine(self.engine.load_checkpoint, Path(call.args["directory"]))
+        return {"step": self.engine.step}
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        super().close()
+        if self.sender is not None:
+            self.sender.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
