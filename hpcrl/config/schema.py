@@ -299,8 +299,13 @@ class ClusterConfig:
     """Environment variables set for every program of the job."""
     slurm_conf: str = ""
     """SLURM_CONF for sbatch/squeue/scancel (only for a private cluster like tools/local_slurm.sh)."""
+    signal_delay_s: int = 90
+    """Seconds before the time limit that Slurm sends SIGUSR2 to the head, which then checkpoints after
+    the step in progress and requeues the job (--signal=B:USR2@N); leave room for one step and a save."""
 
     def __post_init__(self) -> None:
+        _require(self.signal_delay_s >= 1, "signal_delay_s", f"must be at least 1 second, got {self.signal_delay_s}",
+                 "set it to the seconds a step plus a checkpoint take, with a margin (90 is the default)")
         _require(self.gpus_per_node >= -1, "gpus_per_node",
                  f"must be -1, 0 or more, got {self.gpus_per_node}",
                  "set gpus_per_node = 0 for a CPU-only cluster")

@@ -228,12 +228,15 @@ def _supervise(sup: _Supervisor, server: ReportServer, *, released: bool = False
         time.sleep(0.2)
 
 
-async def _train(sup: _Supervisor, server: ReportServer, advertise: str) -> None:
-    """Program "rl": bus + rendezvous store, start the groups, run the GRPO loop while watching the steps."""
+async def _train(sup: _Supervisor, server: ReportServer, advertise: str) -> bool:
+    """Program "rl": bus + rendezvous store, start the groups, run the GRPO loop while watching the steps.
+
+    Returns True when the run was preempted (SIGUSR2, Slurm's pre-timeout signal): it checkpointed
+    after the step in progress and stopped; False when it trained to the end."""
     from hpcrl.bus import BusConfig, load_secret
     from hpcrl.bus import Head as BusHead
     from hpcrl.config.load import load_config
-    from hpcrl.rl.loop import run_loop
+    from hpcrl.rl.loop import Preempted, run_loop
     from hpcrl.rl.ports import BusPorts
     from hpcrl.roles.serve import BUS_SETTINGS
     from hpcrl.transfer.group import host_store
@@ -249,10 +252,22 @@ async def _train(sup: _Supervisor, server: ReportServer, advertise: str) -> None
     sup.start(server, {"HPCRL_BUS_ADDR": bus_address, "HPCRL_STORE_ADDR": f"{advertise}:{store.port}"})
     ports = BusPorts(config, bus, store_host=advertise, store_port=store.port, log=log.info)
     deadline = _start_deadline(launch)
+    preempt = asyncio.Event()
 
-    async def work() -> None:
+    def on_usr2() -> None:
+        log.info("SIGUSR2 (the time limit is near): checkpointing after this step, then requeueing")
+        preempt.set()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, on_usr2)
+
+    async def work() -> bool:
         await ports.connect(timeout=max(1.0, deadline - time.monotonic()))
-        await run_loop(config, ports, log=log.info)
+        try:
+            await run_loop(config, ports, log=log.info, steps=launch.get("stop_after"),
+                           stop_requested=preempt.is_set)
+        except Preempted as stopped:
+            log.info(f"preempted: {stopped}")
+            return True
+        return False
 
     async def watch() -> None:
         while not _check_steps(sup, server, released=False, deadline=deadline):
@@ -264,14 +279,16 @@ async def _train(sup: _Supervisor, server: ReportServer, advertise: str) -> None
         if watch_task in done:
             watch_task.result()  # raises GroupFailed naming the group and ranks
         try:
-            loop_task.result()
+            preempted = loop_task.result()
         except GroupFailed:
             raise
         except Exception as err:  # noqa: BLE001 - the loop's error ends the run FAILED, with its message
             log.exception("the GRPO loop failed")
             raise GroupFailed(f"the GRPO loop failed: {type(err).__name__}: {err}") from None
         sup.release(server)  # every task: exit 0
+        return preempted
     finally:
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGUSR2)
         for task in (loop_task, watch_task):
             task.cancel()
         await asyncio.gather(loop_task, watch_task, return_exceptions=True)
@@ -294,12 +311,13 @@ def run_head(run_dir: Path | str) -> dict:
     state, failures, error = "FAILED", [], ""
     try:
         if launch.get("program", "check") == "rl":
-            asyncio.run(_train(sup, server, advertise))
+            preempted = asyncio.run(_train(sup, server, advertise))
             _supervise(sup, server, released=True)
         else:
             sup.start(server)
             _supervise(sup, server)
-        state = "COMPLETED"
+            preempted = False
+        state = ("REQUEUED" if launch["executor"] == "slurm" else "PREEMPTED") if preempted else "COMPLETED"
     except GroupFailed as err:
         failures = err.args[1] if len(err.args) > 1 else []
         error = err.args[0]
@@ -320,10 +338,29 @@ def run_head(run_dir: Path | str) -> dict:
                                          "step_codes": {s.slot.name: s.poll() for s in sup.steps}})
         if state == "COMPLETED":
             log.info(f"run COMPLETED in {time.time() - started:.1f} s")
+        if state in ("REQUEUED", "PREEMPTED"):
+            log.info("run stopped at a checkpoint: " + ("requeueing the job (scontrol requeue); it resumes from the "
+                                                        "checkpoint when it starts again" if state == "REQUEUED" else
+                                                        "submit the same run directory again to resume"))
         for handler in list(log.handlers):
             handler.close()
             log.removeHandler(handler)
+    if state == "REQUEUED":
+        _requeue_this_job()
     return {"state": state, "reports": reports, "run_dir": str(run_dir)}
+
+
+def _requeue_this_job() -> None:
+    """Put this job back in the queue (it keeps its id; Slurm restarts the head, which resumes),
+    then leave without a result, as submitit does after its own requeue."""
+    import subprocess
+
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        raise GroupFailed(f"scontrol requeue {job_id} failed ({done.stderr.strip()}): the run stopped at its "
+                          "checkpoint; submit the same run directory again to resume")
+    raise SystemExit(-1)
 
 
 class Head:

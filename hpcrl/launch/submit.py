@@ -56,11 +56,14 @@ PROGRAMS = ("rl", "check")
 
 def launch_record(config: Config, spec: JobSpec, *, executor: str, python: str, hold_s: float = 0.0,
                   exit_codes: dict[str, int] | None = None, start_timeout_s: float = 600.0,
-                  program: str = "rl") -> dict:
+                  program: str = "rl", stop_after: int | None = None) -> dict:
     """The content of launch.json: what the head needs (pure)."""
     if program not in PROGRAMS:
         raise ValueError(f"program {program!r}: use one of {PROGRAMS}")
-    return {"version": 1, "program": program, "run_name": config.run.name, "run_dir": str(Path(config.run_dir).absolute()),
+    if stop_after is not None and not 1 <= stop_after <= config.trainer.steps:
+        raise ConfigError(file="--steps", key="", problem=f"{stop_after} is outside 1..trainer.steps "
+                          f"({config.trainer.steps})", fix="give a step the run reaches, or raise trainer.steps")
+    return {"version": 1, "program": program, "stop_after": stop_after, "run_name": config.run.name, "run_dir": str(Path(config.run_dir).absolute()),
             "executor": executor, "layout": spec.layout, "cluster": spec.cluster, "python": python,
             "groups": spec.to_dict()["groups"], "hold_s": hold_s, "exit_codes": dict(exit_codes or {}),
             "start_timeout_s": start_timeout_s, "slurm_conf": config.cluster.slurm_conf,
@@ -99,7 +102,7 @@ def refuse_live_run(run_dir: Path) -> None:
 
 def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
                exit_codes: dict[str, int] | None = None, start_timeout_s: float = 600.0,
-               program: str = "rl") -> Submission:
+               program: str = "rl", stop_after: int | None = None) -> Submission:
     """Check, write the run directory, render, and (unless dry_run) submit; see the module docstring.
 
     program "rl" trains (the head runs the GRPO loop over the bus); "check" only starts every
@@ -118,7 +121,8 @@ def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
         check_partitions(config, spec, env)
     refuse_live_run(run_dir)
     launch = launch_record(config, spec, executor=executor, python=sys.executable, hold_s=hold_s,
-                           exit_codes=exit_codes, start_timeout_s=start_timeout_s, program=program)
+                           exit_codes=exit_codes, start_timeout_s=start_timeout_s, program=program,
+                           stop_after=stop_after)
     prepare_run_dir(run_dir, config_toml=dump_toml(config), launch=launch, groups=[g.name for g in spec.groups])
     from hpcrl.slurm import executor as adapter  # submitit: only now
 

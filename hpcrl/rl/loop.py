@@ -31,7 +31,18 @@ class _StopAfter(Exception):
     """Ends a run early after `steps` (tests and smoke runs)."""
 
 
-async def run_loop(config: Config, ports, *, log=print, steps: int | None = None) -> Controller:
+class Preempted(Exception):
+    """The run was asked to stop (the pre-timeout signal): it checkpointed after `step` and stopped."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"stopped after step {step}, checkpointed")
+        self.step = step
+
+
+async def run_loop(config: Config, ports, *, log=print, steps: int | None = None,
+                   stop_requested=None) -> Controller:
+    """See the module docstring. `stop_requested()`, checked after every step, makes the loop
+    checkpoint at once and raise Preempted (the head's answer to Slurm's pre-timeout signal)."""
     controller = Controller(config, ports)
     store = store_for(config)
     found = newest_checkpoint(config, log=log)
@@ -49,11 +60,14 @@ async def run_loop(config: Config, ports, *, log=print, steps: int | None = None
         metrics_log.write(metrics)
         log(progress_line(metrics, total))
         step = metrics["step"]
-        if (interval and step % interval == 0) or step == total:
+        stopping = stop_requested is not None and stop_requested()
+        if (interval and step % interval == 0) or step in (total, last) or stopping:
             path = await save_checkpoint(store, config, ctl.snapshot(), ports.save_trainer)
             log(f"checkpoint {path}")
         if step >= last:
             raise _StopAfter()
+        if stopping:
+            raise Preempted(step)
 
     controller.on_step = on_step
     try:

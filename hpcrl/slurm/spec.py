@@ -212,7 +212,8 @@ def job_spec(config: Config) -> JobSpec:
         job_name=config.run.name, layout=cluster.layout, cluster=cluster.name,
         groups=tuple(slots), blocks=tuple(blocks), modules=tuple(cluster.modules),
         setup=tuple(cluster.setup), env=tuple(sorted(cluster.env.items())),
-        time_limit=max(times, key=_time_seconds) if times else "", notes=tuple(notes))
+        time_limit=max(times, key=_time_seconds) if times else "", notes=tuple(notes),
+        signal_delay_s=cluster.signal_delay_s)
 
 
 def _time_seconds(text: str) -> int:

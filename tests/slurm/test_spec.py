@@ -70,6 +70,6 @@ def test_hetjob_groups_take_cluster_defaults_and_their_own_settings():
 
 
 def test_trainer_replicas_follow_the_hsdp_layout():
-    spec = _spec("trainer.nodes=2", "trainer.dp_replicate=2", "trainer.global_batch_size=64")
+    spec = _spec("trainer.nodes=2", "trainer.dp_replicate=2")
     assert spec.group("trainer").ranks_per_replica == 1
     assert _spec("trainer.nodes=2").group("trainer").ranks_per_replica == 2
