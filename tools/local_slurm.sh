@@ -13,7 +13,7 @@
 # Settings (environment): HPCRL_LOCAL_SLURM_DIR (default <repo>/.local_slurm),
 # HPCRL_LOCAL_SLURM_ACCOUNTING=1 (also start MariaDB + slurmdbd on ports +1/+2 so sacct works;
 # apt packages mariadb-server and slurmdbd; about 2 s more to start),
-# HPCRL_LOCAL_SLURM_NODES (5: a 4-component hetjob with a 2-node trainer; hetjob components
+# HPCRL_LOCAL_SLURM_NODES (6: a 4-component hetjob with a 2-node trainer, plus a spare; hetjob components
 # never share nodes), HPCRL_LOCAL_SLURM_PORT (16817; slurmd ports follow from +184).
 # Tuned for tests (measured on Slurm 22.05): bf_interval=1 because only the backfill scheduler
 # starts heterogeneous jobs; JobRequeue=1; SlurmdTimeout=10; cred_expire=10 (a requeued job
@@ -27,7 +27,7 @@ set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DIR=${HPCRL_LOCAL_SLURM_DIR:-$REPO/.local_slurm}
-NODES=${HPCRL_LOCAL_SLURM_NODES:-5}
+NODES=${HPCRL_LOCAL_SLURM_NODES:-6}
 CTLD_PORT=${HPCRL_LOCAL_SLURM_PORT:-16817}
 SLURMD_PORT0=$((CTLD_PORT + 184))   # 17001 by default: n1 -> 17001, n2 -> 17002, ...
 ACCOUNTING=${HPCRL_LOCAL_SLURM_ACCOUNTING:-0}

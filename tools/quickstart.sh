@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# The README's first command: set up .venv, make the tiny model, run the embedded default.
+# The README's first command: set up .venv, make the tiny model, train the embedded default.
 #
-#   tools/quickstart.sh
+#   tools/quickstart.sh            # about 3 minutes on a 2-core laptop CPU (2 of them setting up)
 #
-# Until the GRPO loop lands (issue 6), the embedded default prints its resource plan.
+# Runs configs/tiny_grpo.toml with `hpcrl run` (every group in this one process: the trainer
+# engine, a vLLM engine, the reward pool, real weight transfer), prints one line per step and the
+# reward curve, and draws it to RUN_DIR/metrics.png. Each call trains a fresh run directory.
+# The same run as a job: `hpcrl submit configs/tiny_grpo.toml --wait` (local processes without
+# Slurm, or `--cluster local` on tools/local_slurm.sh).
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
 tools/setup_env.sh
 .venv/bin/python tools/make_tiny_model.py
-.venv/bin/hpcrl plan configs/tiny_grpo.toml
+RUN_DIR=runs/tiny-grpo-$(date +%Y%m%d-%H%M%S)
+.venv/bin/hpcrl run configs/tiny_grpo.toml --set run.run_dir="$RUN_DIR"
+.venv/bin/python tools/plot_metrics.py "$RUN_DIR"

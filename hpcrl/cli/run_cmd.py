@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
 from pathlib import Path
 
@@ -23,12 +24,27 @@ def add_parser(subparsers: argparse._SubParsersAction, common: argparse.Argument
     parser.set_defaults(func=run)
 
 
+def _live_log():
+    """On a terminal, step lines overwrite each other (one live progress line); others scroll."""
+    state = {"live": False}
+
+    def log(line: str) -> None:
+        if line.startswith("step "):
+            sys.stdout.write("\r\x1b[2K" + line)
+            state["live"] = True
+        else:
+            sys.stdout.write(("\n" if state["live"] else "") + line + "\n")
+            state["live"] = False
+        sys.stdout.flush()
+    return log
+
+
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, cluster=args.cluster, overrides=args.set)
     from hpcrl.rl.inprocess import run as run_inprocess
 
     started = time.monotonic()
-    asyncio.run(run_inprocess(config, steps=args.steps))
+    asyncio.run(run_inprocess(config, steps=args.steps, log=_live_log() if sys.stdout.isatty() else print))
     print(f"done in {time.monotonic() - started:.0f} s; metrics in {Path(config.run_dir) / 'metrics.jsonl'} "
           f"(python tools/plot_metrics.py {config.run_dir})")
     return 0

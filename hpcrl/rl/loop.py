@@ -14,7 +14,7 @@ from hpcrl.config.schema import Config
 from hpcrl.rl.checkpointing import TRAINER_DIR, load_run_state, newest_checkpoint, rewind_metrics, save_checkpoint, \
     store_for
 from hpcrl.rl.controller import Controller
-from hpcrl.rl.metrics import MetricsLog
+from hpcrl.rl.metrics import MetricsLog, read_metrics, reward_curve
 
 
 def progress_line(metrics: dict, total: int | None = None) -> str:
@@ -76,4 +76,5 @@ async def run_loop(config: Config, ports, *, log=print, steps: int | None = None
         pass
     finally:
         metrics_log.close()
+    log(reward_curve(read_metrics(config.run_dir)))
     return controller

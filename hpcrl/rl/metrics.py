@@ -72,3 +72,23 @@ class MetricsLog:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+def reward_curve(rows: list[dict], *, window: int = 10, points: int = 20) -> str:
+    """The reward curve as text: the `window`-step mean reward at up to `points` steps, and its best."""
+    rewards = [(r["step"], r["reward_mean"]) for r in rows if r.get("reward_mean") is not None]
+    if not rewards:
+        return "reward curve: no step has a reward yet"
+    means = []
+    for i in range(len(rewards)):
+        chunk = [v for _, v in rewards[max(0, i - window + 1):i + 1]]
+        means.append((rewards[i][0], sum(chunk) / len(chunk)))
+    stride = max(1, -(-len(means) // points))
+    shown = means[stride - 1::stride]
+    if shown[-1] != means[-1]:
+        shown.append(means[-1])
+    best_step, best = max(means, key=lambda m: m[1])
+    lines = [f"reward curve ({window}-step mean): best {best:.3f} at step {best_step}"]
+    lines += [f"  step {step:>5}  {mean:5.3f}  {'#' * round(mean * 40)}" for step, mean in shown]
+    return "\n".join(lines)
+

@@ -33,3 +33,15 @@ def test_tensorboard_events_are_written_when_available(tmp_path: Path):
     log.write({"step": 1, "loss": 0.25})
     log.close()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_the_reward_curve_shows_moving_means_and_the_best_step():
+    from hpcrl.rl.metrics import reward_curve
+
+    rows = [{"step": s, "reward_mean": 0.0 if s <= 10 else 1.0} for s in range(1, 31)]
+    text = reward_curve(rows, window=10, points=3)
+    lines = text.splitlines()
+    assert lines[0] == "reward curve (10-step mean): best 1.000 at step 20"
+    assert [line.split()[1] for line in lines[1:]] == ["10", "20", "30"]
+    assert lines[1].split()[2] == "0.000" and lines[2].endswith("#" * 40)
+    assert reward_curve([]) == "reward curve: no step has a reward yet"
