@@ -6,12 +6,15 @@ Real vLLM (CPU), real trainer ranks (FSDP2 over gloo), the real reward pool, rea
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from hpcrl.launch import jobs
 from hpcrl.launch.rundir import EXIT_FILE, read_json
 from hpcrl.rl.metrics import read_metrics
 
@@ -71,20 +74,78 @@ def test_a_checkpoint_of_two_trainer_ranks_resumes_on_one(tiny_model, tmp_path):
     assert all(r["logprob_mismatch"] < 1e-3 for r in rows)  # the one rank pushed the resumed weights
 
 
+def head_log(run_dir: Path) -> str:
+    path = run_dir / "logs" / "head" / "rank0.log"
+    return path.read_text() if path.exists() else ""
+
+
+def wait_for(predicate, what: str, timeout_s: float) -> float:
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout_s, f"{what} did not happen within {timeout_s} s"
+        time.sleep(0.5)
+    return time.monotonic() - started
+
+
 @pytest.mark.slurm
-@pytest.mark.timeout(900)
-def test_the_embedded_default_as_a_hetjob_learns_with_two_trainer_ranks_on_two_nodes(local_slurm, tiny_model,
-                                                                                      tmp_path):
-    run_dir = tmp_path / "run"
-    done = submit(run_dir, tiny_model, "--cluster", "local", "--set", "trainer.nodes=2",
-                  "--set", "trainer.checkpoint_interval=0", env=local_slurm, timeout=880)
+@pytest.mark.timeout(1200)
+def test_the_embedded_default_as_a_hetjob_learns_and_losing_a_trainer_node_changes_nothing(local_slurm, tiny_model,
+                                                                                           tmp_path):
+    """One hetjob trains uninterrupted; a second loses a trainer node mid-run (scontrol ... state=down):
+    Slurm requeues it, it starts on the spare node, resumes from its checkpoint and ends bitwise equal."""
+    args = ("--cluster", "local", "--set", "trainer.nodes=2", "--set", "trainer.checkpoint_interval=20")
+    straight = tmp_path / "straight"
+    done = submit(straight, tiny_model, *args, env=local_slurm, timeout=880)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    ended = read_json(run_dir / EXIT_FILE)
+    ended = read_json(straight / EXIT_FILE)
     assert ended["state"] == "COMPLETED"
     where = {(r["group"], r["rank"]): r["node"] for r in ended["reports"]}
     assert set(where) == {("head", 0), ("trainer", 0), ("trainer", 1), ("inference", 0), ("reward", 0)}
     assert len(set(where.values())) == 5  # every task on its own node: the components of one hetjob
-    rewards = [r["reward_mean"] for r in read_metrics(run_dir)]
+    rewards = [r["reward_mean"] for r in read_metrics(straight)]
     assert sum(rewards[:10]) / 10 < 0.1, rewards[:10]
     assert max(sum(rewards[i:i + 10]) / 10 for i in range(len(rewards) - 9)) >= 0.8, rewards
-    assert all(r["logprob_mismatch"] < 1e-3 for r in read_metrics(run_dir))
+    assert all(r["logprob_mismatch"] < 1e-3 for r in read_metrics(straight))
+
+    hit = tmp_path / "hit"
+    queued = subprocess.run([sys.executable, "-m", "hpcrl", "submit", "configs/tiny_grpo.toml", "--set",
+                             f"run.run_dir={hit}", "--set", f"model.path={tiny_model}", *args],
+                            cwd=REPO, env={**local_slurm, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                            timeout=120)
+    assert queued.returncode == 0, queued.stderr
+    wait_for(lambda: "step   50/" in head_log(hit), "step 50", 300)
+    node = re.search(r"report: trainer rank 1 replica 0 on node (\S+)", head_log(hit)).group(1)
+    control = subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=hpcrl-test"],
+                             env=local_slurm, capture_output=True, text=True, timeout=30)
+    assert control.returncode == 0, control.stderr
+    try:
+        back = wait_for(lambda: "resumed from" in head_log(hit), "resuming", 120)
+        final = jobs.wait(hit, timeout_s=600)
+    finally:
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], env=local_slurm,
+                       capture_output=True, timeout=30)
+    assert final.state == "COMPLETED", final.render()
+    assert "resumed from" in head_log(hit) and "(step 40)" in head_log(hit)
+    print(f"node {node} down at step 50: resumed from step 40 after {back:.0f} s")
+    assert rows_of(hit) == rows_of(straight)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(900)
+def test_a_run_longer_than_its_time_limit_checkpoints_on_the_signal_is_requeued_and_finishes(local_slurm, tiny_model,
+                                                                                             tmp_path):
+    """2-minute limit, SIGUSR2 30 s before it: the run needs two allocations (~45 s of start-up each)."""
+    run_dir = tmp_path / "run"
+    limits = [f'groups.{g}.time="00:02:00"' for g in ("head", "trainer", "inference", "reward")]
+    args = ["--cluster", "local", "--set", "cluster.signal_delay_s=30", "--set", "trainer.checkpoint_interval=0"]
+    for limit in limits:
+        args += ["--set", limit]
+    done = submit(run_dir, tiny_model, *args, env=local_slurm, timeout=880)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    log = head_log(run_dir)
+    assert "SIGUSR2 (the time limit is near)" in log and "requeueing the job" in log
+    stopped = int(re.search(r"preempted: stopped after step (\d+)", log).group(1))
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped}'} (step {stopped})" in log
+    assert read_json(run_dir / EXIT_FILE)["state"] == "COMPLETED"
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 201))  # nothing lost, nothing twice
