@@ -179,6 +179,15 @@ class Head:
                 ranks.setdefault(st.info.replica, []).append(st)
         return sorted(r for r, sts in ranks.items() if len(sts) == sts[0].info.replica_ranks)
 
+    def mark_dead(self, name: str, reason: str) -> bool:
+        """Declare a peer unhealthy now (e.g. its process was seen to end) instead of after
+        heartbeat_timeout; its pending calls fail with PeerDeadError. False if unknown or already so."""
+        st = self._peers.get(name)
+        if st is None or not st.healthy:
+            return False
+        self._declare_dead(st, reason)
+        return True
+
     def subscribe(self, on_unhealthy: Callable[[PeerInfo], Any]) -> None:
         """Call `on_unhealthy(peer_info)` (plain or async) whenever a peer is declared unhealthy."""
         self._listeners.append(on_unhealthy)

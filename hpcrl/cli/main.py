@@ -28,10 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hpcrl", description="Slurm-native RL post-training of LLMs.")
     parser.add_argument("--version", action="version", version=f"hpcrl {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from hpcrl.cli import jobs_cmd, plan_cmd, run_cmd, submit_cmd
+    from hpcrl.cli import jobs_cmd, plan_cmd, resume_cmd, run_cmd, submit_cmd
     plan_cmd.add_parser(subparsers, common)
     run_cmd.add_parser(subparsers, common)
     submit_cmd.add_parser(subparsers, common)
+    resume_cmd.add_parser(subparsers)
     jobs_cmd.add_parsers(subparsers)
     return parser
 

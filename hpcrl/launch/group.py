@@ -47,6 +47,11 @@ def main(role: str, argv: list[str] | None = None) -> int:
         if launch.get("program", "check") == "rl" and args.exit_code is None:
             from hpcrl.roles.serve import serve_role
             code = serve_role(role, identity, run_dir, launch, address)
+            print(f"{role} rank {identity.rank}: exiting with code {code}", flush=True)
+            sys.stderr.flush()
+            # The role has closed its engines; skip interpreter teardown, where threads left by native
+            # libraries (vLLM's, gloo's) can abort the process after its work is done.
+            os._exit(code)
         else:
             code = report_and_wait(address, identity.to_dict(), pid=os.getpid(), given_code=args.exit_code)
     except HpcrlError as err:

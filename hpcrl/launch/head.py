@@ -36,12 +36,14 @@ from pathlib import Path
 from hpcrl.errors import HpcrlError
 from hpcrl.launch.report import ReportServer
 from hpcrl.launch.rundir import CONFIG_FILE, EXIT_FILE, LAUNCH_FILE, log_path, read_json, write_json
-from hpcrl.launch.steps import Step, start_local_step, start_slurm_step
+from hpcrl.launch.steps import Step, start_local_step, start_replacement, start_slurm_step
 from hpcrl.slurm.nodelist import expand_nodelist
 from hpcrl.slurm.spec import GroupSlot
 
 #: Seconds every task has to report after its step started.
 DEFAULT_START_TIMEOUT_S = 600.0
+#: Times one lost inference replica is started again before the run gives up.
+MAX_RELAUNCHES = 3
 
 
 class GroupFailed(HpcrlError):
@@ -90,6 +92,16 @@ class _Supervisor:
         self.by_conn: dict[int, tuple[str, int]] = {}
         self.steps: list[Step] = []
         self.problems: list[str] = []
+        self.revivable: set[str] = set()
+        """Groups whose lost tasks are started again instead of failing the run (program rl: inference)."""
+        self.on_lost = None
+        """Called with (group, rank, why) when a revivable task is lost (the head's bus marks it dead)."""
+        self.relaunches: dict[tuple[str, int], int] = {}
+        self.live_step: dict[tuple[str, int], Step] = {}
+        self.retired: set[int] = set()
+        self.env: dict[str, str] = {}
+        self.server: ReportServer | None = None
+        self.released = False
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         self.head_identity = {"group": "head", "component": 0, "rank": 0, "group_size": 1, "replica": 0,
                               "local_rank": 0, "node": node, "node_index": 0, "pid": os.getpid()}
@@ -100,6 +112,7 @@ class _Supervisor:
         env = {**os.environ, **self.launch.get("env", {}), "HPCRL_RUN_DIR": str(self.run_dir),
                "HPCRL_HEAD_ADDR": server.address,
                "HPCRL_LAYOUT": _compact_json(layout), **(extra_env or {})}
+        self.env, self.server = env, server
         python = self.launch["python"]
         job_nodes = expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", "")) if self.launch["layout"] == "split" else []
         for slot in self.groups:
@@ -112,7 +125,31 @@ class _Supervisor:
                 step = start_slurm_step(slot, layout=self.launch["layout"], run_dir=self.run_dir,
                                         python=python, env=env, nodelist=nodes)
             self.steps.append(step)
+            for rank in step.ranks:
+                self.live_step[(slot.name, rank)] = step
             self.log.info(f"started group {slot.name}: {slot.nodes} node(s) x {slot.tasks_per_node} task(s)")
+
+    def revive(self, group: str, rank: int, why: str) -> None:
+        """Start a lost task of a revivable group again (it reports and registers anew)."""
+        key = (group, rank)
+        count = self.relaunches.get(key, 0) + 1
+        if count > MAX_RELAUNCHES:
+            raise GroupFailed(f"group {group} rank {rank} was lost {count} times (last: {why}); not starting it again")
+        self.relaunches[key] = count
+        old = self.tasks.pop(key, None)
+        if old is not None:
+            self.by_conn.pop(old.conn, None)
+        node = old.identity.get("node") if old else None
+        self.log.warning(f"group {group} rank {rank} lost ({why}); starting it again (time {count} of "
+                         f"{MAX_RELAUNCHES})")
+        if self.on_lost is not None:
+            self.on_lost(group, rank, why)
+        slot = next(g for g in self.groups if g.name == group)
+        step = start_replacement(slot, rank, executor=self.launch["executor"], layout=self.launch["layout"],
+                                 run_dir=self.run_dir, python=self.launch["python"], env=self.env,
+                                 node=node if self.launch["layout"] == "split" else None)
+        self.steps.append(step)
+        self.live_step[key] = step
 
     def handle(self, events: list) -> None:
         for event in events:
@@ -122,6 +159,8 @@ class _Supervisor:
             elif event.kind == "closed":
                 if key:
                     self.tasks[key].closed = True
+                    if key[0] in self.revivable and self.tasks[key].bye is None:
+                        self.revive(*key, why="its process ended without a word")
             elif event.message["type"] == "hello":
                 identity = event.message["identity"]
                 key = (identity["group"], int(identity["rank"]))
@@ -132,12 +171,17 @@ class _Supervisor:
                 self.by_conn[event.conn] = key
                 self.log.info(f"report: {identity['group']} rank {identity['rank']} replica {identity['replica']} "
                               f"on node {identity['node']} (pid {event.message.get('pid')})")
+                if self.released and self.server is not None:  # started again just before the end
+                    self.server.send(event.conn, {"type": "exit", "code": 0})
             elif event.message["type"] == "bye" and key:
                 self.tasks[key].bye = int(event.message["code"])
+                if key[0] in self.revivable and self.tasks[key].bye != 0:
+                    self.revive(*key, why=f"it exited with code {self.tasks[key].bye}")
             else:
                 self.problems.append(f"unknown message {event.message['type']!r} from {key or event.peer}")
 
     def release(self, server: ReportServer) -> None:
+        self.released = True
         codes = self.launch.get("exit_codes", {})
         for (group, rank), task in sorted(self.tasks.items()):
             server.send(task.conn, {"type": "exit", "code": int(codes.get(f"{group}/{rank}", 0))})
@@ -145,7 +189,7 @@ class _Supervisor:
     def failures_of(self, step: Step, code: int) -> list[dict]:
         """Name the ranks of a failed step: non-zero bye, gone without bye, or never reported."""
         found = []
-        for rank in range(step.slot.tasks):
+        for rank in step.ranks:
             task = self.tasks.get((step.slot.name, rank))
             if task is None:
                 found.append({"group": step.slot.name, "rank": rank, "node": None, "code": None,
@@ -160,6 +204,9 @@ class _Supervisor:
                           "why": f"its step exited with code {code}"}]
 
     def stop_steps(self) -> None:
+        for step in self.steps:
+            if step.local and step.poll() is not None:
+                step.kill()  # what a dead task left in its process group (e.g. vLLM's engine processes)
         running = [s for s in self.steps if s.poll() is None]
         for step in running:
             step.terminate()
@@ -188,7 +235,16 @@ def _check_steps(sup: _Supervisor, server: ReportServer, *, released: bool, dead
     sup.handle(server.poll(0.0))
     if sup.problems:
         raise GroupFailed("; ".join(sup.problems))
-    codes = [(step, step.poll()) for step in sup.steps]
+    codes = [(step, step.poll()) for step in sup.steps if id(step) not in sup.retired]
+    for step, code in codes:
+        if step.slot.name in sup.revivable and code is not None and (code != 0 or not released):
+            sup.retired.add(id(step))
+            if step.local:
+                step.kill()  # the lost task's children (vLLM's engine processes) go with it
+            for rank in step.ranks:
+                if sup.live_step.get((step.slot.name, rank)) is step:
+                    sup.revive(step.slot.name, rank, why=f"its step ended with code {code}")
+    codes = [(step, code) for step, code in codes if id(step) not in sup.retired]
     failed = [(step, code) for step, code in codes if code not in (None, 0)]
     if failed:
         sup.handle(server.poll(0.3))  # collect byes still in flight
@@ -196,7 +252,7 @@ def _check_steps(sup: _Supervisor, server: ReportServer, *, released: bool, dead
         raise GroupFailed("; ".join(_describe(f) for f in failures), failures)
     for step, code in codes:
         if code == 0 and not released:
-            missing = [r for r in range(step.slot.tasks) if (step.slot.name, r) not in sup.tasks]
+            missing = [r for r in step.ranks if (step.slot.name, r) not in sup.tasks]
             if missing:
                 raise GroupFailed(f"group {step.slot.name} ended before ranks {missing} reported to the head")
             raise GroupFailed(f"group {step.slot.name} ended before the head told it to")
@@ -249,6 +305,11 @@ async def _train(sup: _Supervisor, server: ReportServer, advertise: str) -> bool
     bus_address = f"tcp://{advertise}:{bound.rpartition(':')[2]}"
     store = host_store(advertise, 0, timeout_s=float(launch.get("start_timeout_s", DEFAULT_START_TIMEOUT_S)))
     log.info(f"bus at {bus_address}, rendezvous store at {advertise}:{store.port}")
+    sup.revivable = {"inference"}
+
+    def lost(group: str, rank: int, why: str) -> None:
+        bus.mark_dead(f"{group}/{rank}/0", why)  # one inference task per replica: replica = rank
+    sup.on_lost = lost
     sup.start(server, {"HPCRL_BUS_ADDR": bus_address, "HPCRL_STORE_ADDR": f"{advertise}:{store.port}"})
     ports = BusPorts(config, bus, store_host=advertise, store_port=store.port, log=log.info)
     deadline = _start_deadline(launch)
@@ -285,6 +346,7 @@ async def _train(sup: _Supervisor, server: ReportServer, advertise: str) -> bool
         except Exception as err:  # noqa: BLE001 - the loop's error ends the run FAILED, with its message
             log.exception("the GRPO loop failed")
             raise GroupFailed(f"the GRPO loop failed: {type(err).__name__}: {err}") from None
+        sup.revivable = set()
         sup.release(server)  # every task: exit 0
         return preempted
     finally:
@@ -326,6 +388,10 @@ def run_head(run_dir: Path | str) -> dict:
     except RunCancelled as err:
         state, error = "CANCELLED", str(err)
         log.info(f"run CANCELLED ({err}); stopping every group")
+        raise
+    except Exception as err:  # a bug or an unreadable run directory: still FAILED, saying why
+        error = f"the head failed: {type(err).__name__}: {err}"
+        log.exception(error)
         raise
     finally:
         for sig, handler in previous.items():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -45,6 +45,12 @@ class Step:
     procs: list[subprocess.Popen]
     local: bool
     returncode: int | None = field(default=None)
+    first_rank: int = 0
+    """Group rank of the step's first task (not 0 for one task started again)."""
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.slot.tasks)
 
     def poll(self) -> int | None:
         """None while any process runs; then the largest exit code (a signal counts as 128+N)."""
@@ -58,12 +64,10 @@ class Step:
     def terminate(self) -> None:
         """SIGTERM every process (local: its whole process group)."""
         for proc in self.procs:
-            if proc.poll() is not None:
-                continue
             try:
-                if self.local:
+                if self.local:  # the whole process group: children outlive a task killed by SIGKILL
                     os.killpg(proc.pid, signal.SIGTERM)
-                else:
+                elif proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
             except ProcessLookupError:
                 pass  # ended between poll() and the signal
@@ -71,12 +75,10 @@ class Step:
     def kill(self) -> None:
         """SIGKILL what is left (local: the whole process group)."""
         for proc in self.procs:
-            if proc.poll() is not None:
-                continue
             try:
                 if self.local:
                     os.killpg(proc.pid, signal.SIGKILL)
-                else:
+                elif proc.poll() is None:
                     proc.kill()
             except ProcessLookupError:
                 pass  # ended in between
@@ -92,6 +94,28 @@ def start_slurm_step(slot: GroupSlot, *, layout: str, run_dir: Path, python: str
     argv = srun_argv(slot, layout=layout, run_dir=run_dir, python=python, nodelist=nodelist)
     proc = subprocess.Popen(argv, env=step_env, stdin=subprocess.DEVNULL)
     return Step(slot=slot, procs=[proc], local=False)
+
+
+def start_replacement(slot: GroupSlot, rank: int, *, executor: str, layout: str, run_dir: Path, python: str,
+                      env: Mapping[str, str], node: str | None = None) -> Step:
+    """Start rank `rank` of `slot` again, alone (its log is appended to), e.g. a lost inference replica.
+
+    Under Slurm: an srun step of one task in the group's component (hetjob) or on `node` (split),
+    sharing the allocation with whatever the old step left (--overlap)."""
+    one = replace(slot, nodes=1, tasks_per_node=1)
+    task_env = {**env, "HPCRL_GROUP": slot.name, "HPCRL_RELAUNCH_RANK": str(rank)}
+    log = log_path(run_dir, slot.name, rank)
+    if executor == "local":
+        with open(log, "ab") as out:
+            proc = subprocess.Popen([python, "-u", "-m", slot.module], env=task_env, stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return Step(slot=one, procs=[proc], local=True, first_rank=rank)
+    argv = ["srun", "--unbuffered", "--overlap", f"--job-name={slot.name}-{rank}", "--nodes=1", "--ntasks=1"]
+    argv += [f"--het-group={slot.component}"] if layout == "hetjob" else []
+    argv += [f"--nodelist={node}"] if node else []
+    argv += ["--open-mode=append", f"--output={log}", python, "-u", "-m", slot.module]
+    proc = subprocess.Popen(argv, env=task_env, stdin=subprocess.DEVNULL)
+    return Step(slot=one, procs=[proc], local=False, first_rank=rank)
 
 
 def start_local_step(slot: GroupSlot, *, run_dir: Path, python: str, env: Mapping[str, str]) -> Step:

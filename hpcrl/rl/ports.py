@@ -4,9 +4,11 @@
     await ports.connect(timeout=600)       # every group registered; weight-transfer group formed
     await run_loop(config, ports)          # hpcrl.rl.loop
 
-  generate        the batch's prompts split in contiguous chunks over the healthy inference replicas
-                  (Service.route, idempotent: a chunk whose replica dies is retried on another);
-                  sampling seeds depend on each prompt's place in the batch, so the split changes nothing
+  generate        the batch's prompts split in contiguous chunks, each to the least busy replica that
+                  is in the weight-transfer group and on the current weights; a chunk whose replica
+                  dies goes to another, or waits until the head has started the lost one again and
+                  it was caught up (group formed again, current weights pushed); sampling seeds
+                  depend on each prompt's place in the batch, so where it runs changes nothing
   score           the reward group (route)
   train_step      every trainer rank (call_all), each takes its share of the batch
   sync_weights    trainer ranks send, every inference replica receives (point to point, the transfer plan)
@@ -28,6 +30,8 @@ from hpcrl.rl.rollouts import TrainBatch
 
 #: Seconds a call may take before the head gives up on it (a CPU step or a first vLLM call can be slow).
 CALL_TIMEOUT_S = 600.0
+#: Seconds a lost inference replica has to come back (started again by the head) and register.
+REJOIN_TIMEOUT_S = 300.0
 
 
 class BusPorts:
@@ -43,27 +47,109 @@ class BusPorts:
         self.inference = Service(head, "inference")
         self.reward = Service(head, "reward")
         self.plan = plan_for_config(config)
+        self.replicas = config.inference.replicas
+        # Trainer-side work (train steps, weight pushes, forming the transfer group) one at a time.
+        self._trainer_turn = asyncio.Lock()
+        self.generation = -1
+        self.members: dict[int, tuple[str, int]] = {}
+        """replica -> (host, pid) of the processes in the current weight-transfer group."""
+        self.current = False
+        """Whether the group's replicas hold the trainer's weights of `trainer_version`."""
+        self.trainer_version = 0
 
     async def connect(self, *, timeout: float) -> None:
         """Wait for every group, then form the weight-transfer group (trainer ranks + every vLLM worker)."""
-        c = self.config
-        for group, replicas in (("trainer", 1), ("inference", c.inference.replicas), ("reward", 1)):
-            await self.head.wait_for_peers(group, replicas, timeout=timeout)
-            self.log(f"group {group}: {replicas} replica(s) ready")
-        args = {"host": self.store_host, "port": self.store_port, "timeout_s": timeout, "digest": self.plan.digest}
+        await self.head.wait_for_peers("trainer", 1, timeout=timeout)
+        await self.head.wait_for_peers("reward", 1, timeout=timeout)
+        self.log(f"groups ready: trainer ({self.plan.trainer.world_size} rank(s)), reward")
+        async with self._trainer_turn:
+            await self._form_group(timeout)
+
+    # -- the weight-transfer group and which replicas may serve ---------------------------------
+    def _leader(self, replica: int):
+        for peer in self.head.peers("inference"):
+            if peer.replica == replica and peer.rank == 0:
+                return peer
+        return None
+
+    def _intact(self) -> bool:
+        """Every replica of the group formed last is still the same healthy process."""
+        for replica in range(self.replicas):
+            peer = self._leader(replica)
+            if peer is None or (peer.host, peer.pid) != self.members.get(replica):
+                return False
+        return True
+
+    async def _form_group(self, timeout: float) -> None:
+        """(Re)form the weight-transfer group once every replica is registered (a lost one started again)."""
+        await self.head.wait_for_peers("inference", self.replicas, timeout=timeout)
+        self.generation += 1
+        self.current = False
+        args = {"host": self.store_host, "port": self.store_port, "timeout_s": timeout, "digest": self.plan.digest,
+                "generation": self.generation}
+        members = {r: (p.host, p.pid) for r in range(self.replicas) if (p := self._leader(r)) is not None}
         await asyncio.gather(self.trainer.call_all(0, "connect_transfer", args, timeout=timeout),
                              self.inference.fanout("connect_transfer", args, timeout=timeout))
-        self.log(f"weight-transfer group formed: {self.plan.trainer.world_size} trainer rank(s) -> "
-                 f"{c.inference.replicas} replica(s) x TP {c.inference.tensor_parallel} (plan {self.plan.digest[:12]})")
+        self.members = members
+        self.log(f"weight-transfer group formed (generation {self.generation}): {self.plan.trainer.world_size} "
+                 f"trainer rank(s) -> {self.replicas} replica(s) x TP {self.config.inference.tensor_parallel} "
+                 f"(plan {self.plan.digest[:12]})")
+
+    async def _push(self, version: int) -> None:
+        await asyncio.gather(self.trainer.call_all(0, "send_weights", {"version": version}, timeout=CALL_TIMEOUT_S),
+                             self.inference.fanout("receive_weights", {"version": version}, timeout=CALL_TIMEOUT_S))
+        self.trainer_version, self.current = version, True
+
+    async def _catch_up(self) -> None:
+        """Held under the trainer turn: if a replica was replaced, form the group again and push the
+        trainer's current weights to everyone, so the newcomer serves what the others serve."""
+        if not self._intact():
+            self.log("an inference replica was replaced: forming the weight-transfer group again")
+            await self._form_group(REJOIN_TIMEOUT_S)
+            await self._push(self.trainer_version)
+            self.log(f"inference replicas caught up to weight version {self.trainer_version}")
+        elif not self.current:
+            await self._push(self.trainer_version)
+
+    def _serving(self) -> list[str]:
+        """Names of the replicas that may serve now: in the group, healthy, on the current weights."""
+        if not self.current:
+            return []
+        names = []
+        for replica, member in self.members.items():
+            peer = self._leader(replica)
+            if peer is not None and (peer.host, peer.pid) == member:
+                names.append(peer.name)
+        return names
+
+    async def _call_inference(self, endpoint: str, args: dict):
+        """One call to the least busy serving replica; a replica lost meanwhile is replaced, caught up
+        and the call made again (generate and logprobs are idempotent: same seeds, same weights)."""
+        from hpcrl.bus.errors import PeerDeadError
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CALL_TIMEOUT_S + REJOIN_TIMEOUT_S
+        while True:
+            serving = self._serving()
+            if not serving:
+                async with self._trainer_turn:
+                    await self._catch_up()
+                continue
+            name = min(serving, key=self.head.outstanding)
+            try:
+                return await self.head.request(name, endpoint, args, timeout=CALL_TIMEOUT_S)
+            except PeerDeadError as err:
+                if loop.time() > deadline:
+                    raise
+                self.log(f"{endpoint} on {name} lost ({err}); it goes to a replica on current weights")
 
     # -- Ports ---------------------------------------------------------------------------------
     async def generate(self, prompts: list[Prompt], *, n: int, seed: int) -> list[list[Completion]]:
-        replicas = max(1, len(self.inference.replicas()))
-        size = -(-len(prompts) // replicas)
+        size = -(-len(prompts) // self.replicas)
         chunks = [(k, prompts[k:k + size]) for k in range(0, len(prompts), size)]
         parts = await asyncio.gather(*(
-            self.inference.route("generate", {"prompts": [asdict(p) for p in chunk], "n": n, "seed": seed,
-                                              "offset": offset}, timeout=CALL_TIMEOUT_S)
+            self._call_inference("generate", {"prompts": [asdict(p) for p in chunk], "n": n, "seed": seed,
+                                              "offset": offset})
             for offset, chunk in chunks))
         return [[Completion(**c) for c in group] for part in parts for group in part]
 
@@ -72,27 +158,33 @@ class BusPorts:
         return [RewardResult(**r) for r in out]
 
     async def train_step(self, batch: TrainBatch, *, step: int) -> dict[str, float]:
-        results = await self.trainer.call_all(0, "train_step", {"batch": batch.to_dict(), "step": step},
-                                              timeout=CALL_TIMEOUT_S)
+        async with self._trainer_turn:
+            results = await self.trainer.call_all(0, "train_step", {"batch": batch.to_dict(), "step": step},
+                                                  timeout=CALL_TIMEOUT_S)
+            self.trainer_version = step + 1  # the replicas get it at the next push
         return results[0]
 
     async def sync_weights(self, version: int) -> None:
-        await asyncio.gather(self.trainer.call_all(0, "send_weights", {"version": version}, timeout=CALL_TIMEOUT_S),
-                             self.inference.fanout("receive_weights", {"version": version}, timeout=CALL_TIMEOUT_S))
+        async with self._trainer_turn:
+            if not self._intact():
+                self.log("an inference replica was replaced: forming the weight-transfer group again")
+                await self._form_group(REJOIN_TIMEOUT_S)
+            await self._push(version)
 
     async def trainer_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        results = await self.trainer.call_all(0, "logprobs", {"sequences": sequences}, timeout=CALL_TIMEOUT_S)
+        async with self._trainer_turn:
+            results = await self.trainer.call_all(0, "logprobs", {"sequences": sequences}, timeout=CALL_TIMEOUT_S)
         return results[0]
 
     async def inference_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return await self.inference.route("logprobs", {"sequences": sequences}, timeout=CALL_TIMEOUT_S)
+        return await self._call_inference("logprobs", {"sequences": sequences})
 
     # -- checkpoints ---------------------------------------------------------------------------
     async def save_trainer(self, directory) -> None:
-        await self.trainer.call_all(0, "save", {"directory": str(directory)}, timeout=CALL_TIMEOUT_S)
+        async with self._trainer_turn:
+            await self.trainer.call_all(0, "save", {"directory": str(directory)}, timeout=CALL_TIMEOUT_S)
 
     async def load_trainer(self, directory) -> None:
-        await self.trainer.call_all(0, "load", {"directory": str(directory)}, timeout=CALL_TIMEOUT_S)
-
-    async def close(self) -> None:
-        pass
+        async with self._trainer_turn:
+            results = await self.trainer.call_all(0, "load", {"directory": str(directory)}, timeout=CALL_TIMEOUT_S)
+            self.trainer_version = int(results[0]["step"])

@@ -46,7 +46,8 @@ def score_groups(prompts: list[Prompt], completions: list[list[Completion]], res
         groups.append(ScoredGroup(
             prompt_id=prompt.id, prompt_token_ids=group[0].prompt_token_ids,
             completions=[c.token_ids for c in group], logprobs=[c.logprobs for c in group],
-            rewards=[float(r.reward) for r in rewards], weight_version=weight_version, batch=batch,
+            rewards=[float(r.reward) for r in rewards], batch=batch,
+            weight_version=min((c.weight_version for c in group), default=weight_version),
             finish_reasons=[c.finish_reason for c in group]))
     return groups, ScoreStats(groups=len(prompts), groups_with_errors=bad, errors=errors)
 

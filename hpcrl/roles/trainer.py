@@ -96,7 +96,8 @@ class TrainerRole(Role):
             if self.sender is not None:
                 self.sender.close()
             self.sender = TrainerSender.connect(self.plan, rank=self.rank, host=args["host"], port=int(args["port"]),
-                                                timeout_s=float(args["timeout_s"]), external_store=True)
+                                                timeout_s=float(args["timeout_s"]), external_store=True,
+                                                generation=int(args.get("generation", 0)))
         await self.on_engine(connect)
         return {"rank": self.rank}
 

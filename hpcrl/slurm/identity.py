@@ -11,6 +11,8 @@ tasks and ranks_per_replica). The rest comes from where the task runs:
                 picks the component and the rank within it.
   split job     HPCRL_GROUP names the group (one step per group); rank = SLURM_PROCID.
   local         HPCRL_GROUP and HPCRL_RANK, set by the local launcher (no Slurm at all).
+  relaunched    HPCRL_GROUP and HPCRL_RELAUNCH_RANK: one task the head started again (a lost
+                inference replica), under Slurm or not.
 
 The replica is rank // ranks_per_replica (trainer: HSDP replica; inference: one engine per task).
 """
@@ -99,7 +101,13 @@ def identify_task(env: Mapping[str, str]) -> TaskIdentity:
     """The identity of the task whose environment is `env` (see the module docstring)."""
     layout = _layout(env)
     local_rank = int(env.get("SLURM_LOCALID", env.get("HPCRL_LOCAL_RANK", "0")))
-    if env.get("HPCRL_GROUP") and "HPCRL_RANK" in env:  # local executor
+    if env.get("HPCRL_GROUP") and "HPCRL_RELAUNCH_RANK" in env:  # one task started again by the head
+        group = _by_name(layout, env["HPCRL_GROUP"])
+        rank = _int(env, "HPCRL_RELAUNCH_RANK")
+        node = env.get("SLURMD_NODENAME") or env.get("HPCRL_NODE") or socket.gethostname()
+        nodes = expand_nodelist(env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{group['component']}", node))
+        node_index = nodes.index(node) if node in nodes else 0
+    elif env.get("HPCRL_GROUP") and "HPCRL_RANK" in env:  # local executor
         group = _by_name(layout, env["HPCRL_GROUP"])
         rank = _int(env, "HPCRL_RANK")
         node_index = int(env.get("HPCRL_NODE_INDEX", "0"))

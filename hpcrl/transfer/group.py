@@ -54,10 +54,11 @@ class TransferGroup:
 
 
 def open_gloo_group(*, host: str, port: int, rank: int, world_size: int, timeout_s: float,
-                    external_store: bool = False) -> TransferGroup:
+                    external_store: bool = False, generation: int = 0) -> TransferGroup:
     """Join the transfer group (blocks until all `world_size` ranks joined, or `timeout_s`).
 
     Rank 0 serves the rendezvous store at host:port unless `external_store` (see `host_store`).
+    `generation` tells apart groups formed again on the same store (after a replica was replaced).
     """
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
@@ -66,7 +67,8 @@ def open_gloo_group(*, host: str, port: int, rank: int, world_size: int, timeout
         with _without_agent_store():
             store = dist.TCPStore(host, port, world_size, is_master=rank == 0 and not external_store, timeout=timeout,
                                   wait_for_workers=False, multi_tenant=True)
-        prefix = dist.PrefixStore(f"hpcrl-transfer/{host}:{port}", store)
+        name = f"hpcrl-transfer/{host}:{port}" + (f"/g{generation}" if generation else "")
+        prefix = dist.PrefixStore(name, store)
         pg = dist.ProcessGroup(prefix, rank, world_size)
         backend = ProcessGroupGloo(prefix, rank, world_size, timeout=timeout)
         backend._set_sequence_number_for_group()

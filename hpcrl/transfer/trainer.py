@@ -40,12 +40,12 @@ class TrainerSender:
 
     @classmethod
     def connect(cls, plan: TransferPlan, *, rank: int, host: str, port: int, timeout_s: float = 120.0,
-                external_store: bool = False) -> "TrainerSender":
+                external_store: bool = False, generation: int = 0) -> "TrainerSender":
         world = plan.trainer.world_size + plan.inference.replicas * plan.inference.tensor_parallel
         if not 0 <= rank < plan.trainer.world_size:
             raise TransferError(f"trainer rank {rank} is outside the plan's {plan.trainer.world_size} trainer ranks")
         group = open_gloo_group(host=host, port=port, rank=rank, world_size=world, timeout_s=timeout_s,
-                             external_store=external_store)
+                                external_store=external_store, generation=generation)
         check_digests(group.pg, rank=rank, digest=plan.digest,
                       describe=lambda r: execute.describe_group_rank(plan, r))
         return cls(plan, group, rank=rank, timeout_s=timeout_s)

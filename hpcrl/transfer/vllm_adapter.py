@@ -52,10 +52,10 @@ ENGINE_NAME = "hpcrl"
 
 def init_info(*, host: str, port: int, replica: int, trainer: TrainerLayout, inference: InferenceLayout,
               wire_dtype: str, bucket_bytes: int, timeout_s: float = 120.0, external_store: bool = False,
-              digest: str = "") -> dict[str, Any]:
+              digest: str = "", generation: int = 0) -> dict[str, Any]:
     """The `init_info` dict for `LLM.init_weight_transfer_engine` (plain data: crosses collective_rpc)."""
     return dict(host=host, port=port, replica=replica, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes,
-                timeout_s=timeout_s, external_store=external_store, digest=digest,
+                timeout_s=timeout_s, external_store=external_store, digest=digest, generation=generation,
                 trainer=dict(dp_replicate=trainer.dp_replicate, dp_shard=trainer.dp_shard, naming=trainer.naming,
                              fuse_qkv=trainer.fuse_qkv),
                 inference=dict(replicas=inference.replicas, tensor_parallel=inference.tensor_parallel,
@@ -75,6 +75,8 @@ class HpcrlInitInfo(WeightTransferInitInfo):
     external_store: bool = False
     digest: str = ""
     """When set, the digest the caller planned with; a worker that plans differently fails at once."""
+    generation: int = 0
+    """Which formation of the group on this store (a replaced replica makes everyone form it again)."""
 
 
 @dataclass
@@ -120,7 +122,8 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         rank = execute.inference_group_rank(self.plan, self.replica, self.tp_rank)
         world = self.plan.trainer.world_size + inference.replicas * inference.tensor_parallel
         self.group = open_gloo_group(host=info.host, port=info.port, rank=rank, world_size=world,
-                                     timeout_s=info.timeout_s, external_store=info.external_store)
+                                     timeout_s=info.timeout_s, external_store=info.external_store,
+                                     generation=info.generation)
         check_digests(self.group.pg, rank=rank, digest=self.plan.digest,
                       describe=lambda r: execute.describe_group_rank(self.plan, r))
 

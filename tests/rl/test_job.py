@@ -61,13 +61,16 @@ def test_a_job_stopped_and_resubmitted_ends_bitwise_where_an_uninterrupted_one_d
 
 
 @pytest.mark.timeout(600)
-def test_a_checkpoint_of_two_trainer_ranks_resumes_on_one(tiny_model, tmp_path):
+def test_hpcrl_resume_continues_a_checkpoint_of_two_trainer_ranks_on_one(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     base = ("--set", "trainer.steps=6", "--set", "trainer.checkpoint_interval=0")
     first = submit(run_dir, tiny_model, *local(*base, "--set", "trainer.nodes=2"), "--steps", "3")
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-    second = submit(run_dir, tiny_model, *local(*base, "--set", "trainer.nodes=1"))
+    second = subprocess.run([sys.executable, "-m", "hpcrl", "resume", str(run_dir), "--set", "trainer.nodes=1",
+                             "--wait"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                            text=True, timeout=600)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    assert f"resuming tiny-grpo from {run_dir / 'checkpoints' / 'step_3'} (step 3)" in second.stdout
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert [r["weight_version"] for r in rows] == [1, 2, 3, 4, 5, 6]
@@ -149,3 +152,35 @@ def test_a_run_longer_than_its_time_limit_checkpoints_on_the_signal_is_requeued_
     assert read_json(run_dir / EXIT_FILE)["state"] == "COMPLETED"
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 201))  # nothing lost, nothing twice
+
+
+@pytest.mark.timeout(600)
+def test_killing_the_inference_replica_loses_no_rollout_and_it_is_back_on_current_weights_within_60_s(tiny_model,
+                                                                                                  tmp_path):
+    run_dir = tmp_path / "run"
+    queued = subprocess.run([sys.executable, "-m", "hpcrl", "submit", "configs/tiny_grpo.toml", "--set",
+                             f"run.run_dir={run_dir}", "--set", f"model.path={tiny_model}",
+                             *local("--set", "trainer.steps=40", "--set", "trainer.checkpoint_interval=0")],
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                            timeout=120)
+    assert queued.returncode == 0, queued.stderr
+    try:
+        wait_for(lambda: "step   15/" in head_log(run_dir), "step 15", 300)
+        pid = int(re.search(r"report: inference rank 0 replica 0 on node \S+ \(pid (\d+)\)", head_log(run_dir)).group(1))
+        os.kill(pid, 9)
+        back = wait_for(lambda: "weight-transfer group formed (generation 1)" in head_log(run_dir),
+                        "the replica's return", 60)
+        final = jobs.wait(run_dir, timeout_s=400)
+    finally:
+        job = read_json(run_dir / "job.json")
+        if jobs._local_alive(int(job["job_id"])):
+            subprocess.run([sys.executable, "-m", "hpcrl", "cancel", str(run_dir)], cwd=REPO, timeout=60,
+                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True)
+    print(f"the replica was back in the weight-transfer group {back:.0f} s after it was killed")
+    assert final.state == "COMPLETED", final.render()
+    assert "group inference rank 0 lost (its process ended without a word); starting it again" in head_log(run_dir)
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    assert all(r["groups"] == 8 and r["reward_errors"] == 0 for r in rows)  # nothing lost, nothing scored zero
+    assert rows[-1]["groups_held_out_total"] == 0
+    assert all(r["logprob_mismatch"] < 1e-3 for r in rows)  # the new replica serves the trainer's weights

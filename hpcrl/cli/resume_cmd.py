@@ -1,0 +1,56 @@
+"""`hpcrl resume RUN_DIR`: submit a stopped run again; it continues from its newest complete checkpoint.
+
+    hpcrl resume runs/tiny-grpo --wait
+
+The run's own resolved config (RUN_DIR/config.toml) is submitted again the way it was (executor,
+cluster, layout); `--set` changes it (e.g. trainer.nodes: a checkpoint resumes on another trainer
+world size). A corrupt or partial checkpoint is reported by name and skipped for the next newest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hpcrl.errors import HpcrlError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("resume", help="submit a stopped run again from its newest checkpoint",
+                                   description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", metavar="RUN_DIR")
+    parser.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
+                        help="override a key of the run's config (repeatable)")
+    parser.add_argument("--steps", type=int, metavar="N", default=None, help="stop after step N")
+    parser.add_argument("--wait", action="store_true", help="wait for the run to end; exit 1 unless COMPLETED")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpcrl.ckpt.store import CheckpointStore
+    from hpcrl.config import load_config
+    from hpcrl.launch.jobs import wait
+    from hpcrl.launch.rundir import CONFIG_FILE
+    from hpcrl.launch.submit import submit_run
+
+    run_dir = Path(args.run_dir).absolute()
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise HpcrlError(f"{run_dir} is not a run directory (no {CONFIG_FILE}); give the directory "
+                         "`hpcrl submit` wrote (runs/<name> by default)")
+    config = load_config(run_dir / CONFIG_FILE, overrides=[f"run.run_dir={run_dir}", *args.set])
+    store = CheckpointStore(run_dir / "checkpoints", keep_last=config.trainer.keep_last)
+    found = store.latest()
+    for path, why in store.skipped:
+        print(f"hpcrl: checkpoint {path} skipped: {why}", file=sys.stderr)
+    print(f"resuming {config.run.name} from " + (f"{found.path} (step {found.step})" if found else
+                                                 "the start: no complete checkpoint"))
+    done = submit_run(config, stop_after=args.steps)
+    if done.note:
+        print(f"hpcrl: {done.note}", file=sys.stderr)
+    print(f"submitted {config.run.name}: {done.executor} job {done.job_id}, run directory {done.run_dir}")
+    if not args.wait:
+        return 0
+    final = wait(done.run_dir, timeout_s=float("inf"))
+    print(final.render())
+    return 0 if final.state == "COMPLETED" else 1
