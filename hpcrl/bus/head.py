@@ -115,7 +115,7 @@ class Head:
         """Bind and start serving; returns the real address (the port chosen by the OS)."""
         self._loop = asyncio.get_running_loop()
         sock, self.address = _channel.bind_router(self._bind, hard_max_bytes=4 * self.config.max_message_bytes)
-        self._channel = _channel.Channel(sock, self._on_message)
+        self._channel = _channel.Channel(sock, self._on_message, small_frames=2)  # routing id, header
         self._channel.start()
         self._monitor = asyncio.create_task(self._watch(), name="hpcrl-bus-head-monitor")
         log.info("bus: head of run %s listening on %s", self.run_id, self.address)
@@ -307,8 +307,8 @@ class Head:
 
     # ---------------------------------------------------------------- incoming
 
-    def _on_message(self, frames: list[memoryview]) -> None:
-        identity = bytes(frames[0])
+    def _on_message(self, frames: list) -> None:
+        identity = frames[0]  # bytes (see Channel)
         env = self._opener.open(frames[1:])
         if env is None:
             return
