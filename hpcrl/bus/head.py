@@ -43,22 +43,27 @@ def routing_id(incarnation: bytes) -> bytes:
     return b"w" + incarnation
 
 
-@dataclass(kw_only=True, eq=False)
+@dataclass(kw_only=True, eq=False, slots=True)
 class _PeerState:
     info: PeerInfo
     incarnation: bytes
     endpoints: dict[str, bool]
     last_seen: float
+    route: bytes = b""
+    """The ZeroMQ routing id of its connection (`routing_id(incarnation)`), kept to send."""
     healthy: bool = True
     dead_reason: str = ""
     outstanding: int = 0
+
+    def __post_init__(self) -> None:
+        self.route = routing_id(self.incarnation)
 
     @property
     def name(self) -> str:
         return self.info.name
 
 
-@dataclass(kw_only=True, eq=False)
+@dataclass(kw_only=True, eq=False, slots=True)
 class _Fanout:
     """One call to many peers: one future for all, one timer, results in order."""
 
@@ -69,7 +74,7 @@ class _Fanout:
     timer: asyncio.TimerHandle | None = None
 
 
-@dataclass(kw_only=True, eq=False)
+@dataclass(kw_only=True, eq=False, slots=True)
 class _Pending:
     future: asyncio.Future
     """The caller's future (for a fanout: the fanout's, shared by all its peers)."""
@@ -101,6 +106,8 @@ class Head:
         self._next_id = 0
         self._listeners: list[Callable[[PeerInfo], Any]] = [on_unhealthy] if on_unhealthy else []
         self._changed = asyncio.Event()
+        self.generation = 0
+        """Bumped whenever a peer registers or is declared unhealthy (Service caches on it)."""
         self._channel: _channel.Channel | None = None
         self._monitor: asyncio.Task | None = None
         self._hook_tasks: set[asyncio.Task] = set()
@@ -258,13 +265,23 @@ class Head:
             fan.future.set_result([])
             return fan.future
         buffers = tuple(buffers)
-        for index, st in enumerate(states):
-            self._next_id += 1
-            rid = self._next_id
-            if not self._send(st, Kind.REQUEST, {"id": rid, "ep": endpoint, "a": args, "ttl": timeout}, buffers):
-                fan.future.set_exception(PeerDeadError(st.name, "unreachable (not connected, or its send queue is full)"))
-                break
-            self._pending[rid] = _Pending(future=fan.future, peer=st, endpoint=endpoint, fan=fan, index=index)
+        first_rid = self._next_id + 1
+        self._next_id += len(states)
+        seal = self._sealer.seal
+        messages = [[st.route, *seal(Kind.REQUEST, {"id": first_rid + i, "ep": endpoint, "a": args, "ttl": timeout},
+                                     to=st.incarnation, buffers=buffers)]
+                    for i, st in enumerate(states)]
+        sent = self._channel.send_many(messages) if self._channel is not None else [False] * len(states)
+        pending = self._pending
+        for index, (st, ok) in enumerate(zip(states, sent)):
+            if not ok:
+                self._counters.count("send_failed")
+                if not fan.future.done():
+                    fan.future.set_exception(
+                        PeerDeadError(st.name, "unreachable (not connected, or its send queue is full)"))
+                continue
+            rid = first_rid + index
+            pending[rid] = _Pending(future=fan.future, peer=st, endpoint=endpoint, fan=fan, index=index)
             st.outstanding += 1
             fan.open.add(rid)
         fan.timer = loop.call_later(timeout, self._expire_fanout, fan, timeout)
@@ -300,7 +317,7 @@ class Head:
 
     def _send(self, st: _PeerState, kind: Kind, body: Any = None, buffers: Iterable[Any] = ()) -> bool:
         frames = self._sealer.seal(kind, body, to=st.incarnation, buffers=buffers)
-        ok = self._channel is not None and self._channel.send([routing_id(st.incarnation), *frames])
+        ok = self._channel is not None and self._channel.send([st.route, *frames])
         if not ok:
             self._counters.count("send_failed")
         return ok
@@ -317,7 +334,7 @@ class Head:
         st = self._by_incarnation.get(env.sender)
         if st is None:
             return self._counters.drop("drop_unknown_peer", f"{env.kind.name} before REGISTER")
-        if identity != routing_id(st.incarnation):
+        if identity != st.route:
             return self._counters.drop("drop_identity", f"{st.name} on a foreign connection")
         if not st.healthy:
             self._counters.drop("drop_stale_peer", f"{st.name} was declared dead")
@@ -377,6 +394,11 @@ class Head:
         self._welcome(st)
         log.info("bus: %s registered (host %s, pid %d, gpu %r)%s", info.name, info.host, info.pid,
                  info.gpu, " again" if previous is not None else "")
+        self._bump()
+
+    def _bump(self) -> None:
+        """The peer table changed: wake wait_for_peers, and invalidate callers' caches."""
+        self.generation += 1
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -439,8 +461,7 @@ class Head:
         for listener in self._listeners if notify else ():
             # call_soon: a failing hook is reported by the loop and cannot stop the monitor.
             self._loop.call_soon(self._run_hook, listener, st.info)
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self._bump()
 
     def _run_hook(self, hook: Callable[[PeerInfo], Any], info: PeerInfo) -> None:
         result = hook(info)
