@@ -1,8 +1,8 @@
 """The one adapter for ZeroMQ: sockets of the bus, driven by the asyncio event loop.
 
 `bind_router` (head) and `connect_dealer` (workers) make the sockets; `Channel` reads whole
-multipart messages as memoryviews (no copy) and hands them to a callback, and sends frames
-without copying. Sockets are plain (not zmq.asyncio): the loop watches the socket's FD and a
+multipart messages and hands them to a callback (the small leading frames as bytes, buffers as
+memoryviews without a copy), and sends large frames without copying. Sockets are plain (not zmq.asyncio): the loop watches the socket's FD and a
 readable FD drains every waiting message in one go, which keeps fanout to many peers cheap.
 
 ZeroMQ's FD is edge-triggered: it signals only when the socket's state changes, and a send
@@ -23,6 +23,9 @@ log = logging.getLogger("hpcrl.bus")
 
 #: Messages handled per drain before yielding to the loop.
 _DRAIN_BATCH = 256
+#: Frames shorter than this are sent by copying (cheaper than a zero-copy zmq.Frame); pyzmq
+#: copies them anyway (its copy_threshold), but only after building the Frame object.
+_COPY_BELOW = int(zmq.COPY_THRESHOLD)
 _HWM = 100_000
 # Plain ints: pyzmq's flag enums cost microseconds per frame on the hot path.
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -30,6 +33,8 @@ _NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
+# pyzmq's Socket.send is a Python wrapper (routing_id/group handling) around the compiled one.
+_raw_send = zmq.Socket.__mro__[1].send
 
 
 def _context() -> zmq.Context:
@@ -68,8 +73,11 @@ def connect_dealer(address: str, *, routing_id: bytes, hard_max_bytes: int) -> z
 class Channel:
     """One socket on the running loop: `on_message(frames)` for every message, `send(frames)`."""
 
-    def __init__(self, sock: zmq.Socket, on_message: Callable[[list[memoryview]], None]) -> None:
+    def __init__(self, sock: zmq.Socket, on_message: Callable[[list], None], *, small_frames: int = 1) -> None:
+        """`small_frames`: how many leading frames of every message are small (routing id,
+        header) and are received as bytes; the rest arrive as memoryviews, without a copy."""
         self._sock = sock
+        self._small = small_frames
         self._on_message = on_message
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd = sock.getsockopt(zmq.FD)
@@ -85,22 +93,35 @@ class Channel:
         """Send one message now; False if the peer is not connected or its queue is full."""
         if self.closed:
             return False
-        send = self._sock.send
         try:
-            # Without copy: buffers at or above zmq.COPY_THRESHOLD go out zero-copy. With
-            # NOBLOCK, once the first frame is queued the rest of the message is too.
-            for frame in frames[:-1]:
-                send(frame, _NOBLOCK_MORE, copy=False)
-            send(frames[-1], _NOBLOCK, copy=False)
+            return self._put(frames)
+        finally:
+            if self._sock.get(_EVENTS) & _POLLIN:  # the send may have eaten the FD's edge
+                self._kick()
+
+    def send_many(self, messages: list[list]) -> list[bool]:
+        """Send several messages in a row (a fanout); one bool each, like send()."""
+        if self.closed:
+            return [False] * len(messages)
+        try:
+            return [self._put(frames) for frames in messages]
+        finally:
+            if self._sock.get(_EVENTS) & _POLLIN:  # once for the lot: the edge check is a syscall
+                self._kick()
+
+    def _put(self, frames: list) -> bool:
+        sock, last = self._sock, len(frames) - 1
+        try:
+            # Large buffers go out zero-copy; small frames are copied (cheaper than a Frame).
+            # With NOBLOCK, once the first frame is queued the rest of the message is too.
+            for i, frame in enumerate(frames):
+                _raw_send(sock, frame, _NOBLOCK if i == last else _NOBLOCK_MORE, len(frame) < _COPY_BELOW, False)
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 return False
             raise
-        finally:
-            if self._sock.get(_EVENTS) & _POLLIN:  # the send may have eaten the FD's edge
-                self._kick()
         return True
 
     def close(self, *, linger: float = 0.0) -> None:
@@ -121,17 +142,23 @@ class Channel:
         self._kicked = False
         if self.closed:
             return
-        recv, more = self._sock.recv, self._sock.get
+        sock = self._sock
+        recv, get, small = sock.recv, sock.get, self._small
         finished = False
         try:
             for _ in range(_DRAIN_BATCH):
-                try:
-                    frames = [recv(_NOBLOCK, copy=False).buffer]
-                except zmq.Again:
+                # Ask before receiving: a zmq.Again exception costs more than this check.
+                if not get(_EVENTS) & _POLLIN:
                     finished = True
                     return
-                while more(_RCVMORE):  # the rest of a multipart message is already here
-                    frames.append(recv(_NOBLOCK, copy=False).buffer)
+                # Leading small frames (routing id, header) are copied: cheaper than a Frame.
+                # The rest (maybe large buffers) are received without copying.
+                frames = [recv(_NOBLOCK)]
+                while get(_RCVMORE):  # the rest of a multipart message is already here
+                    if len(frames) < small:
+                        frames.append(recv(_NOBLOCK))
+                    else:
+                        frames.append(recv(_NOBLOCK, copy=False).buffer)
                 self._on_message(frames)
                 if self.closed:
                     finished = True

@@ -43,22 +43,30 @@ def routing_id(incarnation: bytes) -> bytes:
     return b"w" + incarnation
 
 
-@dataclass(kw_only=True, eq=False)
+@dataclass(kw_only=True, eq=False, slots=True)
 class _PeerState:
     info: PeerInfo
     incarnation: bytes
     endpoints: dict[str, bool]
     last_seen: float
+    route: bytes = b""
+    """The ZeroMQ routing id of its connection (`routing_id(incarnation)`), kept to send."""
+    host: bytes = b""
+    """Token shared by the workers on one event loop of one process (b"": none given); a fanout
+    sends one batched request per host, to one of them, which runs every sibling's endpoint."""
     healthy: bool = True
     dead_reason: str = ""
     outstanding: int = 0
+
+    def __post_init__(self) -> None:
+        self.route = routing_id(self.incarnation)
 
     @property
     def name(self) -> str:
         return self.info.name
 
 
-@dataclass(kw_only=True, eq=False)
+@dataclass(kw_only=True, eq=False, slots=True)
 class _Fanout:
     """One call to many peers: one future for all, one timer, results in order."""
 
@@ -69,7 +77,7 @@ class _Fanout:
     timer: asyncio.TimerHandle | None = None
 
 
-@dataclass(kw_only=True, eq=False)
+@dataclass(kw_only=True, eq=False, slots=True)
 class _Pending:
     future: asyncio.Future
     """The caller's future (for a fanout: the fanout's, shared by all its peers)."""
@@ -78,6 +86,8 @@ class _Pending:
     timer: asyncio.TimerHandle | None = None
     fan: _Fanout | None = None
     index: int = 0
+    via: _PeerState | None = None
+    """The sibling a batched fanout call went through (it answers for `peer`)."""
 
 
 class Head:
@@ -101,6 +111,8 @@ class Head:
         self._next_id = 0
         self._listeners: list[Callable[[PeerInfo], Any]] = [on_unhealthy] if on_unhealthy else []
         self._changed = asyncio.Event()
+        self.generation = 0
+        """Bumped whenever a peer registers or is declared unhealthy (Service caches on it)."""
         self._channel: _channel.Channel | None = None
         self._monitor: asyncio.Task | None = None
         self._hook_tasks: set[asyncio.Task] = set()
@@ -115,7 +127,7 @@ class Head:
         """Bind and start serving; returns the real address (the port chosen by the OS)."""
         self._loop = asyncio.get_running_loop()
         sock, self.address = _channel.bind_router(self._bind, hard_max_bytes=4 * self.config.max_message_bytes)
-        self._channel = _channel.Channel(sock, self._on_message)
+        self._channel = _channel.Channel(sock, self._on_message, small_frames=2)  # routing id, header
         self._channel.start()
         self._monitor = asyncio.create_task(self._watch(), name="hpcrl-bus-head-monitor")
         log.info("bus: head of run %s listening on %s", self.run_id, self.address)
@@ -267,13 +279,43 @@ class Head:
             fan.future.set_result([])
             return fan.future
         buffers = tuple(buffers)
+        first_rid = self._next_id + 1
+        self._next_id += len(states)
+        # One request per host (the workers of one process's loop), sent to the first of them,
+        # carrying its siblings' calls; a worker without a host gets its own request.
+        leads: dict[bytes, int] = {}
+        batches: dict[int, list] = {}
+        via: list[_PeerState | None] = [None] * len(states)
         for index, st in enumerate(states):
-            self._next_id += 1
-            rid = self._next_id
-            if not self._send(st, Kind.REQUEST, {"id": rid, "ep": endpoint, "a": args, "ttl": timeout}, buffers):
-                fan.future.set_exception(PeerDeadError(st.name, "unreachable (not connected, or its send queue is full)"))
-                break
-            self._pending[rid] = _Pending(future=fan.future, peer=st, endpoint=endpoint, fan=fan, index=index)
+            lead = leads.setdefault(st.host, index) if st.host else index
+            if lead == index:
+                batches[index] = []
+            else:
+                batches[lead].append([st.incarnation, first_rid + index])
+                via[index] = states[lead]
+        seal = self._sealer.seal
+        messages = []
+        for lead, batch in batches.items():
+            body = {"id": first_rid + lead, "ep": endpoint, "a": args, "ttl": timeout}
+            if batch:
+                body["batch"] = batch
+            st = states[lead]
+            messages.append([st.route, *seal(Kind.REQUEST, body, to=st.incarnation, buffers=buffers)])
+        sent = self._channel.send_many(messages) if self._channel is not None else [False] * len(messages)
+        ok_leads = {states[lead].incarnation for lead, ok in zip(batches, sent) if ok}
+        pending = self._pending
+        for index, st in enumerate(states):
+            through = via[index] or st
+            if through.incarnation not in ok_leads:
+                self._counters.count("send_failed")
+                if not fan.future.done():
+                    fan.future.set_exception(PeerDeadError(
+                        st.name, "unreachable (not connected, or its send queue is full)"
+                        + (f"; its call went through {through.name}" if through is not st else "")))
+                continue
+            rid = first_rid + index
+            pending[rid] = _Pending(future=fan.future, peer=st, endpoint=endpoint, fan=fan, index=index,
+                                    via=via[index])
             st.outstanding += 1
             fan.open.add(rid)
         fan.timer = loop.call_later(timeout, self._expire_fanout, fan, timeout)
@@ -309,15 +351,15 @@ class Head:
 
     def _send(self, st: _PeerState, kind: Kind, body: Any = None, buffers: Iterable[Any] = ()) -> bool:
         frames = self._sealer.seal(kind, body, to=st.incarnation, buffers=buffers)
-        ok = self._channel is not None and self._channel.send([routing_id(st.incarnation), *frames])
+        ok = self._channel is not None and self._channel.send([st.route, *frames])
         if not ok:
             self._counters.count("send_failed")
         return ok
 
     # ---------------------------------------------------------------- incoming
 
-    def _on_message(self, frames: list[memoryview]) -> None:
-        identity = bytes(frames[0])
+    def _on_message(self, frames: list) -> None:
+        identity = frames[0]  # bytes (see Channel)
         env = self._opener.open(frames[1:])
         if env is None:
             return
@@ -326,7 +368,7 @@ class Head:
         st = self._by_incarnation.get(env.sender)
         if st is None:
             return self._counters.drop("drop_unknown_peer", f"{env.kind.name} before REGISTER")
-        if identity != routing_id(st.incarnation):
+        if identity != st.route:
             return self._counters.drop("drop_identity", f"{st.name} on a foreign connection")
         if not st.healthy:
             self._counters.drop("drop_stale_peer", f"{st.name} was declared dead")
@@ -347,8 +389,11 @@ class Head:
     def _on_register(self, identity: bytes, env: Envelope) -> None:
         body = env.body
         try:
-            if not isinstance(body, dict) or set(body) != {"peer", "endpoints", "t"}:
+            if not isinstance(body, dict) or set(body) - {"host"} != {"peer", "endpoints", "t"}:
                 raise ValueError("registration body has the wrong fields")
+            host = body.get("host", b"")
+            if not (isinstance(host, bytes) and len(host) in (0, 16)):
+                raise ValueError("registration host token is not 16 bytes")
             info = PeerInfo.from_wire(body["peer"])
             endpoints = body["endpoints"]
             if not (isinstance(endpoints, dict) and all(isinstance(k, str) and isinstance(v, bool)
@@ -379,13 +424,18 @@ class Head:
             # No hooks: the replacement is already here, the launcher must not start another.
             self._declare_dead(previous, "replaced by a new registration of the same peer", notify=False)
         st = _PeerState(info=info, incarnation=env.sender, endpoints=dict(endpoints),
-                        last_seen=self._loop.time())
+                        last_seen=self._loop.time(), host=host)
         self._peers[info.name] = st
         self._by_incarnation[env.sender] = st
         self._counters.accept()
         self._welcome(st)
         log.info("bus: %s registered (host %s, pid %d, gpu %r)%s", info.name, info.host, info.pid,
                  info.gpu, " again" if previous is not None else "")
+        self._bump()
+
+    def _bump(self) -> None:
+        """The peer table changed: wake wait_for_peers, and invalidate callers' caches."""
+        self.generation += 1
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -397,6 +447,8 @@ class Head:
         body = env.body
         if not (isinstance(body, dict) and isinstance(body.get("id"), int) and isinstance(body.get("ok"), bool)):
             return self._counters.drop("malformed", f"reply from {st.name} without id/ok")
+        if "batch" in body:
+            return self._on_batch_reply(st, env)
         self._counters.accept()
         pending = self._pending.get(body["id"])
         if pending is None or pending.peer is not st or pending.future.done():
@@ -422,6 +474,36 @@ class Head:
         if fan.left == 0:
             fan.future.set_result(fan.results)
 
+    def _on_batch_reply(self, st: _PeerState, env: Envelope) -> None:
+        """The answer of `st` for itself and its siblings to one batched fanout request."""
+        entries = env.body["batch"]
+        if not (isinstance(entries, list) and all(
+                isinstance(e, list) and len(e) == 5 and isinstance(e[0], int) and isinstance(e[1], bool)
+                and isinstance(e[3], bool) and isinstance(e[4], int) and e[4] >= 0 for e in entries)
+                and sum(e[4] for e in entries) == len(env.buffers)):
+            return self._counters.drop("malformed", f"batched reply from {st.name} with malformed entries")
+        self._counters.accept()
+        pending_calls, at = self._pending, 0
+        for rid, ok, value, is_payload, nbuf in entries:
+            buffers, at = env.buffers[at:at + nbuf], at + nbuf
+            pending = pending_calls.get(rid)
+            if (pending is None or pending.fan is None or pending.future.done()
+                    or (pending.peer is not st and pending.via is not st)):
+                self._counters.count("late_reply")
+                continue
+            fan = pending.fan
+            if not ok:
+                etype, emsg = (value if isinstance(value, list) and len(value) == 2 else ("?", repr(value)))
+                fan.future.set_exception(RemoteError(pending.peer.name, pending.endpoint, str(etype), str(emsg)))
+                continue
+            fan.results[pending.index] = Payload(value=value, buffers=buffers) if is_payload else value
+            del pending_calls[rid]
+            fan.open.discard(rid)
+            pending.peer.outstanding -= 1
+            fan.left -= 1
+            if fan.left == 0:
+                fan.future.set_result(fan.results)
+
     # ---------------------------------------------------------------- health
 
     async def _watch(self) -> None:
@@ -442,14 +524,18 @@ class Head:
         st.dead_reason = reason
         log.warning("bus: peer %s (host %s, pid %d) is unhealthy: %s", st.name, st.info.host, st.info.pid, reason)
         for pending in self._pending.values():
-            if pending.peer is st and not pending.future.done():
+            if pending.future.done():
+                continue
+            if pending.peer is st:
                 pending.future.set_exception(PeerDeadError(st.name, reason))
+            elif pending.via is st:  # a sibling's call that st was to answer
+                pending.future.set_exception(PeerDeadError(
+                    pending.peer.name, f"its call went through {st.name}, which is unhealthy: {reason}"))
         self._send(st, Kind.BYE, {"reason": f"declared dead: {reason}"})
         for listener in self._listeners if notify else ():
             # call_soon: a failing hook is reported by the loop and cannot stop the monitor.
             self._loop.call_soon(self._run_hook, listener, st.info)
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self._bump()
 
     def _run_hook(self, hook: Callable[[PeerInfo], Any], info: PeerInfo) -> None:
         result = hook(info)

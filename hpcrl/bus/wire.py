@@ -66,7 +66,7 @@ class Payload:
     buffers: tuple = ()
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True)  # not frozen: a frozen __init__ costs microseconds per message
 class Envelope:
     """One opened, authenticated message."""
 
@@ -114,15 +114,28 @@ def _as_bytes_view(buf: Any) -> memoryview:
 
 def _mac(key: bytes, version: bytes, frames: list, count: int) -> bytes:
     """HMAC over the frames; each is bytes or a flat byte view (so len() counts bytes)."""
-    prefix = _DOMAIN + version + count.to_bytes(4, "big")
-    if count == 1:  # header only (most messages): one-shot, no HMAC object
-        header = frames[0]
-        return hmac.digest(key, b"".join((prefix, len(header).to_bytes(8, "big"), header)), "sha256")
-    mac = hmac.new(key, prefix, hashlib.sha256)
-    for frame in frames:  # buffers are fed as they are, never joined (no copy)
-        mac.update(len(frame).to_bytes(8, "big"))
-        mac.update(frame)
-    return mac.digest()
+    return _Mac(key, version).digest(frames, count)
+
+
+class _Mac:
+    """`_mac` for one key, faster: the keyed HMAC state is computed once and copied per message."""
+
+    def __init__(self, key: bytes, version: bytes = _VERSION_BYTE) -> None:
+        self._keyed = hmac.new(key, _DOMAIN + version, hashlib.sha256)
+        self._by_count: dict[int, Any] = {}
+
+    def digest(self, frames: list, count: int) -> bytes:
+        base = self._by_count.get(count)
+        if base is None:
+            base = self._keyed.copy()
+            base.update(count.to_bytes(4, "big"))
+            if len(self._by_count) < 256:  # counts are bounded by max_frames; keep the cache so too
+                self._by_count[count] = base
+        mac = base.copy()
+        for frame in frames:  # buffers are fed as they are, never joined (no copy)
+            mac.update(len(frame).to_bytes(8, "big"))
+            mac.update(frame)
+        return mac.digest()
 
 
 def _no_ext(code: int, data: bytes) -> Any:
@@ -135,7 +148,8 @@ class Sealer:
     def __init__(self, secret: Secret, incarnation: bytes) -> None:
         if len(incarnation) != INCARNATION_BYTES:
             raise ValueError(f"an incarnation id is {INCARNATION_BYTES} bytes")
-        self._key = secret.key
+        self._mac = _Mac(secret.key)
+        self._pack = msgpack.Packer(use_bin_type=True).pack  # reused: cheaper than packb
         self.incarnation = incarnation
         self._seq = 0
 
@@ -144,9 +158,11 @@ class Sealer:
 
     def seal(self, kind: Kind, body: Any = None, *, to: bytes = b"", buffers: Iterable[Any] = ()) -> list:
         self._seq += 1
-        header = msgpack.packb([int(kind), self._seq, self.incarnation, to, body], use_bin_type=True)
+        header = self._pack([int(kind), self._seq, self.incarnation, to, body])
+        if not buffers:  # most messages: header only
+            return [header, _VERSION_BYTE + self._mac.digest((header,), 1)]
         frames: list = [header, *(_as_bytes_view(b) for b in buffers)]
-        frames.append(_VERSION_BYTE + _mac(self._key, _VERSION_BYTE, frames, len(frames)))
+        frames.append(_VERSION_BYTE + self._mac.digest(frames, len(frames)))
         return frames
 
 
@@ -154,7 +170,7 @@ class Opener:
     """Authenticates incoming messages for one receiver (`me`: its incarnation id)."""
 
     def __init__(self, secret: Secret, *, me: bytes, counters: Counters, max_bytes: int, max_frames: int) -> None:
-        self._key = secret.key
+        self._mac = _Mac(secret.key)
         self.me = me
         self.counters = counters
         self.max_bytes = max_bytes
@@ -182,7 +198,7 @@ class Opener:
         if trailer[0] != PROTOCOL_VERSION:
             return drop("version", f"version {trailer[0]}, we speak {PROTOCOL_VERSION}")
         body_frames = frames[:-1]
-        if not hmac.compare_digest(_mac(self._key, _VERSION_BYTE, body_frames, len(body_frames)), trailer[1:]):
+        if not hmac.compare_digest(self._mac.digest(body_frames, len(body_frames)), trailer[1:]):
             return drop("bad_mac")
         try:
             header = msgpack.unpackb(body_frames[0], raw=False, strict_map_key=False, ext_hook=_no_ext)

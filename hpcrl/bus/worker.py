@@ -25,8 +25,11 @@ import inspect
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import msgpack
 
 from hpcrl.bus import channel as _channel
 from hpcrl.bus.config import BusConfig
@@ -37,6 +40,23 @@ from hpcrl.bus.secret import Secret
 from hpcrl.bus.wire import INCARNATION_BYTES, Counters, Envelope, Kind, Opener, Payload, Sealer
 
 log = logging.getLogger("hpcrl.bus")
+
+
+#: Most sibling calls one batched request may carry (a fanout to one process's workers).
+MAX_BATCH = 4096
+
+
+@dataclass(eq=False)
+class _Host:
+    """The Workers served on one event loop of this process. The head may send one request for
+    all of them to any one (a batched fanout: one message and one reply per process, not per
+    worker); `token` (random, sent signed in REGISTER) tells the head which workers share it."""
+
+    token: bytes = field(default_factory=lambda: secrets.token_bytes(16))
+    workers: dict[bytes, "Worker"] = field(default_factory=dict)
+
+
+_HOSTS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Host]" = weakref.WeakKeyDictionary()
 
 
 class WorkerExit(enum.Enum):
@@ -78,6 +98,7 @@ class Worker:
         self._welcomed: asyncio.Event | None = None
         self._done: asyncio.Future | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._host: _Host | None = None
         self.exit_detail = ""
 
     def __repr__(self) -> str:
@@ -115,6 +136,8 @@ class Worker:
         self._loop = loop = asyncio.get_running_loop()
         self._welcomed = asyncio.Event()
         self._done = loop.create_future()
+        self._host = _HOSTS.setdefault(loop, _Host())
+        self._host.workers[self.incarnation] = self
         sock = _channel.connect_dealer(self.address, routing_id=routing_id(self.incarnation),
                                        hard_max_bytes=4 * self.config.max_message_bytes)
         self._channel = _channel.Channel(sock, self._on_message)
@@ -123,6 +146,7 @@ class Worker:
         try:
             return await self._done
         finally:
+            self._host.workers.pop(self.incarnation, None)
             beat.cancel()
             for task in list(self._tasks):
                 task.cancel()
@@ -150,7 +174,7 @@ class Worker:
         while self._head is None:  # register until welcomed
             if loop.time() - start > self.config.register_timeout:
                 return self._finish(WorkerExit.UNREACHABLE, f"no WELCOME from {self.address}")
-            self._send(Kind.REGISTER, {"peer": self.info.to_wire(), "t": time.time(),
+            self._send(Kind.REGISTER, {"peer": self.info.to_wire(), "t": time.time(), "host": self._host.token,
                                        "endpoints": {n: idem for n, (_, idem, _) in self._endpoints.items()}})
             try:
                 await asyncio.wait_for(self._welcomed.wait(), self.config.heartbeat_interval)
@@ -210,6 +234,14 @@ class Worker:
         if not (isinstance(body, dict) and isinstance(body.get("id"), int) and isinstance(body.get("ep"), str)
                 and isinstance(body.get("ttl"), (int, float))):
             return self._counters.drop("malformed", "request without id/ep/ttl")
+        batch = body.get("batch")
+        if batch is not None:
+            if not (isinstance(batch, list) and len(batch) <= MAX_BATCH
+                    and all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], bytes)
+                            and isinstance(e[1], int) for e in batch)):
+                return self._counters.drop("malformed", "request with a malformed batch")
+            self._counters.accept()
+            return self._on_batch(env, body, batch)
         self._counters.accept()
         rid, name = body["id"], body["ep"]
         if name not in self._endpoints:
@@ -267,3 +299,79 @@ class Worker:
 
     def _reply_error(self, rid: int, etype: str, message: str) -> None:
         self._send(Kind.REPLY, {"id": rid, "ok": False, "e": [etype, message]})
+
+    # ---------------------------------------------------------------- batched fanout
+
+    def _on_batch(self, env: Envelope, body: dict, batch: list) -> None:
+        """One request for this worker and for siblings on the same loop; one reply for all.
+
+        Each worker runs its own endpoint. Reply entries: [id, ok, result or [type, message],
+        is_payload, number of buffers]; the buffers of payload results follow, in entry order."""
+        loop, name = self._loop, body["ep"]
+        deadline = loop.time() + body["ttl"]
+        entries: list[list] = []
+        waits: list[tuple[list, Any]] = []
+        for worker, rid in [(self, body["id"]), *((self._host.workers.get(inc), rid) for inc, rid in batch)]:
+            if worker is None or worker._done is None or worker._done.done():
+                entries.append([rid, False, ["PeerGone", "not served on this worker's event loop"], False, 0])
+                continue
+            endpoint = worker._endpoints.get(name)
+            if endpoint is None:
+                entries.append([rid, False, ["UnknownEndpoint", f"{worker.name} has no endpoint {name!r}"], False, 0])
+                continue
+            try:
+                result = endpoint[0](Call(endpoint=name, args=body.get("a"), buffers=env.buffers, deadline=deadline))
+            except Exception as exc:  # the endpoint's own failure goes back to the caller, typed
+                entries.append([rid, False, [type(exc).__name__, str(exc)], False, 0])
+                continue
+            entry = [rid, True, result, False, 0]
+            entries.append(entry)
+            if inspect.isawaitable(result):
+                waits.append((entry, result))
+        if not waits:
+            return self._reply_batch(body["id"], entries)
+        task = asyncio.create_task(self._await_batch(body["id"], entries, waits, deadline))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _await_batch(self, rid: int, entries: list[list], waits: list[tuple[list, Any]],
+                           deadline: float) -> None:
+        async def one(entry: list, awaitable: Any) -> None:
+            try:
+                async with asyncio.timeout_at(deadline) as scope:
+                    entry[2] = await awaitable
+            except TimeoutError:
+                if scope.expired():  # the caller has given up on this one: leave it out
+                    entry[1] = None
+                    return
+                entry[1:3] = [False, ["TimeoutError", "the endpoint raised TimeoutError"]]
+            except Exception as exc:  # the endpoint's own failure goes back to the caller, typed
+                entry[1:3] = [False, [type(exc).__name__, str(exc)]]
+        await asyncio.gather(*(one(entry, aw) for entry, aw in waits))
+        live = [e for e in entries if e[1] is not None]
+        if len(live) < len(entries):
+            self._counters.count("expired")
+        if live:
+            self._reply_batch(rid, live)
+
+    def _reply_batch(self, rid: int, entries: list[list]) -> None:
+        per_entry: list[tuple] = []  # the buffers of each entry's Payload result
+        for entry in entries:
+            result = entry[2]
+            if entry[1] and isinstance(result, Payload):
+                per_entry.append(tuple(result.buffers))
+                entry[2:5] = [result.value, True, len(per_entry[-1])]
+            else:
+                per_entry.append(())
+        try:
+            self._send(Kind.REPLY, {"id": rid, "ok": True, "batch": entries}, [b for bs in per_entry for b in bs])
+            return
+        except (TypeError, ValueError, OverflowError):  # some result is not msgpack-able: name it
+            pass
+        for i, entry in enumerate(entries):
+            try:
+                msgpack.packb(entry[2], use_bin_type=True)
+            except (TypeError, ValueError, OverflowError) as exc:
+                entry[1:5] = [False, [type(exc).__name__, f"the result cannot be sent: {exc}"], False, 0]
+                per_entry[i] = ()
+        self._send(Kind.REPLY, {"id": rid, "ok": True, "batch": entries}, [b for bs in per_entry for b in bs])

@@ -32,6 +32,8 @@ class Service:
         self.group = group
         self._pins: dict[Hashable, str] = {}
         self._turn = itertools.count()
+        self._leaders_at = -1
+        self._leaders_cache: list[str] = []
         head.subscribe(self._on_unhealthy)
 
     def __repr__(self) -> str:
@@ -83,13 +85,20 @@ class Service:
     # ---------------------------------------------------------------- inside
 
     def _leaders(self) -> list[str]:
-        return [p.name for p in sorted(self.head.peers(self.group), key=lambda p: p.replica) if p.rank == 0]
+        """Names of the healthy rank-0 peers, by replica; recomputed only when the peer table changed."""
+        if self._leaders_at != self.head.generation:
+            self._leaders_cache = [p.name for p in sorted(self.head.peers(self.group), key=lambda p: p.replica)
+                                   if p.rank == 0]
+            self._leaders_at = self.head.generation
+        return self._leaders_cache
 
     def _pick(self, exclude: set[str]) -> str:
-        leaders = [n for n in self._leaders() if n not in exclude]
+        leaders = [n for n in self._leaders() if n not in exclude] if exclude else self._leaders()
         if not leaders:
             detail = f"tried {sorted(exclude)}" if exclude else "none registered and healthy"
             raise NoHealthyReplicaError(self.group, detail)
+        if len(leaders) == 1:
+            return leaders[0]
         turn = next(self._turn) % len(leaders)  # rotate ties so equal loads spread out
         rotated = leaders[turn:] + leaders[:turn]
         return min(rotated, key=self.head.outstanding)
