@@ -354,6 +354,7 @@ async def _train(sup: _Supervisor, server: ReportServer, advertise: str) -> bool
         for task in (loop_task, watch_task):
             task.cancel()
         await asyncio.gather(loop_task, watch_task, return_exceptions=True)
+        ports.close()
         await bus.close("the run is over")
         del store
 

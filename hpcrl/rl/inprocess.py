@@ -24,7 +24,8 @@ from hpcrl.config.schema import Config
 from hpcrl.data.prompts import Prompt
 from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
-from hpcrl.reward.pool import RewardPool, RewardResult, Sample
+from hpcrl.reward.model import make_scorer
+from hpcrl.reward.pool import RewardResult, Sample
 from hpcrl.rl.controller import Controller
 from hpcrl.rl.loop import run_loop
 from hpcrl.rl.rollouts import TrainBatch
@@ -49,8 +50,7 @@ class InProcessPorts:
         self.config = config
         self.trainer = TrainerEngine.from_config(config, max_seq_len=max_len + 1)
         self.inference = VllmEngine.from_config(config, weight_transfer=True)
-        self.rewards = RewardPool(config.reward.function, workers=config.reward.workers,
-                                  timeout_s=config.reward.timeout_s)
+        self.rewards = make_scorer(config.reward)
         self.plan = plan_for_config(config)
         self._store = host_store()
         llm = self.inference.llm

@@ -56,12 +56,19 @@ class BusPorts:
         self.current = False
         """Whether the group's replicas hold the trainer's weights of `trainer_version`."""
         self.trainer_version = 0
+        # reward.tasks = 0: score in the head's process (no reward group in the job).
+        self.local_scorer = None
+        if config.reward.tasks == 0:
+            from hpcrl.reward.model import make_scorer
+            self.local_scorer = make_scorer(config.reward)
 
     async def connect(self, *, timeout: float) -> None:
         """Wait for every group, then form the weight-transfer group (trainer ranks + every vLLM worker)."""
         await self.head.wait_for_peers("trainer", 1, timeout=timeout)
-        await self.head.wait_for_peers("reward", 1, timeout=timeout)
-        self.log(f"groups ready: trainer ({self.plan.trainer.world_size} rank(s)), reward")
+        if self.local_scorer is None:
+            await self.head.wait_for_peers("reward", 1, timeout=timeout)
+        self.log(f"groups ready: trainer ({self.plan.trainer.world_size} rank(s)), reward "
+                 f"({'in the head' if self.local_scorer is not None else 'its own group'})")
         async with self._trainer_turn:
             await self._form_group(timeout)
 
@@ -154,6 +161,8 @@ class BusPorts:
         return [[Completion(**c) for c in group] for part in parts for group in part]
 
     async def score(self, samples: list[Sample]) -> list[RewardResult]:
+        if self.local_scorer is not None:
+            return await asyncio.to_thread(self.local_scorer.score, samples)
         out = await self.reward.route("score", {"samples": [asdict(s) for s in samples]}, timeout=CALL_TIMEOUT_S)
         return [RewardResult(**r) for r in out]
 
@@ -183,6 +192,10 @@ class BusPorts:
     async def save_trainer(self, directory) -> None:
         async with self._trainer_turn:
             await self.trainer.call_all(0, "save", {"directory": str(directory)}, timeout=CALL_TIMEOUT_S)
+
+    def close(self) -> None:
+        if self.local_scorer is not None:
+            self.local_scorer.close()
 
     async def load_trainer(self, directory) -> None:
         async with self._trainer_turn:

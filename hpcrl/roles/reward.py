@@ -2,6 +2,8 @@
 
     score {samples}     one RewardResult per sample; a verifier that raises, hangs or dies gives an
                         error record naming the sample (never a silent zero), and the pool goes on
+
+reward.kind = "function": a RewardPool of worker processes; "model": a reward model (transformers).
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ class RewardRole(Role):
 
     def __init__(self, config: Config, identity: TaskIdentity, env: dict[str, str]) -> None:
         super().__init__()
-        from hpcrl.reward.pool import RewardPool
+        from hpcrl.reward.model import make_scorer
 
         self.replica = identity.replica
-        self.pool = RewardPool(config.reward.function, workers=config.reward.workers, timeout_s=config.reward.timeout_s)
+        self.pool = make_scorer(config.reward)  # a RewardPool of the function, or a reward model
 
     def peer(self) -> dict[str, int]:
         return {"replica": self.replica, "rank": 0, "replica_ranks": 1}
