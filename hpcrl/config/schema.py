@@ -299,11 +299,16 @@ class ClusterConfig:
     """Environment variables set for every program of the job."""
     slurm_conf: str = ""
     """SLURM_CONF for sbatch/squeue/scancel (only for a private cluster like tools/local_slurm.sh)."""
+    max_requeues: int = 3
+    """Times a job that lost a group task (a node died, a process was killed) requeues itself to resume from
+    its last checkpoint before it ends FAILED (Slurm only; SLURM_RESTART_COUNT counts them)."""
     signal_delay_s: int = 90
     """Seconds before the time limit that Slurm sends SIGUSR2 to the head, which then checkpoints after
     the step in progress and requeues the job (--signal=B:USR2@N); leave room for one step and a save."""
 
     def __post_init__(self) -> None:
+        _require(self.max_requeues >= 0, "max_requeues", f"must be 0 or more, got {self.max_requeues}",
+                 "set max_requeues = 0 to end a run that loses a task FAILED")
         _require(self.signal_delay_s >= 1, "signal_delay_s", f"must be at least 1 second, got {self.signal_delay_s}",
                  "set it to the seconds a step plus a checkpoint take, with a margin (90 is the default)")
         _require(self.gpus_per_node >= -1, "gpus_per_node",

@@ -384,8 +384,17 @@ def run_head(run_dir: Path | str) -> dict:
     except GroupFailed as err:
         failures = err.args[1] if len(err.args) > 1 else []
         error = err.args[0]
-        log.error(f"run FAILED: {error}")
-        raise GroupFailed(error) from None
+        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+        if (launch.get("program") == "rl" and launch["executor"] == "slurm"
+                and restarts < int(launch.get("max_requeues", 0))):
+            # A node died or a task was killed: come back from the last checkpoint (a new allocation
+            # avoids a dead node once Slurm has marked it down) instead of ending the run.
+            state = "REQUEUED"
+            log.error(f"run lost a task: {error}; requeueing to resume from the last checkpoint "
+                      f"(restart {restarts + 1} of at most {launch['max_requeues']})")
+        else:
+            log.error(f"run FAILED: {error}")
+            raise GroupFailed(error) from None
     except RunCancelled as err:
         state, error = "CANCELLED", str(err)
         log.info(f"run CANCELLED ({err}); stopping every group")
@@ -406,9 +415,9 @@ def run_head(run_dir: Path | str) -> dict:
         if state == "COMPLETED":
             log.info(f"run COMPLETED in {time.time() - started:.1f} s")
         if state in ("REQUEUED", "PREEMPTED"):
-            log.info("run stopped at a checkpoint: " + ("requeueing the job (scontrol requeue); it resumes from the "
-                                                        "checkpoint when it starts again" if state == "REQUEUED" else
-                                                        "submit the same run directory again to resume"))
+            log.info("requeueing the job (scontrol requeue); it resumes from its newest checkpoint when it starts "
+                     "again" if state == "REQUEUED" else
+                     "run stopped at a checkpoint: submit the same run directory again to resume")
         for handler in list(log.handlers):
             handler.close()
             log.removeHandler(handler)

@@ -67,7 +67,7 @@ def launch_record(config: Config, spec: JobSpec, *, executor: str, python: str, 
             "executor": executor, "layout": spec.layout, "cluster": spec.cluster, "python": python,
             "groups": spec.to_dict()["groups"], "hold_s": hold_s, "exit_codes": dict(exit_codes or {}),
             "start_timeout_s": start_timeout_s, "slurm_conf": config.cluster.slurm_conf,
-            "env": dict(config.cluster.env)}
+            "env": dict(config.cluster.env), "max_requeues": config.cluster.max_requeues}
 
 
 def check_partitions(config: Config, spec: JobSpec, env: dict[str, str]) -> None:
