@@ -184,14 +184,16 @@ def test_a_run_longer_than_its_time_limit_checkpoints_on_the_signal_is_requeued_
     assert [r["step"] for r in rows] == list(range(1, 151))  # nothing lost, nothing twice
 
 
+@pytest.mark.slurm
 @pytest.mark.timeout(600)
-def test_killing_the_inference_replica_loses_no_rollout_and_it_is_back_on_current_weights_within_60_s(tiny_model,
-                                                                                                  tmp_path):
+def test_killing_the_inference_replica_loses_no_rollout_and_it_is_back_on_current_weights_within_60_s(
+        local_slurm, tiny_model, tmp_path):
+    """The head starts the replica again (srun --overlap in its component), re-forms the transfer group."""
     run_dir = tmp_path / "run"
     queued = subprocess.run([sys.executable, "-m", "hpcrl", "submit", "configs/tiny_grpo.toml", "--set",
-                             f"run.run_dir={run_dir}", "--set", f"model.path={tiny_model}",
-                             *local("--set", "trainer.steps=40", "--set", "trainer.checkpoint_interval=0")],
-                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                             f"run.run_dir={run_dir}", "--set", f"model.path={tiny_model}", "--cluster", "local",
+                             "--set", "trainer.steps=40", "--set", "trainer.checkpoint_interval=0"],
+                            cwd=REPO, env={**local_slurm, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
                             timeout=120)
     assert queued.returncode == 0, queued.stderr
     try:
@@ -202,10 +204,9 @@ def test_killing_the_inference_replica_loses_no_rollout_and_it_is_back_on_curren
                         "the replica's return", 60)
         final = jobs.wait(run_dir, timeout_s=400)
     finally:
-        job = read_json(run_dir / "job.json")
-        if jobs._local_alive(int(job["job_id"])):
+        if not jobs.status(run_dir).done:
             subprocess.run([sys.executable, "-m", "hpcrl", "cancel", str(run_dir)], cwd=REPO, timeout=60,
-                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True)
+                           env={**local_slurm, "PYTHONPATH": str(REPO)}, capture_output=True)
     print(f"the replica was back in the weight-transfer group {back:.0f} s after it was killed")
     assert final.state == "COMPLETED", final.render()
     assert "group inference rank 0 lost (its process ended without a word); starting it again" in head_log(run_dir)
