@@ -102,6 +102,7 @@ class _Supervisor:
         self.env: dict[str, str] = {}
         self.server: ReportServer | None = None
         self.released = False
+        self.all_reported = False
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         self.head_identity = {"group": "head", "component": 0, "rank": 0, "group_size": 1, "replica": 0,
                               "local_rank": 0, "node": node, "node_index": 0, "pid": os.getpid()}
@@ -256,7 +257,9 @@ def _check_steps(sup: _Supervisor, server: ReportServer, *, released: bool, dead
             if missing:
                 raise GroupFailed(f"group {step.slot.name} ended before ranks {missing} reported to the head")
             raise GroupFailed(f"group {step.slot.name} ended before the head told it to")
-    if not released and time.monotonic() > deadline and not sup.expected <= sup.tasks.keys():
+    if sup.expected <= sup.tasks.keys():
+        sup.all_reported = True  # from now on a task started again has the bus's rejoin timeout instead
+    if not released and not sup.all_reported and time.monotonic() > deadline:
         missing = sorted(sup.expected - sup.tasks.keys())
         raise GroupFailed("tasks never reported within start_timeout_s: "
                           + ", ".join(f"{g} rank {r}" for g, r in missing))
