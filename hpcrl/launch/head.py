@@ -79,6 +79,12 @@ def _raise_cancelled(signum: int, frame: object) -> None:
     raise RunCancelled(f"received {signal.Signals(signum).name}")
 
 
+def _late_usr2(signum: int, frame: object) -> None:
+    """SIGUSR2 once training is over (the groups are stopping): nothing is left to checkpoint."""
+    print("head: SIGUSR2 after the last step: the run is finishing, nothing to checkpoint", file=sys.stderr,
+          flush=True)
+
+
 class _Supervisor:
     """The head's state: steps, tasks that reported, and what went wrong."""
 
@@ -353,7 +359,8 @@ async def _train(sup: _Supervisor, server: ReportServer, advertise: str) -> bool
         sup.release(server)  # every task: exit 0
         return preempted
     finally:
-        asyncio.get_running_loop().remove_signal_handler(signal.SIGUSR2)
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGUSR2)  # leaves SIG_DFL, which would kill us
+        signal.signal(signal.SIGUSR2, _late_usr2)
         for task in (loop_task, watch_task):
             task.cancel()
         await asyncio.gather(loop_task, watch_task, return_exceptions=True)
