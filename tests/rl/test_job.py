@@ -41,25 +41,6 @@ def rows_of(run_dir: Path) -> list[tuple]:
             for r in read_metrics(run_dir)]
 
 
-@pytest.mark.timeout(900)
-def test_a_job_stopped_and_resubmitted_ends_bitwise_where_an_uninterrupted_one_does(tiny_model, tmp_path):
-    """Two trainer ranks over gloo; resume re-pushes the checkpoint's weights and replays nothing."""
-    steps = ("--set", "trainer.steps=8", "--set", "trainer.checkpoint_interval=0", "--set", "trainer.nodes=2")
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    done = submit(straight, tiny_model, *local(*steps))
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    first = submit(resumed, tiny_model, *local(*steps), "--steps", "5")
-    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-    assert [r[0] for r in rows_of(resumed)] == [1, 2, 3, 4, 5]
-    assert (resumed / "checkpoints" / "step_5" / "MANIFEST.json").is_file()
-    second = submit(resumed, tiny_model, *local(*steps))
-    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
-    head_log = (resumed / "logs" / "head" / "rank0.log").read_text()
-    assert "resumed from" in head_log and "step_5 (step 5)" in head_log
-    assert rows_of(resumed) == rows_of(straight)
-    assert len(rows_of(straight)) == 8 and any(r[3] for r in rows_of(straight))  # it trained
-
-
 @pytest.mark.timeout(600)
 def test_hpcrl_resume_continues_a_checkpoint_of_two_trainer_ranks_on_one(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
