@@ -28,29 +28,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpcrl.ckpt.store import CheckpointStore
+    from hpcrl.cli.submit_cmd import report_submission
     from hpcrl.config import load_config
-    from hpcrl.launch.jobs import wait
     from hpcrl.launch.rundir import CONFIG_FILE
     from hpcrl.launch.submit import submit_run
+    from hpcrl.rl.checkpointing import newest_checkpoint
 
     run_dir = Path(args.run_dir).absolute()
     if not (run_dir / CONFIG_FILE).is_file():
         raise HpcrlError(f"{run_dir} is not a run directory (no {CONFIG_FILE}); give the directory "
                          "`hpcrl submit` wrote (runs/<name> by default)")
     config = load_config(run_dir / CONFIG_FILE, overrides=[f"run.run_dir={run_dir}", *args.set])
-    store = CheckpointStore(run_dir / "checkpoints", keep_last=config.trainer.keep_last)
-    found = store.latest()
-    for path, why in store.skipped:
-        print(f"hpcrl: checkpoint {path} skipped: {why}", file=sys.stderr)
+    found = newest_checkpoint(config, log=lambda line: print(f"hpcrl: {line}", file=sys.stderr))
     print(f"resuming {config.run.name} from " + (f"{found.path} (step {found.step})" if found else
                                                  "the start: no complete checkpoint"))
-    done = submit_run(config, stop_after=args.steps)
-    if done.note:
-        print(f"hpcrl: {done.note}", file=sys.stderr)
-    print(f"submitted {config.run.name}: {done.executor} job {done.job_id}, run directory {done.run_dir}")
-    if not args.wait:
-        return 0
-    final = wait(done.run_dir, timeout_s=float("inf"))
-    print(final.render())
-    return 0 if final.state == "COMPLETED" else 1
+    return report_submission(config, submit_run(config, stop_after=args.steps), wait_for_end=args.wait)

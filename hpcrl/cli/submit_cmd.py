@@ -50,20 +50,28 @@ def parse_exit_codes(items: list[str]) -> dict[str, int]:
 
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, cluster=args.cluster, overrides=args.set)
-    from hpcrl.launch.jobs import wait
     from hpcrl.launch.submit import submit_run
     if (args.hold or args.debug_exit) and not args.check:
         raise ConfigError(file="--hold/--debug-exit", key="", problem="these shape a start-up check, not a training run",
                           fix="add --check (or drop them to train)")
     done = submit_run(config, dry_run=args.dry_run, hold_s=args.hold, exit_codes=parse_exit_codes(args.debug_exit),
                       program="check" if args.check else "rl", stop_after=args.steps)
-    if done.note:
-        print(f"hpcrl: {done.note}", file=sys.stderr)
     if args.dry_run:
+        if done.note:
+            print(f"hpcrl: {done.note}", file=sys.stderr)
         print(f"dry run: wrote {done.script or done.run_dir} (nothing submitted)")
         return 0
+    return report_submission(config, done, wait_for_end=args.wait)
+
+
+def report_submission(config, done, *, wait_for_end: bool) -> int:
+    """Say where the job went; with `wait_for_end`, wait for it and exit 1 unless it COMPLETED."""
+    from hpcrl.launch.jobs import wait
+
+    if done.note:
+        print(f"hpcrl: {done.note}", file=sys.stderr)
     print(f"submitted {config.run.name}: {done.executor} job {done.job_id}, run directory {done.run_dir}")
-    if not args.wait:
+    if not wait_for_end:
         return 0
     final = wait(done.run_dir, timeout_s=float("inf"))
     print(final.render())

@@ -388,3 +388,8 @@ class Config:
     @property
     def run_dir(self) -> str:
         return self.run.run_dir or f"runs/{self.run.name}"
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + completion) vLLM serves: inference.max_model_len, or the data's."""
+        return self.inference.max_model_len or self.data.max_prompt_tokens + self.inference.max_tokens

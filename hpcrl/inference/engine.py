@@ -75,7 +75,7 @@ class VllmEngine:
         on_cpu = inf.gpus_per_node == 0
         return cls(model_path=model_path or config.model.path, tensor_parallel=inf.tensor_parallel,
                    on_cpu=on_cpu, dtype="float32" if on_cpu else config.model.dtype, seed=config.run.seed,
-                   max_model_len=inf.max_model_len or config.data.max_prompt_tokens + inf.max_tokens,
+                   max_model_len=config.max_model_len,
                    gpu_memory_utilization=inf.gpu_memory_utilization, enforce_eager=inf.enforce_eager,
                    temperature=inf.temperature, top_p=inf.top_p, top_k=inf.top_k, max_tokens=inf.max_tokens,
                    weight_transfer=weight_transfer)
@@ -109,6 +109,16 @@ class VllmEngine:
                 token_ids=list(sample.token_ids), logprobs=logprobs, text=sample.text,
                 finish_reason=str(sample.finish_reason), weight_version=self.weight_version))
         return groups
+
+    def receive_weights(self, version: int) -> None:
+        """Take one weight update from the trainer ranks (hpcrl's weight-transfer engine, which must
+        be initialised) and serve it as `version`. Blocks until every worker has received its share."""
+        llm = self.llm
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"version": version}})
+        llm.finish_weight_update(weight_version=str(version))
+        llm.reset_prefix_cache()
+        self.weight_version = version
 
     def token_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-probability of every token after the first of each sequence, under the live weights.

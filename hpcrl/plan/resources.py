@@ -189,7 +189,7 @@ def plan_resources(config: Config, shape: ModelShape) -> ResourcePlan:
     components = make_components(config)
     trainer_memory = _trainer_memory(config, shape)
     inference_memory, kv_tokens = _inference_memory(config, shape)
-    max_len = inf.max_model_len or config.data.max_prompt_tokens + inf.max_tokens
+    max_len = config.max_model_len
     notes = []
     if config.cluster.gpus_per_node == -1 and (t.gpus_per_node or inf.gpus_per_node):
         notes.append(f"no cluster profile: assumed {config.cluster.gpu_mem_gib:g} GiB per GPU "

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from pathlib import Path
 
 from hpcrl.config.schema import Config
@@ -46,9 +45,8 @@ class InProcessPorts:
                              f"{config.trainer.world_size} and {config.inference.replicas}. Fix: --set "
                              "trainer.nodes=1 --set trainer.ranks_per_node=1 --set inference.replicas=1, or submit "
                              "the run as a job (hpcrl submit)")
-        max_len = config.inference.max_model_len or config.data.max_prompt_tokens + config.inference.max_tokens
         self.config = config
-        self.trainer = TrainerEngine.from_config(config, max_seq_len=max_len + 1)
+        self.trainer = TrainerEngine.from_config(config, max_seq_len=config.max_model_len + 1)
         self.inference = VllmEngine.from_config(config, weight_transfer=True)
         self.rewards = make_scorer(config.reward)
         self.plan = plan_for_config(config)
@@ -72,41 +70,26 @@ class InProcessPorts:
         return await asyncio.to_thread(self.rewards.score, samples)
 
     def _train(self, batch: TrainBatch) -> dict[str, float]:
-        from hpcrl.trainer import pad_rows
-        rows = pad_rows(batch.input_ids, batch.prompt_lengths, batch.old_logprobs, batch.advantages)
-        return {k: v for k, v in asdict(self.trainer.train_step(rows)).items() if k != "step"}
+        metrics = self.trainer.train_step(batch.rows()).as_dict()
+        metrics.pop("step")
+        return metrics
 
     async def train_step(self, batch: TrainBatch, *, step: int) -> dict[str, float]:
         return await asyncio.to_thread(self._train, batch)
 
     def _sync(self, version: int) -> None:
-        llm = self.inference.llm
         shards = {name: shard.tensor for name, shard in self.trainer.local_shards().items()}
-
-        def receive() -> None:
-            llm.start_weight_update()
-            llm.update_weights({"update_info": {"version": version}})
-            llm.finish_weight_update(weight_version=str(version))
-            llm.reset_prefix_cache()
-
+        # Both ends at once: vLLM's workers block in the transfer group until the trainer has sent.
         with ThreadPoolExecutor(1) as pool:
-            received = pool.submit(receive)
+            received = pool.submit(self.inference.receive_weights, version)
             self.sender.send(shards)
             received.result()
-        self.inference.weight_version = version
 
     async def sync_weights(self, version: int) -> None:
         await asyncio.to_thread(self._sync, version)
 
-    def _trainer_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        from hpcrl.trainer import pad_rows
-        rows = pad_rows(sequences, [1] * len(sequences), [[0.0] * (len(s) - 1) for s in sequences],
-                        [0.0] * len(sequences))
-        values = self.trainer.logprobs(rows)
-        return [values[i, 1:len(seq)].tolist() for i, seq in enumerate(sequences)]
-
     async def trainer_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return await asyncio.to_thread(self._trainer_logprobs, sequences)
+        return await asyncio.to_thread(self.trainer.sequence_logprobs, sequences)
 
     async def inference_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         return await asyncio.to_thread(self.inference.token_logprobs, sequences)

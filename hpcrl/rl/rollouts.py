@@ -91,6 +91,11 @@ class TrainBatch:
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
+    def rows(self):
+        """The trainer's padded tensors of these sequences (hpcrl.trainer.RolloutBatch)."""
+        from hpcrl.trainer import pad_rows
+        return pad_rows(self.input_ids, self.prompt_lengths, self.old_logprobs, self.advantages)
+
     @classmethod
     def from_dict(cls, data: dict) -> "TrainBatch":
         return cls(**data)

@@ -65,16 +65,8 @@ class InferenceRole(Role):
         await self.on_engine(self.engine.llm.init_weight_transfer_engine, {"init_info": info})
         return {"replica": self.replica}
 
-    def _receive(self, version: int) -> None:
-        llm = self.engine.llm
-        llm.start_weight_update()
-        llm.update_weights({"update_info": {"version": version}})
-        llm.finish_weight_update(weight_version=str(version))
-        llm.reset_prefix_cache()
-        self.engine.weight_version = version
-
     async def receive_weights(self, call) -> dict:
-        await self.on_engine(self._receive, int(call.args["version"]))
+        await self.on_engine(self.engine.receive_weights, int(call.args["version"]))
         return {"replica": self.replica, "weight_version": self.engine.weight_version}
 
     async def status(self, call) -> dict:

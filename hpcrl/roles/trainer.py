@@ -33,18 +33,6 @@ def parse_address(value: str, what: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def max_sequence_length(config: Config) -> int:
-    return (config.inference.max_model_len or config.data.max_prompt_tokens + config.inference.max_tokens) + 1
-
-
-def empty_batch():
-    import torch
-
-    from hpcrl.trainer import RolloutBatch
-    return RolloutBatch(tokens=torch.zeros(0, 2, dtype=torch.long), completion_mask=torch.zeros(0, 2, dtype=torch.bool),
-                        old_logprobs=torch.zeros(0, 2), advantages=torch.zeros(0))
-
-
 class TrainerRole(Role):
     group = "trainer"
 
@@ -71,7 +59,7 @@ class TrainerRole(Role):
                                     store=dist.PrefixStore(f"hpcrl-trainer/{restart}", store),
                                     rank=self.rank, world_size=self.world,
                                     timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
-        self.engine = TrainerEngine.from_config(config, max_seq_len=max_sequence_length(config))
+        self.engine = TrainerEngine.from_config(config, max_seq_len=config.max_model_len + 1)
         self.plan = plan_for_config(config)
         self.sender = None
 
@@ -101,33 +89,19 @@ class TrainerRole(Role):
         await self.on_engine(connect)
         return {"rank": self.rank}
 
-    def _train(self, batch: dict, step: int) -> dict[str, Any]:
-        from dataclasses import asdict
-
+    def _train(self, batch: dict) -> dict[str, Any]:
         from hpcrl.rl.rollouts import TrainBatch
-        from hpcrl.trainer import pad_rows
 
-        mine = TrainBatch.from_dict(batch).shard(self.rank, self.world)
-        rows = pad_rows(mine.input_ids, mine.prompt_lengths, mine.old_logprobs, mine.advantages) if len(mine) \
-            else empty_batch()
-        metrics = asdict(self.engine.train_step(rows))
+        metrics = self.engine.train_step(TrainBatch.from_dict(batch).shard(self.rank, self.world).rows()).as_dict()
         metrics.pop("step")
         return metrics
 
     async def train_step(self, call) -> dict[str, Any] | None:
-        metrics = await self.on_engine(self._train, call.args["batch"], int(call.args["step"]))
+        metrics = await self.on_engine(self._train, call.args["batch"])
         return metrics if self.rank == 0 else None
 
-    def _logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        from hpcrl.trainer import pad_rows
-
-        rows = pad_rows(sequences, [1] * len(sequences), [[0.0] * (len(s) - 1) for s in sequences],
-                        [0.0] * len(sequences))
-        values = self.engine.logprobs(rows)
-        return [values[i, 1:len(seq)].tolist() for i, seq in enumerate(sequences)]
-
     async def logprobs(self, call) -> list[list[float]] | None:
-        values = await self.on_engine(self._logprobs, call.args["sequences"])
+        values = await self.on_engine(self.engine.sequence_logprobs, call.args["sequences"])
         return values if self.rank == 0 else None
 
     def _send(self, version: int) -> dict:

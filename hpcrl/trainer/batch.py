@@ -98,10 +98,18 @@ class RolloutBatch:
                                for f in fields(self)})
 
 
+def empty_batch() -> RolloutBatch:
+    """No rows at all: what a trainer rank passes when the step's batch has no share for it."""
+    return RolloutBatch(tokens=torch.zeros(0, 2, dtype=torch.long), completion_mask=torch.zeros(0, 2, dtype=torch.bool),
+                        old_logprobs=torch.zeros(0, 2), advantages=torch.zeros(0))
+
+
 def pad_rows(sequences: list[list[int]], prompt_lengths: list[int], old_logprobs: list[list[float]],
              advantages: list[float], *, pad_id: int = 0) -> RolloutBatch:
     """A batch from Python lists: each sequence is prompt + completion ids, with the completion's
-    logprobs (one per completion token). Handy for the head and for tests."""
+    logprobs (one per completion token). Handy for the head and for tests; no sequences: empty_batch()."""
+    if not sequences:
+        return empty_batch()
     width = max(len(s) for s in sequences)
     tokens = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros(len(sequences), width, dtype=torch.bool)

@@ -34,7 +34,7 @@ from hpcrl.config.model_shapes import ModelShape, load_shape
 from hpcrl.errors import TrainerError
 from hpcrl.rl.grpo import LossSettings, Normaliser, entropy_from_logits, grpo_loss, local_counts, token_logprobs
 from hpcrl.trainer import checkpoint, titan, weights
-from hpcrl.trainer.batch import RolloutBatch
+from hpcrl.trainer.batch import RolloutBatch, pad_rows
 from hpcrl.trainer.parallel import make_dp_mesh, reshard, shard_decoder
 from hpcrl.trainer.schedule import lr_at
 
@@ -238,6 +238,14 @@ class TrainerEngine:
     def logprobs(self, batch: RolloutBatch) -> Tensor:
         """[B, T] logprob of each token under the current policy (0 at t = 0). Collective."""
         return self._logprobs_of(self.model, batch)
+
+    def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Logprob of every token after the first of each sequence (what vLLM's prompt_logprobs
+        gives), under the current policy. Collective: every rank passes the same sequences."""
+        rows = pad_rows(sequences, [1] * len(sequences), [[0.0] * (len(s) - 1) for s in sequences],
+                        [0.0] * len(sequences))
+        values = self.logprobs(rows)
+        return [values[i, 1:len(seq)].tolist() for i, seq in enumerate(sequences)]
 
     def ref_logprobs(self, batch: RolloutBatch) -> Tensor:
         """[B, T] logprobs under the frozen reference (needs kl_coef > 0). Collective."""
