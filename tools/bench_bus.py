@@ -6,6 +6,9 @@ small argument, a dict of about 64 bytes):
             throughput with batches of concurrent calls;
   fanout()  to 64 workers: p50/p99 of one call answered by every worker;
   Ray       an actor method call (`ray.get(actor.echo.remote(x))`) in the same shapes.
+Ray is started first, so every figure is taken beside Ray's daemons; the two figures of the
+target (route() to 1 replica, Ray's call to 1 actor) are taken in alternating blocks
+(--rounds) in the same process, so that a change in the machine's load hits both alike.
 
 Set up Ray's environment once (Ray stays out of hpcrl's dependencies):
     python3 -m venv .venv-bench && .venv-bench/bin/pip install ray pyzmq msgpack
@@ -132,7 +135,7 @@ def row(what: str, lat: list[float] | None = None, rate: float | None = None) ->
 
 # ---------------------------------------------------------------- hpcrl
 
-async def bench_hpcrl(opts: argparse.Namespace, run_dir: str) -> list[dict]:
+async def bench_hpcrl(opts: argparse.Namespace, run_dir: str, ray_side: "RaySide | None") -> list[dict]:
     from hpcrl.bus import BusConfig, Head, load_secret
     from hpcrl.services import Service
 
@@ -148,17 +151,23 @@ async def bench_hpcrl(opts: argparse.Namespace, run_dir: str) -> list[dict]:
             svc = Service(head, group)
             for _ in range(opts.warmup):
                 await svc.route("echo", ARG)
-            lat = []
-            for _ in range(opts.calls):
-                t = time.perf_counter()
-                await svc.route("echo", ARG)
-                lat.append(time.perf_counter() - t)
+            lat, ray_lat = [], []
+            rounds = opts.rounds if replicas == 1 and ray_side is not None else 1
+            for _ in range(rounds):  # 1 replica vs Ray's 1 actor: alternating blocks, same conditions
+                for _ in range(opts.calls // rounds):
+                    t = time.perf_counter()
+                    await svc.route("echo", ARG)
+                    lat.append(time.perf_counter() - t)
+                if rounds > 1:
+                    ray_lat += ray_side.sequential(1, opts.calls // rounds)  # blocks the loop: nothing else runs
             batch = 32 * replicas
             done, t = 0, time.perf_counter()
             while time.perf_counter() - t < opts.seconds:
                 await asyncio.gather(*(svc.route("echo", ARG) for _ in range(batch)))
                 done += batch
             rows.append(row(f"hpcrl route(), {replicas} replica(s)", lat, done / (time.perf_counter() - t)))
+            if ray_lat:
+                rows.append(row("Ray actor call, 1 actor(s) (round robin)", ray_lat, ray_side.throughput(1)))
         lat = []
         for _ in range(opts.fanouts):  # the shape of Ray's fanout row below
             t = time.perf_counter()
@@ -190,38 +199,53 @@ async def bench_hpcrl(opts: argparse.Namespace, run_dir: str) -> list[dict]:
 
 # ---------------------------------------------------------------- Ray
 
-def bench_ray(opts: argparse.Namespace) -> list[dict]:
-    import ray
+class RayBench:
+    """Ray's figures, in a process of their own (a Ray driver's threads would otherwise share
+    the hpcrl head's process and its GIL, slowing the figure they are compared with)."""
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    def __init__(self, opts: argparse.Namespace) -> None:
+        import ray
 
-    @ray.remote(num_cpus=0)
-    class Echo:
-        def echo(self, x):
-            return x
+        self.ray, self.opts = ray, opts
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
 
-    rows = []
-    try:
-        for replicas in (1, 8):
-            actors = [Echo.remote() for _ in range(replicas)]
-            ray.get([a.echo.remote(ARG) for a in actors])
-            for i in range(opts.warmup):
-                ray.get(actors[i % replicas].echo.remote(ARG))
-            lat = []
-            for i in range(opts.calls):
-                t = time.perf_counter()
-                ray.get(actors[i % replicas].echo.remote(ARG))
-                lat.append(time.perf_counter() - t)
-            batch = 32 * replicas
-            done, t = 0, time.perf_counter()
-            while time.perf_counter() - t < opts.seconds:
-                ray.get([actors[i % replicas].echo.remote(ARG) for i in range(batch)])
-                done += batch
-            rows.append(row(f"Ray actor call, {replicas} actor(s) (round robin)", lat,
-                            done / (time.perf_counter() - t)))
-            for a in actors:
-                ray.kill(a)
-        actors = [Echo.remote() for _ in range(opts.ray_fanout)]
+        @ray.remote(num_cpus=0)
+        class Echo:
+            def echo(self, x):
+                return x
+
+        self.Echo = Echo
+        self.actors: dict[int, list] = {}
+
+    def _actors(self, n: int) -> list:
+        if n not in self.actors:
+            self.actors[n] = actors = [self.Echo.remote() for _ in range(n)]
+            self.ray.get([a.echo.remote(ARG) for a in actors])
+            for i in range(self.opts.warmup):
+                self.ray.get(actors[i % n].echo.remote(ARG))
+        return self.actors[n]
+
+    def sequential(self, n: int, calls: int) -> list[float]:
+        ray, actors, lat = self.ray, self._actors(n), []
+        for i in range(calls):
+            t = time.perf_counter()
+            ray.get(actors[i % n].echo.remote(ARG))
+            lat.append(time.perf_counter() - t)
+        return lat
+
+    def throughput(self, n: int) -> float:
+        ray, actors, batch = self.ray, self._actors(n), 32 * n
+        done, t = 0, time.perf_counter()
+        while time.perf_counter() - t < self.opts.seconds:
+            ray.get([actors[i % n].echo.remote(ARG) for i in range(batch)])
+            done += batch
+        return done / (time.perf_counter() - t)
+
+    def rest(self) -> list[dict]:
+        """The figures not interleaved with hpcrl's: 8 actors, and a call to a list of actors."""
+        opts, ray = self.opts, self.ray
+        rows = [row("Ray actor call, 8 actor(s) (round robin)", self.sequential(8, opts.calls), self.throughput(8))]
+        actors = [self.Echo.remote() for _ in range(opts.ray_fanout)]
         ray.get([a.echo.remote(ARG) for a in actors])
         lat = []
         for _ in range(opts.fanouts):
@@ -229,9 +253,69 @@ def bench_ray(opts: argparse.Namespace) -> list[dict]:
             ray.get([a.echo.remote(ARG) for a in actors])
             lat.append(time.perf_counter() - t)
         rows.append(row(f"Ray call to {opts.ray_fanout} actors (ray.get of a list), like fanout()", lat))
-    finally:
-        ray.shutdown()
-    return rows
+        return rows
+
+    def close(self) -> None:
+        self.ray.shutdown()
+
+
+def serve_ray(argv: list[str]) -> None:
+    """The Ray driver process: one JSON command per stdin line, one JSON answer per stdout line."""
+    import json
+    opts = argparse.Namespace(**json.loads(argv[0]))
+    out = sys.stdout
+    sys.stdout = sys.stderr  # Ray's own messages must not mix with the answers
+    bench = RayBench(opts)
+    print(json.dumps("ready"), file=out, flush=True)
+    for line in sys.stdin:
+        cmd, *args = json.loads(line)
+        if cmd == "quit":
+            break
+        print(json.dumps(getattr(bench, cmd)(*args)), file=out, flush=True)
+    bench.close()
+
+
+class RaySide:
+    """Drives RayBench in its own process: started before any figure is taken, so every figure
+    is taken beside Ray's daemons, and idle while hpcrl's figures are taken."""
+
+    def __init__(self, opts: argparse.Namespace) -> None:
+        import importlib.util
+        import json
+        if importlib.util.find_spec("ray") is None:
+            raise ImportError("ray")
+        self._json = json
+        self._proc = subprocess.Popen([sys.executable, __file__, "--serve-ray", json.dumps(vars(opts))],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._read()
+
+    def _read(self):
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the Ray driver process died (its error is above)")
+        return self._json.loads(line)
+
+    def _ask(self, *cmd):
+        self._proc.stdin.write(self._json.dumps(cmd) + "\n")
+        self._proc.stdin.flush()
+        return self._read()
+
+    def sequential(self, n: int, calls: int) -> list[float]:
+        return self._ask("sequential", n, calls)
+
+    def throughput(self, n: int) -> float:
+        return self._ask("throughput", n)
+
+    def rest(self) -> list[dict]:
+        return self._ask("rest")
+
+    def close(self) -> None:
+        try:
+            self._proc.stdin.write(self._json.dumps(["quit"]) + "\n")
+            self._proc.stdin.close()
+            self._proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self._proc.kill()
 
 
 # ---------------------------------------------------------------- main
@@ -240,12 +324,17 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve-raw":
         serve_raw(sys.argv[2])
         return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve-ray":
+        serve_ray(sys.argv[2:])
+        return 0
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
         serve(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=2000, help="sequential calls per latency figure")
     ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=10,
+                    help="alternating blocks of hpcrl route() and Ray calls for the 1-replica latency figures")
     ap.add_argument("--seconds", type=float, default=2.0, help="duration of each throughput figure")
     ap.add_argument("--fanouts", type=int, default=300, help="fanout calls measured")
     ap.add_argument("--fanout-procs", type=int, default=8, help="processes hosting the 64 fanout workers")
@@ -258,18 +347,23 @@ def main() -> int:
     start = time.perf_counter()
     sys.path.insert(0, str(REPO))  # this checkout's hpcrl, whichever Python runs the script
     from hpcrl.bus import create_secret
-    with tempfile.TemporaryDirectory(prefix="hpcrl-bench-") as run_dir:
-        create_secret(run_dir)
-        opts.loop = new_loop_policy(opts.loop)
-        rows = [bench_raw_zmq(opts, bind_address(opts, run_dir, "raw"))]
-        rows += asyncio.run(bench_hpcrl(opts, run_dir))
     try:
-        import ray  # noqa: F401
+        ray_side = RaySide(opts)
     except ImportError:
+        ray_side = None
         print("Ray was skipped: it is not installed in this Python (see the set-up at the top of "
               "tools/bench_bus.py)", file=sys.stderr)
-    else:
-        rows += bench_ray(opts)
+    try:
+        with tempfile.TemporaryDirectory(prefix="hpcrl-bench-") as run_dir:
+            create_secret(run_dir)
+            opts.loop = new_loop_policy(opts.loop)
+            rows = [bench_raw_zmq(opts, bind_address(opts, run_dir, "raw"))]
+            rows += asyncio.run(bench_hpcrl(opts, run_dir, ray_side))
+        if ray_side is not None:
+            rows += ray_side.rest()
+    finally:
+        if ray_side is not None:
+            ray_side.close()
 
     print(f"\n| what | p50 (us) | p99 (us) | calls/s |\n| --- | --- | --- | --- |")
     for r in rows:

@@ -30,7 +30,6 @@ _HWM = 100_000
 # Plain ints: pyzmq's flag enums cost microseconds per frame on the hot path.
 _NOBLOCK = int(zmq.NOBLOCK)
 _NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
-_RCVMORE = int(zmq.RCVMORE)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 # pyzmq's Socket.send is a Python wrapper (routing_id/group handling) around the compiled one.
@@ -82,6 +81,7 @@ class Channel:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd = sock.getsockopt(zmq.FD)
         self._kicked = False
+        self._draining = False
         self.closed = False
 
     def start(self) -> None:
@@ -96,7 +96,9 @@ class Channel:
         try:
             return self._put(frames)
         finally:
-            if self._sock.get(_EVENTS) & _POLLIN:  # the send may have eaten the FD's edge
+            # The send may have eaten the FD's edge. Inside a drain (a handler replying) the
+            # drain's own loop reads the level before it stops, so only other sends ask.
+            if not self._draining and self._sock.get(_EVENTS) & _POLLIN:
                 self._kick()
 
     def send_many(self, messages: list[list]) -> list[bool]:
@@ -106,7 +108,7 @@ class Channel:
         try:
             return [self._put(frames) for frames in messages]
         finally:
-            if self._sock.get(_EVENTS) & _POLLIN:  # once for the lot: the edge check is a syscall
+            if not self._draining and self._sock.get(_EVENTS) & _POLLIN:  # once for the lot (a syscall)
                 self._kick()
 
     def _put(self, frames: list) -> bool:
@@ -145,24 +147,27 @@ class Channel:
         sock = self._sock
         recv, get, small = sock.recv, sock.get, self._small
         finished = False
+        self._draining = True
         try:
             for _ in range(_DRAIN_BATCH):
                 # Ask before receiving: a zmq.Again exception costs more than this check.
                 if not get(_EVENTS) & _POLLIN:
                     finished = True
                     return
-                # Leading small frames (routing id, header) are copied: cheaper than a Frame.
-                # The rest (maybe large buffers) are received without copying.
-                frames = [recv(_NOBLOCK)]
-                while get(_RCVMORE):  # the rest of a multipart message is already here
-                    if len(frames) < small:
-                        frames.append(recv(_NOBLOCK))
-                    else:
-                        frames.append(recv(_NOBLOCK, copy=False).buffer)
+                # Every frame comes as a zmq.Frame (its `more` saves asking the socket); the
+                # leading small ones (routing id, header) are copied out as bytes, the rest
+                # (maybe large buffers) are handed on as memoryviews without a copy.
+                frames = []
+                while True:  # the rest of a multipart message is already here
+                    frame = recv(_NOBLOCK, copy=False)
+                    frames.append(frame.bytes if len(frames) < small else frame.buffer)
+                    if not frame.more:
+                        break
                 self._on_message(frames)
                 if self.closed:
                     finished = True
                     return
         finally:
+            self._draining = False
             if not finished:  # batch full, or a handler raised: more may wait behind the edge
                 self._kick()

@@ -20,7 +20,7 @@ class BusConfig:
     max_message_bytes: int = 64 << 20
     """Largest message (all frames together) accepted; larger ones are dropped and counted."""
     max_frames: int = 64
-    """Most frames (header + buffers + trailer) in one message; more are dropped and counted."""
+    """Most frames (the header frame + buffers) in one message; more are dropped and counted."""
     default_deadline: float = 60.0
     """Deadline in seconds of a call that does not give its own."""
     register_timeout: float = 120.0
@@ -39,7 +39,7 @@ class BusConfig:
                               problem=f"{self.heartbeat_timeout} s is under two heartbeat intervals "
                                       f"({self.heartbeat_interval} s): healthy peers would be declared dead",
                               fix="make heartbeat_timeout at least 2 x heartbeat_interval (3-5 x is usual)")
-        if self.max_message_bytes < 1024 or self.max_frames < 2:
+        if self.max_message_bytes < 1024 or self.max_frames < 1:
             raise ConfigError(key="bus.max_message_bytes",
-                              problem="limits too small for a header and a trailer",
-                              fix="use max_message_bytes >= 1024 and max_frames >= 2")
+                              problem="limits too small for a message",
+                              fix="use max_message_bytes >= 1024 and max_frames >= 1")

@@ -83,7 +83,6 @@ class _Pending:
     """The caller's future (for a fanout: the fanout's, shared by all its peers)."""
     peer: _PeerState
     endpoint: str
-    timer: asyncio.TimerHandle | None = None
     fan: _Fanout | None = None
     index: int = 0
     via: _PeerState | None = None
@@ -228,15 +227,7 @@ class Head:
 
         Raises UnknownPeerError, UnknownEndpointError, PeerDeadError (also when it dies during
         the call), DeadlineExceeded, RemoteError (the endpoint raised) — each naming the peer.
-        """
-        return await self.start_request(peer, endpoint, args, buffers=buffers, timeout=timeout)
-
-    def start_request(self, peer: str, endpoint: str, args: Any = None, *, buffers: Iterable[Any] = (),
-                      timeout: float | None = None) -> asyncio.Future:
-        """Send the call now and return a future of its result (cancel it to give up).
-
-        The building block of fanout: many calls in flight without a task each. Errors that are
-        known before sending (unknown/dead peer, unknown endpoint) are raised here.
+        Cancelling the caller abandons the call (a late reply is counted and dropped).
         """
         st = self._state(peer)
         if not st.healthy:
@@ -252,12 +243,15 @@ class Head:
         future = loop.create_future()
         if not self._send(st, Kind.REQUEST, {"id": rid, "ep": endpoint, "a": args, "ttl": timeout}, buffers):
             raise PeerDeadError(peer, "unreachable (not connected, or its send queue is full)")
-        pending = _Pending(future=future, peer=st, endpoint=endpoint,
-                           timer=loop.call_later(timeout, self._expire, rid, timeout))
-        self._pending[rid] = pending
+        self._pending[rid] = _Pending(future=future, peer=st, endpoint=endpoint)
         st.outstanding += 1
-        future.add_done_callback(lambda _f: self._forget(rid))
-        return future
+        timer = loop.call_later(timeout, self._expire, rid, timeout)
+        try:
+            return await future
+        finally:  # answered, failed, expired or abandoned: forget it here (no done-callback)
+            timer.cancel()
+            if self._pending.pop(rid, None) is not None:
+                st.outstanding -= 1
 
     def start_fanout(self, peers: list[str], endpoint: str, args: Any = None, *, buffers: Iterable[Any] = (),
                      timeout: float | None = None) -> asyncio.Future:
@@ -332,11 +326,6 @@ class Head:
         if not fan.future.done():
             first = self._pending[min(fan.open)]
             fan.future.set_exception(DeadlineExceeded(first.peer.name, first.endpoint, timeout))
-
-    def _forget(self, rid: int) -> None:
-        pending = self._pending.pop(rid)
-        pending.timer.cancel()
-        pending.peer.outstanding -= 1
 
     def _expire(self, rid: int, timeout: float) -> None:
         pending = self._pending.get(rid)

@@ -2,22 +2,25 @@
 
 Pure (no sockets): the transport hands frames in and out. One message is
 
-    [header, buffer_0, ..., buffer_n, trailer]
+    [header + trailer, buffer_0, ..., buffer_n]
 
     header   msgpack array [kind, seq, sender, to, body]
              kind    `Kind` (int); seq: the sender's sequence number, strictly increasing
              sender  the sending process's incarnation id (16 random bytes, new per process)
              to      the receiver's incarnation id (b"" only on REGISTER, before it is known)
              body    a msgpack value, by kind (see head.py / worker.py)
+    trailer  the last 33 bytes of the first frame: 1 byte protocol version + 32 bytes
+             HMAC-SHA256(secret, "hpcrl-bus" | version | frame count | for the header and each
+             buffer: its 8-byte length and its bytes)
     buffer_i raw bytes (small tensors/arrays), sent without copying, never deserialized here
-    trailer  1 byte protocol version + 32 bytes HMAC-SHA256(secret, "hpcrl-bus" | version |
-             frame count | for each frame: its 8-byte length and its bytes)
 
-The MAC covers every frame and the frame boundaries, so a frame cannot be altered, dropped,
-added or moved. `Opener.open` checks, in this order and before deserializing anything: frame
-count and total size, trailer length, version, MAC; only then unpacks the header (no ext
-types, no pickle), checks its shape, the addressee, and that seq is above the last one seen
-from that sender (replays). Anything else is dropped and counted in `Counters` by reason.
+Most messages are that one frame (a header-only message costs one ZeroMQ frame each way, which
+is most of a small call's cost). The MAC covers every frame and the frame boundaries, so a frame
+cannot be altered, dropped, added or moved. `Opener.open` checks, in this order and before
+deserializing anything: frame count and total size, trailer length, version, MAC; only then
+unpacks the header (no ext types, no pickle), checks its shape, the addressee, and that seq is
+above the last one seen from that sender (replays). Anything else is dropped and counted in
+`Counters` by reason.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from hpcrl.bus.secret import Secret
 
 log = logging.getLogger("hpcrl.bus")
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the trailer ends the header frame (1: it was a frame of its own)
 MAC_BYTES = 32
 TRAILER_BYTES = 1 + MAC_BYTES
 INCARNATION_BYTES = 16
@@ -117,11 +120,27 @@ def _mac(key: bytes, version: bytes, frames: list, count: int) -> bytes:
     return _Mac(key, version).digest(frames, count)
 
 
+def _keyed_hmac(key: bytes, msg: bytes) -> Any:
+    """An HMAC-SHA256 state keyed with `key` that has absorbed `msg` (copy(), update(), digest()).
+
+    OpenSSL's HMAC object straight from `_hashlib` when this Python has it: the same state that
+    `hmac.new` wraps, without the Python-level wrapper's cost on every copy/update/digest."""
+    if _openssl_hmac_new is not None:
+        return _openssl_hmac_new(key, msg, digestmod="sha256")
+    return hmac.new(key, msg, hashlib.sha256)
+
+
+try:
+    from _hashlib import hmac_new as _openssl_hmac_new
+except ImportError:  # a Python built without OpenSSL's HMAC: the standard wrapper does the same
+    _openssl_hmac_new = None
+
+
 class _Mac:
     """`_mac` for one key, faster: the keyed HMAC state is computed once and copied per message."""
 
     def __init__(self, key: bytes, version: bytes = _VERSION_BYTE) -> None:
-        self._keyed = hmac.new(key, _DOMAIN + version, hashlib.sha256)
+        self._keyed = _keyed_hmac(key, _DOMAIN + version)
         self._by_count: dict[int, Any] = {}
 
     def digest(self, frames: list, count: int) -> bytes:
@@ -159,11 +178,17 @@ class Sealer:
     def seal(self, kind: Kind, body: Any = None, *, to: bytes = b"", buffers: Iterable[Any] = ()) -> list:
         self._seq += 1
         header = self._pack([int(kind), self._seq, self.incarnation, to, body])
-        if not buffers:  # most messages: header only
-            return [header, _VERSION_BYTE + self._mac.digest((header,), 1)]
-        frames: list = [header, *(_as_bytes_view(b) for b in buffers)]
-        frames.append(_VERSION_BYTE + self._mac.digest(frames, len(frames)))
-        return frames
+        if not buffers:  # most messages: one frame
+            return [header + _VERSION_BYTE + self._mac.digest((header,), 1)]
+        views = [_as_bytes_view(b) for b in buffers]
+        return [header + _VERSION_BYTE + self._mac.digest([header, *views], 1 + len(views)), *views]
+
+
+def seal_raw(key: bytes, header: bytes, *, version: int = PROTOCOL_VERSION) -> list[bytes]:
+    """A one-frame message around an already packed `header`, MAC'd with `key` (for tests that
+    forge authentic-but-malformed headers, or other versions)."""
+    v = bytes([version])
+    return [header + v + _Mac(key, v).digest((header,), 1)]
 
 
 class Opener:
@@ -182,8 +207,8 @@ class Opener:
 
     def open(self, frames: list) -> Envelope | None:
         drop = self.counters.drop
-        if len(frames) < 2:
-            return drop("truncated", f"{len(frames)} frame(s)")
+        if not frames:
+            return drop("truncated", "no frames")
         if len(frames) > self.max_frames:
             return drop("oversized", f"{len(frames)} frames")
         # Frames are bytes or flat byte memoryviews (as the channel delivers them): len() is bytes.
@@ -192,16 +217,18 @@ class Opener:
             total += len(frame)
         if total > self.max_bytes:
             return drop("oversized", f"{total} bytes")
-        trailer = frames[-1]
-        if len(trailer) != TRAILER_BYTES:
-            return drop("truncated", f"trailer of {len(trailer)} bytes")
-        if trailer[0] != PROTOCOL_VERSION:
-            return drop("version", f"version {trailer[0]}, we speak {PROTOCOL_VERSION}")
-        body_frames = frames[:-1]
-        if not hmac.compare_digest(self._mac.digest(body_frames, len(body_frames)), trailer[1:]):
+        first = frames[0]
+        if len(first) <= TRAILER_BYTES:
+            return drop("truncated", f"first frame of {len(first)} bytes, no room for a header and a trailer")
+        version = first[-TRAILER_BYTES]
+        if version != PROTOCOL_VERSION:
+            return drop("version", f"version {version}, we speak {PROTOCOL_VERSION}")
+        header = first[:-TRAILER_BYTES]
+        body_frames = [header, *frames[1:]] if len(frames) > 1 else (header,)
+        if not hmac.compare_digest(self._mac.digest(body_frames, len(body_frames)), first[1 - TRAILER_BYTES:]):
             return drop("bad_mac")
         try:
-            header = msgpack.unpackb(body_frames[0], raw=False, strict_map_key=False, ext_hook=_no_ext)
+            header = msgpack.unpackb(header, raw=False, strict_map_key=False, ext_hook=_no_ext)
         except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
             return drop("malformed", f"header does not unpack: {exc}")
         if not (isinstance(header, list) and len(header) == 5):
@@ -217,4 +244,4 @@ class Opener:
             return drop("replay", f"seq {seq} from {sender.hex()}")
         self._last_seq[sender] = seq
         return Envelope(kind=_KINDS[kind], seq=seq, sender=sender, to=to, body=body,
-                        buffers=tuple(body_frames[1:]))
+                        buffers=tuple(frames[1:]))

@@ -20,7 +20,7 @@ from bus_helpers import RUN_ID, LoopThread, echo_worker, fast_config
 from hpcrl.bus import Head, PeerInfo
 from hpcrl.bus.head import routing_id
 from hpcrl.bus.secret import Secret
-from hpcrl.bus.wire import Counters, Kind, Opener, Sealer, _mac
+from hpcrl.bus.wire import PROTOCOL_VERSION, TRAILER_BYTES, Counters, Kind, Opener, Sealer, seal_raw
 
 MAX_BYTES, MAX_FRAMES = 4096, 8
 PER_EXAMPLE, EXAMPLES = 60, 100  # 6,000 messages at each of the two targets
@@ -34,8 +34,8 @@ attacks = st.one_of(
     st.tuples(st.just("flip"), st.sampled_from(list(Kind)), bodies, seeds, seeds, st.integers(1, 255)),
     st.tuples(st.just("drop_frame"), st.sampled_from(list(Kind)), bodies, seeds),
     st.tuples(st.just("dup_frame"), st.sampled_from(list(Kind)), bodies, seeds),
-    st.tuples(st.just("truncate"), st.sampled_from(list(Kind)), bodies, st.integers(1, 33)),
-    st.tuples(st.just("version"), st.integers(0, 255).filter(lambda v: v != 1), st.booleans()),
+    st.tuples(st.just("truncate"), st.sampled_from(list(Kind)), bodies, st.integers(0, TRAILER_BYTES)),
+    st.tuples(st.just("version"), st.integers(0, 255).filter(lambda v: v != PROTOCOL_VERSION), st.booleans()),
     st.tuples(st.just("oversized"), st.integers(MAX_BYTES, 3 * MAX_BYTES), st.booleans()),
     st.tuples(st.just("replay"), seeds, st.booleans()),
     st.tuples(st.just("bad_header"), st.binary(max_size=80)),
@@ -58,9 +58,8 @@ class Attacker:
     def _fresh(self, kind, body):
         return [bytes(f) for f in self.genuine.seal(kind, body, to=self.me, buffers=[b"buf", b"fer"])]
 
-    def _signed(self, header: bytes, version: int = 1) -> list[bytes]:
-        v = bytes([version])
-        return [header, v + _mac(self.secret.key, v, [header], 1)]
+    def _signed(self, header: bytes, version: int = PROTOCOL_VERSION) -> list[bytes]:
+        return seal_raw(self.secret.key, header, version=version)
 
     def garbage(self, frames):
         return frames
@@ -86,13 +85,17 @@ class Attacker:
         i = seed % len(frames)
         return frames[:i] + [frames[i]] + frames[i:]
 
-    def truncate(self, kind, body, cut):
-        frames = self._fresh(kind, body)
-        return frames[:-1] + [frames[-1][:-cut]]
+    def truncate(self, kind, body, keep):
+        frames = self._fresh(kind, body)  # the header frame cut to no more than a trailer's length
+        return [frames[0][:keep], *frames[1:]]
 
     def version(self, version, resign):
         frames = self._fresh(Kind.HEARTBEAT, None)
-        return self._signed(frames[0], version) if resign else frames[:-1] + [bytes([version]) + frames[-1][1:]]
+        if resign:  # authentic, but of another protocol version
+            return self._signed(frames[0][:-TRAILER_BYTES], version)
+        damaged = bytearray(frames[0])
+        damaged[-TRAILER_BYTES] = version
+        return [bytes(damaged), *frames[1:]]
 
     def oversized(self, size, by_frames):
         if by_frames:

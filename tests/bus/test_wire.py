@@ -8,7 +8,7 @@ import msgpack
 import pytest
 
 from hpcrl.bus.secret import Secret
-from hpcrl.bus.wire import Counters, Kind, Opener, Sealer, TRAILER_BYTES
+from hpcrl.bus.wire import PROTOCOL_VERSION, TRAILER_BYTES, Counters, Kind, Opener, Sealer, seal_raw
 
 A, B = b"A" * 16, b"B" * 16
 
@@ -44,25 +44,42 @@ def test_replayed_message_is_dropped_and_counted():
     assert counters.snapshot()["replay"] == 2
 
 
+def with_version(frame: bytes, version: int) -> bytes:
+    damaged = bytearray(frame)
+    damaged[-TRAILER_BYTES] = version
+    return bytes(damaged)
+
+
 def test_every_kind_of_damage_has_its_own_counter():
     sealer, opener, counters = pair(max_bytes=2048, max_frames=4)
     good = sealer.seal(Kind.REQUEST, {"a": 1}, to=B, buffers=[b"payload"])
+    assert len(good) == 2 and bytes(good[1]) == b"payload"  # the trailer ends the header frame
     flipped = [bytearray(f) for f in good]
     flipped[1][0] ^= 1
     cases = {
-        "truncated": [good[0]],
-        "oversized": [good[0], b"x" * 4096, good[-1]],
-        "version": [*good[:-1], bytes([9]) + good[-1][1:]],
+        "truncated": [good[0][:TRAILER_BYTES]],  # no room for a header before the trailer
+        "empty": [],
+        "oversized": [good[0], b"x" * 4096],
+        "too_many_frames": [good[0], b"", b"", b"", good[-1]],
+        "version": [with_version(good[0], 9), good[1]],
         "bad_mac": [bytes(f) for f in flipped],
+        "dropped_buffer": [good[0]],
     }
-    cases["truncated_trailer"] = [*good[:-1], good[-1][:-1]]
-    cases["too_many_frames"] = [good[0], b"", b"", b"", good[-1]]
     for name, frames in cases.items():
-        if frames is not None:
-            assert opener.open(frames) is None, name
+        assert opener.open(frames) is None, name
     snap = counters.snapshot()
-    assert snap["truncated"] == 2 and snap["oversized"] == 2 and snap["version"] == 1 and snap["bad_mac"] == 1
-    assert len(good[-1]) == TRAILER_BYTES
+    assert snap["truncated"] == 2 and snap["oversized"] == 2 and snap["version"] == 1 and snap["bad_mac"] == 2
+    assert snap["accepted"] == 0 and snap["dropped"] == len(cases)
+
+
+def test_header_only_message_is_one_frame_and_an_older_version_is_refused():
+    sealer, opener, counters = pair()
+    frames = sealer.seal(Kind.HEARTBEAT, to=B)
+    assert len(frames) == 1 and frames[0][-TRAILER_BYTES] == PROTOCOL_VERSION
+    secret = Secret(secrets.token_bytes(32))
+    _, opener, counters = pair(secret)
+    old = seal_raw(secret.key, msgpack.packb([3, 1, A, B, None]), version=PROTOCOL_VERSION - 1)
+    assert opener.open(old) is None and counters.snapshot()["version"] == 1
 
 
 def test_message_for_another_receiver_is_dropped():
@@ -77,10 +94,9 @@ def test_message_for_another_receiver_is_dropped():
 def test_authentic_but_malformed_header_is_dropped_not_deserialized_further():
     secret = Secret(secrets.token_bytes(32))
     _, opener, counters = pair(secret)
-    from hpcrl.bus.wire import _VERSION_BYTE, _mac
     for header in (b"\xc1", msgpack.packb([1, 2, 3]), msgpack.packb([1, 1, A, B, msgpack.ExtType(5, b"x")]),
                    msgpack.packb([99, 1, A, B, None]), msgpack.packb([3, -1, A, B, None])):
-        assert opener.open([header, _VERSION_BYTE + _mac(secret.key, _VERSION_BYTE, [header], 1)]) is None
+        assert opener.open(seal_raw(secret.key, header)) is None
     assert counters.snapshot()["malformed"] == 5
 
 
