@@ -48,11 +48,19 @@ class RunConfig:
     """Seed for every random generator of the run (data order, sampling, initialisation)."""
     cluster: str = ""
     """Cluster profile (launch/<cluster>.toml) used when --cluster is not given; empty = none."""
+    wandb_project: str = ""
+    """Weights & Biases project to log every step's metrics to (needs `pip install wandb`); empty = off."""
+    wandb_entity: str = ""
+    """W&B entity (user or team); empty = your default entity."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """"offline" writes the W&B run under <run_dir>/wandb for `wandb sync` later (nodes without internet)."""
 
     def __post_init__(self) -> None:
         _require(bool(_NAME_RE.match(self.name)), "name",
                  f"{self.name!r} is not a usable run name",
                  "use letters, digits, '.', '_' and '-', starting with a letter or digit")
+        _require(self.wandb_mode in ("online", "offline"), "wandb_mode",
+                 f"{self.wandb_mode!r} is not a W&B mode", 'use wandb_mode = "online" or "offline"')
 
 
 @dataclass(frozen=True, kw_only=True)

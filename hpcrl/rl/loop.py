@@ -3,18 +3,20 @@
     controller = await run_loop(config, ports, log=print)
 
 Resumes from the newest complete checkpoint of the run directory (a corrupt or partial one is
-reported and skipped), writes metrics.jsonl (and TensorBoard), prints a progress line per step,
+reported and skipped), writes metrics.jsonl (and TensorBoard, and W&B when run.wandb_project is set), prints a progress line per step,
 and checkpoints every trainer.checkpoint_interval steps and after the last one.
 Ports must also offer `save_trainer(directory)` and `load_trainer(directory)`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from hpcrl.config.schema import Config
 from hpcrl.rl.checkpointing import TRAINER_DIR, load_run_state, newest_checkpoint, rewind_metrics, save_checkpoint, \
     store_for
 from hpcrl.rl.controller import Controller
-from hpcrl.rl.metrics import MetricsLog, read_metrics, reward_curve
+from hpcrl.rl.metrics import MetricsLog, WandbTarget, read_metrics, reward_curve
 
 
 def progress_line(metrics: dict, total: int | None = None) -> str:
@@ -39,6 +41,15 @@ class Preempted(Exception):
         self.step = step
 
 
+def wandb_target(config: Config) -> WandbTarget | None:
+    """Where W&B metrics go, or None when the run names no W&B project."""
+    run = config.run
+    if not run.wandb_project:
+        return None
+    return WandbTarget(project=run.wandb_project, entity=run.wandb_entity, mode=run.wandb_mode, name=run.name,
+                       config=dataclasses.asdict(config))
+
+
 async def run_loop(config: Config, ports, *, log=print, steps: int | None = None,
                    stop_requested=None) -> Controller:
     """See the module docstring. `stop_requested()`, checked after every step, makes the loop
@@ -51,7 +62,7 @@ async def run_loop(config: Config, ports, *, log=print, steps: int | None = None
         controller.restore(load_run_state(found, config))
         rewind_metrics(config, found.step)
         log(f"resumed from {found.path} (step {found.step})")
-    metrics_log = MetricsLog(config.run_dir)
+    metrics_log = MetricsLog(config.run_dir, wandb=wandb_target(config))
     interval = config.trainer.checkpoint_interval
     total = config.trainer.steps
     last = steps if steps is not None else total

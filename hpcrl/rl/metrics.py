@@ -1,6 +1,7 @@
-"""Per-step metrics of a run: metrics.jsonl in the run directory, and TensorBoard when installed.
+"""Per-step metrics of a run: metrics.jsonl in the run directory, TensorBoard when installed, and
+Weights & Biases when the run names a project (`run.wandb_project`).
 
-    log = MetricsLog(run_dir)
+    log = MetricsLog(run_dir, wandb=WandbTarget(project="grpo", name="tiny-grpo"))
     log.write({"step": 3, "reward_mean": 0.4, ...})
     log.truncate_after(step=2)   # on resume: forget steps the checkpoint does not contain
 
@@ -13,10 +14,50 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpcrl.errors import ConfigError
+
 METRICS_FILE = "metrics.jsonl"
+WANDB_ID_FILE = "wandb_id"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WandbTarget:
+    """Where a run's W&B metrics go (see RunConfig.wandb_*)."""
+
+    project: str
+    name: str
+    entity: str = ""
+    mode: str = "online"
+    config: dict = field(default_factory=dict)
+    """The run's configuration, shown beside its curves."""
+
+
+def _wandb_run(run_dir: Path, target: WandbTarget):
+    """Start (or, after a requeue, resume) the run's W&B run. Its id is kept in run_dir/wandb_id,
+    so every incarnation of the job logs to the same W&B run. Steps re-run after a resume are
+    not logged again (W&B keeps the steps it has; a resumed run repeats them bit for bit)."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError(key="run.wandb_project", problem=f"is {target.project!r} but wandb is not installed "
+                          "in the head's Python", fix="pip install wandb (or pip install 'hpcrl[wandb]'), or "
+                          "remove run.wandb_project") from None
+    id_file = run_dir / WANDB_ID_FILE
+    if id_file.exists():
+        run_id = id_file.read_text().strip()
+    else:
+        run_id = f"{target.name}-{secrets.token_hex(4)}"
+        tmp = id_file.with_name(f".{id_file.name}.tmp{os.getpid()}")
+        tmp.write_text(run_id + "\n")
+        os.replace(tmp, id_file)
+    return wandb.init(project=target.project, entity=target.entity or None, name=target.name, id=run_id,
+                      resume="allow", dir=str(run_dir), mode=target.mode, config=target.config,
+                      settings=wandb.Settings(silent=True, console="off"))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -34,9 +75,10 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 class MetricsLog:
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, wandb: WandbTarget | None = None) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._wandb = _wandb_run(self.path.parent, wandb) if wandb is not None else None
         self._tb = None
         if tensorboard:
             try:
@@ -52,12 +94,17 @@ class MetricsLog:
             handle.write(json.dumps(clean, sort_keys=True) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
+        if self._tb is None and self._wandb is None:
+            return
+        step = int(row["step"])
+        scalars = {key: value for key, value in clean.items()
+                   if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
         if self._tb is not None:
-            step = int(row["step"])
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, step)
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
 
     def truncate_after(self, step: int) -> None:
         """Keep only rows with row["step"] <= step (atomically: temp file, fsync, rename)."""
@@ -72,6 +119,8 @@ class MetricsLog:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def reward_curve(rows: list[dict], *, window: int = 10, points: int = 20) -> str:

@@ -1,6 +1,10 @@
 """metrics.jsonl: one line per step, torn lines ignored, truncation on resume."""
 
+import json
+import sys
 from pathlib import Path
+
+import pytest
 
 from hpcrl.rl.metrics import MetricsLog, read_metrics
 
@@ -45,3 +49,69 @@ def test_the_reward_curve_shows_moving_means_and_the_best_step():
     assert [line.split()[1] for line in lines[1:]] == ["10", "20", "30"]
     assert lines[1].split()[2] == "0.000" and lines[2].endswith("#" * 40)
     assert reward_curve([]) == "reward curve: no step has a reward yet"
+
+
+def wandb_history(run_file: Path) -> list[dict]:
+    """The history rows W&B wrote to a run's .wandb file (its LevelDB-style record log, read
+    here so that the test sees what `wandb sync` would upload)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block, pos = run_file.read_bytes(), 32768, 7
+    assert data[:4] == b":W&B", "not a W&B run file"
+    records, pending = [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a record header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 1:
+            records.append(chunk)
+        elif kind == 2:
+            pending = chunk
+        elif kind == 3:
+            pending += chunk
+        elif kind == 4:
+            records.append(pending + chunk)
+    rows = []
+    for raw in records:
+        record = pb.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            rows.append({k: v for k, v in row.items() if not k.startswith("_") or k == "_step"})
+    return rows
+
+
+def test_every_step_goes_to_weights_and_biases_and_a_resumed_run_keeps_its_wandb_run(tmp_path: Path):
+    pytest.importorskip("wandb")  # installed by tools/setup_env.sh (the [wandb] extra)
+    from hpcrl.rl.metrics import WandbTarget
+
+    target = WandbTarget(project="hpcrl-test", name="tiny", mode="offline", config={"trainer": {"lr": 1e-3}})
+    log = MetricsLog(tmp_path, tensorboard=False, wandb=target)
+    log.write({"step": 1, "reward_mean": 0.25, "loss": 1.5, "note": "text is not a metric"})
+    log.write({"step": 2, "reward_mean": float("nan"), "loss": 1.25})
+    log.close()
+    run_id = (tmp_path / "wandb_id").read_text().strip()
+    first = list(tmp_path.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
+    assert len(first) == 1
+    assert wandb_history(first[0]) == [{"_step": 1, "reward_mean": 0.25, "loss": 1.5},
+                                       {"_step": 2, "loss": 1.25}]
+    # The job is requeued: the new head logs to the same W&B run.
+    log = MetricsLog(tmp_path, tensorboard=False, wandb=target)
+    log.write({"step": 3, "reward_mean": 0.75})
+    log.close()
+    assert (tmp_path / "wandb_id").read_text().strip() == run_id
+    files = sorted(tmp_path.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
+    assert {"_step": 3, "reward_mean": 0.75} in [row for f in files for row in wandb_history(f)]
+
+
+def test_a_wandb_project_without_wandb_installed_is_a_clear_error(tmp_path: Path, monkeypatch):
+    from hpcrl.errors import ConfigError
+    from hpcrl.rl.metrics import WandbTarget
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(ConfigError, match="wandb is not installed") as err:
+        MetricsLog(tmp_path, wandb=WandbTarget(project="p", name="n"))
+    assert "run.wandb_project" in str(err.value)
+    assert not (tmp_path / "metrics.jsonl").exists() or (tmp_path / "metrics.jsonl").read_text() == ""
