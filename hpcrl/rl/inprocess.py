@@ -54,12 +54,14 @@ class InProcessPorts:
         llm = self.inference.llm
         info = init_info(host="127.0.0.1", port=self._store.port, replica=0, trainer=self.plan.trainer,
                          inference=self.plan.inference, wire_dtype=self.plan.wire_dtype,
-                         bucket_bytes=self.plan.bucket_bytes, timeout_s=120, external_store=True, digest=self.plan.digest)
+                         bucket_bytes=self.plan.bucket_bytes, timeout_s=120, external_store=True, digest=self.plan.digest,
+                         transport=config.inference.weight_transport)
         # Both ends must join the transfer group at once: vLLM's side blocks in its workers.
         with ThreadPoolExecutor(1) as pool:
             joined = pool.submit(llm.init_weight_transfer_engine, {"init_info": info})
             self.sender = TrainerSender.connect(self.plan, rank=0, host="127.0.0.1", port=self._store.port,
-                                                timeout_s=120, external_store=True)
+                                                timeout_s=120, external_store=True,
+                                                transport=config.inference.weight_transport)
             joined.result()
 
     # -- Ports ---------------------------------------------------------------------------------

@@ -61,7 +61,8 @@ class InferenceRole(Role):
         info = init_info(host=args["host"], port=int(args["port"]), replica=self.replica, trainer=self.plan.trainer,
                          inference=self.plan.inference, wire_dtype=self.plan.wire_dtype,
                          bucket_bytes=self.plan.bucket_bytes, timeout_s=float(args["timeout_s"]),
-                         external_store=True, digest=self.plan.digest, generation=int(args.get("generation", 0)))
+                         external_store=True, digest=self.plan.digest, generation=int(args.get("generation", 0)),
+                         transport=self.config.inference.weight_transport)
         await self.on_engine(self.engine.llm.init_weight_transfer_engine, {"init_info": info})
         return {"replica": self.replica}
 

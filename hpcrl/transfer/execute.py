@@ -1,4 +1,8 @@
-"""Run one rank's part of a transfer plan over a process group (torch only, any device).
+"""Run one rank's part of a transfer plan over a transfer group (torch only, any device).
+
+`link` is an open transfer group (hpcrl/transfer/group.py: gloo, or UCX): `isend(buf, dst, tag)`,
+`irecv(buf, src, tag)` and `wait(handle, timeout)`, with ranks numbered as in
+`inference_group_rank` (trainer ranks first).
 
 A message is a run of consecutive plan blocks of one route (plan.blocks["message"]). The sender
 packs each block's `count` strided runs out of its local shard (torch.as_strided, casting to the
@@ -138,7 +142,7 @@ def unpack(plan: TransferPlan, m: Message, buf: torch.Tensor, dests: list[torch.
         pos += count * length
 
 
-def send(pg, plan: TransferPlan, rank: int, sources: list[torch.Tensor | None], *, timeout_s: float,
+def send(link, plan: TransferPlan, rank: int, sources: list[torch.Tensor | None], *, timeout_s: float,
          window: int = 8) -> int:
     """Send every message of trainer `rank`; returns the bytes sent."""
     wire = TORCH_DTYPES[plan.wire_dtype]
@@ -149,7 +153,7 @@ def send(pg, plan: TransferPlan, rank: int, sources: list[torch.Tensor | None], 
     def wait_oldest() -> None:
         m, work, _ = pending.popleft()
         try:
-            work.wait(timeout)
+            link.wait(work, timeout)
         except Exception as err:  # noqa: BLE001 - re-raised naming the message and ranks
             raise TransferError(f"sending {_what(plan, m, 'source')} failed: {err}") from err
 
@@ -158,7 +162,7 @@ def send(pg, plan: TransferPlan, rank: int, sources: list[torch.Tensor | None], 
             continue
         buf = torch.empty(m.numel, dtype=wire)
         pack(plan, m, sources, buf)
-        pending.append((m, pg.send([buf], inference_group_rank(plan, m.replica, m.tp_rank), m.id), buf))
+        pending.append((m, link.isend(buf, inference_group_rank(plan, m.replica, m.tp_rank), m.id), buf))
         sent += m.numel * plan.itemsize
         while len(pending) > window:
             wait_oldest()
@@ -167,7 +171,7 @@ def send(pg, plan: TransferPlan, rank: int, sources: list[torch.Tensor | None], 
     return sent
 
 
-def receive(pg, plan: TransferPlan, replica: int, tp_rank: int, dests: list[torch.Tensor], *, timeout_s: float,
+def receive(link, plan: TransferPlan, replica: int, tp_rank: int, dests: list[torch.Tensor], *, timeout_s: float,
             on_message: Callable[[Message], None] | None = None) -> int:
     """Receive every message for (replica, tp_rank) into `dests`; returns the bytes received."""
     wire = TORCH_DTYPES[plan.wire_dtype]
@@ -176,11 +180,11 @@ def receive(pg, plan: TransferPlan, replica: int, tp_rank: int, dests: list[torc
     for m in messages(plan):
         if m.replica == replica and m.tp_rank == tp_rank:
             buf = torch.empty(m.numel, dtype=wire)
-            posted.append((m, buf, pg.recv([buf], m.src_rank, m.id)))
+            posted.append((m, buf, link.irecv(buf, m.src_rank, m.id)))
     received = 0
     for m, buf, work in posted:
         try:
-            work.wait(timeout)
+            link.wait(work, timeout)
         except Exception as err:  # noqa: BLE001 - re-raised naming the message and ranks
             raise TransferError(f"receiving {_what(plan, m, 'dest')} failed: {err}") from err
         unpack(plan, m, buf, dests)

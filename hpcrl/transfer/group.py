@@ -1,6 +1,11 @@
-"""The transfer process group: gloo over a TCP store, apart from every training group.
+"""The transfer group: the links between trainer ranks and vLLM workers, apart from every training group.
 
-Formed like vLLM's `stateless_init_torch_distributed_process_group`
+    group = open_group("gloo", host=..., port=..., rank=r, world_size=w, timeout_s=120)
+    group.check_digests(rank=r, digest=plan.digest, describe=...)
+    work = group.isend(buf, dst, tag); group.wait(work, timeout)      # execute.py drives these
+
+Transports: "gloo" (a torch ProcessGroup, here) and "ucx" (hpcrl/transfer/ucx.py, optional:
+`pip install ucxx-cu12`). Both rendezvous on the same TCP store. The gloo group is formed like vLLM's `stateless_init_torch_distributed_process_group`
 (vllm/distributed/utils.py: a TCPStore, a PrefixStore named after the address, a ProcessGroup
 with a gloo backend), with torch only, so trainer processes need not import vLLM. Both ends use
 this function, so they agree on the store layout. Under torchrun, TORCHELASTIC_USE_AGENT_STORE
@@ -42,12 +47,52 @@ def host_store(host: str = "127.0.0.1", port: int = 0, *, timeout_s: float = 300
                              wait_for_workers=False, multi_tenant=True)
 
 
+#: The transports `open_group` knows (NCCL is not built yet: it needs GPUs to be tested).
+TRANSPORTS = ("gloo", "ucx")
+
+
+def open_group(transport: str, *, host: str, port: int, rank: int, world_size: int, timeout_s: float,
+               external_store: bool = False, generation: int = 0):
+    """Join the transfer group over `transport` ("gloo" or "ucx"); see open_gloo_group for the rest."""
+    if transport == "gloo":
+        return open_gloo_group(host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s,
+                               external_store=external_store, generation=generation)
+    if transport == "ucx":
+        from hpcrl.transfer.ucx import open_ucx_group
+        return open_ucx_group(host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s,
+                              external_store=external_store, generation=generation)
+    raise TransferError(f"unknown weight transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
+
+
+def rendezvous_store(*, host: str, port: int, rank: int, world_size: int, timeout_s: float,
+                     external_store: bool, generation: int) -> tuple[dist.TCPStore, dist.PrefixStore]:
+    """The TCP store (rank 0 serves it unless `external_store`) and this formation's prefix in it."""
+    with _without_agent_store():
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0 and not external_store,
+                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False, multi_tenant=True)
+    name = f"hpcrl-transfer/{host}:{port}" + (f"/g{generation}" if generation else "")
+    return store, dist.PrefixStore(name, store)
+
+
 @dataclass(frozen=True)
 class TransferGroup:
-    """The process group and the store it rendezvoused on (kept alive together)."""
+    """The gloo process group and the store it rendezvoused on (kept alive together)."""
 
     pg: dist.ProcessGroup
     store: dist.TCPStore
+    transport = "gloo"
+
+    def isend(self, buf: torch.Tensor, dst: int, tag: int):
+        return self.pg.send([buf], dst, tag)
+
+    def irecv(self, buf: torch.Tensor, src: int, tag: int):
+        return self.pg.recv([buf], src, tag)
+
+    def wait(self, work, timeout: timedelta) -> None:
+        work.wait(timeout)
+
+    def check_digests(self, *, rank: int, digest: str, describe) -> None:
+        check_digests(self.pg, rank=rank, digest=digest, describe=describe)
 
     def close(self) -> None:
         self.pg.shutdown()
@@ -64,11 +109,8 @@ def open_gloo_group(*, host: str, port: int, rank: int, world_size: int, timeout
 
     timeout = timedelta(seconds=timeout_s)
     try:
-        with _without_agent_store():
-            store = dist.TCPStore(host, port, world_size, is_master=rank == 0 and not external_store, timeout=timeout,
-                                  wait_for_workers=False, multi_tenant=True)
-        name = f"hpcrl-transfer/{host}:{port}" + (f"/g{generation}" if generation else "")
-        prefix = dist.PrefixStore(name, store)
+        store, prefix = rendezvous_store(host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s,
+                                         external_store=external_store, generation=generation)
         pg = dist.ProcessGroup(prefix, rank, world_size)
         backend = ProcessGroupGloo(prefix, rank, world_size, timeout=timeout)
         backend._set_sequence_number_for_group()

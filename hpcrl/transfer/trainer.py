@@ -1,6 +1,6 @@
 """The trainer side of a weight transfer: send from local FSDP2 shards, never `full_tensor()`.
 
-    sender = TrainerSender.connect(plan, rank=rank, host=host, port=port, timeout_s=120)
+    sender = TrainerSender.connect(plan, rank=rank, host=host, port=port, timeout_s=120)   # transport="gloo"
     sender.send(local_shards(model))      # after every optimizer step, on every trainer rank
 
 `local_shards(module)` maps each parameter name to its local shard (`DTensor.to_local()`, a view
@@ -18,7 +18,7 @@ import torch
 from hpcrl.errors import TransferError
 from hpcrl.plan.transfer_plan import TransferPlan
 from hpcrl.transfer import execute
-from hpcrl.transfer.group import TransferGroup, check_digests, open_gloo_group
+from hpcrl.transfer.group import open_group
 
 
 def local_shards(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -34,20 +34,19 @@ def local_shards(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 class TrainerSender:
     """One trainer rank's end of the transfer group."""
 
-    def __init__(self, plan: TransferPlan, group: TransferGroup, *, rank: int, timeout_s: float) -> None:
+    def __init__(self, plan: TransferPlan, group, *, rank: int, timeout_s: float) -> None:
         self.plan, self.group, self.rank, self.timeout_s = plan, group, rank, timeout_s
         self.last_seconds = 0.0
 
     @classmethod
     def connect(cls, plan: TransferPlan, *, rank: int, host: str, port: int, timeout_s: float = 120.0,
-                external_store: bool = False, generation: int = 0) -> "TrainerSender":
+                external_store: bool = False, generation: int = 0, transport: str = "gloo") -> "TrainerSender":
         world = plan.trainer.world_size + plan.inference.replicas * plan.inference.tensor_parallel
         if not 0 <= rank < plan.trainer.world_size:
             raise TransferError(f"trainer rank {rank} is outside the plan's {plan.trainer.world_size} trainer ranks")
-        group = open_gloo_group(host=host, port=port, rank=rank, world_size=world, timeout_s=timeout_s,
-                                external_store=external_store, generation=generation)
-        check_digests(group.pg, rank=rank, digest=plan.digest,
-                      describe=lambda r: execute.describe_group_rank(plan, r))
+        group = open_group(transport, host=host, port=port, rank=rank, world_size=world, timeout_s=timeout_s,
+                           external_store=external_store, generation=generation)
+        group.check_digests(rank=rank, digest=plan.digest, describe=lambda r: execute.describe_group_rank(plan, r))
         return cls(plan, group, rank=rank, timeout_s=timeout_s)
 
     def send(self, shards: dict[str, torch.Tensor]) -> int:
@@ -55,7 +54,7 @@ class TrainerSender:
         t0 = time.perf_counter()
         sources = execute.check_sources(self.plan, self.rank, shards)
         with torch.no_grad():
-            sent = execute.send(self.group.pg, self.plan, self.rank, sources, timeout_s=self.timeout_s)
+            sent = execute.send(self.group, self.plan, self.rank, sources, timeout_s=self.timeout_s)
         self.last_seconds = time.perf_counter() - t0
         return sent
 

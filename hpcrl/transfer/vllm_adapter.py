@@ -45,17 +45,18 @@ from hpcrl.errors import TransferError
 from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
 from hpcrl.plan.transfer_planner import plan as plan_transfer
 from hpcrl.transfer import execute
-from hpcrl.transfer.group import TransferGroup, check_digests, open_gloo_group
+from hpcrl.transfer.group import open_group
 
 ENGINE_NAME = "hpcrl"
 
 
 def init_info(*, host: str, port: int, replica: int, trainer: TrainerLayout, inference: InferenceLayout,
               wire_dtype: str, bucket_bytes: int, timeout_s: float = 120.0, external_store: bool = False,
-              digest: str = "", generation: int = 0) -> dict[str, Any]:
+              digest: str = "", generation: int = 0, transport: str = "gloo") -> dict[str, Any]:
     """The `init_info` dict for `LLM.init_weight_transfer_engine` (plain data: crosses collective_rpc)."""
     return dict(host=host, port=port, replica=replica, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes,
                 timeout_s=timeout_s, external_store=external_store, digest=digest, generation=generation,
+                transport=transport,
                 trainer=dict(dp_replicate=trainer.dp_replicate, dp_shard=trainer.dp_shard, naming=trainer.naming,
                              fuse_qkv=trainer.fuse_qkv),
                 inference=dict(replicas=inference.replicas, tensor_parallel=inference.tensor_parallel,
@@ -77,6 +78,8 @@ class HpcrlInitInfo(WeightTransferInitInfo):
     """When set, the digest the caller planned with; a worker that plans differently fails at once."""
     generation: int = 0
     """Which formation of the group on this store (a replaced replica makes everyone form it again)."""
+    transport: str = "gloo"
+    """"gloo" or "ucx" (hpcrl/transfer/group.py)."""
 
 
 @dataclass
@@ -94,7 +97,7 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.plan = None
-        self.group: TransferGroup | None = None
+        self.group = None
         self.replica = self.tp_rank = 0
         self._targets: dict[str, torch.Tensor] = {}
         self._reprocess: list[torch.nn.Module] = []
@@ -121,11 +124,11 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         self.timeout_s = info.timeout_s
         rank = execute.inference_group_rank(self.plan, self.replica, self.tp_rank)
         world = self.plan.trainer.world_size + inference.replicas * inference.tensor_parallel
-        self.group = open_gloo_group(host=info.host, port=info.port, rank=rank, world_size=world,
-                                     timeout_s=info.timeout_s, external_store=info.external_store,
-                                     generation=info.generation)
-        check_digests(self.group.pg, rank=rank, digest=self.plan.digest,
-                      describe=lambda r: execute.describe_group_rank(self.plan, r))
+        self.group = open_group(info.transport, host=info.host, port=info.port, rank=rank, world_size=world,
+                                timeout_s=info.timeout_s, external_store=info.external_store,
+                                generation=info.generation)
+        self.group.check_digests(rank=rank, digest=self.plan.digest,
+                                 describe=lambda r: execute.describe_group_rank(self.plan, r))
 
     # -- one update -----------------------------------------------------------------------
     def start_weight_update(self) -> None:
@@ -172,7 +175,7 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         t0 = time.perf_counter()
         dests = execute.check_dests(self.plan, self.replica, self.tp_rank, self._targets)
         with torch.no_grad():
-            received = execute.receive(self.group.pg, self.plan, self.replica, self.tp_rank, dests,
+            received = execute.receive(self.group, self.plan, self.replica, self.tp_rank, dests,
                                        timeout_s=self.timeout_s)
         self.last = {"version": update_info.version, "bytes": received, "receive_s": time.perf_counter() - t0}
 

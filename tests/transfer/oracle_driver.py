@@ -114,7 +114,7 @@ def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_port: int, t
         p = plan_transfer(TrainerLayout(dp_shard=world, naming=naming), InferenceLayout(tensor_parallel=spec["tp"]),
                           PRESETS[spec["preset"]], wire_dtype="float32", bucket_bytes=spec["bucket"])
         sender = TrainerSender.connect(p, rank=rank, host="127.0.0.1", port=transfer_port, timeout_s=120,
-                                       external_store=True)
+                                       external_store=True, transport=spec.get("transport", "gloo"))
         sent = sender.send(shards)
         results.put((rank, "ok", {"sent": sent, "seconds": sender.last_seconds,
                                   "local_rows": {k: list(v.shape) for k, v in list(shards.items())[:3]}}))
@@ -130,7 +130,8 @@ def main() -> int:
     ap.add_argument("--preset", required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--fsdp", default="1,2,3",
-                    help="trainer sizes, one update each; a 't' suffix (e.g. 3t) runs torchtitan's llama3 with fused wqkv")
+                    help="trainer sizes, one update each; a 't' suffix (e.g. 3t) runs torchtitan's llama3 with fused "
+                         "wqkv, a 'u' suffix (e.g. 2u) sends over the UCX transport instead of gloo")
     ap.add_argument("--work", required=True)
     ap.add_argument("--bucket", type=int, default=1 << 16)
     ap.add_argument("--reference", action="store_true",
@@ -171,9 +172,10 @@ def main() -> int:
     ctx = mp.get_context("spawn")
     work = Path(args.work)
     for entry in args.fsdp.split(","):
-        k, naming = int(entry.rstrip("t")), "torchtitan" if entry.endswith("t") else "hf"
+        k, naming = int(entry.rstrip("tu")), "torchtitan" if "t" in entry else "hf"
+        transport = "ucx" if "u" in entry else "gloo"
         ckpt = perturb(args.model, work / f"{args.preset}-tp{args.tp}-fsdp{entry}", seed=100 + k + 50 * (naming != "hf"))
-        spec = {"preset": args.preset, "tp": args.tp, "bucket": args.bucket, "naming": naming}
+        spec = {"preset": args.preset, "tp": args.tp, "bucket": args.bucket, "naming": naming, "transport": transport}
         fsdp_store, transfer_store = host_store(), host_store()
         results = ctx.Queue()
         procs = [ctx.Process(target=trainer_rank, args=(str(ckpt), spec, r, k, fsdp_store.port, transfer_store.port,
@@ -185,7 +187,8 @@ def main() -> int:
                           wire_dtype="float32", bucket_bytes=args.bucket)
         llm.init_weight_transfer_engine({"init_info": init_info(
             host="127.0.0.1", port=transfer_store.port, replica=0, trainer=p.trainer, inference=p.inference,
-            wire_dtype="float32", bucket_bytes=args.bucket, timeout_s=120, external_store=True, digest=p.digest)})
+            wire_dtype="float32", bucket_bytes=args.bucket, timeout_s=120, external_store=True, digest=p.digest,
+            transport=transport)})
         t1 = time.perf_counter()
         llm.start_weight_update()
         llm.update_weights({"update_info": {"version": k}})
@@ -205,7 +208,7 @@ def main() -> int:
         ref = llm.collective_rpc("hpcrl_weight_digests")
         gen_ref = generate()
         print(json.dumps({
-            "event": "update", "fsdp": k, "naming": naming, "tp": args.tp, "preset": args.preset, "digest": p.digest,
+            "event": "update", "fsdp": k, "naming": naming, "transport": transport, "tp": args.tp, "preset": args.preset, "digest": p.digest,
             "checkpoint": str(ckpt), "digests": ours,
             "trainers": trainers, "update_s": update_s, "reload_s": reload_s, "last": last,
             "mismatch": [sorted(n for n in set(o) | set(r) if o.get(n) != r.get(n)) for o, r in zip(ours, ref)],

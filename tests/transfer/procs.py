@@ -35,7 +35,7 @@ def trainer(spec: dict, rank: int, port: int, results) -> None:
         from hpcrl.transfer.trainer import TrainerSender
         p, shape = _plan(spec)
         sender = TrainerSender.connect(p, rank=rank, host="127.0.0.1", port=port, timeout_s=spec.get("timeout", 60),
-                                       external_store=True)
+                                       external_store=True, transport=spec.get("transport", "gloo"))
         if spec.get("die_before_send") == rank:
             import os
             os._exit(3)
@@ -50,16 +50,16 @@ def receiver(spec: dict, replica: int, tp_rank: int, port: int, results) -> None
         import torch
         from hpcrl.plan.transfer_check import _hf_ids, _vllm_expected
         from hpcrl.transfer import execute
-        from hpcrl.transfer.group import check_digests, open_gloo_group
+        from hpcrl.transfer.group import open_group
         spec_here = dict(spec, **spec.get("receiver_override", {}))
         p, shape = _plan(spec_here)
         rank = execute.inference_group_rank(p, replica, tp_rank)
         world = p.trainer.world_size + p.inference.replicas * p.inference.tensor_parallel
-        group = open_gloo_group(host="127.0.0.1", port=port, rank=rank, world_size=world,
-                             timeout_s=spec.get("timeout", 60), external_store=True)
-        check_digests(group.pg, rank=rank, digest=p.digest, describe=lambda r: execute.describe_group_rank(p, r))
+        group = open_group(spec.get("transport", "gloo"), host="127.0.0.1", port=port, rank=rank, world_size=world,
+                           timeout_s=spec.get("timeout", 60), external_store=True)
+        group.check_digests(rank=rank, digest=p.digest, describe=lambda r: execute.describe_group_rank(p, r))
         dests = {d.name: torch.full(d.local_shape, -1.0) for d in p.dests}
-        got = execute.receive(group.pg, p, replica, tp_rank, execute.check_dests(p, replica, tp_rank, dests),
+        got = execute.receive(group, p, replica, tp_rank, execute.check_dests(p, replica, tp_rank, dests),
                               timeout_s=spec.get("timeout", 60))
         expected = _vllm_expected(p, shape, _hf_ids(shape), tp_rank)
         wrong = [d.name for d in p.dests

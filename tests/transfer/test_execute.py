@@ -1,5 +1,6 @@
-"""Executing plans over a real gloo group between spawned processes (no vLLM): element-exact,
-digest mismatches and dead peers become errors naming ranks and parameters, never hangs."""
+"""Executing plans over a real transfer group between spawned processes (no vLLM), over gloo and
+over UCX: element-exact, digest mismatches and dead peers become errors naming ranks and
+parameters, never hangs."""
 
 from __future__ import annotations
 
@@ -43,13 +44,23 @@ def run(spec: dict, *, deadline: float = 90.0) -> list[tuple]:
     return out
 
 
+def needs(transport: str) -> str:
+    if transport == "ucx":
+        pytest.importorskip("ucxx")  # the optional UCX transport: tools/setup_env.sh installs it
+    return transport
+
+
 @pytest.mark.timeout(180)
-def test_three_fsdp_ranks_feed_two_replicas_at_tp2_element_exact_over_gloo():
+@pytest.mark.parametrize("transport", ["gloo", "ucx"])
+def test_three_fsdp_ranks_feed_two_replicas_at_tp2_element_exact(transport):
     spec = {"preset": "tiny-qwen2", "trainer": {"dp_shard": 3}, "inference": {"replicas": 2, "tensor_parallel": 2},
-            "bucket": 8192}
+            "bucket": 8192, "transport": needs(transport)}
     out = run(spec)
     assert len(out) == 7, out
     assert all(status == "ok" for _, _, status, _ in out), out
+    sent = sum(n for role, _, _, n in out if role == "trainer")
+    received = sum(n for role, _, _, n in out if role == "receiver")
+    assert sent == received > 0
 
 
 @pytest.mark.timeout(180)
@@ -61,9 +72,10 @@ def test_hsdp_torchtitan_fused_qkv_trainer_feeds_tp2_element_exact():
 
 
 @pytest.mark.timeout(180)
-def test_different_plans_fail_the_handshake_on_every_rank_naming_the_ranks():
+@pytest.mark.parametrize("transport", ["gloo", "ucx"])
+def test_different_plans_fail_the_handshake_on_every_rank_naming_the_ranks(transport):
     spec = {"preset": "tiny-llama", "trainer": {"dp_shard": 2}, "inference": {"replicas": 1, "tensor_parallel": 1},
-            "receiver_override": {"bucket": 4096}}
+            "receiver_override": {"bucket": 4096}, "transport": needs(transport)}
     out = run(spec)
     assert len(out) == 3
     for _, _, status, message in out:
@@ -72,9 +84,10 @@ def test_different_plans_fail_the_handshake_on_every_rank_naming_the_ranks():
 
 
 @pytest.mark.timeout(180)
-def test_a_trainer_dying_mid_transfer_is_a_timeout_error_naming_parameter_and_ranks():
+@pytest.mark.parametrize("transport", ["gloo", "ucx"])
+def test_a_trainer_dying_mid_transfer_is_a_timeout_error_naming_parameter_and_ranks(transport):
     spec = {"preset": "tiny-llama", "trainer": {"dp_shard": 2}, "inference": {"replicas": 1, "tensor_parallel": 1},
-            "die_before_send": 1, "timeout": 10}
+            "die_before_send": 1, "timeout": 10, "transport": needs(transport)}
     out = run(spec, deadline=60)
     receivers = [r for r in out if r[0] == "receiver"]
     assert receivers and receivers[0][2] == "TransferError", out

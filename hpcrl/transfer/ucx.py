@@ -1,0 +1,159 @@
+"""The UCX transport of the transfer group (optional): the one hpcrl module that imports ucxx.
+
+    group = open_ucx_group(host=..., port=..., rank=r, world_size=w, timeout_s=120)
+
+Install with `pip install ucxx-cu12` (RAPIDS' UCX bindings; on a machine without GPUs it moves
+host memory over shared memory or TCP). Every rank makes one UCX worker and publishes its worker
+address in the transfer group's TCP store; a sender makes an endpoint to a receiver from that
+address the first time it sends to it (`create_from_worker_address`: no listener, no port).
+Receives are posted on the worker (not on an endpoint) with a tag that carries both the sender's
+group rank and the message number, `(src << 32) | tag`, so every receive matches exactly one
+message of one sender, in any order of arrival.
+
+Requests are driven by this thread (`worker.progress_once()` until done or the deadline), with no
+progress thread and no event loop, so the caller's thread (a trainer rank, a vLLM worker inside
+collective_rpc) sees a plain blocking call with a timeout. Endpoints are made with UCX's error
+handling on: a peer that dies fails the sender's request with an error instead of killing the
+process; a receiver waiting for a dead sender runs into its timeout. Only CPU tensors are moved
+(GPU buffers through ucxx's CUDA support are not built: untested here).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.errors import TransferError
+from hpcrl.transfer.group import rendezvous_store
+
+_TAG_BITS = 32
+_IDLE_SPINS = 64  # progress() calls without progress before the thread sleeps a little
+_IDLE_SLEEP_S = 20e-6
+
+
+def _ucxx():
+    # ucxx sets UCX_MEMTYPE_CACHE, which UCX builds without CUDA warn about on every process.
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    try:
+        import ucxx._lib.libucxx as libucxx
+        from ucxx._lib.arr import Array
+        from ucxx.types import Tag
+    except ImportError as err:
+        raise TransferError(f"the UCX weight transport needs ucxx ({err}): pip install ucxx-cu12, or use "
+                            "inference.weight_transport = \"gloo\"") from None
+    return libucxx, Array, Tag
+
+
+@dataclass(eq=False)
+class _Request:
+    request: Any
+    keep: tuple
+    """The tensor and its UCX array view: alive until the request completes."""
+    what: str
+
+
+@dataclass(eq=False)
+class UcxGroup:
+    """One rank's UCX worker, its endpoints to the ranks it sends to, and the rendezvous store."""
+
+    rank: int
+    world_size: int
+    store: dist.TCPStore
+    prefix: dist.PrefixStore
+    timeout_s: float
+    transport = "ucx"
+    _endpoints: dict[int, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._lib, self._array, self._tag = _ucxx()
+        self._context = self._lib.UCXContext({})
+        self._worker = self._lib.UCXWorker(self._context, enable_delayed_submission=False,
+                                           enable_python_future=False)
+        self.prefix.set(f"ucx/address/{self.rank}", self._worker.address.tobytes())
+
+    def _tag_of(self, src: int, tag: int):
+        if not 0 <= tag < (1 << _TAG_BITS):
+            raise TransferError(f"message tag {tag} does not fit in {_TAG_BITS} bits")
+        return self._tag((src << _TAG_BITS) | tag)
+
+    def _bytes(self, buf: torch.Tensor):
+        if buf.device.type != "cpu":
+            raise TransferError(f"the UCX weight transport moves CPU tensors; this buffer is on {buf.device} "
+                                "(use the gloo transport, or NCCL once it is built)")
+        if not buf.is_contiguous():
+            raise TransferError("the UCX weight transport needs contiguous buffers")
+        flat = buf.reshape(-1).view(torch.uint8)  # any dtype (bfloat16 has no numpy type)
+        return flat, self._array(flat.numpy())
+
+    def _endpoint(self, dst: int):
+        ep = self._endpoints.get(dst)
+        if ep is None:
+            try:
+                raw = self.prefix.get(f"ucx/address/{dst}")
+            except Exception as err:  # noqa: BLE001 - the store's timeout, re-raised naming the rank
+                raise TransferError(f"rank {dst} never published its UCX address ({err})") from err
+            address = self._lib.UCXAddress.create_from_buffer(raw)
+            ep = self._endpoints[dst] = self._lib.UCXEndpoint.create_from_worker_address(self._worker, address, True)
+        return ep
+
+    def isend(self, buf: torch.Tensor, dst: int, tag: int) -> _Request:
+        flat, array = self._bytes(buf)
+        request = self._endpoint(dst).tag_send(array, self._tag_of(self.rank, tag))
+        return _Request(request=request, keep=(flat, array), what=f"send of tag {tag} to rank {dst}")
+
+    def irecv(self, buf: torch.Tensor, src: int, tag: int) -> _Request:
+        flat, array = self._bytes(buf)
+        request = self._worker.tag_recv(array, self._tag_of(src, tag))
+        return _Request(request=request, keep=(flat, array), what=f"receive of tag {tag} from rank {src}")
+
+    def wait(self, handle: _Request, timeout: timedelta) -> None:
+        deadline = time.monotonic() + timeout.total_seconds()
+        request, progress, idle = handle.request, self._worker.progress_once, 0
+        while not request.completed:
+            if progress():
+                idle = 0
+                continue
+            idle += 1
+            if idle >= _IDLE_SPINS:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"UCX {handle.what} not complete after {timeout.total_seconds():g} s")
+                time.sleep(_IDLE_SLEEP_S)
+        request.check_error()  # raises ucxx's error (a peer gone, a truncated message)
+
+    def check_digests(self, *, rank: int, digest: str, describe) -> None:
+        """Every rank publishes its plan digest and reads all others' (also the group's barrier)."""
+        self.prefix.set(f"ucx/digest/{rank}", digest)
+        others = {}
+        for r in range(self.world_size):
+            try:
+                others[r] = self.prefix.get(f"ucx/digest/{r}").decode()
+            except Exception as err:  # noqa: BLE001 - the store's timeout, re-raised naming the rank
+                raise TransferError(f"plan digest handshake failed on {describe(rank)}: {describe(r)} did not "
+                                    f"join the UCX transfer group within {self.timeout_s:g} s ({err})") from err
+        differ = [r for r, d in others.items() if d != digest]
+        if differ:
+            names = ", ".join(f"{describe(r)} has {others[r][:12]}" for r in differ[:4])
+            raise TransferError(f"transfer plans differ: {describe(rank)} has {digest[:12]}, {names}; both ends "
+                                "must plan from the same trainer/inference layouts, model and wire dtype")
+
+    def close(self) -> None:
+        self._endpoints.clear()
+        self._worker = self._context = None
+
+
+def open_ucx_group(*, host: str, port: int, rank: int, world_size: int, timeout_s: float,
+                   external_store: bool = False, generation: int = 0) -> UcxGroup:
+    """Make this rank's UCX worker and publish its address (see the module docstring)."""
+    try:
+        store, prefix = rendezvous_store(host=host, port=port, rank=rank, world_size=world_size,
+                                         timeout_s=timeout_s, external_store=external_store, generation=generation)
+    except Exception as err:  # noqa: BLE001 - re-raised with the rank and address
+        raise TransferError(f"transfer group rank {rank}/{world_size} could not reach the store at {host}:{port} "
+                            f"within {timeout_s:g} s: {err}") from err
+    return UcxGroup(rank=rank, world_size=world_size, store=store, prefix=prefix, timeout_s=timeout_s)
