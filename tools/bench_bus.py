@@ -365,7 +365,7 @@ def main() -> int:
         if ray_side is not None:
             ray_side.close()
 
-    print(f"\n| what | p50 (us) | p99 (us) | calls/s |\n| --- | --- | --- | --- |")
+    print("\n| what | p50 (us) | p99 (us) | calls/s |\n| --- | --- | --- | --- |")
     for r in rows:
         fmt = lambda v, f: f.format(v) if v is not None else "-"
         print(f"| {r['what']} | {fmt(r['p50_us'], '{:.0f}')} | {fmt(r['p99_us'], '{:.0f}')} | {fmt(r['calls_s'], '{:.0f}')} |")

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl.errors import HpcrlError
+from hpcrl.fsio import fsync_path, write_atomic
 
 MANIFEST = "MANIFEST.json"
 FORMAT = 1
@@ -47,14 +48,6 @@ class FoundCheckpoint:
     meta: dict
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -68,20 +61,9 @@ def file_entries(root: Path, files: list[Path] | None = None) -> dict[str, dict]
     chosen = files if files is not None else [p for p in sorted(root.rglob("*")) if p.is_file()]
     entries = {}
     for path in chosen:
-        _fsync_path(path)
+        fsync_path(path)
         entries[str(path.relative_to(root))] = {"size": path.stat().st_size, "sha256": sha256_of(path)}
     return entries
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temp file, fsync, rename, fsync the directory."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_path(path.parent)
 
 
 class CheckpointStore:
@@ -116,12 +98,12 @@ class CheckpointStore:
         missing = [p for p in sorted(tmp.rglob("*")) if p.is_file() and str(p.relative_to(tmp)) not in entries]
         entries.update(file_entries(tmp, missing))
         for directory in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, key=lambda p: -len(p.parts)):
-            _fsync_path(directory)
+            fsync_path(directory)
         final = self.path(step)
         if final.exists():  # a complete older copy of the same step: replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_path(self.root)
+        fsync_path(self.root)
         manifest = {"format": FORMAT, "step": step, "created": time.time(), "meta": meta, "files": entries}
         write_atomic(final / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         self._prune()

@@ -19,9 +19,10 @@ Files other processes read are written to a temporary name, fsynced and renamed.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from hpcrl.fsio import write_atomic
 
 CONFIG_FILE = "config.toml"
 LAUNCH_FILE = "launch.json"
@@ -35,18 +36,8 @@ SUBMITIT_DIR = "submitit"
 LOGS_DIR = "logs"
 
 
-def atomic_write(path: Path, text: str) -> None:
-    """Write `text` to `path` so readers see the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_json(path: Path, data: Any) -> None:
-    atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def read_json(path: Path) -> Any:
@@ -63,7 +54,7 @@ def prepare_run_dir(run_dir: Path, *, config_toml: str, launch: dict, groups: li
     for group in groups:
         (run_dir / LOGS_DIR / group).mkdir(parents=True, exist_ok=True)
     (run_dir / SUBMITIT_DIR).mkdir(exist_ok=True)
-    atomic_write(run_dir / CONFIG_FILE, config_toml)
+    write_atomic(run_dir / CONFIG_FILE, config_toml)
     write_json(run_dir / LAUNCH_FILE, launch)
     # The per-run bus secret: before submitting, readable by the owner only, never in logs or job.json.
     from hpcrl.bus.secret import create_secret, secret_path

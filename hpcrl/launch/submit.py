@@ -23,8 +23,8 @@ from hpcrl.config.dump import dump_toml
 from hpcrl.config.schema import Config
 from hpcrl.errors import ConfigError, SlurmError
 from hpcrl.launch.head import Head
-from hpcrl.launch.rundir import (JOB_FILE, JOB_ID_FILE, SCRIPT_FILE, SUBMITIT_DIR, atomic_write,
-                                 prepare_run_dir, write_json)
+from hpcrl.fsio import write_atomic
+from hpcrl.launch.rundir import JOB_FILE, JOB_ID_FILE, SCRIPT_FILE, SUBMITIT_DIR, prepare_run_dir, write_json
 from hpcrl.slurm.spec import JobSpec, job_spec, time_limit_seconds
 
 LOCAL_NOTE = "no sbatch found: running with the local executor (each group a process tree on this machine)"
@@ -130,7 +130,7 @@ def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
     if executor == "slurm":
         slurm = adapter.HetJobExecutor(folder, spec=spec, run_dir=run_dir)
         script = run_dir / SCRIPT_FILE
-        atomic_write(script, slurm.script_text())
+        write_atomic(script, slurm.script_text())
         if dry_run:
             return Submission(run_dir, executor, "", script, note)
         job = slurm.submit(Head(run_dir))
@@ -143,5 +143,5 @@ def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
     write_json(run_dir / JOB_FILE, {"executor": executor, "job_id": str(job.job_id), "layout": spec.layout,
                                     "slurm_conf": config.cluster.slurm_conf, "submitted_at": time.time(),
                                     "groups": [g.name for g in spec.groups]})
-    atomic_write(run_dir / JOB_ID_FILE, f"{job.job_id}\n")
+    write_atomic(run_dir / JOB_ID_FILE, f"{job.job_id}\n")
     return Submission(run_dir, executor, str(job.job_id), script, note, job)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.errors import ConfigError
+from hpcrl.fsio import write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_id"
@@ -52,9 +53,7 @@ def _wandb_run(run_dir: Path, target: WandbTarget):
         run_id = id_file.read_text().strip()
     else:
         run_id = f"{target.name}-{secrets.token_hex(4)}"
-        tmp = id_file.with_name(f".{id_file.name}.tmp{os.getpid()}")
-        tmp.write_text(run_id + "\n")
-        os.replace(tmp, id_file)
+        write_atomic(id_file, run_id + "\n")
     return wandb.init(project=target.project, entity=target.entity or None, name=target.name, id=run_id,
                       resume="allow", dir=str(run_dir), mode=target.mode, config=target.config,
                       settings=wandb.Settings(silent=True, console="off"))
@@ -109,12 +108,7 @@ class MetricsLog:
     def truncate_after(self, step: int) -> None:
         """Keep only rows with row["step"] <= step (atomically: temp file, fsync, rename)."""
         rows = [r for r in read_metrics(self.path.parent) if int(r.get("step", 0)) <= step]
-        tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w") as handle:
-            handle.write("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, self.path)
+        write_atomic(self.path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
 
     def close(self) -> None:
         if self._tb is not None:
