@@ -4,6 +4,7 @@ registration, route / fanout / session / call_all, deadlines, typed errors, buff
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import pytest
@@ -19,6 +20,15 @@ pytestmark = pytest.mark.timeout(30)
 
 def head_at(secret, address, **kw) -> Head:
     return Head(run_id=RUN_ID, secret=secret, address=address, config=fast_config(**kw))
+
+
+@contextlib.asynccontextmanager
+async def echo_group(secret, address, replicas: int):
+    """A head, `replicas` echo workers of group "inf" registered with it, and a Service over them."""
+    async with head_at(secret, address) as head:
+        async with serving(*[echo_worker(secret, head.address, replica=r) for r in range(replicas)]):
+            await head.wait_for_peers("inf", replicas, timeout=10)
+            yield head, Service(head, "inf")
 
 
 def test_workers_register_with_their_identity_and_endpoints(secret, address):
@@ -38,80 +48,63 @@ def test_workers_register_with_their_identity_and_endpoints(secret, address):
 
 def test_route_goes_to_the_replica_with_fewest_outstanding_calls(secret, address):
     async def go():
-        async with head_at(secret, address) as head:
-            workers = [echo_worker(secret, head.address, replica=r) for r in range(2)]
-            async with serving(*workers):
-                await head.wait_for_peers("inf", 2, timeout=10)
-                svc = Service(head, "inf")
-                busy = asyncio.ensure_future(svc.route("slow", {"s": 1.5}))
-                await asyncio.sleep(0.05)
-                busy_peer = "inf/0/0" if head.outstanding("inf/0/0") else "inf/1/0"
-                quick = [await svc.route("echo", i) for i in range(5)]
-                assert {q["peer"] for q in quick} == {"inf/0/0", "inf/1/0"} - {busy_peer}
-                assert (await busy)["peer"] == busy_peer
-                both = {(await svc.route("echo", i))["peer"] for i in range(6)}  # idle: both used
-                assert both == {"inf/0/0", "inf/1/0"}
+        async with echo_group(secret, address, 2) as (head, svc):
+            busy = asyncio.ensure_future(svc.route("slow", {"s": 1.5}))
+            await asyncio.sleep(0.05)
+            busy_peer = "inf/0/0" if head.outstanding("inf/0/0") else "inf/1/0"
+            quick = [await svc.route("echo", i) for i in range(5)]
+            assert {q["peer"] for q in quick} == {"inf/0/0", "inf/1/0"} - {busy_peer}
+            assert (await busy)["peer"] == busy_peer
+            both = {(await svc.route("echo", i))["peer"] for i in range(6)}  # idle: both used
+            assert both == {"inf/0/0", "inf/1/0"}
     run(go())
 
 
 def test_fanout_reaches_every_replica_and_returns_results_in_replica_order(secret, address):
     async def go():
-        async with head_at(secret, address) as head:
-            workers = [echo_worker(secret, head.address, replica=r) for r in range(4)]
-            async with serving(*workers):
-                await head.wait_for_peers("inf", 4, timeout=10)
-                svc = Service(head, "inf")
-                out = await svc.fanout("echo", {"v": 7})
-                assert [o["peer"] for o in out] == [f"inf/{r}/0" for r in range(4)]
-                assert all(o["args"] == {"v": 7} for o in out)
-                with pytest.raises(RemoteError, match=r"peer inf/\d/0: endpoint 'fail' raised ValueError: boom"):
-                    await svc.fanout("fail")  # the first error to arrive, from any replica
-                await asyncio.sleep(0.01)  # the abandoned calls are forgotten on the next loop turn
-                assert all(head.outstanding(f"inf/{r}/0") == 0 for r in range(4))
+        async with echo_group(secret, address, 4) as (head, svc):
+            out = await svc.fanout("echo", {"v": 7})
+            assert [o["peer"] for o in out] == [f"inf/{r}/0" for r in range(4)]
+            assert all(o["args"] == {"v": 7} for o in out)
+            with pytest.raises(RemoteError, match=r"peer inf/\d/0: endpoint 'fail' raised ValueError: boom"):
+                await svc.fanout("fail")  # the first error to arrive, from any replica
+            await asyncio.sleep(0.01)  # the abandoned calls are forgotten on the next loop turn
+            assert all(head.outstanding(f"inf/{r}/0") == 0 for r in range(4))
     run(go())
 
 
 def test_session_keeps_a_key_on_one_replica_and_spreads_keys(secret, address):
     async def go():
-        async with head_at(secret, address) as head:
-            workers = [echo_worker(secret, head.address, replica=r) for r in range(3)]
-            async with serving(*workers):
-                await head.wait_for_peers("inf", 3, timeout=10)
-                svc = Service(head, "inf")
-                for key in ("a", "b", "c"):
-                    peers = {(await svc.session(key, "echo", i))["peer"] for i in range(5)}
-                    assert peers == {svc.pinned(key)}
-                assert len({svc.pinned(k) for k in "abc"}) == 3
+        async with echo_group(secret, address, 3) as (head, svc):
+            for key in ("a", "b", "c"):
+                peers = {(await svc.session(key, "echo", i))["peer"] for i in range(5)}
+                assert peers == {svc.pinned(key)}
+            assert len({svc.pinned(k) for k in "abc"}) == 3
     run(go())
 
 
 def test_call_past_its_deadline_raises_deadline_exceeded_naming_the_peer(secret, address):
     async def go():
-        async with head_at(secret, address) as head:
-            async with serving(echo_worker(secret, head.address)):
-                await head.wait_for_peers("inf", 1, timeout=10)
-                svc = Service(head, "inf")
-                loop = asyncio.get_running_loop()
-                start = loop.time()
-                with pytest.raises(DeadlineExceeded, match=r"peer inf/0/0: call to 'slow' did not complete within 0.2 s"):
-                    await svc.route("slow", {"s": 5}, timeout=0.2)
-                assert loop.time() - start < 1.0
-                assert head.outstanding("inf/0/0") == 0
-                assert (await svc.route("echo", 1, timeout=2))["args"] == 1  # the peer is fine
+        async with echo_group(secret, address, 1) as (head, svc):
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            with pytest.raises(DeadlineExceeded, match=r"peer inf/0/0: call to 'slow' did not complete within 0.2 s"):
+                await svc.route("slow", {"s": 5}, timeout=0.2)
+            assert loop.time() - start < 1.0
+            assert head.outstanding("inf/0/0") == 0
+            assert (await svc.route("echo", 1, timeout=2))["args"] == 1  # the peer is fine
     run(go())
 
 
 def test_typed_errors_name_the_peer_for_unknown_peers_endpoints_and_empty_groups(secret, address):
     async def go():
-        async with head_at(secret, address) as head:
-            async with serving(echo_worker(secret, head.address)):
-                await head.wait_for_peers("inf", 1, timeout=10)
-                with pytest.raises(UnknownPeerError, match="peer inf/5/0"):
-                    await head.request("inf/5/0", "echo")
-                with pytest.raises(UnknownEndpointError, match=r"peer inf/0/0: has no endpoint 'nope' .*echo"):
-                    await head.request("inf/0/0", "nope")
-                with pytest.raises(NoHealthyReplicaError, match="group reward"):
-                    await Service(head, "reward").route("echo")
+        async with echo_group(secret, address, 1) as (head, svc):
+            with pytest.raises(UnknownPeerError, match="peer inf/5/0"):
+                await head.request("inf/5/0", "echo")
+            with pytest.raises(UnknownEndpointError, match=r"peer inf/0/0: has no endpoint 'nope' .*echo"):
+                await head.request("inf/0/0", "nope")
+            with pytest.raises(NoHealthyReplicaError, match="group reward"):
+                await Service(head, "reward").route("echo")
     run(go())
 
 
@@ -244,14 +237,10 @@ def test_second_registration_of_a_peer_replaces_the_first_without_calling_the_ho
 
 def test_fanout_past_its_deadline_raises_naming_a_peer_and_forgets_every_call(secret, address):
     async def go():
-        async with head_at(secret, address) as head:
-            workers = [echo_worker(secret, head.address, replica=r) for r in range(3)]
-            async with serving(*workers):
-                await head.wait_for_peers("inf", 3, timeout=10)
-                svc = Service(head, "inf")
-                with pytest.raises(DeadlineExceeded, match=r"peer inf/0/0: call to 'slow' did not complete within 0.2 s"):
-                    await svc.fanout("slow", {"s": 5}, timeout=0.2)
-                await asyncio.sleep(0.01)
-                assert [head.outstanding(f"inf/{r}/0") for r in range(3)] == [0, 0, 0]
-                assert len(await svc.fanout("echo", 1, timeout=5)) == 3
+        async with echo_group(secret, address, 3) as (head, svc):
+            with pytest.raises(DeadlineExceeded, match=r"peer inf/0/0: call to 'slow' did not complete within 0.2 s"):
+                await svc.fanout("slow", {"s": 5}, timeout=0.2)
+            await asyncio.sleep(0.01)
+            assert [head.outstanding(f"inf/{r}/0") for r in range(3)] == [0, 0, 0]
+            assert len(await svc.fanout("echo", 1, timeout=5)) == 3
     run(go())

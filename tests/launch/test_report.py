@@ -18,13 +18,18 @@ def _events_until(server: ReportServer, count: int, timeout: float = 5.0) -> lis
     return events
 
 
+def _reporting_task(server: ReportServer, identity: dict, **kw) -> tuple[threading.Thread, dict]:
+    """A started thread running report_and_wait against `server`; its exit code lands in result["code"]."""
+    result: dict = {}
+    task = threading.Thread(target=lambda: result.update(code=report_and_wait(server.address, identity, **kw)))
+    task.start()
+    return task, result
+
+
 @pytest.mark.timeout(20)
 def test_a_task_reports_its_identity_and_exits_with_the_code_the_head_sends():
     server = ReportServer("127.0.0.1")
-    result = {}
-    task = threading.Thread(target=lambda: result.update(
-        code=report_and_wait(server.address, {"group": "trainer", "rank": 1}, pid=7)))
-    task.start()
+    task, result = _reporting_task(server, {"group": "trainer", "rank": 1}, pid=7)
     try:
         (hello,) = _events_until(server, 1)
         assert hello.message["type"] == "hello" and hello.message["identity"] == {"group": "trainer", "rank": 1}
@@ -40,10 +45,7 @@ def test_a_task_reports_its_identity_and_exits_with_the_code_the_head_sends():
 @pytest.mark.timeout(20)
 def test_a_given_exit_code_wins_over_the_head_and_is_told_to_it():
     server = ReportServer("127.0.0.1")
-    result = {}
-    task = threading.Thread(target=lambda: result.update(
-        code=report_and_wait(server.address, {"group": "reward", "rank": 0}, pid=1, given_code=4)))
-    task.start()
+    task, result = _reporting_task(server, {"group": "reward", "rank": 0}, pid=1, given_code=4)
     try:
         (hello,) = _events_until(server, 1)
         server.send(hello.conn, {"type": "exit", "code": 0})
@@ -57,10 +59,7 @@ def test_a_given_exit_code_wins_over_the_head_and_is_told_to_it():
 @pytest.mark.timeout(20)
 def test_a_task_whose_head_goes_away_exits_with_head_lost():
     server = ReportServer("127.0.0.1")
-    result = {}
-    task = threading.Thread(target=lambda: result.update(
-        code=report_and_wait(server.address, {"group": "trainer", "rank": 0}, pid=1)))
-    task.start()
+    task, result = _reporting_task(server, {"group": "trainer", "rank": 0}, pid=1)
     _events_until(server, 1)
     server.close()
     task.join(5)
