@@ -115,9 +115,10 @@ def _as_bytes_view(buf: Any) -> memoryview:
     return view.cast("B") if (view.format != "B" or view.ndim != 1) else view
 
 
-def _mac(key: bytes, version: bytes, frames: list, count: int) -> bytes:
-    """HMAC over the frames; each is bytes or a flat byte view (so len() counts bytes)."""
-    return _Mac(key, version).digest(frames, count)
+try:
+    from _hashlib import hmac_new as _openssl_hmac_new
+except ImportError:  # a Python built without OpenSSL's HMAC: the standard wrapper does the same
+    _openssl_hmac_new = None
 
 
 def _keyed_hmac(key: bytes, msg: bytes) -> Any:
@@ -130,14 +131,9 @@ def _keyed_hmac(key: bytes, msg: bytes) -> Any:
     return hmac.new(key, msg, hashlib.sha256)
 
 
-try:
-    from _hashlib import hmac_new as _openssl_hmac_new
-except ImportError:  # a Python built without OpenSSL's HMAC: the standard wrapper does the same
-    _openssl_hmac_new = None
-
-
 class _Mac:
-    """`_mac` for one key, faster: the keyed HMAC state is computed once and copied per message."""
+    """HMAC over the frames (each bytes or a flat byte view, so len() counts bytes) for one key:
+    the keyed HMAC state is computed once and copied per message."""
 
     def __init__(self, key: bytes, version: bytes = _VERSION_BYTE) -> None:
         self._keyed = _keyed_hmac(key, _DOMAIN + version)
