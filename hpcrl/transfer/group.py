@@ -6,8 +6,9 @@
 
 Transports: "gloo" (a torch ProcessGroup, here) and "ucx" (hpcrl/transfer/ucx.py, optional:
 `pip install ucxx-cu12`). Both rendezvous on the same TCP store. The gloo group is formed like
-vLLM's `stateless_init_torch_distributed_process_group` (vllm/distributed/utils.py: a TCPStore, a PrefixStore named after the address, a ProcessGroup
-with a gloo backend), with torch only, so trainer processes need not import vLLM. Both ends use
+vLLM's `stateless_init_torch_distributed_process_group` (vllm/distributed/utils.py: a TCPStore,
+a PrefixStore named after the address, a ProcessGroup with a gloo backend), with torch only, so
+trainer processes need not import vLLM. Both ends use
 this function, so they agree on the store layout. Under torchrun, TORCHELASTIC_USE_AGENT_STORE
 is popped around the store creation, or rank 0 would not host the store (FACTS.md).
 """
