@@ -147,7 +147,7 @@ def test_the_embedded_default_as_a_hetjob_learns_and_losing_a_trainer_node_chang
 def test_a_run_longer_than_its_time_limit_checkpoints_on_the_signal_is_requeued_and_finishes(local_slurm, tiny_model,
                                                                                              tmp_path):
     """2-minute limit, SIGUSR2 45 s before it: after ~45 s of start-up, ~30 s of training fit in an
-    allocation (~90 steps here), so the run needs at least two."""
+    allocation (~70 steps here), so the run needs at least two."""
     run_dir = tmp_path / "run"
     limits = [f'groups.{g}.time="00:02:00"' for g in ("head", "trainer", "inference", "reward")]
     args = ["--cluster", "local", "--set", "cluster.signal_delay_s=45", "--set", "trainer.checkpoint_interval=0",
