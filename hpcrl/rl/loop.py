@@ -3,8 +3,9 @@
     controller = await run_loop(config, ports, log=print)
 
 Resumes from the newest complete checkpoint of the run directory (a corrupt or partial one is
-reported and skipped), writes metrics.jsonl (and TensorBoard, and W&B when run.wandb_project is set), prints a progress line per step,
-and checkpoints every trainer.checkpoint_interval steps and after the last one.
+reported and skipped), writes metrics.jsonl (and TensorBoard, and W&B when run.wandb_project is
+set), prints a progress line per step, and checkpoints every trainer.checkpoint_interval steps and
+after the last one.
 Ports must also offer `save_trainer(directory)` and `load_trainer(directory)`.
 """
 

@@ -134,8 +134,14 @@ def check_digests(pg: dist.ProcessGroup, *, rank: int, digest: str, describe) ->
         pg.allgather([gathered], [mine]).wait()
     except Exception as err:  # noqa: BLE001
         raise TransferError(f"plan digest handshake failed on {describe(rank)}: {err}") from err
-    differ = [r for r, d in enumerate(gathered) if bytes(d.tolist()).hex() != digest]
+    compare_digests(rank=rank, digest=digest, digests={r: bytes(d.tolist()).hex() for r, d in enumerate(gathered)},
+                    describe=describe)
+
+
+def compare_digests(*, rank: int, digest: str, digests: dict[int, str], describe) -> None:
+    """TransferError naming the ranks whose plan digest (`digests`: every rank's) is not `digest`."""
+    differ = [r for r, d in digests.items() if d != digest]
     if differ:
-        names = ", ".join(f"{describe(r)} has {bytes(gathered[r].tolist()).hex()[:12]}" for r in differ[:4])
+        names = ", ".join(f"{describe(r)} has {digests[r][:12]}" for r in differ[:4])
         raise TransferError(f"transfer plans differ: {describe(rank)} has {digest[:12]}, {names}; both ends must "
                             "plan from the same trainer/inference layouts, model and wire dtype")

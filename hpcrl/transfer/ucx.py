@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.errors import TransferError
-from hpcrl.transfer.group import rendezvous_store
+from hpcrl.transfer.group import compare_digests, rendezvous_store
 
 _TAG_BITS = 32
 _IDLE_SPINS = 64  # progress() calls without progress before the thread sleeps a little
@@ -136,11 +136,7 @@ class UcxGroup:
             except Exception as err:  # noqa: BLE001 - the store's timeout, re-raised naming the rank
                 raise TransferError(f"plan digest handshake failed on {describe(rank)}: {describe(r)} did not "
                                     f"join the UCX transfer group within {self.timeout_s:g} s ({err})") from err
-        differ = [r for r, d in others.items() if d != digest]
-        if differ:
-            names = ", ".join(f"{describe(r)} has {others[r][:12]}" for r in differ[:4])
-            raise TransferError(f"transfer plans differ: {describe(rank)} has {digest[:12]}, {names}; both ends "
-                                "must plan from the same trainer/inference layouts, model and wire dtype")
+        compare_digests(rank=rank, digest=digest, digests=others, describe=describe)
 
     def close(self) -> None:
         self._endpoints.clear()
