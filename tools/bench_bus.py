@@ -6,9 +6,10 @@ small argument, a dict of about 64 bytes):
             throughput with batches of concurrent calls;
   fanout()  to 64 workers: p50/p99 of one call answered by every worker;
   Ray       an actor method call (`ray.get(actor.echo.remote(x))`) in the same shapes.
-Ray is started first, so every figure is taken beside Ray's daemons; the two figures of the
-target (route() to 1 replica, Ray's call to 1 actor) are taken in alternating blocks
-(--rounds) in the same process, so that a change in the machine's load hits both alike.
+Ray runs in a driver process of its own, started before any figure is taken, so every figure
+is taken beside Ray's daemons; the two figures of the target (route() to 1 replica, Ray's call
+to 1 actor) are taken in alternating blocks (--rounds), so that a change in the machine's load
+hits both alike.
 
 Set up Ray's environment once (Ray stays out of hpcrl's dependencies):
     python3 -m venv .venv-bench && .venv-bench/bin/pip install ray pyzmq msgpack
