@@ -2,7 +2,8 @@
 
 One trainer rank, one vLLM engine, a reward pool, with weights moving trainer -> vLLM through the
 same transfer plan and engine as in a job (see hpcrl.rl.inprocess). Resumes from the run
-directory's newest complete checkpoint when there is one.
+directory's newest complete checkpoint when there is one. Runs under hpcrl.launch.reaper's
+supervisor, so vLLM's engine processes end with it however it ends.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 from hpcrl.config import load_config
+from hpcrl.launch.reaper import supervise
 
 
 def add_parser(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -41,6 +43,7 @@ def _live_log():
 
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, cluster=args.cluster, overrides=args.set)
+    supervise("hpcrl run")  # vLLM's engine processes must not outlive this one, even after a kill -9
     from hpcrl.rl.inprocess import run as run_inprocess
 
     started = time.monotonic()

@@ -11,6 +11,9 @@ reports them to the head over the report protocol (HPCRL_HEAD_ADDR). Then, by th
   check   wait until the head says how to exit (`hpcrl submit --check`: the allocation and every
           task's start-up, without loading a model), and exit with that code, or with N when
           --exit-code is given (to test how a failing rank is reported)
+
+The task runs under a supervisor process (hpcrl.launch.reaper) that ends whatever the task
+leaves running when it dies, e.g. vLLM's engine processes after a kill -9.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import sys
 from pathlib import Path
 
 from hpcrl.errors import HpcrlError
+from hpcrl.launch.reaper import supervise
 from hpcrl.launch.report import report_and_wait
 from hpcrl.launch.rundir import LAUNCH_FILE, read_json
 from hpcrl.slurm.identity import identify_task
@@ -32,6 +36,7 @@ def main(role: str, argv: list[str] | None = None) -> int:
     parser.add_argument("--exit-code", type=int, default=None,
                         help="exit with this code whatever the head says (after reporting)")
     args = parser.parse_args(argv)
+    supervise(f"hpcrl.{role}")  # nothing the task starts (vLLM's engine processes) may outlive it
     try:
         identity = identify_task(os.environ)
         if identity.group != role:

@@ -5,12 +5,16 @@ Real vLLM (CPU), the real trainer engine, the real reward pool and the real weig
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from hpcrl.launch.reaper import descendants, live
 from hpcrl.rl.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,3 +39,28 @@ def test_embedded_default_learns_and_inference_matches_the_trainer_after_every_s
     assert all(m is not None and m < 1e-3 for m in mismatches), max(m for m in mismatches if m is not None)
     assert all(r["weight_version"] == r["step"] for r in rows)
     assert (run_dir / "checkpoints").is_dir()  # the last step is always checkpointed
+
+
+@pytest.mark.timeout(300)
+def test_killing_hpcrl_run_leaves_no_vllm_engine_process_behind(tiny_model, tmp_path: Path):
+    run = subprocess.Popen(
+        [sys.executable, "-m", "hpcrl", "run", "configs/tiny_grpo.toml", "--set", f"run.run_dir={tmp_path / 'run'}",
+         "--set", f"model.path={tiny_model}", "--set", "trainer.checkpoint_interval=0"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in run.stdout:  # the first step: vLLM's engine and the reward pool are up
+            if line.startswith("step "):
+                break
+        below = descendants(run.pid)
+        children = [int(p) for p in Path(f"/proc/{run.pid}/task/{run.pid}/children").read_text().split()]
+        assert len(children) == 1, f"hpcrl run is not one supervised task: its children are {children}"
+        task = children[0]  # the run's own work, below its supervisor
+        assert any(name.startswith("VLLM::") for name in below.values()), below
+        os.kill(task, signal.SIGKILL)
+        assert run.wait(timeout=60) == -signal.SIGKILL
+        left = live(below)
+        assert left == [], f"still running after hpcrl run was killed: {[below[p] for p in left]}"
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()

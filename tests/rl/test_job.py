@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from hpcrl.launch import jobs
+from hpcrl.launch.reaper import descendants, live
 from hpcrl.launch.rundir import EXIT_FILE, read_json
 from hpcrl.rl.metrics import read_metrics
 
@@ -182,9 +183,11 @@ def test_killing_the_inference_replica_loses_no_rollout_and_it_is_back_on_curren
         pid = int(re.search(r"report: inference rank 0 replica 0 on node \S+ \(pid (\d+)\)", head_log(run_dir)).group(1))
         # Right after a step's line the next batch is being generated (~0.1-0.2 s): kill it then.
         wait_for(lambda: "step   15/" in head_log(run_dir), "step 15", 120, poll_s=0.01)
+        engine = descendants(pid)  # vLLM's EngineCore (and workers): they must not outlive the replica
         os.kill(pid, 9)
         back = wait_for(lambda: "weight-transfer group formed (generation 1)" in head_log(run_dir),
                         "the replica's return", 60)
+        left = live(engine)
         final = jobs.wait(run_dir, timeout_s=400)
     finally:
         if not jobs.status(run_dir).done:
@@ -195,6 +198,8 @@ def test_killing_the_inference_replica_loses_no_rollout_and_it_is_back_on_curren
           f"({'mid-generation: the call was sent again' if in_flight else 'between generations'})")
     assert final.state == "COMPLETED", final.render()
     assert "group inference rank 0 lost (its process ended without a word); starting it again" in head_log(run_dir)
+    assert any(name.startswith("VLLM::") for name in engine.values()), engine  # vLLM titles its processes
+    assert left == [], f"processes of the killed replica still running: {[engine[p] for p in left]}"
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 41))
     assert all(r["groups"] == 8 and r["reward_errors"] == 0 for r in rows)  # nothing lost, nothing scored zero

@@ -1,0 +1,102 @@
+"""A group task's supervisor: what the task leaves running is ended when it dies, and its status is kept.
+
+Real processes: a supervised task (a python script) starts helpers in sessions of their own, as
+vLLM's engine processes would outlive their parent, and the tests kill, signal or end the task.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrl.launch.reaper import descendants, live
+
+REPO = Path(__file__).resolve().parents[2]
+
+TASK = textwrap.dedent("""
+    import os, subprocess, sys, time
+    import hpcrl.launch.reaper as reaper
+    reaper.GRACE_S = 1.0
+    reaper.supervise("hpcrl.test")
+    # the task: a helper that ignores SIGTERM and has a helper of its own, in a session of its own
+    helper = subprocess.Popen([sys.executable, "-c",
+        "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); time.sleep(300)"],
+        start_new_session=True)
+    print(os.getpid(), helper.pid, flush=True)
+    code = sys.stdin.readline().strip()
+    if code:
+        os._exit(int(code))
+    time.sleep(300)
+""")
+
+
+def start_task() -> tuple[subprocess.Popen, int, int]:
+    """The supervisor process, the task's pid and its helper's pid (once the helper's own helper runs)."""
+    sup = subprocess.Popen([sys.executable, "-c", TASK], env={**os.environ, "PYTHONPATH": str(REPO)},
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    task, helper = map(int, sup.stdout.readline().split())
+    deadline = time.monotonic() + 20
+    while not descendants(helper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert descendants(helper), "the helper did not start its own helper"
+    return sup, task, helper
+
+
+@pytest.mark.timeout(60)
+def test_killing_the_task_ends_every_process_it_started_and_the_supervisor_dies_of_the_same_signal():
+    sup, task, helper = start_task()
+    left = [helper, *descendants(helper)]
+    assert set(descendants(sup.pid)) >= {task, *left}
+    os.kill(task, signal.SIGKILL)
+    assert sup.wait(timeout=30) == -signal.SIGKILL
+    assert live(left) == []
+    err = sup.stderr.read()
+    assert f"the task (pid {task}) killed by SIGKILL; ended what it left running" in err
+    assert f"(pid {helper})" in err
+
+
+@pytest.mark.timeout(60)
+def test_a_task_that_exits_keeps_its_exit_code_and_leaves_nothing_behind():
+    sup, task, helper = start_task()
+    left = [helper, *descendants(helper)]
+    sup.stdin.write("3\n")
+    sup.stdin.flush()
+    assert sup.wait(timeout=30) == 3
+    assert live(left) == []
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_the_supervisor_reaches_the_task_and_sigint_alone_does_not_end_the_supervisor():
+    sup, task, helper = start_task()
+    os.kill(sup.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the task itself; the supervisor waits on
+    time.sleep(0.5)
+    assert sup.poll() is None and live([task]) == [task]
+    os.kill(sup.pid, signal.SIGTERM)
+    assert sup.wait(timeout=30) == -signal.SIGTERM
+    assert live([task, helper]) == []
+
+
+def test_descendants_lists_children_and_their_children_but_not_the_process_itself():
+    outer = subprocess.Popen([sys.executable, "-c",
+                              "import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                              "'import time; time.sleep(30)'])"])
+    try:
+        deadline = time.monotonic() + 20
+        while len(descendants(outer.pid)) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        below = descendants(os.getpid())
+        assert outer.pid in below and os.getpid() not in below
+        assert set(descendants(outer.pid)) < set(below)
+    finally:
+        for pid in descendants(outer.pid):
+            os.kill(pid, signal.SIGKILL)
+        outer.kill()
+        outer.wait()
