@@ -7,8 +7,13 @@ readable FD drains every waiting message in one go, which keeps fanout to many p
 
 ZeroMQ's FD is edge-triggered: it signals only when the socket's state changes, and a send
 may consume that change. So after every send that leaves a message waiting (ZMQ_EVENTS), and
-whenever a drain stops early, the channel schedules one more drain (coalesced) instead of
+after every message handled, the channel schedules one more drain (coalesced) instead of
 waiting for an FD event that may never come.
+
+A drain handles one message and schedules the next drain behind whatever that message woke
+(call_soon is first in, first out): a caller waiting for a reply resumes before the socket is
+asked again (a ZMQ_EVENTS check is two system calls), and while that drain is pending a send
+need not ask at all.
 """
 
 from __future__ import annotations
@@ -21,8 +26,6 @@ import zmq
 
 log = logging.getLogger("hpcrl.bus")
 
-#: Messages handled per drain before yielding to the loop.
-_DRAIN_BATCH = 256
 #: Frames shorter than this are sent by copying (cheaper than a zero-copy zmq.Frame); pyzmq
 #: copies them anyway (its copy_threshold), but only after building the Frame object.
 _COPY_BELOW = int(zmq.COPY_THRESHOLD)
@@ -96,9 +99,9 @@ class Channel:
         try:
             return self._put(frames)
         finally:
-            # The send may have eaten the FD's edge. Inside a drain (a handler replying) the
-            # drain's own loop reads the level before it stops, so only other sends ask.
-            if not self._draining and self._sock.get(_EVENTS) & _POLLIN:
+            # The send may have eaten the FD's edge. While a drain runs or is scheduled, that
+            # drain reads the level itself, so only other sends ask.
+            if not (self._draining or self._kicked) and self._sock.get(_EVENTS) & _POLLIN:
                 self._kick()
 
     def send_many(self, messages: list[list]) -> list[bool]:
@@ -108,7 +111,7 @@ class Channel:
         try:
             return [self._put(frames) for frames in messages]
         finally:
-            if not self._draining and self._sock.get(_EVENTS) & _POLLIN:  # once for the lot (a syscall)
+            if not (self._draining or self._kicked) and self._sock.get(_EVENTS) & _POLLIN:  # once for the lot
                 self._kick()
 
     def _put(self, frames: list) -> bool:
@@ -145,29 +148,22 @@ class Channel:
         if self.closed:
             return
         sock = self._sock
-        recv, get, small = sock.recv, sock.get, self._small
-        finished = False
+        # Ask before receiving (this also takes in libzmq's pending commands): a zmq.Again
+        # exception costs more than the check.
+        if not sock.get(_EVENTS) & _POLLIN:
+            return
         self._draining = True
         try:
-            for _ in range(_DRAIN_BATCH):
-                # Ask before receiving: a zmq.Again exception costs more than this check.
-                if not get(_EVENTS) & _POLLIN:
-                    finished = True
-                    return
-                # Every frame comes as a zmq.Frame (its `more` saves asking the socket); the
-                # leading small ones (routing id, header) are copied out as bytes, the rest
-                # (maybe large buffers) are handed on as memoryviews without a copy.
-                frames = []
-                while True:  # the rest of a multipart message is already here
-                    frame = recv(_NOBLOCK, copy=False)
-                    frames.append(frame.bytes if len(frames) < small else frame.buffer)
-                    if not frame.more:
-                        break
-                self._on_message(frames)
-                if self.closed:
-                    finished = True
-                    return
+            # Every frame comes as a zmq.Frame (its `more` saves asking the socket); the leading
+            # small ones (routing id, header) are copied out as bytes, the rest (maybe large
+            # buffers) are handed on as memoryviews without a copy.
+            recv, small, frames = sock.recv, self._small, []
+            while True:  # the rest of a multipart message is already here
+                frame = recv(_NOBLOCK, copy=False)
+                frames.append(frame.bytes if len(frames) < small else frame.buffer)
+                if not frame.more:
+                    break
+            self._on_message(frames)
         finally:
             self._draining = False
-            if not finished:  # batch full, or a handler raised: more may wait behind the edge
-                self._kick()
+            self._kick()  # the next message, if any, after what this one woke

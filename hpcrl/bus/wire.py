@@ -44,6 +44,8 @@ TRAILER_BYTES = 1 + MAC_BYTES
 INCARNATION_BYTES = 16
 _DOMAIN = b"hpcrl-bus"
 _VERSION_BYTE = bytes([PROTOCOL_VERSION])
+#: Frames up to this many bytes are MAC'd in one update with their length (a copy cheaper than a call).
+_JOIN_BELOW = 4096
 
 #: Reasons a message is dropped at the wire level.
 WIRE_DROPS = ("truncated", "oversized", "version", "bad_mac", "malformed", "replay", "misaddressed")
@@ -147,9 +149,12 @@ class _Mac:
             if len(self._by_count) < 256:  # counts are bounded by max_frames; keep the cache so too
                 self._by_count[count] = base
         mac = base.copy()
-        for frame in frames:  # buffers are fed as they are, never joined (no copy)
-            mac.update(len(frame).to_bytes(8, "big"))
-            mac.update(frame)
+        for frame in frames:
+            if len(frame) <= _JOIN_BELOW:  # one update of a short copy costs less than two
+                mac.update(len(frame).to_bytes(8, "big") + frame)
+            else:  # buffers are fed as they are, never copied
+                mac.update(len(frame).to_bytes(8, "big"))
+                mac.update(frame)
         return mac.digest()
 
 

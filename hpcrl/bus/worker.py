@@ -44,6 +44,8 @@ log = logging.getLogger("hpcrl.bus")
 
 #: Most sibling calls one batched request may carry (a fanout to one process's workers).
 MAX_BATCH = 4096
+#: Result types that are never awaitable (inspect.isawaitable costs an ABC check per call).
+_PLAIN_RESULTS = frozenset((dict, list, tuple, str, bytes, int, float, bool, type(None), Payload))
 
 
 @dataclass(eq=False)
@@ -260,7 +262,7 @@ class Worker:
             result = fn(call)
         except Exception as exc:  # the endpoint's own failure goes back to the caller, typed
             return self._reply_error(rid, type(exc).__name__, str(exc))
-        if inspect.isawaitable(result):  # a plain function that hands back a coroutine
+        if type(result) not in _PLAIN_RESULTS and inspect.isawaitable(result):  # it handed back a coroutine
             task = asyncio.create_task(self._run(rid, lambda _call: result, call, body["ttl"]))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
