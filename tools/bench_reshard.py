@@ -101,23 +101,6 @@ def make_checkpoint(shape, out: Path) -> Path:
     return out
 
 
-def hf_module(ckpt: str):
-    """The checkpoint's tensors as parameters of nested modules named like the HF model."""
-    import torch
-    from safetensors.torch import load_file
-
-    root = torch.nn.Module()
-    for name, tensor in load_file(str(Path(ckpt) / "model.safetensors")).items():
-        *path, leaf = name.split(".")
-        module = root
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, torch.nn.Module())
-            module = getattr(module, part)
-        module.register_parameter(leaf, torch.nn.Parameter(tensor.float()))
-    return root
-
-
 def trainer(ckpt: str, shape_json: str, rank: int, world: int, tp: int, fsdp_port: int, transfer_port: int,
             commands, replies, transport: str = "gloo") -> None:
     try:
@@ -129,10 +112,10 @@ def trainer(ckpt: str, shape_json: str, rank: int, world: int, tp: int, fsdp_por
         from hpcrl.config.model_shapes import ModelShape
         from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
         from hpcrl.plan.transfer_planner import plan as plan_transfer
-        from hpcrl.transfer.trainer import TrainerSender, local_shards
+        from hpcrl.transfer.trainer import TrainerSender, checkpoint_module, local_shards
         store = dist.TCPStore("127.0.0.1", fsdp_port, world, is_master=False)
         dist.init_process_group("gloo", store=dist.PrefixStore("fsdp", store), rank=rank, world_size=world)
-        model = hf_module(ckpt)
+        model = checkpoint_module(ckpt)
         mesh = dist.init_device_mesh("cpu", (world,))
         for layer in model.model.layers.children():
             fully_shard(layer, mesh=mesh)

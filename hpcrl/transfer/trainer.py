@@ -12,6 +12,7 @@ every other rank (trainer and vLLM workers) before anything moves.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -19,6 +20,24 @@ from hpcrl.errors import TransferError
 from hpcrl.plan.transfer_plan import TransferPlan
 from hpcrl.transfer import execute
 from hpcrl.transfer.group import open_group
+
+
+def checkpoint_module(path: str | Path) -> torch.nn.Module:
+    """A plain module whose float32 parameters are the tensors of `path`/model.safetensors, nested
+    under their Hugging Face names (model.layers.0.self_attn.q_proj.weight, ...): a trainer model
+    with the "hf" naming of a transfer plan, without transformers or torchtitan."""
+    from safetensors.torch import load_file
+
+    root = torch.nn.Module()
+    for name, tensor in load_file(str(Path(path) / "model.safetensors")).items():
+        *parents, leaf = name.split(".")
+        module = root
+        for part in parents:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(tensor.float()))
+    return root
 
 
 def local_shards(module: torch.nn.Module) -> dict[str, torch.Tensor]:

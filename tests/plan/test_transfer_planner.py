@@ -201,24 +201,12 @@ def test_torchtitan_fused_wqkv_layout_is_what_torchtitans_own_load_hooks_build()
 def test_a_real_torchtitan_llama3_with_fused_qkv_holds_exactly_the_tensors_the_planner_models():
     torch = pytest.importorskip("torch")
     pytest.importorskip("torchtitan")
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init
-    from torchtitan.models.llama3.model import Llama3Model
+    from titan_stock import stock_fused_llama3
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
     from hpcrl.plan.transfer_check import _hf_ids, _trainer_tensors
     s = LLAMA
-    config = Llama3Model.Config(
-        dim=s.hidden_size, vocab_size=s.vocab_size,
-        tok_embeddings=Embedding.Config(num_embeddings=s.vocab_size, embedding_dim=s.hidden_size,
-                                        param_init=_EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=s.hidden_size, param_init=_NORM_INIT),
-        lm_head=Linear.Config(in_features=s.hidden_size, out_features=s.vocab_size,
-                              param_init=_output_linear_init(s.hidden_size)),
-        layers=_build_llama3_layers(fuse_qkv=True, n_layers=s.num_layers, dim=s.hidden_size, n_heads=s.num_heads,
-                                    n_kv_heads=s.num_kv_heads, hidden_dim=s.intermediate_size, attn_backend="flex",
-                                    rope=ComplexRoPE.Config(dim=s.head_dim, max_seq_len=1024, theta=s.rope_theta)))
-    model = config.build()
+    config, model = stock_fused_llama3(s)
     hf = _hf_ids(s)
     shapes = dict(s.hf_parameters())
     state = Llama3StateDictAdapter(config, None).from_hf(

@@ -23,6 +23,7 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))  # titan_stock, for this script and the trainer ranks it spawns
 PROMPTS = ["1+2=", "rev abc:", "hello world", "7*6="]
 
 
@@ -41,46 +42,14 @@ def perturb(model_dir: str, out: Path, seed: int) -> Path:
     return out
 
 
-def hf_module(ckpt: str):
-    """The checkpoint's tensors as parameters of nested modules named like the HF model (no transformers
-    import: trainer processes start in a couple of seconds)."""
-    import torch
-    from safetensors.torch import load_file
-
-    root = torch.nn.Module()
-    for name, tensor in load_file(str(Path(ckpt) / "model.safetensors")).items():
-        *path, leaf = name.split(".")
-        module = root
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, torch.nn.Module())
-            module = getattr(module, part)
-        module.register_parameter(leaf, torch.nn.Parameter(tensor.float()))
-    return root
-
-
 def titan_module(ckpt: str, preset: str):
     """torchtitan's llama3 (fused wqkv) holding the checkpoint, loaded through torchtitan's own adapter."""
-    import torch
     from safetensors.torch import load_file
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.llama3 import _EMBEDDING_INIT, _NORM_INIT, _build_llama3_layers, _output_linear_init
-    from torchtitan.models.llama3.model import Llama3Model
+    from titan_stock import stock_fused_llama3
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
     from hpcrl.config.model_shapes import PRESETS
-    s = PRESETS[preset]
-    config = Llama3Model.Config(
-        dim=s.hidden_size, vocab_size=s.vocab_size,
-        tok_embeddings=Embedding.Config(num_embeddings=s.vocab_size, embedding_dim=s.hidden_size,
-                                        param_init=_EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=s.hidden_size, param_init=_NORM_INIT),
-        lm_head=Linear.Config(in_features=s.hidden_size, out_features=s.vocab_size,
-                              param_init=_output_linear_init(s.hidden_size)),
-        layers=_build_llama3_layers(fuse_qkv=True, n_layers=s.num_layers, dim=s.hidden_size, n_heads=s.num_heads,
-                                    n_kv_heads=s.num_kv_heads, hidden_dim=s.intermediate_size, attn_backend="flex",
-                                    rope=ComplexRoPE.Config(dim=s.head_dim, max_seq_len=1024, theta=s.rope_theta)))
-    model = config.build()
+    config, model = stock_fused_llama3(PRESETS[preset])
     hf = load_file(str(Path(ckpt) / "model.safetensors"))
     model.load_state_dict(Llama3StateDictAdapter(config, None).from_hf({k: v.float() for k, v in hf.items()}),
                           strict=True)
@@ -95,7 +64,7 @@ def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_port: int, t
         from hpcrl.config.model_shapes import PRESETS
         from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
         from hpcrl.plan.transfer_planner import plan as plan_transfer
-        from hpcrl.transfer.trainer import TrainerSender, local_shards
+        from hpcrl.transfer.trainer import TrainerSender, checkpoint_module, local_shards
 
         store = dist.TCPStore("127.0.0.1", fsdp_port, world, is_master=False)
         dist.init_process_group("gloo", store=dist.PrefixStore("fsdp", store), rank=rank, world_size=world)
@@ -103,7 +72,7 @@ def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_port: int, t
         if naming == "torchtitan":
             model, layers = titan_module(ckpt, spec["preset"])
         else:
-            model = hf_module(ckpt)
+            model = checkpoint_module(ckpt)
             layers = list(model.model.layers.children())
         mesh = dist.init_device_mesh("cpu", (world,))
         for layer in layers:
