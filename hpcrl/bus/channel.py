@@ -2,8 +2,9 @@
 
 `bind_router` (head) and `connect_dealer` (workers) make the sockets; `Channel` reads whole
 multipart messages and hands them to a callback (the small leading frames as bytes, buffers as
-memoryviews without a copy), and sends large frames without copying. Sockets are plain (not zmq.asyncio): the loop watches the socket's FD and a
-readable FD drains every waiting message in one go, which keeps fanout to many peers cheap.
+memoryviews without a copy), and sends large frames without copying. Sockets are plain (not
+zmq.asyncio, no task or future per message): the loop watches the socket's FD, and a readable FD
+starts a drain, which is followed by another through the loop until no message waits.
 
 ZeroMQ's FD is edge-triggered: it signals only when the socket's state changes, and a send
 may consume that change. So after every send that leaves a message waiting (ZMQ_EVENTS), and

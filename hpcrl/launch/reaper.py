@@ -103,14 +103,16 @@ def _signal_all(pids, sig: int) -> None:
             pass
 
 
-def _settle(me: int, wait_s: float) -> dict[int, str]:
-    """What is still below `me` after up to `wait_s` of letting it end by itself."""
+def _wait_below(me: int, wait_s: float, seen: dict[int, str]) -> dict[int, str]:
+    """What is still below `me` after up to `wait_s` of letting it end; `seen` gathers every process met."""
     deadline = time.monotonic() + wait_s
     left = descendants(me)
+    seen.update(left)
     while left and time.monotonic() < deadline:
         time.sleep(0.05)
         _reap()
         left = descendants(me)
+        seen.update(left)  # a process that ends hands its children to us: they appear here
     return left
 
 
@@ -120,24 +122,15 @@ def end_left_behind(grace_s: float, settle_s: float = 0.0) -> dict[int, str]:
     Processes that end by themselves within `settle_s` are not signalled (e.g. multiprocessing's
     resource tracker, which ends when the task's end closes its pipe)."""
     me = os.getpid()
-    ended: dict[int, str] = {}
-    left = _settle(me, settle_s)
+    left = _wait_below(me, settle_s, {})
     if not left:
-        return ended
-    ended.update(left)
+        return {}
+    ended = dict(left)
     _signal_all(left, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while left and time.monotonic() < deadline:
-        time.sleep(0.05)
-        _reap()
-        left = descendants(me)
-        ended.update(left)
+    left = _wait_below(me, grace_s, ended)
     while left:  # KILL until nothing is below us: a killed parent hands its children to us
         _signal_all(left, signal.SIGKILL)
-        time.sleep(0.02)
-        _reap()
-        left = descendants(me)
-        ended.update(left)
+        left = _wait_below(me, 0.02, ended)
     _reap()
     return ended
 
