@@ -18,6 +18,11 @@ class SecretError(BusError):
     """The run's bus secret is missing, malformed, or readable by someone else."""
 
 
+class HeadClosedError(BusError):
+    """The head's bus is closed (the run is over): no call can be made or answered any more. Not a
+    peer's death, so nothing retries it on another replica."""
+
+
 class PeerError(BusError):
     """An error about one peer; `peer` is its name, "group/replica/rank"."""
 

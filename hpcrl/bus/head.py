@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable
 
 from hpcrl.bus import channel as _channel
 from hpcrl.bus.config import BusConfig
-from hpcrl.bus.errors import (BusError, DeadlineExceeded, PeerDeadError, RemoteError,
+from hpcrl.bus.errors import (BusError, DeadlineExceeded, HeadClosedError, PeerDeadError, RemoteError,
                               UnknownEndpointError, UnknownPeerError)
 from hpcrl.bus.peer import PeerInfo
 from hpcrl.bus.secret import Secret
@@ -116,6 +116,8 @@ class Head:
         self._monitor: asyncio.Task | None = None
         self._hook_tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed_because: str | None = None
+        """Why close() was called; None while the head is open."""
 
     def __repr__(self) -> str:
         return f"Head(run_id={self.run_id!r}, address={self.address!r}, peers={len(self._peers)})"
@@ -143,8 +145,10 @@ class Head:
             self._monitor.cancel()
         for pending in list(self._pending.values()):
             if not pending.future.done():
-                pending.future.set_exception(PeerDeadError(pending.peer.name, f"call abandoned: {reason}"))
+                pending.future.set_exception(HeadClosedError(
+                    f"the call of {pending.endpoint!r} on {pending.peer.name} was abandoned: {reason}"))
         self._channel.close(linger=1.0)  # the goodbyes still go out
+        self._closed_because = reason
 
     async def __aenter__(self) -> "Head":
         await self.start()
@@ -226,9 +230,11 @@ class Head:
         """Call `endpoint` on `peer`; its return value (a Payload if it returned buffers).
 
         Raises UnknownPeerError, UnknownEndpointError, PeerDeadError (also when it dies during
-        the call), DeadlineExceeded, RemoteError (the endpoint raised) — each naming the peer.
+        the call), DeadlineExceeded, RemoteError (the endpoint raised) — each naming the peer —
+        and HeadClosedError once close() was called (also for calls still waiting then).
         Cancelling the caller abandons the call (a late reply is counted and dropped).
         """
+        self._check_open()
         st = self._state(peer)
         if not st.healthy:
             raise PeerDeadError(peer, st.dead_reason)
@@ -258,6 +264,7 @@ class Head:
         """Send one call to every peer now; a future of the results in `peers` order, or the first
         error (then the other calls are abandoned). One future and one timer for all: cheap enough
         for thousands of peers. Errors known before sending are raised here, naming the peer."""
+        self._check_open()
         states = [self._state(name) for name in peers]
         for st in states:
             if not st.healthy:
@@ -331,6 +338,10 @@ class Head:
         pending = self._pending.get(rid)
         if pending is not None and not pending.future.done():
             pending.future.set_exception(DeadlineExceeded(pending.peer.name, pending.endpoint, timeout))
+
+    def _check_open(self) -> None:
+        if self._closed_because is not None:
+            raise HeadClosedError(f"the head's bus is closed ({self._closed_because}): no more calls")
 
     def _state(self, name: str) -> _PeerState:
         st = self._peers.get(name)

@@ -32,6 +32,10 @@ from hpcrl.rl.rollouts import TrainBatch
 CALL_TIMEOUT_S = 600.0
 #: Seconds a lost inference replica has to come back (started again by the head) and register.
 REJOIN_TIMEOUT_S = 300.0
+#: Pause before a lost inference call is made again: the head may still count the replica as
+#: healthy (unreachable for a moment, not yet silent for heartbeat_timeout), and a retry without
+#: a pause would spin the head's event loop so that it never learns otherwise.
+RETRY_PAUSE_S = 0.2
 
 
 class BusPorts:
@@ -149,6 +153,7 @@ class BusPorts:
                 if loop.time() > deadline:
                     raise
                 self.log(f"{endpoint} on {name} lost ({err}); it goes to a replica on current weights")
+                await asyncio.sleep(RETRY_PAUSE_S)
 
     # -- Ports ---------------------------------------------------------------------------------
     async def generate(self, prompts: list[Prompt], *, n: int, seed: int) -> list[list[Completion]]:

@@ -11,8 +11,8 @@ import pytest
 
 from bus_helpers import RUN_ID, echo_worker, fast_config, run, serving
 from hpcrl.bus import Head, Payload, PeerInfo, Worker, WorkerExit
-from hpcrl.bus.errors import (DeadlineExceeded, NoHealthyReplicaError, PeerDeadError, RemoteError,
-                              UnknownEndpointError, UnknownPeerError)
+from hpcrl.bus.errors import (DeadlineExceeded, HeadClosedError, NoHealthyReplicaError, PeerDeadError,
+                              RemoteError, UnknownEndpointError, UnknownPeerError)
 from hpcrl.services import Service
 
 pytestmark = pytest.mark.timeout(30)
@@ -70,6 +70,23 @@ def test_fanout_reaches_every_replica_and_returns_results_in_replica_order(secre
                 await svc.fanout("fail")  # the first error to arrive, from any replica
             await asyncio.sleep(0.01)  # the abandoned calls are forgotten on the next loop turn
             assert all(head.outstanding(f"inf/{r}/0") == 0 for r in range(4))
+    run(go())
+
+
+def test_calls_waiting_when_the_head_closes_and_calls_after_it_fail_as_closed_not_as_a_dead_peer(secret, address):
+    """A closed head is not a replica's death: nothing may retry such a call on another replica."""
+    async def go():
+        async with echo_group(secret, address, 2) as (head, svc):
+            waiting = asyncio.ensure_future(svc.route("slow", {"s": 5.0}))
+            await asyncio.sleep(0.05)
+            await head.close("the run is over")
+            with pytest.raises(HeadClosedError, match=r"the call of 'slow' on inf/\d/0 was abandoned: the run is over"):
+                await waiting
+            assert head.is_healthy("inf/0/0") and head.is_healthy("inf/1/0")  # neither was declared dead
+            with pytest.raises(HeadClosedError, match=r"the head's bus is closed \(the run is over\)"):
+                await svc.route("echo", 1)
+            with pytest.raises(HeadClosedError):
+                await svc.fanout("echo", 1)
     run(go())
 
 
