@@ -17,7 +17,8 @@ Run (about a minute; prints a Markdown table for BENCHMARKS.md):
     PYTHONPATH=. .venv-bench/bin/python tools/bench_bus.py
 Any Python with pyzmq and msgpack runs the hpcrl part; without Ray it says that Ray was skipped.
 Options: --fanout-procs N hosts the 64 fanout workers in N processes (default 8, one per 8 workers);
---transport ipc instead of tcp; --loop asyncio|uvloop (default: uvloop when installed).
+--transport ipc instead of tcp; --loop asyncio|uvloop (default: uvloop when installed);
+--reply-spin S the head's busy-poll after a request (BusConfig.reply_spin; 0 turns it off).
 The first row is the floor: a blocking pyzmq echo with no asyncio, auth or msgpack.
 """
 
@@ -141,7 +142,7 @@ async def bench_hpcrl(opts: argparse.Namespace, run_dir: str, ray_side: "RaySide
     from hpcrl.services import Service
 
     head = Head(run_id=RUN_ID, secret=load_secret(run_dir), address=bind_address(opts, run_dir, "bus"),
-                config=BusConfig(heartbeat_interval=1.0, heartbeat_timeout=5.0))
+                config=BusConfig(heartbeat_interval=1.0, heartbeat_timeout=5.0, reply_spin=opts.reply_spin))
     address = await head.start()
     rows, procs = [], []
     try:
@@ -331,6 +332,8 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
         serve(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
         return 0
+    sys.path.insert(0, str(REPO))  # this checkout's hpcrl, whichever Python runs the script
+    from hpcrl.bus import BusConfig, create_secret
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=2000, help="sequential calls per latency figure")
     ap.add_argument("--warmup", type=int, default=200)
@@ -342,12 +345,12 @@ def main() -> int:
     ap.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
                     help="event loop of hpcrl's side; auto = uvloop when installed")
     ap.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="tcp on 127.0.0.1, or ipc")
+    ap.add_argument("--reply-spin", type=float, default=BusConfig().reply_spin,
+                    help="the head's BusConfig.reply_spin in seconds (0: sleep at once while awaiting replies)")
     ap.add_argument("--ray-fanout", type=int, default=8, help="actors in Ray's fanout figure")
     opts = ap.parse_args()
 
     start = time.perf_counter()
-    sys.path.insert(0, str(REPO))  # this checkout's hpcrl, whichever Python runs the script
-    from hpcrl.bus import create_secret
     try:
         ray_side = RaySide(opts)
     except ImportError:
@@ -376,7 +379,7 @@ def main() -> int:
         print(f"\nroute() p50 / Ray p50 = {ours['p50_us'] / theirs['p50_us']:.3f} (target <= 0.2)")
     fan = [r for r in rows if r["what"].startswith("hpcrl fanout() to 64")][0]
     print(f"fanout to 64 workers p50 = {fan['p50_us'] / 1000:.2f} ms (target < 2 ms)")
-    print(f"hpcrl event loop: {opts.loop}; transport {opts.transport}; total {time.perf_counter() - start:.0f} s; python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+    print(f"hpcrl event loop: {opts.loop}; transport {opts.transport}; reply_spin {opts.reply_spin * 1e6:.0f} us; total {time.perf_counter() - start:.0f} s; python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
     return 0
 
 

@@ -128,7 +128,8 @@ class Head:
         """Bind and start serving; returns the real address (the port chosen by the OS)."""
         self._loop = asyncio.get_running_loop()
         sock, self.address = _channel.bind_router(self._bind, hard_max_bytes=4 * self.config.max_message_bytes)
-        self._channel = _channel.Channel(sock, self._on_message, small_frames=2)  # routing id, header
+        self._channel = _channel.Channel(sock, self._on_message, small_frames=2,  # routing id, header
+                                         awaiting=self._pending.__len__)
         self._channel.start()
         self._monitor = asyncio.create_task(self._watch(), name="hpcrl-bus-head-monitor")
         log.info("bus: head of run %s listening on %s", self.run_id, self.address)
@@ -251,6 +252,7 @@ class Head:
             raise PeerDeadError(peer, "unreachable (not connected, or its send queue is full)")
         self._pending[rid] = _Pending(future=future, peer=st, endpoint=endpoint)
         st.outstanding += 1
+        self._channel.spin(self.config.reply_spin)
         timer = loop.call_later(timeout, self._expire, rid, timeout)
         try:
             return await future
@@ -320,6 +322,8 @@ class Head:
             st.outstanding += 1
             fan.open.add(rid)
         fan.timer = loop.call_later(timeout, self._expire_fanout, fan, timeout)
+        if self._channel is not None:
+            self._channel.spin(self.config.reply_spin)
         fan.future.add_done_callback(lambda _f: self._forget_fanout(fan))
         return fan.future
 

@@ -261,3 +261,26 @@ def test_fanout_past_its_deadline_raises_naming_a_peer_and_forgets_every_call(se
             assert [head.outstanding(f"inf/{r}/0") for r in range(3)] == [0, 0, 0]
             assert len(await svc.fanout("echo", 1, timeout=5)) == 3
     run(go())
+
+
+def test_a_head_awaiting_a_slow_reply_polls_only_for_reply_spin_then_sleeps(secret, address):
+    """The busy-poll after a request is bounded: waiting a second for a reply, or idling after
+    quick calls, costs the head's process a small part of a CPU second (unbounded: about all)."""
+    import time
+
+    async def go():
+        async with head_at(secret, address, reply_spin=0.05) as head:
+            async with serving(echo_worker(secret, head.address)):
+                await head.wait_for_peers("inf", 1, timeout=10)
+                svc = Service(head, "inf")
+                cpu = time.process_time()
+                assert (await svc.route("slow", {"s": 1.0}))["args"] == {"s": 1.0}
+                waiting = time.process_time() - cpu
+                for i in range(20):  # quick calls: the spin ends with the last reply
+                    assert (await svc.route("echo", i))["args"] == i
+                cpu = time.process_time()
+                await asyncio.sleep(1.0)
+                idle = time.process_time() - cpu
+        assert waiting < 0.3, f"the head used {waiting:.2f} s of CPU awaiting a 1 s reply (reply_spin 0.05 s)"
+        assert idle < 0.15, f"the head used {idle:.2f} s of CPU in 1 s with no call outstanding"
+    run(go())
