@@ -20,18 +20,18 @@ from hpcrl.services import Service
 HB, TIMEOUT = 0.2, 1.0  # generous: this 2-core machine is shared and stalls
 
 
-def head_for(secret, **kw) -> Head:
-    return Head(run_id=RUN_ID, secret=secret, address="tcp://127.0.0.1:0",
+def head_for(secret, address: str = "tcp://127.0.0.1:0", **kw) -> Head:
+    return Head(run_id=RUN_ID, secret=secret, address=address,
                 config=fast_config(heartbeat_interval=HB, heartbeat_timeout=TIMEOUT), **kw)
 
 
 @pytest.mark.timeout(60)
-def test_request_completes_on_another_replica_after_kill_9(secret, run_dir, procs):
+def test_request_completes_on_another_replica_after_kill_9(secret, address, run_dir, procs):
     dead_at: dict[str, float] = {}
 
     async def go():
         loop = asyncio.get_running_loop()
-        async with head_for(secret, on_unhealthy=lambda p: dead_at.setdefault(p.name, loop.time())) as head:
+        async with head_for(secret, address, on_unhealthy=lambda p: dead_at.setdefault(p.name, loop.time())) as head:
             procs.extend(spawn_worker(head.address, run_dir, replica=r, heartbeat=HB, timeout=TIMEOUT) for r in range(2))
             await head.wait_for_peers("inf", 2, timeout=30)
             svc = Service(head, "inf")
