@@ -18,7 +18,7 @@ need not ask at all.
 
 `spin(seconds)` keeps the loop polling instead of sleeping for a while (the head calls it after
 sending a request): a reply that comes back within that time is read without waking a sleeping
-thread, which on a small VM is a third of a quick call's round trip. Each turn of the spin is a
+thread, which on a small VM is a quarter of a quick call's round trip. Each turn of the spin is a
 callback that gives the CPU to any other runnable thread (sched_yield) and lets the loop poll its
 file descriptors without blocking, so timers, other sockets and other threads are served as usual.
 """
