@@ -111,10 +111,17 @@ class MetricsLog:
         write_atomic(self.path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
 
     def close(self) -> None:
+        """Flush and close every target. W&B's data is on disk (offline) or sent when this returns:
+        run.finish() only waits for W&B's service to take the run's end, the service writes the
+        rest later (at interpreter exit otherwise, which a job's supervisor may cut short), so its
+        service is torn down here too: the run is over, and a later run starts a new one."""
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
+            import wandb
             self._wandb.finish()
+            wandb.teardown()
+            self._wandb = None
 
 
 def reward_curve(rows: list[dict], *, window: int = 10, points: int = 20) -> str:
