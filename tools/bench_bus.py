@@ -12,8 +12,8 @@ to 1 actor) are taken in alternating blocks (--rounds), so that a change in the 
 hits both alike.
 
 Set up Ray's environment once (Ray stays out of hpcrl's dependencies):
-    python3 -m venv .venv-bench && .venv-bench/bin/pip install ray pyzmq msgpack
-Run (about a minute; prints a Markdown table for BENCHMARKS.md):
+    python3 -m venv .venv-bench && .venv-bench/bin/pip install ray pyzmq msgpack uvloop
+Run (20-60 s; prints a Markdown table for BENCHMARKS.md):
     PYTHONPATH=. .venv-bench/bin/python tools/bench_bus.py
 Any Python with pyzmq and msgpack runs the hpcrl part; without Ray it says that Ray was skipped.
 Options: --fanout-procs N hosts the 64 fanout workers in N processes (default 8, one per 8 workers);
