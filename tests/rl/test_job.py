@@ -24,11 +24,12 @@ pytestmark = [pytest.mark.slow]
 
 
 def submit(run_dir: Path, model: Path, *args: str, env: dict[str, str] | None = None,
-           timeout: float = 600) -> subprocess.CompletedProcess:
+           timeout: float = 600, wait: bool = True) -> subprocess.CompletedProcess:
+    """`hpcrl submit` of the embedded default; with wait=False it returns once the job is queued."""
     env = {**(env or os.environ), "PYTHONPATH": str(REPO)}
     return subprocess.run(
         [sys.executable, "-m", "hpcrl", "submit", "configs/tiny_grpo.toml", "--set", f"run.run_dir={run_dir}",
-         "--set", f"model.path={model}", *args, "--wait"],
+         "--set", f"model.path={model}", *args, *(["--wait"] if wait else [])],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -101,10 +102,7 @@ def test_the_embedded_default_as_a_hetjob_learns_and_losing_a_trainer_node_chang
     assert all(r["logprob_mismatch"] < 1e-3 for r in read_metrics(straight))
 
     hit = tmp_path / "hit"
-    queued = subprocess.run([sys.executable, "-m", "hpcrl", "submit", "configs/tiny_grpo.toml", "--set",
-                             f"run.run_dir={hit}", "--set", f"model.path={tiny_model}", *args],
-                            cwd=REPO, env={**local_slurm, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                            timeout=120)
+    queued = submit(hit, tiny_model, *args, env=local_slurm, timeout=120, wait=False)
     assert queued.returncode == 0, queued.stderr
     downed: list[str] = []
     try:
@@ -157,11 +155,8 @@ def test_the_pre_timeout_signal_makes_the_run_checkpoint_requeue_itself_and_fini
     checkpoints after the step in progress, requeues the job, which starts again, resumes from that
     checkpoint and completes."""
     run_dir = tmp_path / "run"
-    queued = subprocess.run([sys.executable, "-m", "hpcrl", "submit", "configs/tiny_grpo.toml", "--set",
-                             f"run.run_dir={run_dir}", "--set", f"model.path={tiny_model}", "--cluster", "local",
-                             "--set", "trainer.checkpoint_interval=0", "--set", "trainer.steps=150"],
-                            cwd=REPO, env={**local_slurm, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                            timeout=120)
+    queued = submit(run_dir, tiny_model, "--cluster", "local", "--set", "trainer.checkpoint_interval=0",
+                    "--set", "trainer.steps=150", env=local_slurm, timeout=120, wait=False)
     assert queued.returncode == 0, queued.stderr
     try:
         wait_for(lambda: "step   10/" in head_log(run_dir), "step 10", 300, poll_s=0.05)
@@ -191,11 +186,8 @@ def test_killing_the_inference_replica_loses_no_rollout_and_it_is_back_on_curren
         local_slurm, tiny_model, tmp_path):
     """The head starts the replica again (srun --overlap in its component), re-forms the transfer group."""
     run_dir = tmp_path / "run"
-    queued = subprocess.run([sys.executable, "-m", "hpcrl", "submit", "configs/tiny_grpo.toml", "--set",
-                             f"run.run_dir={run_dir}", "--set", f"model.path={tiny_model}", "--cluster", "local",
-                             "--set", "trainer.steps=40", "--set", "trainer.checkpoint_interval=0"],
-                            cwd=REPO, env={**local_slurm, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                            timeout=120)
+    queued = submit(run_dir, tiny_model, "--cluster", "local", "--set", "trainer.steps=40",
+                    "--set", "trainer.checkpoint_interval=0", env=local_slurm, timeout=120, wait=False)
     assert queued.returncode == 0, queued.stderr
     try:
         wait_for(lambda: "step   10/" in head_log(run_dir), "step 10", 300)
