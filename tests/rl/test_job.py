@@ -5,8 +5,10 @@ Real vLLM (CPU), real trainer ranks (FSDP2 over gloo), the real reward pool, rea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -215,4 +217,53 @@ def test_killing_the_inference_replica_loses_no_rollout_and_it_is_back_on_curren
     assert [r["step"] for r in rows] == list(range(1, 41))
     assert all(r["groups"] == 8 and r["reward_errors"] == 0 for r in rows)  # nothing lost, nothing scored zero
     assert rows[-1]["groups_held_out_total"] == 0
+    assert all(r["logprob_mismatch"] < 1e-3 for r in rows)  # the new replica serves the trainer's weights
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(600)
+def test_an_inference_replica_lost_during_a_weight_push_is_started_again_and_caught_up_without_a_requeue(
+        local_slurm, tiny_model, tmp_path):
+    """The replica dies while the trainer's new weights are being pushed to it. To put its death inside
+    a push: the trainer is stopped (SIGSTOP) while the next batch is generated, then the replica is
+    stopped and the trainer let go, so the head's push waits on the replica; then it is killed. The
+    push is reported lost, not fatal; the head starts the replica again, forms the weight-transfer
+    group again and pushes the trainer's weights before the next call."""
+    run_dir = tmp_path / "run"
+    queued = submit(run_dir, tiny_model, "--cluster", "local", "--set", "trainer.steps=30",
+                    "--set", "trainer.checkpoint_interval=0", env=local_slurm, timeout=120, wait=False)
+    assert queued.returncode == 0, queued.stderr
+    stopped: list[int] = []
+    try:
+        wait_for(lambda: "step   10/" in head_log(run_dir), "step 10", 300, poll_s=0.05)
+        log = head_log(run_dir)
+        trainer = int(re.search(r"report: trainer rank 0 replica 0 on node \S+ \(pid (\d+)\)", log).group(1))
+        replica = int(re.search(r"report: inference rank 0 replica 0 on node \S+ \(pid (\d+)\)", log).group(1))
+        stopped += [trainer, replica]
+        os.kill(trainer, signal.SIGSTOP)  # the next train step waits; the next batch is generated meanwhile
+        time.sleep(2)
+        os.kill(replica, signal.SIGSTOP)
+        os.kill(trainer, signal.SIGCONT)  # the step ends and the head pushes its weights to the stopped replica
+        time.sleep(1)
+        os.kill(replica, signal.SIGKILL)
+        stopped.remove(replica)
+        back = wait_for(lambda: "weight-transfer group formed (generation 1)" in head_log(run_dir),
+                        "the replica's return", 60)
+        final = jobs.wait(run_dir, timeout_s=400)
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        if not jobs.status(run_dir).done:
+            subprocess.run([sys.executable, "-m", "hpcrl", "cancel", str(run_dir)], cwd=REPO, timeout=60,
+                           env={**local_slurm, "PYTHONPATH": str(REPO)}, capture_output=True)
+    print(f"the replica was back in the weight-transfer group {back:.0f} s after it was killed")
+    assert final.state == "COMPLETED", final.render()
+    log = head_log(run_dir)
+    assert re.search(r"weight version \d+ did not reach the inference replicas \(peer inference/0/0", log), log[-3000:]
+    assert "group inference rank 0 lost (its process ended without a word); starting it again" in log
+    assert "requeueing" not in log
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert all(r["groups"] == 8 and r["reward_errors"] == 0 for r in rows)
     assert all(r["logprob_mismatch"] < 1e-3 for r in rows)  # the new replica serves the trainer's weights
