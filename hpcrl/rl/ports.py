@@ -106,20 +106,19 @@ class BusPorts:
                  f"trainer rank(s) -> {self.replicas} replica(s) x TP {self.config.inference.tensor_parallel} "
                  f"(plan {self.plan.digest[:12]})")
 
-    async def _push(self, version: int) -> bool:
-        """Send the trainer's weights `version` to every replica. False when an inference replica was
-        lost meanwhile (its call failed with PeerDeadError; the trainer's send to it fails too): the
-        replicas are stale until _catch_up has formed the group again with the replica the head
-        starts again, and pushed. Any other failure is raised."""
+    async def _push(self) -> bool:
+        """Send the trainer's weights (`trainer_version`) to every replica. False when an inference
+        replica was lost meanwhile (its call failed with PeerDeadError; the trainer's send to it fails
+        too): the replicas stay stale until _catch_up has formed the group again with the replica the
+        head starts again, and pushed. Any other failure is raised."""
         from hpcrl.bus.errors import PeerDeadError
 
-        self.trainer_version = version
+        version = self.trainer_version
         sent, received = await asyncio.gather(
             self.trainer.call_all(0, "send_weights", {"version": version}, timeout=CALL_TIMEOUT_S),
             self.inference.fanout("receive_weights", {"version": version}, timeout=CALL_TIMEOUT_S),
             return_exceptions=True)
         if isinstance(received, PeerDeadError):
-            self.current = False
             self.log(f"weight version {version} did not reach the inference replicas ({received}); they get "
                      "the trainer's weights once the lost replica is back")
             return False
@@ -130,19 +129,20 @@ class BusPorts:
         return True
 
     async def _catch_up(self) -> None:
-        """Held under the trainer turn: if a replica was replaced, form the group again and push the
-        trainer's current weights to everyone, so the newcomer serves what the others serve. A push
-        that loses a replica is tried again after a pause (the head may not yet count it as dead)."""
-        if not self._intact():
+        """Held under the trainer turn: if a replica was replaced, form the group again; then, if the
+        replicas are stale, push the trainer's current weights to everyone, so a newcomer serves what
+        the others serve. A push that loses a replica is followed by a pause (the head may not yet
+        count it as dead), and the caller tries again."""
+        replaced = not self._intact()
+        if replaced:
             self.log("an inference replica was replaced: forming the weight-transfer group again")
             await self._form_group(REJOIN_TIMEOUT_S)
-            if await self._push(self.trainer_version):
-                self.log(f"inference replicas caught up to weight version {self.trainer_version}")
-                return
-        elif not self.current and await self._push(self.trainer_version):
+        if self.current:
             return
-        if not self.current:
+        if not await self._push():
             await asyncio.sleep(RETRY_PAUSE_S)
+        elif replaced:
+            self.log(f"inference replicas caught up to weight version {self.trainer_version}")
 
     def _serving(self) -> list[str]:
         """Names of the replicas that may serve now: in the group, healthy, on the current weights."""
@@ -202,10 +202,8 @@ class BusPorts:
 
     async def sync_weights(self, version: int) -> None:
         async with self._trainer_turn:
-            if not self._intact():
-                self.log("an inference replica was replaced: forming the weight-transfer group again")
-                await self._form_group(REJOIN_TIMEOUT_S)
-            await self._push(version)  # a replica lost meanwhile: the next inference call catches up
+            self.trainer_version, self.current = version, False
+            await self._catch_up()  # a replica lost meanwhile: the next inference call catches up
 
     async def trainer_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         async with self._trainer_turn:
