@@ -67,6 +67,18 @@ def trainer_node(run_dir: Path, *, rank: int) -> str:
     return re.findall(rf"report: trainer rank {rank} replica 0 on node (\S+)", head_log(run_dir))[-1]
 
 
+def reported_pid(run_dir: Path, group: str, *, rank: int) -> int:
+    """The pid that `group` rank `rank` reported to the head most recently."""
+    return int(re.findall(rf"report: {group} rank {rank} replica 0 on node \S+ \(pid (\d+)\)", head_log(run_dir))[-1])
+
+
+def cancel_unless_done(run_dir: Path, env: dict[str, str]) -> None:
+    """Leave no job of a failed test running on the local cluster."""
+    if not jobs.status(run_dir).done:
+        subprocess.run([sys.executable, "-m", "hpcrl", "cancel", str(run_dir)], cwd=REPO, timeout=60,
+                       env={**env, "PYTHONPATH": str(REPO)}, capture_output=True)
+
+
 def head_log(run_dir: Path) -> str:
     path = run_dir / "logs" / "head" / "rank0.log"
     return path.read_text() if path.exists() else ""
@@ -126,7 +138,7 @@ def test_the_embedded_default_as_a_hetjob_learns_and_losing_a_trainer_node_chang
         # the head requeues the job (the hetjob would otherwise wait for ever)
         wait_for(lambda: "step   82/" in head_log(hit) and "(step 40)" in head_log(hit), "step 82", 300, poll_s=0.05)
         node = trainer_node(hit, rank=1)
-        pid = int(re.findall(r"report: trainer rank 1 replica 0 on node \S+ \(pid (\d+)\)", head_log(hit))[-1])
+        pid = reported_pid(hit, "trainer", rank=1)
         slurmd = int((Path(local_slurm["SLURM_CONF"]).parent / "run" / f"slurmd.{node}.pid").read_text())
         downed.append(node)
         os.kill(slurmd, 9)
@@ -168,9 +180,7 @@ def test_the_pre_timeout_signal_makes_the_run_checkpoint_requeue_itself_and_fini
         assert signalled.returncode == 0, signalled.stderr
         final = jobs.wait(run_dir, timeout_s=600)
     finally:
-        if not jobs.status(run_dir).done:
-            subprocess.run([sys.executable, "-m", "hpcrl", "cancel", str(run_dir)], cwd=REPO, timeout=60,
-                           env={**local_slurm, "PYTHONPATH": str(REPO)}, capture_output=True)
+        cancel_unless_done(run_dir, local_slurm)
     assert final.state == "COMPLETED", final.render()
     log = head_log(run_dir)
     assert "SIGUSR2 (the time limit is near)" in log and "requeueing the job" in log
@@ -193,7 +203,7 @@ def test_killing_the_inference_replica_loses_no_rollout_and_it_is_back_on_curren
     assert queued.returncode == 0, queued.stderr
     try:
         wait_for(lambda: "step   10/" in head_log(run_dir), "step 10", 300)
-        pid = int(re.search(r"report: inference rank 0 replica 0 on node \S+ \(pid (\d+)\)", head_log(run_dir)).group(1))
+        pid = reported_pid(run_dir, "inference", rank=0)
         # Right after a step's line the next batch is being generated (~0.1-0.2 s): kill it then.
         wait_for(lambda: "step   15/" in head_log(run_dir), "step 15", 120, poll_s=0.01)
         engine = descendants(pid)  # vLLM's EngineCore (and workers): they must not outlive the replica
@@ -203,9 +213,7 @@ def test_killing_the_inference_replica_loses_no_rollout_and_it_is_back_on_curren
         left = live(engine)
         final = jobs.wait(run_dir, timeout_s=400)
     finally:
-        if not jobs.status(run_dir).done:
-            subprocess.run([sys.executable, "-m", "hpcrl", "cancel", str(run_dir)], cwd=REPO, timeout=60,
-                           env={**local_slurm, "PYTHONPATH": str(REPO)}, capture_output=True)
+        cancel_unless_done(run_dir, local_slurm)
     in_flight = "generate on inference/0/0 lost" in head_log(run_dir)
     print(f"the replica was back in the weight-transfer group {back:.0f} s after it was killed "
           f"({'mid-generation: the call was sent again' if in_flight else 'between generations'})")
@@ -236,9 +244,7 @@ def test_an_inference_replica_lost_during_a_weight_push_is_started_again_and_cau
     stopped: list[int] = []
     try:
         wait_for(lambda: "step   10/" in head_log(run_dir), "step 10", 300, poll_s=0.05)
-        log = head_log(run_dir)
-        trainer = int(re.search(r"report: trainer rank 0 replica 0 on node \S+ \(pid (\d+)\)", log).group(1))
-        replica = int(re.search(r"report: inference rank 0 replica 0 on node \S+ \(pid (\d+)\)", log).group(1))
+        trainer, replica = reported_pid(run_dir, "trainer", rank=0), reported_pid(run_dir, "inference", rank=0)
         stopped += [trainer, replica]
         os.kill(trainer, signal.SIGSTOP)  # the next train step waits; the next batch is generated meanwhile
         time.sleep(2)
@@ -254,9 +260,7 @@ def test_an_inference_replica_lost_during_a_weight_push_is_started_again_and_cau
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-        if not jobs.status(run_dir).done:
-            subprocess.run([sys.executable, "-m", "hpcrl", "cancel", str(run_dir)], cwd=REPO, timeout=60,
-                           env={**local_slurm, "PYTHONPATH": str(REPO)}, capture_output=True)
+        cancel_unless_done(run_dir, local_slurm)
     print(f"the replica was back in the weight-transfer group {back:.0f} s after it was killed")
     assert final.state == "COMPLETED", final.render()
     log = head_log(run_dir)
