@@ -80,6 +80,23 @@ def connect_dealer(address: str, *, routing_id: bytes, hard_max_bytes: int) -> z
     return sock
 
 
+def send_once(address: str, frames: list, *, timeout: float) -> bool:
+    """Connect a throw-away DEALER to `address`, send one message, and wait up to `timeout` for it
+    to leave (blocking; for a process that has no loop, e.g. a task's supervisor). True if sent."""
+    sock = _context().socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, int(timeout * 1000))
+        sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only once connected, so SNDTIMEO covers the connect
+        sock.connect(address)
+        sock.send_multipart(frames, copy=True)
+        return True
+    except zmq.ZMQError:
+        return False
+    finally:
+        sock.close()
+
+
 class Channel:
     """One socket on the running loop: `on_message(frames)` for every message, `send(frames)`."""
 

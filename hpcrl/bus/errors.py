@@ -42,8 +42,11 @@ class UnknownPeerError(PeerError):
 class UnknownEndpointError(PeerError):
     """The peer does not expose the endpoint that was called."""
 
-    def __init__(self, peer: str, endpoint: str, known: list[str]) -> None:
+    def __init__(self, peer: str, endpoint: str, known: list[str], *, ready: bool = True) -> None:
         self.endpoint = endpoint
+        if not ready:
+            super().__init__(peer, f"is registered but not ready yet (still starting): no endpoint {endpoint!r}")
+            return
         super().__init__(peer, f"has no endpoint {endpoint!r} (it exposes: {', '.join(sorted(known)) or 'none'})")
 
 

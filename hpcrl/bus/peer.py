@@ -25,6 +25,8 @@ class PeerInfo:
     """Rank within the replica (TP / FSDP rank); rank 0 answers route/fanout/session."""
     replica_ranks: int = 1
     """How many ranks this replica has, so the head knows when it is complete."""
+    task: int = 0
+    """Index of the process's task within its group (the launcher's rank of it), for the launcher."""
     host: str = ""
     """Host name the process runs on."""
     pid: int = 0
@@ -51,7 +53,7 @@ class PeerInfo:
         """Build from a registration body; raises ValueError on anything malformed."""
         if not isinstance(data, dict):
             raise ValueError("peer info is not a map")
-        types = {"run_id": str, "group": str, "replica": int, "rank": int, "replica_ranks": int,
+        types = {"run_id": str, "group": str, "replica": int, "rank": int, "replica_ranks": int, "task": int,
                  "host": str, "pid": int, "gpu": str}
         if set(data) != set(types) or any(type(data[k]) is not t for k, t in types.items()):
             raise ValueError("peer info has missing, extra or mistyped fields")

@@ -57,7 +57,8 @@ class Kind(IntEnum):
     HEARTBEAT = 3  # both ways
     REQUEST = 4    # head -> worker: call an endpoint
     REPLY = 5      # worker -> head: result or error of a request
-    BYE = 6        # either way: I am leaving / you must leave
+    BYE = 6        # either way: I am leaving (with my exit code) / you must leave (with this code)
+    READY = 7      # worker -> head: I serve these endpoints now (after a REGISTER that said not ready)
 
 
 _KINDS = {int(k): k for k in Kind}
@@ -165,13 +166,15 @@ def _no_ext(code: int, data: bytes) -> Any:
 class Sealer:
     """Signs outgoing messages of one process; owns its incarnation id and sequence counter."""
 
-    def __init__(self, secret: Secret, incarnation: bytes) -> None:
+    def __init__(self, secret: Secret, incarnation: bytes, *, last_seq: int = 0) -> None:
+        """`last_seq`: the next message gets last_seq + 1 (a process speaking for another, after
+        it, starts above anything that one can have sent: see hpcrl.bus.farewell)."""
         if len(incarnation) != INCARNATION_BYTES:
             raise ValueError(f"an incarnation id is {INCARNATION_BYTES} bytes")
         self._mac = _Mac(secret.key)
         self._pack = msgpack.Packer(use_bin_type=True).pack  # reused: cheaper than packb
         self.incarnation = incarnation
-        self._seq = 0
+        self._seq = last_seq
 
     def __repr__(self) -> str:
         return f"Sealer(incarnation={self.incarnation.hex()}, seq={self._seq})"

@@ -8,6 +8,11 @@
         return {"tokens": ...}              # or Payload(value=..., buffers=[array, ...])
 
     reason = await worker.serve()           # returns when the head says BYE, goes silent, or stop()
+    worker.exit_code                        # the code the head's BYE told this process to exit with
+
+A process that registers before it can serve (a group task loading its model) makes the Worker
+with ready=False, adds its endpoints when it can, and calls `mark_ready()`: the head counts it
+as started at once, and as serving from then on.
 
 `serve()` registers (retrying every heartbeat_interval for register_timeout), then answers
 requests: an async endpoint runs in its own task, cancelled at the caller's deadline; a plain
@@ -25,16 +30,13 @@ import inspect
 import logging
 import secrets
 import time
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
-
-import msgpack
 
 from hpcrl.bus import channel as _channel
 from hpcrl.bus.config import BusConfig
 from hpcrl.bus.errors import BusError
-from hpcrl.bus.head import routing_id
+from hpcrl.bus.router import routing_id
 from hpcrl.bus.peer import PeerInfo
 from hpcrl.bus.secret import Secret
 from hpcrl.bus.wire import INCARNATION_BYTES, Counters, Envelope, Kind, Opener, Payload, Sealer
@@ -42,23 +44,8 @@ from hpcrl.bus.wire import INCARNATION_BYTES, Counters, Envelope, Kind, Opener, 
 log = logging.getLogger("hpcrl.bus")
 
 
-#: Most sibling calls one batched request may carry (a fanout to one process's workers).
-MAX_BATCH = 4096
 #: Result types that are never awaitable (inspect.isawaitable costs an ABC check per call).
 _PLAIN_RESULTS = frozenset((dict, list, tuple, str, bytes, int, float, bool, type(None), Payload))
-
-
-@dataclass(eq=False)
-class _Host:
-    """The Workers served on one event loop of this process. The head may send one request for
-    all of them to any one (a batched fanout: one message and one reply per process, not per
-    worker); `token` (random, sent signed in REGISTER) tells the head which workers share it."""
-
-    token: bytes = field(default_factory=lambda: secrets.token_bytes(16))
-    workers: dict[bytes, "Worker"] = field(default_factory=dict)
-
-
-_HOSTS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Host]" = weakref.WeakKeyDictionary()
 
 
 class WorkerExit(enum.Enum):
@@ -82,11 +69,15 @@ class Call:
 class Worker:
     """Serves the named endpoints (async or plain functions) of one group process to the head."""
 
-    def __init__(self, *, info: PeerInfo, secret: Secret, address: str, config: BusConfig | None = None) -> None:
+    def __init__(self, *, info: PeerInfo, secret: Secret, address: str, config: BusConfig | None = None,
+                 ready: bool = True, incarnation: bytes | None = None) -> None:
+        """`ready=False`: register as starting, serve after `mark_ready()`. `incarnation`: this
+        process's id on the bus (random by default; a task's supervisor chooses it, to speak
+        for the task after it ended: hpcrl.bus.farewell)."""
         self.info = info
         self.address = address
         self.config = config or BusConfig()
-        self.incarnation = secrets.token_bytes(INCARNATION_BYTES)
+        self.incarnation = incarnation or secrets.token_bytes(INCARNATION_BYTES)
         self._counters = Counters()
         self._sealer = Sealer(secret, self.incarnation)
         self._opener = Opener(secret, me=self.incarnation, counters=self._counters,
@@ -100,8 +91,10 @@ class Worker:
         self._welcomed: asyncio.Event | None = None
         self._done: asyncio.Future | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._host: _Host | None = None
+        self._ready = ready
         self.exit_detail = ""
+        self.exit_code: int | None = None
+        """The code the head's BYE said to exit with (None: it gave none, or no BYE came)."""
 
     def __repr__(self) -> str:
         return f"Worker({self.info.name}, address={self.address!r}, endpoints={sorted(self._endpoints)})"
@@ -116,10 +109,21 @@ class Worker:
 
     # ---------------------------------------------------------------- endpoints
 
+    @property
+    def head_incarnation(self) -> bytes | None:
+        """The incarnation id of the head that welcomed this worker; None before."""
+        return self._head
+
+    async def welcomed(self) -> None:
+        """Return once the head has admitted this worker (serve() must be running)."""
+        while self._welcomed is None:
+            await asyncio.sleep(0.01)
+        await self._welcomed.wait()
+
     def add_endpoint(self, name: str, fn: Callable[[Call], Any], *, idempotent: bool = False) -> None:
         """Expose `fn(call)` (plain or async) as `name`; idempotent ones may be retried elsewhere."""
-        if self._channel is not None:
-            raise BusError(f"peer {self.name}: endpoints must be added before serve()")
+        if self._ready and self._channel is not None:
+            raise BusError(f"peer {self.name}: endpoints must be added before serve() or mark_ready()")
         if name in self._endpoints:
             raise BusError(f"peer {self.name}: endpoint {name!r} is defined twice")
         self._endpoints[name] = (fn, idempotent, inspect.iscoroutinefunction(fn))
@@ -133,13 +137,22 @@ class Worker:
 
     # ---------------------------------------------------------------- life cycle
 
+    def mark_ready(self) -> None:
+        """Serve the endpoints added so far: tell the head (READY). Once; serve() must be running."""
+        if self._ready:
+            raise BusError(f"peer {self.name} is ready already")
+        self._ready = True
+        if self._head is not None:  # not yet welcomed: the next REGISTER says ready
+            self._send(Kind.READY, {"endpoints": self._endpoint_flags()})
+
+    def _endpoint_flags(self) -> dict[str, bool]:
+        return {n: idem for n, (_, idem, _) in self._endpoints.items()} if self._ready else {}
+
     async def serve(self) -> WorkerExit:
         """Register, then serve until the head says BYE, falls silent, or stop() is called."""
         self._loop = loop = asyncio.get_running_loop()
         self._welcomed = asyncio.Event()
         self._done = loop.create_future()
-        self._host = _HOSTS.setdefault(loop, _Host())
-        self._host.workers[self.incarnation] = self
         sock = _channel.connect_dealer(self.address, routing_id=routing_id(self.incarnation),
                                        hard_max_bytes=4 * self.config.max_message_bytes)
         self._channel = _channel.Channel(sock, self._on_message)
@@ -148,7 +161,6 @@ class Worker:
         try:
             return await self._done
         finally:
-            self._host.workers.pop(self.incarnation, None)
             beat.cancel()
             for task in list(self._tasks):
                 task.cancel()
@@ -159,10 +171,11 @@ class Worker:
             log.info("bus: %s left the bus: %s%s", self.name, how.value if how else "serve() was cancelled",
                      f" ({self.exit_detail})" if self.exit_detail else "")
 
-    def stop(self, reason: str = "stopped by its process") -> None:
-        """Say goodbye to the head and make serve() return STOPPED."""
+    def stop(self, reason: str = "stopped by its process", code: int | None = None) -> None:
+        """Say goodbye to the head (with the exit code this process is about to exit with, if
+        given) and make serve() return STOPPED."""
         if self._head is not None:
-            self._send(Kind.BYE, {"reason": reason})
+            self._send(Kind.BYE, {"reason": reason} if code is None else {"reason": reason, "code": code})
         self._finish(WorkerExit.STOPPED, reason)
 
     def _finish(self, how: WorkerExit, detail: str = "") -> None:
@@ -176,8 +189,8 @@ class Worker:
         while self._head is None:  # register until welcomed
             if loop.time() - start > self.config.register_timeout:
                 return self._finish(WorkerExit.UNREACHABLE, f"no WELCOME from {self.address}")
-            self._send(Kind.REGISTER, {"peer": self.info.to_wire(), "t": time.time(), "host": self._host.token,
-                                       "endpoints": {n: idem for n, (_, idem, _) in self._endpoints.items()}})
+            self._send(Kind.REGISTER, {"peer": self.info.to_wire(), "t": time.time(), "ready": self._ready,
+                                       "endpoints": self._endpoint_flags()})
             try:
                 await asyncio.wait_for(self._welcomed.wait(), self.config.heartbeat_interval)
             except TimeoutError:
@@ -226,7 +239,8 @@ class Worker:
             self._on_request(env)
         elif env.kind == Kind.BYE:
             self._counters.accept()
-            reason = env.body.get("reason") if isinstance(env.body, dict) else None
+            reason, code = (env.body.get("reason"), env.body.get("code")) if isinstance(env.body, dict) else (None, None)
+            self.exit_code = code if type(code) is int else None
             self._finish(WorkerExit.SHUTDOWN, reason if isinstance(reason, str) else "")
         else:
             self._counters.drop("malformed", f"{env.kind.name} is not sent to a worker")
@@ -236,14 +250,6 @@ class Worker:
         if not (isinstance(body, dict) and isinstance(body.get("id"), int) and isinstance(body.get("ep"), str)
                 and isinstance(body.get("ttl"), (int, float))):
             return self._counters.drop("malformed", "request without id/ep/ttl")
-        batch = body.get("batch")
-        if batch is not None:
-            if not (isinstance(batch, list) and len(batch) <= MAX_BATCH
-                    and all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], bytes)
-                            and isinstance(e[1], int) for e in batch)):
-                return self._counters.drop("malformed", "request with a malformed batch")
-            self._counters.accept()
-            return self._on_batch(env, body, batch)
         self._counters.accept()
         rid, name = body["id"], body["ep"]
         if name not in self._endpoints:
@@ -301,79 +307,3 @@ class Worker:
 
     def _reply_error(self, rid: int, etype: str, message: str) -> None:
         self._send(Kind.REPLY, {"id": rid, "ok": False, "e": [etype, message]})
-
-    # ---------------------------------------------------------------- batched fanout
-
-    def _on_batch(self, env: Envelope, body: dict, batch: list) -> None:
-        """One request for this worker and for siblings on the same loop; one reply for all.
-
-        Each worker runs its own endpoint. Reply entries: [id, ok, result or [type, message],
-        is_payload, number of buffers]; the buffers of payload results follow, in entry order."""
-        loop, name = self._loop, body["ep"]
-        deadline = loop.time() + body["ttl"]
-        entries: list[list] = []
-        waits: list[tuple[list, Any]] = []
-        for worker, rid in [(self, body["id"]), *((self._host.workers.get(inc), rid) for inc, rid in batch)]:
-            if worker is None or worker._done is None or worker._done.done():
-                entries.append([rid, False, ["PeerGone", "not served on this worker's event loop"], False, 0])
-                continue
-            endpoint = worker._endpoints.get(name)
-            if endpoint is None:
-                entries.append([rid, False, ["UnknownEndpoint", f"{worker.name} has no endpoint {name!r}"], False, 0])
-                continue
-            try:
-                result = endpoint[0](Call(endpoint=name, args=body.get("a"), buffers=env.buffers, deadline=deadline))
-            except Exception as exc:  # the endpoint's own failure goes back to the caller, typed
-                entries.append([rid, False, [type(exc).__name__, str(exc)], False, 0])
-                continue
-            entry = [rid, True, result, False, 0]
-            entries.append(entry)
-            if inspect.isawaitable(result):
-                waits.append((entry, result))
-        if not waits:
-            return self._reply_batch(body["id"], entries)
-        task = asyncio.create_task(self._await_batch(body["id"], entries, waits, deadline))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _await_batch(self, rid: int, entries: list[list], waits: list[tuple[list, Any]],
-                           deadline: float) -> None:
-        async def one(entry: list, awaitable: Any) -> None:
-            try:
-                async with asyncio.timeout_at(deadline) as scope:
-                    entry[2] = await awaitable
-            except TimeoutError:
-                if scope.expired():  # the caller has given up on this one: leave it out
-                    entry[1] = None
-                    return
-                entry[1:3] = [False, ["TimeoutError", "the endpoint raised TimeoutError"]]
-            except Exception as exc:  # the endpoint's own failure goes back to the caller, typed
-                entry[1:3] = [False, [type(exc).__name__, str(exc)]]
-        await asyncio.gather(*(one(entry, aw) for entry, aw in waits))
-        live = [e for e in entries if e[1] is not None]
-        if len(live) < len(entries):
-            self._counters.count("expired")
-        if live:
-            self._reply_batch(rid, live)
-
-    def _reply_batch(self, rid: int, entries: list[list]) -> None:
-        per_entry: list[tuple] = []  # the buffers of each entry's Payload result
-        for entry in entries:
-            result = entry[2]
-            if entry[1] and isinstance(result, Payload):
-                per_entry.append(tuple(result.buffers))
-                entry[2:5] = [result.value, True, len(per_entry[-1])]
-            else:
-                per_entry.append(())
-        try:
-            self._send(Kind.REPLY, {"id": rid, "ok": True, "batch": entries}, [b for bs in per_entry for b in bs])
-            return
-        except (TypeError, ValueError, OverflowError):  # some result is not msgpack-able: name it
-            pass
-        for i, entry in enumerate(entries):
-            try:
-                msgpack.packb(entry[2], use_bin_type=True)
-            except (TypeError, ValueError, OverflowError) as exc:
-                entry[1:5] = [False, [type(exc).__name__, f"the result cannot be sent: {exc}"], False, 0]
-                per_entry[i] = ()
-        self._send(Kind.REPLY, {"id": rid, "ok": True, "batch": entries}, [b for bs in per_entry for b in bs])

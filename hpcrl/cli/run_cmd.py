@@ -2,7 +2,7 @@
 
 One trainer rank, one vLLM engine, a reward pool, with weights moving trainer -> vLLM through the
 same transfer plan and engine as in a job (see hpcrl.rl.inprocess). Resumes from the run
-directory's newest complete checkpoint when there is one. Runs under hpcrl.launch.reaper's
+directory's newest complete checkpoint when there is one. Runs under hpcrl.roles.reaper's
 supervisor, so vLLM's engine processes end with it however it ends.
 """
 
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from hpcrl.config import load_config
-from hpcrl.launch.reaper import supervise
+from hpcrl.roles.reaper import supervise
 
 
 def add_parser(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

@@ -1,13 +1,11 @@
-"""Launching a run: the run directory, the head, the group processes and their report.
+"""Launching a run: submit it, start and watch its groups from the head, follow it.
 
-    rundir.py   the run directory: resolved config, launch.json, job record, logs, exit record
-    layout.py   launch.json: what the head needs to start the groups (from the JobSpec)
-    report.py   the minimal TCP/JSON-lines protocol between group processes and the head
-                (one module, to be replaced by the ZeroMQ bus of hpcrl.bus)
-    steps.py    starting a group: `srun --het-group=i`, an srun on a node range (split), or
-                local process trees
-    head.py     the head: starts every group, collects reports, propagates exit codes
-    group.py    the program each group task runs (`python -m hpcrl.trainer`, ...)
-    submit.py   config -> run directory -> rendered script -> submitted job (slurm or local)
-    jobs.py     status, logs and cancel of a submitted run
+    submit.py      config -> run directory -> rendered script -> submitted job (slurm or local)
+    job.py         the job's entry, the head (component 0): binds the bus, runs the program (check,
+                   or rl: hpcrl.rl.program), records the end (exit.json), requeues after a loss
+    supervisor.py  the head's process supervisor: one step per group, the task table from the
+                   bus's peer events, lost inference replicas started again, failures named
+    steps.py       starting a group: `srun --het-group=i`, an srun on a node range (split), or
+                   local process trees
+    jobs.py        status, logs and cancel of a submitted run
 """

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 from hpcrl.errors import SlurmError
-from hpcrl.launch.rundir import EXIT_FILE, JOB_FILE, LAUNCH_FILE, LOGS_DIR, METRICS_FILE, read_json
+from hpcrl.rundir import EXIT_FILE, JOB_FILE, LAUNCH_FILE, LOGS_DIR, METRICS_FILE, read_json
 from hpcrl.slurm import tracking
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
-from hpcrl.launch.rundir import LOGS_DIR, log_path
+from hpcrl.rundir import LOGS_DIR, log_path
 from hpcrl.slurm.spec import GroupSlot
 
 
@@ -33,7 +33,7 @@ def srun_argv(slot: GroupSlot, *, layout: str, run_dir: Path, python: str,
         argv.append(f"--nodelist={','.join(nodelist)}")
     argv += [f"--nodes={slot.nodes}", f"--ntasks={slot.tasks}", f"--ntasks-per-node={slot.tasks_per_node}",
              f"--output={Path(run_dir) / LOGS_DIR / slot.name / 'rank%t.log'}",
-             python, "-u", "-m", slot.module]
+             python, "-u", "-m", slot.module, slot.name]
     return argv
 
 
@@ -107,13 +107,13 @@ def start_replacement(slot: GroupSlot, rank: int, *, executor: str, layout: str,
     log = log_path(run_dir, slot.name, rank)
     if executor == "local":
         with open(log, "ab") as out:
-            proc = subprocess.Popen([python, "-u", "-m", slot.module], env=task_env, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen([python, "-u", "-m", slot.module, slot.name], env=task_env, stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         return Step(slot=one, procs=[proc], local=True, first_rank=rank)
     argv = ["srun", "--unbuffered", "--overlap", f"--job-name={slot.name}-{rank}", "--nodes=1", "--ntasks=1"]
     argv += [f"--het-group={slot.component}"] if layout == "hetjob" else []
     argv += [f"--nodelist={node}"] if node else []
-    argv += ["--open-mode=append", f"--output={log}", python, "-u", "-m", slot.module]
+    argv += ["--open-mode=append", f"--output={log}", python, "-u", "-m", slot.module, slot.name]
     proc = subprocess.Popen(argv, env=task_env, stdin=subprocess.DEVNULL)
     return Step(slot=one, procs=[proc], local=False, first_rank=rank)
 
@@ -125,7 +125,7 @@ def start_local_step(slot: GroupSlot, *, run_dir: Path, python: str, env: Mappin
                     "HPCRL_NODE_INDEX": str(rank // slot.tasks_per_node),
                     "HPCRL_LOCAL_RANK": str(rank % slot.tasks_per_node)}
         with open(log_path(run_dir, slot.name, rank), "ab") as log:
-            procs.append(subprocess.Popen([python, "-u", "-m", slot.module], env=task_env,
+            procs.append(subprocess.Popen([python, "-u", "-m", slot.module, slot.name], env=task_env,
                                           stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True))
     return Step(slot=slot, procs=procs, local=True)

@@ -22,9 +22,12 @@ from typing import Any
 from hpcrl.config.dump import dump_toml
 from hpcrl.config.schema import Config
 from hpcrl.errors import ConfigError, SlurmError
-from hpcrl.launch.head import Head
+from hpcrl.bus.secret import create_secret, secret_path
+from hpcrl.launch.job import HeadJob
 from hpcrl.fsio import write_atomic
-from hpcrl.launch.rundir import JOB_FILE, JOB_ID_FILE, SCRIPT_FILE, SUBMITIT_DIR, prepare_run_dir, write_json
+from hpcrl.rundir import (CONFIG_FILE, EXIT_FILE, JOB_FILE, JOB_ID_FILE, LAUNCH_FILE, LOGS_DIR, SCRIPT_FILE,
+                          SUBMITIT_DIR, write_json)
+from hpcrl.slurm.record import DEFAULT_START_TIMEOUT_S, LaunchRecord, write_launch
 from hpcrl.slurm.spec import JobSpec, job_spec, time_limit_seconds
 
 LOCAL_NOTE = "no sbatch found: running with the local executor (each group a process tree on this machine)"
@@ -51,23 +54,19 @@ def choose_executor(config: Config) -> tuple[str, str]:
 
 
 #: What the head runs once the groups started: the GRPO loop, or only the start-up check.
-PROGRAMS = ("rl", "check")
-
-
 def launch_record(config: Config, spec: JobSpec, *, executor: str, python: str, hold_s: float = 0.0,
-                  exit_codes: dict[str, int] | None = None, start_timeout_s: float = 600.0,
-                  program: str = "rl", stop_after: int | None = None) -> dict:
+                  exit_codes: dict[str, int] | None = None, start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+                  program: str = "rl", stop_after: int | None = None) -> LaunchRecord:
     """The content of launch.json: what the head needs (pure)."""
-    if program not in PROGRAMS:
-        raise ValueError(f"program {program!r}: use one of {PROGRAMS}")
     if stop_after is not None and not 1 <= stop_after <= config.trainer.steps:
         raise ConfigError(file="--steps", key="", problem=f"{stop_after} is outside 1..trainer.steps "
                           f"({config.trainer.steps})", fix="give a step the run reaches, or raise trainer.steps")
-    return {"version": 1, "program": program, "stop_after": stop_after, "run_name": config.run.name, "run_dir": str(Path(config.run_dir).absolute()),
-            "executor": executor, "layout": spec.layout, "cluster": spec.cluster, "python": python,
-            "groups": spec.to_dict()["groups"], "hold_s": hold_s, "exit_codes": dict(exit_codes or {}),
-            "start_timeout_s": start_timeout_s, "slurm_conf": config.cluster.slurm_conf,
-            "env": dict(config.cluster.env), "max_requeues": config.cluster.max_requeues}
+    return LaunchRecord(program=program, stop_after=stop_after, run_name=config.run.name,
+                        run_dir=str(Path(config.run_dir).absolute()), executor=executor, layout=spec.layout,
+                        cluster=spec.cluster, python=python, groups=spec.groups, hold_s=hold_s,
+                        exit_codes=dict(exit_codes or {}), start_timeout_s=start_timeout_s,
+                        slurm_conf=config.cluster.slurm_conf, env=dict(config.cluster.env),
+                        max_requeues=config.cluster.max_requeues)
 
 
 def check_partitions(config: Config, spec: JobSpec, env: dict[str, str]) -> None:
@@ -133,15 +132,30 @@ def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
         write_atomic(script, slurm.script_text())
         if dry_run:
             return Submission(run_dir, executor, "", script, note)
-        job = slurm.submit(Head(run_dir))
+        job = slurm.submit(HeadJob(run_dir))
     else:
         if dry_run:
             return Submission(run_dir, executor, "", None, note)
         script = None
         limit = time_limit_seconds(spec)
-        job = adapter.local_executor(folder, timeout_min=limit / 60 if limit else 7 * 24 * 60).submit(Head(run_dir))
+        job = adapter.local_executor(folder, timeout_min=limit / 60 if limit else 7 * 24 * 60).submit(HeadJob(run_dir))
     write_json(run_dir / JOB_FILE, {"executor": executor, "job_id": str(job.job_id), "layout": spec.layout,
                                     "slurm_conf": config.cluster.slurm_conf, "submitted_at": time.time(),
                                     "groups": [g.name for g in spec.groups]})
     write_atomic(run_dir / JOB_ID_FILE, f"{job.job_id}\n")
     return Submission(run_dir, executor, str(job.job_id), script, note, job)
+
+
+def prepare_run_dir(run_dir: Path, *, config_toml: str, launch: LaunchRecord, groups: list[str]) -> None:
+    """Create the run directory with its config copy, launch.json and one log folder per group."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for group in groups:
+        (run_dir / LOGS_DIR / group).mkdir(parents=True, exist_ok=True)
+    (run_dir / SUBMITIT_DIR).mkdir(exist_ok=True)
+    write_atomic(run_dir / CONFIG_FILE, config_toml)
+    write_launch(run_dir, launch)
+    # The per-run bus secret: before submitting, readable by the owner only, never in logs or job.json.
+    if not secret_path(run_dir).exists():
+        create_secret(run_dir)
+    for stale in (EXIT_FILE, JOB_FILE, JOB_ID_FILE):
+        (run_dir / stale).unlink(missing_ok=True)

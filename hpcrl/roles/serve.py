@@ -1,11 +1,15 @@
-"""A group task's life in a run: report, build the role, serve the head over the bus, exit as told.
+"""A group task's life in a run: register on the bus, build the role, serve the head, exit as told.
 
-    1. hello to the head (report protocol; the head names a rank that never reports)
-    2. build the role (load engines, join the trainer process group) - the slow part
-    3. register on the bus (HPCRL_BUS_ADDR, the run's secret) and serve the role's endpoints
-    4. end when the head says exit (its word carries the exit code), or when the head is gone
-       (HEAD_LOST), or when building the role failed (1: the error is in this task's log)
-    5. bye with the code, then exit with it
+    python -m hpcrl.roles trainer|inference|reward [--exit-code N]     (what the head's steps start)
+
+  1. fork a supervisor (hpcrl.roles.reaper) that outlives the task: it ends whatever the task
+     leaves running and sends the head the task's exit code, whatever ended it (hpcrl.bus.farewell)
+  2. work out the task's identity (group, replica, rank, node) from its environment
+  3. register on the bus (HPCRL_BUS_ADDR, the run's secret): the head now knows the task started
+  4. program "check": wait to be dismissed. Program "rl": build the role (load engines, join the
+     trainer's process group: the slow part), add its endpoints, say READY, serve the head
+  5. exit with the code the head's BYE carried (check: or --exit-code N), HEAD_LOST when the head
+     fell silent, or 1 when building the role failed (the error is in this task's log)
 """
 
 from __future__ import annotations
@@ -13,16 +17,33 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import threading
 import traceback
 from pathlib import Path
 
+from hpcrl.bus import BusConfig, PeerInfo, Worker, WorkerExit, load_secret
+from hpcrl.bus.farewell import FarewellLink, send_farewell
 from hpcrl.errors import HpcrlError
-from hpcrl.launch.report import HEAD_LOST, ReportClient
-from hpcrl.slurm.identity import TaskIdentity
+from hpcrl.roles.reaper import supervise
+from hpcrl.rundir import CONFIG_FILE
+from hpcrl.slurm.identity import TaskIdentity, identify_task
+from hpcrl.slurm.record import LaunchRecord, read_launch
 
 #: Bus settings of a run: CPU steps can hold the GIL for a while, so peers get 30 s before they count as dead.
 BUS_SETTINGS = {"heartbeat_interval": 1.0, "heartbeat_timeout": 30.0, "default_deadline": 600.0}
+#: Exit code of a task whose head went away before telling it how to exit.
+HEAD_LOST = 75
+GROUPS = ("trainer", "inference", "reward")
+
+
+def peer_info(identity: TaskIdentity, run_id: str) -> PeerInfo:
+    """The task on the bus: the trainer is one replica of group_size ranks; every inference or
+    reward task is a replica of one rank."""
+    if identity.group == "trainer":
+        place = {"replica": 0, "rank": identity.rank, "replica_ranks": identity.group_size}
+    else:
+        place = {"replica": identity.rank, "rank": 0, "replica_ranks": 1}
+    return PeerInfo(run_id=run_id, group=identity.group, task=identity.rank, host=identity.node,
+                    pid=os.getpid(), gpu=os.environ.get("CUDA_VISIBLE_DEVICES", ""), **place)
 
 
 def build_role(name: str, config, identity: TaskIdentity, env: dict[str, str]):
@@ -35,79 +56,101 @@ def build_role(name: str, config, identity: TaskIdentity, env: dict[str, str]):
     if name == "reward":
         from hpcrl.roles.reward import RewardRole
         return RewardRole(config, identity, env)
-    raise HpcrlError(f"no role named {name!r}: groups are trainer, inference and reward")
+    raise HpcrlError(f"no role named {name!r}: groups are {', '.join(GROUPS)}")
 
 
-def _watch_exit(client: ReportClient, loop: asyncio.AbstractEventLoop, said: asyncio.Future) -> None:
-    """Thread: wait for the head's exit word (or its loss) and hand it to the loop."""
-    try:
-        code = client.wait_exit()
-    except HpcrlError:
-        code = None
-
-    def hand_over() -> None:
-        if not said.done():
-            said.set_result(code)
-    try:
-        loop.call_soon_threadsafe(hand_over)
-    except RuntimeError:  # the loop has already ended
-        pass
+def _exit_code(worker: Worker, how: WorkerExit, given: int | None) -> int:
+    if how is WorkerExit.SHUTDOWN:
+        return given if given is not None else (worker.exit_code or 0)
+    return HEAD_LOST if given is None else given
 
 
-async def _serve(name: str, identity: TaskIdentity, run_dir: Path, launch: dict, client: ReportClient) -> int:
-    from hpcrl.bus import BusConfig, PeerInfo, Worker, load_secret
+async def _serve(name: str, identity: TaskIdentity, run_dir: Path, launch: LaunchRecord, link: FarewellLink,
+                 given: int | None) -> int:
+    info = peer_info(identity, launch.run_name)
+    rl = launch.program == "rl" and given is None
+    worker = Worker(info=info, secret=load_secret(run_dir), address=os.environ["HPCRL_BUS_ADDR"],
+                    config=BusConfig(**BUS_SETTINGS), ready=not rl, incarnation=link.incarnation)
+    serving = asyncio.create_task(worker.serve())
+    welcomed = asyncio.create_task(worker.welcomed())
+    await asyncio.wait({serving, welcomed}, return_when=asyncio.FIRST_COMPLETED)
+    if not welcomed.done():
+        welcomed.cancel()
+        how = serving.result()
+        print(f"{name} rank {identity.rank}: not admitted by the head at {worker.address}: {how.value}", flush=True)
+        return HEAD_LOST if given is None else given
+    link.welcomed(worker.head_incarnation)
+    print(f"{name} rank {identity.rank}: registered with the head as {info.name}", flush=True)
+    if not rl:  # program check (or a task told its exit code): wait to be dismissed
+        return _exit_code(worker, await serving, given)
     from hpcrl.config.load import load_config
-    from hpcrl.launch.rundir import CONFIG_FILE
 
-    loop = asyncio.get_running_loop()
-    said: asyncio.Future = loop.create_future()
-    threading.Thread(target=_watch_exit, args=(client, loop, said), daemon=True, name="hpcrl-report").start()
     config = load_config(run_dir / CONFIG_FILE)
-    env = dict(os.environ)
-    building = loop.run_in_executor(None, build_role, name, config, identity, env)
-    done, _ = await asyncio.wait({building, said}, return_when=asyncio.FIRST_COMPLETED)
-    if building not in done:  # told to exit (or the head died) while loading
-        code = said.result()
+    building = asyncio.get_running_loop().run_in_executor(None, build_role, name, config, identity, dict(os.environ))
+    done, _ = await asyncio.wait({building, serving}, return_when=asyncio.FIRST_COMPLETED)
+    if building not in done:  # dismissed (or the head died) while loading
         role = await building
         role.close()
-        return HEAD_LOST if code is None else code
+        return _exit_code(worker, serving.result(), None)
     role = building.result()
     try:
-        address = os.environ.get("HPCRL_BUS_ADDR")
-        if not address:
-            raise HpcrlError("HPCRL_BUS_ADDR is not set: the head sets it when it runs the RL program")
-        info = PeerInfo(run_id=launch["run_name"], group=name, host=identity.node, pid=os.getpid(), **role.peer())
-        worker = Worker(info=info, secret=load_secret(run_dir), address=address, config=BusConfig(**BUS_SETTINGS))
         for endpoint, (fn, idempotent) in role.endpoints().items():
             worker.add_endpoint(endpoint, fn, idempotent=idempotent)
-        print(f"{name} rank {identity.rank}: serving the head as {info.name} on {address}", flush=True)
-        serving = asyncio.create_task(worker.serve())
-        done, _ = await asyncio.wait({serving, said}, return_when=asyncio.FIRST_COMPLETED)
-        if said in done:
-            worker.stop("the head said exit")
-            await serving
-            code = said.result()
-            return HEAD_LOST if code is None else code
-        how = serving.result()
+        worker.mark_ready()
+        print(f"{name} rank {identity.rank}: serving the head as {info.name}", flush=True)
+        how = await serving
         print(f"{name} rank {identity.rank}: left the bus: {how.value} {worker.exit_detail}", flush=True)
-        try:  # the head closes the bus after telling everyone to exit: the word may still come
-            code = await asyncio.wait_for(said, 30.0)
-        except TimeoutError:
-            code = None
-        return HEAD_LOST if code is None else code
+        return _exit_code(worker, how, None)
     finally:
         role.close()
 
 
-def serve_role(name: str, identity: TaskIdentity, run_dir: Path, launch: dict, report_address: str) -> int:
-    """Run this task's role until the head says exit; returns the exit code (see the module docstring)."""
-    client = ReportClient(report_address, identity.to_dict(), pid=os.getpid())
+def task_main(name: str, argv: list[str] | None = None) -> int:
+    """A task of group `name`: see the module docstring. Returns the exit code (or never returns, rl)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=f"python -m hpcrl.roles {name}",
+                                     description=f"A task of the {name} group (started by the head).")
+    parser.add_argument("--exit-code", type=int, default=None,
+                        help="exit with this code whatever the head says (after registering)")
+    args = parser.parse_args(argv)
     try:
-        code = asyncio.run(_serve(name, identity, run_dir, launch, client))
+        run_dir = Path(os.environ.get("HPCRL_RUN_DIR", "."))
+        address = os.environ.get("HPCRL_BUS_ADDR")
+        if not address:
+            raise HpcrlError("HPCRL_BUS_ADDR is not set: group tasks are started by the head (hpcrl submit)")
+        launch = read_launch(run_dir)
+        secret = load_secret(run_dir)
+    except HpcrlError as err:
+        print(f"hpcrl.roles {name}: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    link = FarewellLink()
+    identity = None
+
+    def tell_head(code: int, how: str) -> None:
+        send_farewell(link, address=address, secret=secret, code=code, reason=f"the task {how}")
+
+    supervise(f"hpcrl.roles {name}", on_exit=tell_head)  # nothing the task starts may outlive it
+    try:
+        identity = identify_task(os.environ)
+        if identity.group != name:
+            raise HpcrlError(f"hpcrl.roles {name} was started as a task of group {identity.group!r}; "
+                             f"the head starts `hpcrl.roles {identity.group}` for that group")
+        print(f"{name} rank {identity.rank}/{identity.group_size} replica {identity.replica} "
+              f"on {identity.node} (node {identity.node_index}): registering at {address}", flush=True)
+        code = asyncio.run(_serve(name, identity, run_dir, launch, link, args.exit_code))
+    except HpcrlError as err:
+        print(f"hpcrl.roles {name}: error: {err}", file=sys.stderr, flush=True)
+        return 2
     except Exception as err:  # noqa: BLE001 - any failure ends the task with 1, reported by name
         traceback.print_exc()
-        print(f"hpcrl.{name} rank {identity.rank}: error: {err}", file=sys.stderr, flush=True)
+        print(f"hpcrl.roles {name}: error: {err}", file=sys.stderr, flush=True)
         code = 1
-    client.bye(code)
-    client.close()
+    print(f"{name} rank {identity.rank if identity else '?'}: exiting with code {code}", flush=True)
+    if launch.program == "rl":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # The role has closed its engines; skip interpreter teardown, where threads left by native
+        # libraries (vLLM's, gloo's) can abort the process after its work is done.
+        os._exit(code)
     return code

@@ -24,7 +24,8 @@ from hpcrl.errors import ConfigError
 from hpcrl.plan.resources import Component, make_components
 
 #: Module run by `python -m` for each group; the head runs in the batch step itself.
-GROUP_MODULES = {"trainer": "hpcrl.trainer", "inference": "hpcrl.inference", "reward": "hpcrl.reward"}
+#: The `python -m` module every group task runs, with the group's name as its argument.
+GROUP_MODULES = {"trainer": "hpcrl.roles", "inference": "hpcrl.roles", "reward": "hpcrl.roles"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +42,7 @@ class GroupSlot:
     ranks_per_replica: int
     """Consecutive ranks forming one replica (trainer: an HSDP replica; others: 1)."""
     module: str
-    """`python -m` module run by each task; empty for the head."""
+    """`python -m` module run by each task (`python -m MODULE NAME`); empty for the head."""
     first_node: int = 0
     """Split layout: index of the group's first node in the allocation."""
 

@@ -22,10 +22,10 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=1.0)
     opts = ap.parse_args()
 
-    from hpcrl.bus import BusConfig, Head, load_secret
+    from hpcrl.bus import BusConfig, Router, load_secret
 
     async def serve() -> None:
-        head = Head(run_id=opts.run_id, secret=load_secret(opts.run_dir), address="tcp://127.0.0.1:0",
+        head = Router(run_id=opts.run_id, secret=load_secret(opts.run_dir), address="tcp://127.0.0.1:0",
                     config=BusConfig(heartbeat_interval=opts.heartbeat, heartbeat_timeout=opts.timeout))
         print("address", await head.start(), flush=True)
         await head.wait_for_peers("inf", opts.replicas, timeout=60)

@@ -1,4 +1,4 @@
-"""Head and workers on real ZeroMQ sockets (tcp on 127.0.0.1 and ipc), in one process:
+"""Router and workers on real ZeroMQ sockets (tcp on 127.0.0.1 and ipc), in one process:
 registration, route / fanout / session / call_all, deadlines, typed errors, buffers."""
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ import logging
 import pytest
 
 from bus_helpers import RUN_ID, echo_worker, fast_config, run, serving
-from hpcrl.bus import Head, Payload, PeerInfo, Worker, WorkerExit
+from hpcrl.bus import Router, Payload, PeerInfo, Worker, WorkerExit
 from hpcrl.bus.errors import (DeadlineExceeded, HeadClosedError, NoHealthyReplicaError, PeerDeadError,
                               RemoteError, UnknownEndpointError, UnknownPeerError)
-from hpcrl.services import Service
+from hpcrl.bus.service import Service
 
 pytestmark = pytest.mark.timeout(30)
 
 
-def head_at(secret, address, **kw) -> Head:
-    return Head(run_id=RUN_ID, secret=secret, address=address, config=fast_config(**kw))
+def head_at(secret, address, **kw) -> Router:
+    return Router(run_id=RUN_ID, secret=secret, address=address, config=fast_config(**kw))
 
 
 @contextlib.asynccontextmanager
@@ -237,7 +237,7 @@ def test_second_registration_of_a_peer_replaces_the_first_without_calling_the_ho
     hooked = []
 
     async def go():
-        head = Head(run_id=RUN_ID, secret=secret, address=address, config=fast_config(), on_unhealthy=hooked.append)
+        head = Router(run_id=RUN_ID, secret=secret, address=address, config=fast_config(), on_unhealthy=hooked.append)
         async with head:
             old, new = echo_worker(secret, head.address), echo_worker(secret, head.address)
             async with serving(old) as (old_task,):

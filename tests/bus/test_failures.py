@@ -13,15 +13,15 @@ import time
 import pytest
 
 from bus_helpers import REPO, RUN_ID, fast_config, run, spawn_worker
-from hpcrl.bus import Head
+from hpcrl.bus import Router
 from hpcrl.bus.errors import PeerDeadError
-from hpcrl.services import Service
+from hpcrl.bus.service import Service
 
 HB, TIMEOUT = 0.2, 1.0  # generous: this 2-core machine is shared and stalls
 
 
-def head_for(secret, address: str = "tcp://127.0.0.1:0", **kw) -> Head:
-    return Head(run_id=RUN_ID, secret=secret, address=address,
+def head_for(secret, address: str = "tcp://127.0.0.1:0", **kw) -> Router:
+    return Router(run_id=RUN_ID, secret=secret, address=address,
                 config=fast_config(heartbeat_interval=HB, heartbeat_timeout=TIMEOUT), **kw)
 
 

@@ -1,4 +1,5 @@
-"""The head on its own (local executor, in this process): reports, failures named, no hangs."""
+"""The head on its own (local executor, in this process): every task registers on the bus, failures
+are named, no hangs."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import pytest
 
 from hpcrl.config import load_config
 from hpcrl.errors import SlurmError
-from hpcrl.launch.head import GroupFailed, run_head
-from hpcrl.launch.rundir import EXIT_FILE, JOB_FILE, prepare_run_dir, read_json, write_json
-from hpcrl.launch.submit import launch_record, refuse_live_run
+from hpcrl.launch.job import GroupFailed, run_head
+from hpcrl.rundir import EXIT_FILE, JOB_FILE, read_json, write_json
+from hpcrl.launch.submit import launch_record, prepare_run_dir, refuse_live_run
 from hpcrl.slurm.spec import job_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +35,7 @@ def importable(monkeypatch):
 
 
 @pytest.mark.timeout(60)
-def test_the_head_collects_one_report_per_task_and_records_completion(tmp_path: Path):
+def test_every_task_registers_with_the_head_and_the_run_records_completion(tmp_path: Path):
     run_dir = prepared(tmp_path, "trainer.nodes=2")
     result = run_head(run_dir)
     assert result["state"] == "COMPLETED"
@@ -44,24 +45,24 @@ def test_the_head_collects_one_report_per_task_and_records_completion(tmp_path: 
 
 
 @pytest.mark.timeout(60)
-def test_tasks_that_die_before_reporting_are_named_as_never_reported(tmp_path: Path):
+def test_tasks_that_die_before_registering_are_named_as_never_registered(tmp_path: Path):
     run_dir = prepared(tmp_path)
     launch = read_json(run_dir / "launch.json")
     launch["groups"][2]["module"] = "hpcrl.no_such_role"  # python -m fails at once, exit 1
     write_json(run_dir / "launch.json", launch)
-    with pytest.raises(GroupFailed, match="group inference rank 0 never reported to the head"):
+    with pytest.raises(GroupFailed, match="group inference rank 0 never registered with the head"):
         run_head(run_dir)
     record = read_json(run_dir / EXIT_FILE)
     assert record["state"] == "FAILED" and record["failures"][0]["group"] == "inference"
 
 
 @pytest.mark.timeout(60)
-def test_a_group_ending_cleanly_before_reporting_fails_the_run_instead_of_waiting(tmp_path: Path):
+def test_a_group_ending_cleanly_before_registering_fails_the_run_instead_of_waiting(tmp_path: Path):
     run_dir = prepared(tmp_path)
     launch = read_json(run_dir / "launch.json")
-    launch["groups"][3]["module"] = "this"  # prints the Zen of Python, exits 0 without reporting
+    launch["groups"][3]["module"] = "this"  # prints the Zen of Python, exits 0 without registering
     write_json(run_dir / "launch.json", launch)
-    with pytest.raises(GroupFailed, match="group reward ended before ranks \\[0\\] reported"):
+    with pytest.raises(GroupFailed, match="group reward ended before ranks \\[0\\] registered"):
         run_head(run_dir)
 
 
@@ -96,9 +97,9 @@ def test_planning_and_the_cli_modules_do_not_import_submitit():
 def test_cluster_environment_reaches_every_group_task(tmp_path: Path, monkeypatch):
     (tmp_path / "mods").mkdir()
     (tmp_path / "mods" / "envdump.py").write_text(
-        "import os, sys\nfrom hpcrl.launch.group import main\n"
+        "import os, sys\nfrom hpcrl.roles.serve import task_main\n"
         "open(os.path.join(os.environ['HPCRL_RUN_DIR'], 'mark'), 'w').write(os.environ['HPCRL_TEST_MARK'])\n"
-        "sys.exit(main('trainer'))\n")
+        "sys.exit(task_main(sys.argv[1], sys.argv[2:]))\n")
     monkeypatch.setenv("PYTHONPATH", f"{REPO}:{tmp_path / 'mods'}")
     run_dir = prepared(tmp_path / "run", 'cluster.env.HPCRL_TEST_MARK="seen"')
     launch = read_json(run_dir / "launch.json")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hpcrl.launch import jobs
-from hpcrl.launch.rundir import EXIT_FILE, log_path, read_json
+from hpcrl.rundir import EXIT_FILE, log_path, read_json
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,8 +52,8 @@ def test_cancelling_a_local_run_stops_every_process_within_15_s(tmp_path: Path):
     head_log = log_path(tmp_path, "head", 0)
     deadline = time.monotonic() + 30
     try:
-        while "tasks reported" not in (head_log.read_text() if head_log.exists() else ""):
-            assert time.monotonic() < deadline, "the groups never reported"
+        while "tasks registered" not in (head_log.read_text() if head_log.exists() else ""):
+            assert time.monotonic() < deadline, "the groups never registered"
             time.sleep(0.2)
         assert jobs.status(tmp_path).state == "RUNNING"
         started = time.monotonic()

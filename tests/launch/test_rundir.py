@@ -6,7 +6,13 @@ from pathlib import Path
 
 from hpcrl.config import load_config
 from hpcrl.config.dump import dump_toml
-from hpcrl.launch.rundir import CONFIG_FILE, LAUNCH_FILE, prepare_run_dir, read_json
+import pytest
+
+from hpcrl.errors import SlurmError
+from hpcrl.launch.submit import launch_record, prepare_run_dir
+from hpcrl.rundir import CONFIG_FILE, LAUNCH_FILE, write_json
+from hpcrl.slurm.record import read_launch
+from hpcrl.slurm.spec import job_spec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,8 +27,17 @@ def test_the_resolved_config_copy_loads_back_to_an_equal_config(tmp_path: Path):
 
 
 def test_prepare_run_dir_writes_config_launch_and_one_log_folder_per_group(tmp_path: Path):
-    prepare_run_dir(tmp_path / "run", config_toml="x = 1\n", launch={"groups": []}, groups=["head", "trainer"])
+    config = load_config(REPO / "configs" / "tiny_grpo.toml", overrides=[f"run.run_dir={tmp_path / 'run'}"])
+    spec = job_spec(config)
+    launch = launch_record(config, spec, executor="local", python="/usr/bin/python3", exit_codes={"reward/0": 5})
+    prepare_run_dir(tmp_path / "run", config_toml="x = 1\n", launch=launch, groups=["head", "trainer"])
     assert (tmp_path / "run" / CONFIG_FILE).read_text() == "x = 1\n"
-    assert read_json(tmp_path / "run" / LAUNCH_FILE) == {"groups": []}
+    assert read_launch(tmp_path / "run") == launch  # the typed record survives its JSON file
     assert sorted(p.name for p in (tmp_path / "run" / "logs").iterdir()) == ["head", "trainer"]
     assert not list((tmp_path / "run").glob(".*tmp*"))
+
+
+def test_a_launch_file_that_is_not_the_record_is_an_error_naming_the_file(tmp_path: Path):
+    write_json(tmp_path / LAUNCH_FILE, {"version": 1, "program": "rl"})
+    with pytest.raises(SlurmError, match=f"{tmp_path / LAUNCH_FILE} does not hold what the head needs"):
+        read_launch(tmp_path)

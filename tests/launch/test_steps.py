@@ -8,7 +8,7 @@ from hpcrl.launch.steps import srun_argv
 from hpcrl.slurm.spec import GroupSlot
 
 TRAINER = GroupSlot(name="trainer", component=1, nodes=2, tasks_per_node=4, gpus_per_node=4, cpus_per_task=8,
-                    ranks_per_replica=8, module="hpcrl.trainer", first_node=0)
+                    ranks_per_replica=8, module="hpcrl.roles", first_node=0)
 
 
 def test_a_hetjob_group_is_one_step_on_its_own_het_group_with_one_log_per_rank():
@@ -16,7 +16,7 @@ def test_a_hetjob_group_is_one_step_on_its_own_het_group_with_one_log_per_rank()
     assert "--het-group=1" in argv and "--nodes=2" in argv and "--ntasks=8" in argv
     assert "--output=/runs/x/logs/trainer/rank%t.log" in argv  # %t: the rank within the group
     assert not any("%j" in a for a in argv)  # %j would be each component's own id
-    assert argv[-4:] == ["py", "-u", "-m", "hpcrl.trainer"]
+    assert argv[-5:] == ["py", "-u", "-m", "hpcrl.roles", "trainer"]
 
 
 def test_a_split_group_is_one_step_on_its_node_range():

@@ -21,7 +21,7 @@ from hpcrl.cli.main import main as cli
 from hpcrl.config import load_config
 from hpcrl.errors import ConfigError
 from hpcrl.launch import jobs
-from hpcrl.launch.rundir import EXIT_FILE, JOB_FILE, SCRIPT_FILE, log_path, read_json
+from hpcrl.rundir import EXIT_FILE, JOB_FILE, SCRIPT_FILE, log_path, read_json
 from hpcrl.launch.submit import submit_run
 from hpcrl.slurm import tracking
 
@@ -118,8 +118,8 @@ def test_hpcrl_cancel_ends_every_component_and_status_says_cancelled_within_15_s
     done = submit_run(tiny(tmp_path, "cancel", any_cluster), hold_s=300, program="check")
     head_log = log_path(done.run_dir, "head", 0)
     deadline = time.monotonic() + 60
-    while "tasks reported" not in (head_log.read_text() if head_log.exists() else ""):
-        assert time.monotonic() < deadline, "the groups never reported"
+    while "tasks registered" not in (head_log.read_text() if head_log.exists() else ""):
+        assert time.monotonic() < deadline, "the groups never registered"
         time.sleep(0.2)
     assert jobs.status(done.run_dir).state == "RUNNING"
     started = time.monotonic()

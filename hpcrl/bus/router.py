@@ -1,20 +1,33 @@
-"""The head's end of the control bus: one ROUTER, the peer table, calls, health.
+"""The head's end of the control bus: one ROUTER, the peer table, calls, health, peer events.
 
-    head = Head(run_id="r1", secret=load_secret(run_dir), address="tcp://0.0.0.0:0",
-                on_unhealthy=launcher.relaunch)        # hook: called with the dead PeerInfo
-    address = await head.start()                        # the real address, to hand to workers
-    await head.wait_for_peers("inference", replicas=4, timeout=600)
-    reply = await head.request("inference/2/0", "generate", {"prompt": ...}, timeout=30)
+    router = Router(run_id="r1", secret=load_secret(run_dir), address="tcp://0.0.0.0:0",
+                    on_unhealthy=relaunch)             # hook: called with the dead PeerInfo
+    address = await router.start()                     # the real address, to hand to workers
+    router.watch(events.append)                        # PeerEvent: registered/ready/exited/dead
+    await router.wait_for_peers("inference", replicas=4, timeout=600)
+    reply = await router.request("inference/2/0", "generate", {"prompt": ...}, timeout=30)
+    router.dismiss("inference/2/0", code=0, reason="the run is over")
 
-Workers register (PeerInfo + the endpoints they expose, each marked idempotent or not); the
-head welcomes them with the run's heartbeat settings. Heartbeats go both ways every
-heartbeat_interval; a peer silent for heartbeat_timeout is declared unhealthy: its pending
-calls fail with PeerDeadError (services retry the idempotent ones elsewhere), it is told to
-leave, and the unhealthy hooks run. A new registration under the same name re-admits it.
-A process once declared dead stays dead: its later messages are dropped and answered by BYE.
+A peer's life at the router:
 
-Per-peer state is a small mutable record (`_PeerState`); what callers see is `PeerInfo`.
-Spread calls over replicas with `hpcrl.services.Service`, not by hand.
+    REGISTER ------> registered --READY--> ready --dismiss()--> dismissed --BYE(code)--> exited
+                          |                  |                      |
+                          +-- silent for heartbeat_timeout, mark_dead(), BYE --> dead (or exited)
+
+Workers register (PeerInfo, and the endpoints they expose, each marked idempotent or not);
+the router welcomes them with the run's heartbeat settings. A worker that registers before
+it can serve (a group task still loading its model) says READY, with its endpoints, once it
+can: only ready peers count for `wait_for_peers` and take calls. Heartbeats go both ways
+every heartbeat_interval; a peer silent for heartbeat_timeout is declared unhealthy: its
+pending calls fail with PeerDeadError (services retry the idempotent ones elsewhere), it is
+told to leave, and the unhealthy hooks run. A new registration under the same name
+re-admits it. A process once declared dead stays dead: its later messages are dropped and
+answered by BYE - except one BYE carrying its exit code, which is how a task's exit code
+reaches the head, from the task's supervisor process after the task ended (any connection:
+the MAC proves who sent it; see hpcrl.bus.farewell).
+
+Per-peer state is a small mutable record (`_PeerState`); what callers see is `PeerInfo` and
+`PeerEvent`. Spread calls over replicas with `hpcrl.bus.service.Service`, not by hand.
 """
 
 from __future__ import annotations
@@ -51,9 +64,10 @@ class _PeerState:
     last_seen: float
     route: bytes = b""
     """The ZeroMQ routing id of its connection (`routing_id(incarnation)`), kept to send."""
-    host: bytes = b""
-    """Token shared by the workers on one event loop of one process (b"": none given); a fanout
-    sends one batched request per host, to one of them, which runs every sibling's endpoint."""
+    ready: bool = True
+    """It serves its endpoints (REGISTER said so, or READY came); only ready peers take calls."""
+    exit_code: int | None = None
+    """The code its process exited with, once a BYE carried it."""
     healthy: bool = True
     dead_reason: str = ""
     outstanding: int = 0
@@ -85,12 +99,24 @@ class _Pending:
     endpoint: str
     fan: _Fanout | None = None
     index: int = 0
-    via: _PeerState | None = None
-    """The sibling a batched fanout call went through (it answers for `peer`)."""
 
 
-class Head:
-    """Binds the bus, admits workers, calls their endpoints, and watches their health."""
+@dataclass(frozen=True, slots=True)
+class PeerEvent:
+    """A change in a peer's life, as `Router.watch` callbacks see it.
+
+    kind: "registered" (admitted; not yet serving unless it said ready), "ready" (serves its
+    endpoints), "exited" (a BYE carried its process's exit `code`), "dead" (silent, marked
+    dead, or left without an exit code; `reason` says which)."""
+
+    kind: str
+    info: PeerInfo
+    code: int | None = None
+    reason: str = ""
+
+
+class Router:
+    """Binds the bus, admits workers, calls their endpoints, watches their health, reports their lives."""
 
     def __init__(self, *, run_id: str, secret: Secret, address: str = "tcp://127.0.0.1:0",
                  config: BusConfig | None = None,
@@ -109,6 +135,7 @@ class Head:
         self._pending: dict[int, _Pending] = {}
         self._next_id = 0
         self._listeners: list[Callable[[PeerInfo], Any]] = [on_unhealthy] if on_unhealthy else []
+        self._watchers: list[Callable[[PeerEvent], None]] = []
         self._changed = asyncio.Event()
         self.generation = 0
         """Bumped whenever a peer registers or is declared unhealthy (Service caches on it)."""
@@ -120,7 +147,7 @@ class Head:
         """Why close() was called; None while the head is open."""
 
     def __repr__(self) -> str:
-        return f"Head(run_id={self.run_id!r}, address={self.address!r}, peers={len(self._peers)})"
+        return f"Router(run_id={self.run_id!r}, address={self.address!r}, peers={len(self._peers)})"
 
     # ---------------------------------------------------------------- life cycle
 
@@ -131,7 +158,7 @@ class Head:
         self._channel = _channel.Channel(sock, self._on_message, small_frames=2,  # routing id, header
                                          awaiting=self._pending.__len__)
         self._channel.start()
-        self._monitor = asyncio.create_task(self._watch(), name="hpcrl-bus-head-monitor")
+        self._monitor = asyncio.create_task(self._watch(), name="hpcrl-bus-router-monitor")
         log.info("bus: head of run %s listening on %s", self.run_id, self.address)
         return self.address
 
@@ -151,7 +178,7 @@ class Head:
         self._channel.close(linger=1.0)  # the goodbyes still go out
         self._closed_because = reason
 
-    async def __aenter__(self) -> "Head":
+    async def __aenter__(self) -> "Router":
         await self.start()
         return self
 
@@ -165,8 +192,9 @@ class Head:
         return self._counters.snapshot()
 
     def peers(self, group: str | None = None, *, healthy_only: bool = True) -> list[PeerInfo]:
+        """Peers (of `group`); by default only those that serve: healthy and ready."""
         return [st.info for st in self._peers.values()
-                if (group is None or st.info.group == group) and (st.healthy or not healthy_only)]
+                if (group is None or st.info.group == group) and (st.healthy and st.ready or not healthy_only)]
 
     def peer(self, name: str) -> PeerInfo:
         return self._state(name).info
@@ -188,10 +216,10 @@ class Head:
         return bool(st and st.endpoints.get(endpoint, False))
 
     def complete_replicas(self, group: str) -> list[int]:
-        """Replicas of `group` whose every rank is registered and healthy."""
+        """Replicas of `group` whose every rank is registered, ready and healthy."""
         ranks: dict[int, list[_PeerState]] = {}
         for st in self._peers.values():
-            if st.info.group == group and st.healthy:
+            if st.info.group == group and st.healthy and st.ready:
                 ranks.setdefault(st.info.replica, []).append(st)
         return sorted(r for r, sts in ranks.items() if len(sts) == sts[0].info.replica_ranks)
 
@@ -207,6 +235,22 @@ class Head:
     def subscribe(self, on_unhealthy: Callable[[PeerInfo], Any]) -> None:
         """Call `on_unhealthy(peer_info)` (plain or async) whenever a peer is declared unhealthy."""
         self._listeners.append(on_unhealthy)
+
+    def watch(self, on_event: Callable[[PeerEvent], None]) -> None:
+        """Call `on_event(PeerEvent)` for every registration, READY, exit code and death, in order,
+        from the loop (keep it quick: e.g. append to a list another task reads)."""
+        self._watchers.append(on_event)
+
+    def dismiss(self, name: str, code: int = 0, reason: str = "dismissed by the head") -> bool:
+        """Tell a peer to leave and exit with `code` (a BYE carrying it). The peer stops taking
+        calls at once, without hooks; its exit code comes later as an "exited" event. False if
+        it is unknown or no longer healthy."""
+        st = self._peers.get(name)
+        if st is None or not st.healthy:
+            return False
+        self._send(st, Kind.BYE, {"reason": reason, "code": code})
+        self._declare_dead(st, f"dismissed: {reason}", notify=False, farewell=False)
+        return True
 
     async def wait_for_peers(self, group: str, replicas: int = 1, *, timeout: float) -> list[int]:
         """Wait until `replicas` replicas of `group` are complete; returns their indices."""
@@ -240,7 +284,7 @@ class Head:
         if not st.healthy:
             raise PeerDeadError(peer, st.dead_reason)
         if endpoint not in st.endpoints:
-            raise UnknownEndpointError(peer, endpoint, list(st.endpoints))
+            raise UnknownEndpointError(peer, endpoint, list(st.endpoints), ready=st.ready)
         timeout = self.config.default_deadline if timeout is None else timeout
         if timeout <= 0:
             raise DeadlineExceeded(peer, endpoint, timeout)
@@ -272,7 +316,7 @@ class Head:
             if not st.healthy:
                 raise PeerDeadError(st.name, st.dead_reason)
             if endpoint not in st.endpoints:
-                raise UnknownEndpointError(st.name, endpoint, list(st.endpoints))
+                raise UnknownEndpointError(st.name, endpoint, list(st.endpoints), ready=st.ready)
         timeout = self.config.default_deadline if timeout is None else timeout
         if timeout <= 0 and states:
             raise DeadlineExceeded(states[0].name, endpoint, timeout)
@@ -284,41 +328,20 @@ class Head:
         buffers = tuple(buffers)
         first_rid = self._next_id + 1
         self._next_id += len(states)
-        # One request per host (the workers of one process's loop), sent to the first of them,
-        # carrying its siblings' calls; a worker without a host gets its own request.
-        leads: dict[bytes, int] = {}
-        batches: dict[int, list] = {}
-        via: list[_PeerState | None] = [None] * len(states)
-        for index, st in enumerate(states):
-            lead = leads.setdefault(st.host, index) if st.host else index
-            if lead == index:
-                batches[index] = []
-            else:
-                batches[lead].append([st.incarnation, first_rid + index])
-                via[index] = states[lead]
         seal = self._sealer.seal
-        messages = []
-        for lead, batch in batches.items():
-            body = {"id": first_rid + lead, "ep": endpoint, "a": args, "ttl": timeout}
-            if batch:
-                body["batch"] = batch
-            st = states[lead]
-            messages.append([st.route, *seal(Kind.REQUEST, body, to=st.incarnation, buffers=buffers)])
+        messages = [[st.route, *seal(Kind.REQUEST, {"id": first_rid + index, "ep": endpoint, "a": args, "ttl": timeout},
+                                     to=st.incarnation, buffers=buffers)]
+                    for index, st in enumerate(states)]
         sent = self._channel.send_many(messages) if self._channel is not None else [False] * len(messages)
-        ok_leads = {states[lead].incarnation for lead, ok in zip(batches, sent) if ok}
         pending = self._pending
-        for index, st in enumerate(states):
-            through = via[index] or st
-            if through.incarnation not in ok_leads:
+        for index, (st, ok) in enumerate(zip(states, sent)):
+            if not ok:
                 self._counters.count("send_failed")
                 if not fan.future.done():
-                    fan.future.set_exception(PeerDeadError(
-                        st.name, "unreachable (not connected, or its send queue is full)"
-                        + (f"; its call went through {through.name}" if through is not st else "")))
+                    fan.future.set_exception(PeerDeadError(st.name, "unreachable (not connected, or its send queue is full)"))
                 continue
             rid = first_rid + index
-            pending[rid] = _Pending(future=fan.future, peer=st, endpoint=endpoint, fan=fan, index=index,
-                                    via=via[index])
+            pending[rid] = _Pending(future=fan.future, peer=st, endpoint=endpoint, fan=fan, index=index)
             st.outstanding += 1
             fan.open.add(rid)
         fan.timer = loop.call_later(timeout, self._expire_fanout, fan, timeout)
@@ -372,6 +395,8 @@ class Head:
         st = self._by_incarnation.get(env.sender)
         if st is None:
             return self._counters.drop("drop_unknown_peer", f"{env.kind.name} before REGISTER")
+        if env.kind == Kind.BYE:  # from the peer, or from its supervisor on a connection of its own
+            return self._on_bye(st, env)
         if identity != st.route:
             return self._counters.drop("drop_identity", f"{st.name} on a foreign connection")
         if not st.healthy:
@@ -383,28 +408,22 @@ class Head:
             self._counters.accept()
         elif env.kind == Kind.REPLY:
             self._on_reply(st, env)
-        elif env.kind == Kind.BYE:
-            self._counters.accept()
-            reason = env.body.get("reason") if isinstance(env.body, dict) else None
-            self._declare_dead(st, f"left: {reason if isinstance(reason, str) else 'no reason given'}")
+        elif env.kind == Kind.READY:
+            self._on_ready(st, env)
         else:
             self._counters.drop("malformed", f"{env.kind.name} is not sent to the head")
 
     def _on_register(self, identity: bytes, env: Envelope) -> None:
         body = env.body
         try:
-            if not isinstance(body, dict) or set(body) - {"host"} != {"peer", "endpoints", "t"}:
+            if not isinstance(body, dict) or set(body) != {"peer", "endpoints", "t", "ready"}:
                 raise ValueError("registration body has the wrong fields")
-            host = body.get("host", b"")
-            if not (isinstance(host, bytes) and len(host) in (0, 16)):
-                raise ValueError("registration host token is not 16 bytes")
             info = PeerInfo.from_wire(body["peer"])
-            endpoints = body["endpoints"]
-            if not (isinstance(endpoints, dict) and all(isinstance(k, str) and isinstance(v, bool)
-                                                       for k, v in endpoints.items())):
-                raise ValueError("endpoints must map names to idempotent flags")
+            endpoints = _endpoint_table(body["endpoints"])
             if not isinstance(body["t"], (int, float)):
                 raise ValueError("registration time is not a number")
+            if not isinstance(body["ready"], bool):
+                raise ValueError("registration ready flag is not a boolean")
         except ValueError as exc:
             return self._counters.drop("malformed", str(exc))
         if identity != routing_id(env.sender):
@@ -427,15 +446,54 @@ class Head:
         if previous is not None and previous.healthy:
             # No hooks: the replacement is already here, the launcher must not start another.
             self._declare_dead(previous, "replaced by a new registration of the same peer", notify=False)
-        st = _PeerState(info=info, incarnation=env.sender, endpoints=dict(endpoints),
-                        last_seen=self._loop.time(), host=host)
+        st = _PeerState(info=info, incarnation=env.sender, endpoints=endpoints, ready=body["ready"],
+                        last_seen=self._loop.time())
         self._peers[info.name] = st
         self._by_incarnation[env.sender] = st
         self._counters.accept()
         self._welcome(st)
         log.info("bus: %s registered (host %s, pid %d, gpu %r)%s", info.name, info.host, info.pid,
                  info.gpu, " again" if previous is not None else "")
+        self._tell(PeerEvent("registered", info))
+        if st.ready:
+            self._tell(PeerEvent("ready", info))
         self._bump()
+
+    def _on_ready(self, st: _PeerState, env: Envelope) -> None:
+        body = env.body
+        try:
+            if not (isinstance(body, dict) and set(body) == {"endpoints"}):
+                raise ValueError("READY body has the wrong fields")
+            endpoints = _endpoint_table(body["endpoints"])
+        except ValueError as exc:
+            return self._counters.drop("malformed", f"{st.name}: {exc}")
+        self._counters.accept()
+        if st.ready:  # said twice (harmless): keep the first table
+            return
+        st.endpoints, st.ready = endpoints, True
+        log.info("bus: %s is ready (%d endpoints)", st.name, len(endpoints))
+        self._tell(PeerEvent("ready", st.info))
+        self._bump()
+
+    def _on_bye(self, st: _PeerState, env: Envelope) -> None:
+        """A peer leaves: BYE {"reason": str, "code": int (optional), "by": "task" | "supervisor"}."""
+        body = env.body
+        reason, code = (body.get("reason"), body.get("code")) if isinstance(body, dict) else (None, None)
+        if not isinstance(reason, str) or not (code is None or type(code) is int):
+            return self._counters.drop("malformed", f"BYE from {st.name} without a reason or with a bad code")
+        if code is None and not st.healthy or code is not None and st.exit_code is not None:
+            return self._counters.drop("drop_stale_peer", f"{st.name} said BYE again ({reason})")
+        self._counters.accept()
+        if st.healthy:
+            self._declare_dead(st, f"left: {reason}" if code is None else f"exited with code {code}: {reason}",
+                               farewell=False, event=code is None)
+        if code is not None:
+            st.exit_code = code
+            self._tell(PeerEvent("exited", st.info, code=code, reason=reason))
+
+    def _tell(self, event: PeerEvent) -> None:
+        for watcher in self._watchers:
+            watcher(event)
 
     def _bump(self) -> None:
         """The peer table changed: wake wait_for_peers, and invalidate callers' caches."""
@@ -451,8 +509,6 @@ class Head:
         body = env.body
         if not (isinstance(body, dict) and isinstance(body.get("id"), int) and isinstance(body.get("ok"), bool)):
             return self._counters.drop("malformed", f"reply from {st.name} without id/ok")
-        if "batch" in body:
-            return self._on_batch_reply(st, env)
         self._counters.accept()
         pending = self._pending.get(body["id"])
         if pending is None or pending.peer is not st or pending.future.done():
@@ -478,36 +534,6 @@ class Head:
         if fan.left == 0:
             fan.future.set_result(fan.results)
 
-    def _on_batch_reply(self, st: _PeerState, env: Envelope) -> None:
-        """The answer of `st` for itself and its siblings to one batched fanout request."""
-        entries = env.body["batch"]
-        if not (isinstance(entries, list) and all(
-                isinstance(e, list) and len(e) == 5 and isinstance(e[0], int) and isinstance(e[1], bool)
-                and isinstance(e[3], bool) and isinstance(e[4], int) and e[4] >= 0 for e in entries)
-                and sum(e[4] for e in entries) == len(env.buffers)):
-            return self._counters.drop("malformed", f"batched reply from {st.name} with malformed entries")
-        self._counters.accept()
-        pending_calls, at = self._pending, 0
-        for rid, ok, value, is_payload, nbuf in entries:
-            buffers, at = env.buffers[at:at + nbuf], at + nbuf
-            pending = pending_calls.get(rid)
-            if (pending is None or pending.fan is None or pending.future.done()
-                    or (pending.peer is not st and pending.via is not st)):
-                self._counters.count("late_reply")
-                continue
-            fan = pending.fan
-            if not ok:
-                etype, emsg = (value if isinstance(value, list) and len(value) == 2 else ("?", repr(value)))
-                fan.future.set_exception(RemoteError(pending.peer.name, pending.endpoint, str(etype), str(emsg)))
-                continue
-            fan.results[pending.index] = Payload(value=value, buffers=buffers) if is_payload else value
-            del pending_calls[rid]
-            fan.open.discard(rid)
-            pending.peer.outstanding -= 1
-            fan.left -= 1
-            if fan.left == 0:
-                fan.future.set_result(fan.results)
-
     # ---------------------------------------------------------------- health
 
     async def _watch(self) -> None:
@@ -523,19 +549,19 @@ class Head:
                 else:
                     self._send(st, Kind.HEARTBEAT)
 
-    def _declare_dead(self, st: _PeerState, reason: str, *, notify: bool = True) -> None:
+    def _declare_dead(self, st: _PeerState, reason: str, *, notify: bool = True, farewell: bool = True,
+                      event: bool = True) -> None:
         st.healthy = False
         st.dead_reason = reason
-        log.warning("bus: peer %s (host %s, pid %d) is unhealthy: %s", st.name, st.info.host, st.info.pid, reason)
+        if notify:
+            log.warning("bus: peer %s (host %s, pid %d) is unhealthy: %s", st.name, st.info.host, st.info.pid, reason)
         for pending in self._pending.values():
-            if pending.future.done():
-                continue
-            if pending.peer is st:
+            if not pending.future.done() and pending.peer is st:
                 pending.future.set_exception(PeerDeadError(st.name, reason))
-            elif pending.via is st:  # a sibling's call that st was to answer
-                pending.future.set_exception(PeerDeadError(
-                    pending.peer.name, f"its call went through {st.name}, which is unhealthy: {reason}"))
-        self._send(st, Kind.BYE, {"reason": f"declared dead: {reason}"})
+        if farewell:
+            self._send(st, Kind.BYE, {"reason": f"declared dead: {reason}"})
+        if event and notify:
+            self._tell(PeerEvent("dead", st.info, reason=reason))
         for listener in self._listeners if notify else ():
             # call_soon: a failing hook is reported by the loop and cannot stop the monitor.
             self._loop.call_soon(self._run_hook, listener, st.info)
@@ -553,3 +579,11 @@ class Head:
         if not task.cancelled() and task.exception() is not None:
             self._loop.call_exception_handler({"message": "bus: an on_unhealthy hook failed",
                                                "exception": task.exception(), "task": task})
+
+
+def _endpoint_table(endpoints: Any) -> dict[str, bool]:
+    """A peer's endpoint names -> idempotent flags, as sent; ValueError when malformed."""
+    if not (isinstance(endpoints, dict) and all(isinstance(k, str) and isinstance(v, bool)
+                                               for k, v in endpoints.items())):
+        raise ValueError("endpoints must map names to idempotent flags")
+    return dict(endpoints)

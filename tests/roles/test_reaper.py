@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.launch.reaper import descendants, live
+from hpcrl.roles.reaper import descendants, live
 
 REPO = Path(__file__).resolve().parents[2]
 
 TASK = textwrap.dedent("""
     import os, subprocess, sys, time
-    import hpcrl.launch.reaper as reaper
+    import hpcrl.roles.reaper as reaper
     reaper.GRACE_S = 1.0
     reaper.supervise("hpcrl.test")
     # the task: a helper that ignores SIGTERM and has a helper of its own, in a session of its own

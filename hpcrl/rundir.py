@@ -1,4 +1,4 @@
-"""The run directory: the unit of a run on disk (see DESIGN.md).
+"""The run directory: the unit of a run on disk (docs/ARCHITECTURE.md), its file names and JSON files.
 
     <run_dir>/
       config.toml        resolved configuration (profile + experiment + --set)
@@ -10,7 +10,7 @@
                          submitted and kept for the run's life (restarts and resumes reuse it)
       logs/<group>/rank<k>.log   one log per task; logs/head/rank0.log is the head's
       submitit/          submitit's pickles, results and batch-step output
-      exit.json          written by the head when the run ends: state, failures, reports
+      exit.json          written by the head when the run ends: state, failures, tasks
       metrics.jsonl      (later) one JSON line per step
 
 Files other processes read are written to a temporary name, fsynced and renamed.
@@ -46,19 +46,3 @@ def read_json(path: Path) -> Any:
 
 def log_path(run_dir: Path, group: str, rank: int) -> Path:
     return Path(run_dir) / LOGS_DIR / group / f"rank{rank}.log"
-
-
-def prepare_run_dir(run_dir: Path, *, config_toml: str, launch: dict, groups: list[str]) -> None:
-    """Create the run directory with its config copy, launch.json and one log folder per group."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for group in groups:
-        (run_dir / LOGS_DIR / group).mkdir(parents=True, exist_ok=True)
-    (run_dir / SUBMITIT_DIR).mkdir(exist_ok=True)
-    write_atomic(run_dir / CONFIG_FILE, config_toml)
-    write_json(run_dir / LAUNCH_FILE, launch)
-    # The per-run bus secret: before submitting, readable by the owner only, never in logs or job.json.
-    from hpcrl.bus.secret import create_secret, secret_path
-    if not secret_path(run_dir).exists():
-        create_secret(run_dir)
-    for stale in (EXIT_FILE, JOB_FILE, JOB_ID_FILE):
-        (run_dir / stale).unlink(missing_ok=True)

@@ -20,14 +20,14 @@ import itertools
 from typing import Any, Hashable, Iterable
 
 from hpcrl.bus.errors import DeadlineExceeded, NoHealthyReplicaError, PeerDeadError
-from hpcrl.bus.head import Head
+from hpcrl.bus.router import Router
 from hpcrl.bus.peer import PeerInfo
 
 
 class Service:
     """The replicas of one group, as the head sees them."""
 
-    def __init__(self, head: Head, group: str) -> None:
+    def __init__(self, head: Router, group: str) -> None:
         self.head = head
         self.group = group
         self._pins: dict[Hashable, str] = {}

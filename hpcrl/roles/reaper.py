@@ -1,6 +1,6 @@
 """Nothing a group task started outlives it: the task runs under a small supervisor that reaps.
 
-    python -m hpcrl.inference            (what srun starts)
+    python -m hpcrl.roles inference      (what srun starts)
       supervisor  pid S   subreaper; passes TERM/HUP/USR1/USR2 on; exits as the task did
         task      pid T   the role: vLLM's LLM(...), the bus, ...
           EngineCore      (vLLM)  -+ if T dies (kill -9, OOM killer), these are re-parented to S,
@@ -13,6 +13,10 @@ step lives on while its other tasks run (an inference step holds every replica o
 each group task forks first thing: the parent marks itself a child subreaper (prctl), waits for the
 task, then ends every process left below it, and exits with the task's status (re-raising the
 task's signal, so srun and the head see what they saw before).
+
+The supervisor is also the one that tells the head how the task ended (`on_exit`: hpcrl.roles.serve
+sends the exit code as an authenticated BYE on the bus, hpcrl.bus.farewell), so a task killed
+with -9 is reported at once, with its signal, instead of after the bus's heartbeat timeout.
 
 TERM, HUP, USR1 and USR2 sent to the supervisor are passed on to the task. Slurm and the local
 executor signal the whole process group or every process of the step, so the task may see one of
@@ -28,6 +32,7 @@ import os
 import signal
 import sys
 import time
+from typing import Callable
 
 #: prctl(2) option that makes orphaned descendants re-parent to this process instead of init.
 PR_SET_CHILD_SUBREAPER = 36
@@ -153,11 +158,20 @@ def _exit_as(status: int) -> None:
     os._exit(code)
 
 
-def supervise(label: str) -> None:
+def exit_code(status: int) -> int:
+    """The code a shell or srun reports for a wait status: the exit code, or 128 + the signal."""
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
+
+
+def supervise(label: str, on_exit: Callable[[int, str], object] | None = None) -> None:
     """Fork; return in the child (the task), never in the parent, which reaps and exits as the child did.
 
-    Call it first thing in a process that will start others, before any thread exists. Where the
-    kernel has no child subreapers (not Linux) it returns without forking."""
+    `on_exit(code, how)` runs in the parent as soon as the task has ended (code as `exit_code`,
+    how e.g. "killed by SIGKILL"), before what it left running is ended; its failure is printed
+    and changes nothing else. Call this first thing in a process that will start others, before
+    any thread exists. Where the kernel has no child subreapers (not Linux) it returns without
+    forking, and `on_exit` is never called."""
     if not _set_child_subreaper():
         return
     held = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # none may end the parent before its handlers
@@ -176,6 +190,12 @@ def supervise(label: str) -> None:
             os._exit(1)
         if pid == child:
             break
+    if on_exit is not None:
+        try:
+            on_exit(exit_code(status), _describe(status))
+        except Exception as err:  # noqa: BLE001 - telling the head is best effort; reaping must go on
+            print(f"{label}: could not report the task's end: {type(err).__name__}: {err}", file=sys.stderr,
+                  flush=True)
     ended = end_left_behind(GRACE_S, SETTLE_S)
     if ended:
         names = ", ".join(f"{name} (pid {pid})" for pid, name in sorted(ended.items()))

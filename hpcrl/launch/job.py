@@ -1,0 +1,255 @@
+"""The job's entry: the head, in component 0 (the batch step). Starts every group, runs the run's
+program, records how the run ended, and requeues it after a lost task.
+
+    python -m hpcrl.launch.job RUN_DIR       (the sbatch/ templates; submitit calls HeadJob(run_dir))
+
+  1. reads RUN_DIR/launch.json (hpcrl.slurm.record) and binds the control bus (hpcrl.bus.Router,
+     the run's secret): the head's one control port. Program "rl" also serves a rendezvous store
+     (torch's TCPStore: trainer process group, weight-transfer group).
+  2. starts one step per group (hpcrl.launch.supervisor): `srun --het-group=i` (hetjob), srun on the
+     group's node range (split), or local process trees (local executor). Every task registers
+     on the bus, says READY when it serves, and its exit code comes back as a BYE.
+  3. program "check": waits until every task has registered, holds them for launch.json's hold_s,
+     then dismisses each with its exit code (0, or launch.json's exit_codes, to test failures).
+     program "rl": the GRPO loop over the bus (hpcrl.rl.program) while the supervisor watches
+     every step; then dismisses every task with 0.
+  4. writes exit.json: COMPLETED; FAILED naming group, rank and node; CANCELLED (SIGTERM: scancel,
+     hpcrl cancel); REQUEUED (a lost task under Slurm with requeues left, or SIGUSR2 before the time
+     limit: `scontrol requeue`, the run resumes from its newest checkpoint); PREEMPTED (SIGUSR2 with
+     the local executor: submit the run directory again to resume).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hpcrl.bus import BusConfig, Router, load_secret
+from hpcrl.errors import HpcrlError
+from hpcrl.launch.supervisor import GroupFailed, Supervisor
+from hpcrl.roles.serve import BUS_SETTINGS
+from hpcrl.rundir import CONFIG_FILE, EXIT_FILE, log_path, write_json
+from hpcrl.slurm.record import read_launch
+
+__all__ = ["GroupFailed", "HeadJob", "RunCancelled", "run_head"]
+
+
+class RunCancelled(HpcrlError):
+    """The head was told to stop (SIGTERM or SIGINT), e.g. by scancel or hpcrl cancel."""
+
+
+def _logger(run_dir: Path) -> logging.Logger:
+    log = logging.getLogger(f"hpcrl.head.{run_dir}")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    fmt = logging.Formatter("%(asctime)s head: %(message)s")
+    path = log_path(run_dir, "head", 0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for handler in (logging.FileHandler(path), logging.StreamHandler(sys.stderr)):
+        handler.setFormatter(fmt)
+        log.addHandler(handler)
+    return log
+
+
+def _raise_cancelled(signum: int, frame: object) -> None:
+    raise RunCancelled(f"received {signal.Signals(signum).name}")
+
+
+def _late_usr2(signum: int, frame: object) -> None:
+    """SIGUSR2 once training is over (the groups are stopping): nothing is left to checkpoint."""
+    print("head: SIGUSR2 after the last step: the run is finishing, nothing to checkpoint", file=sys.stderr,
+          flush=True)
+
+
+async def _check(sup: Supervisor) -> None:
+    """Program "check": release every task once all registered and hold_s passed; wait for the steps."""
+    sup.start()
+    started, registered_at = time.monotonic(), None
+    while not await sup.check(released=sup.released):
+        if registered_at is None and sup.all_registered:
+            registered_at = time.monotonic()
+            sup.log.info(f"all {len(sup.expected)} tasks registered in {registered_at - started:.1f} s")
+        if registered_at is not None and not sup.released and time.monotonic() - registered_at >= sup.launch.hold_s:
+            sup.release()
+        await asyncio.sleep(0.1)
+
+
+async def _train(sup: Supervisor, advertise: str) -> bool:
+    """Program "rl": rendezvous store, the groups, the GRPO loop while the steps are watched.
+
+    Returns True when the run was preempted (SIGUSR2, Slurm's pre-timeout signal): it checkpointed
+    after the step in progress and stopped; False when it trained to the end."""
+    from hpcrl.config.load import load_config
+    from hpcrl.rl.program import run_program
+    from hpcrl.transfer.rendezvous import host_store
+
+    log, launch = sup.log, sup.launch
+    config = load_config(sup.run_dir / CONFIG_FILE)
+    store = host_store(advertise, 0, timeout_s=launch.start_timeout_s)
+    log.info(f"rendezvous store at {advertise}:{store.port}")
+    sup.revivable = {"inference"}
+    sup.start({"HPCRL_STORE_ADDR": f"{advertise}:{store.port}"})
+    preempt = asyncio.Event()
+
+    def on_usr2() -> None:
+        log.info("SIGUSR2 (the time limit is near): checkpointing after this step, then requeueing")
+        preempt.set()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, on_usr2)
+
+    async def watch() -> None:
+        while not await sup.check(released=False):
+            await asyncio.sleep(0.2)
+
+    loop_task = asyncio.create_task(run_program(
+        config, sup.router, store_host=advertise, store_port=store.port, log=log.info, steps=launch.stop_after,
+        stop_requested=preempt.is_set, connect_timeout=launch.start_timeout_s))
+    watch_task = asyncio.create_task(watch())
+    try:
+        done, _ = await asyncio.wait({loop_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+        if watch_task in done:
+            watch_task.result()  # raises GroupFailed naming the group and ranks
+        try:
+            preempted = loop_task.result()
+        except GroupFailed:
+            raise
+        except Exception as err:  # noqa: BLE001 - the loop's error ends the run FAILED, with its message
+            log.exception("the GRPO loop failed")
+            raise GroupFailed(f"the GRPO loop failed: {type(err).__name__}: {err}") from None
+        sup.revivable = set()
+        sup.release()  # every task: exit 0
+        await sup.wait_ended()
+        return preempted
+    finally:
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGUSR2)  # leaves SIG_DFL, which would kill us
+        signal.signal(signal.SIGUSR2, _late_usr2)
+        for task in (loop_task, watch_task):
+            task.cancel()
+        await asyncio.gather(loop_task, watch_task, return_exceptions=True)
+        del store
+
+
+async def _run(sup: Supervisor, advertise: str) -> bool:
+    """Bind the bus, run the program, close the bus; True when the run was preempted."""
+    try:
+        bound = await sup.router.start()
+        sup.bus_address = f"tcp://{advertise}:{bound.rpartition(':')[2]}"
+        sup.log.info(f"run {sup.launch.run_name} ({sup.launch.executor}, layout {sup.launch.layout}): head on "
+                     f"{sup.head_identity['node']}, bus at {sup.bus_address}")
+        if sup.launch.program == "rl":
+            return await _train(sup, advertise)
+        await _check(sup)
+        return False
+    finally:
+        counters = sup.router.counters()
+        refused = {k: v for k, v in counters.items() if k not in ("accepted", "dropped") and v}
+        if counters.get("dropped"):
+            sup.log.warning(f"the bus refused {counters['dropped']} message(s): {refused}")
+        await sup.router.close("the run is over")
+
+
+def run_head(run_dir: Path | str) -> dict:
+    """Start, watch and stop every group of the run in `run_dir`; return how it ended."""
+    run_dir = Path(run_dir).absolute()
+    launch = read_launch(run_dir)
+    log = _logger(run_dir)
+    advertise = os.environ.get("HPCRL_HEAD_HOST") or socket.gethostname()
+    router = Router(run_id=launch.run_name, secret=load_secret(run_dir), address="tcp://0.0.0.0:0",
+                    config=BusConfig(**BUS_SETTINGS))
+    sup = Supervisor(launch, run_dir, router, log)
+    previous = {sig: signal.signal(sig, _raise_cancelled) for sig in (signal.SIGTERM, signal.SIGINT)}
+    started = time.time()
+    state, failures, error = "FAILED", [], ""
+    try:
+        preempted = asyncio.run(_run(sup, advertise))
+        state = ("REQUEUED" if launch.executor == "slurm" else "PREEMPTED") if preempted else "COMPLETED"
+    except GroupFailed as err:
+        failures = err.args[1] if len(err.args) > 1 else []
+        error = err.args[0]
+        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+        if launch.program == "rl" and launch.executor == "slurm" and restarts < launch.max_requeues:
+            # A node died or a task was killed: come back from the last checkpoint (a new allocation
+            # avoids a dead node once Slurm has marked it down) instead of ending the run.
+            state = "REQUEUED"
+            log.error(f"run lost a task: {error}; requeueing to resume from the last checkpoint "
+                      f"(restart {restarts + 1} of at most {launch.max_requeues})")
+        else:
+            log.error(f"run FAILED: {error}")
+            raise GroupFailed(error) from None
+    except RunCancelled as err:
+        state, error = "CANCELLED", str(err)
+        log.info(f"run CANCELLED ({err}); stopping every group")
+        raise
+    except Exception as err:  # a bug or an unreadable run directory: still FAILED, saying why
+        error = f"the head failed: {type(err).__name__}: {err}"
+        log.exception(error)
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sup.stop_steps()
+        tasks = [sup.head_identity] + [t.identity for _, t in sorted(sup.tasks.items())]
+        write_json(run_dir / EXIT_FILE, {"state": state, "error": error, "failures": failures,
+                                         "reports": tasks, "elapsed_s": round(time.time() - started, 3),
+                                         "refused_messages": router.counters().get("dropped", 0),
+                                         "step_codes": {s.slot.name: s.poll() for s in sup.steps}})
+        if state == "COMPLETED":
+            log.info(f"run COMPLETED in {time.time() - started:.1f} s")
+        if state in ("REQUEUED", "PREEMPTED"):
+            log.info("requeueing the job (scontrol requeue); it resumes from its newest checkpoint when it starts "
+                     "again" if state == "REQUEUED" else
+                     "run stopped at a checkpoint: submit the same run directory again to resume")
+        for handler in list(log.handlers):
+            handler.close()
+            log.removeHandler(handler)
+    if state == "REQUEUED":
+        _requeue_this_job()
+    return {"state": state, "reports": tasks, "run_dir": str(run_dir)}
+
+
+def _requeue_this_job() -> None:
+    """Put this job back in the queue (it keeps its id; Slurm restarts the head, which resumes),
+    then leave without a result, as submitit does after its own requeue."""
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        raise GroupFailed(f"scontrol requeue {job_id} failed ({done.stderr.strip()}): the run stopped at its "
+                          "checkpoint; submit the same run directory again to resume")
+    raise SystemExit(-1)
+
+
+class HeadJob:
+    """What submitit runs in the batch step: picklable, it carries only the run directory."""
+
+    def __init__(self, run_dir: Path | str) -> None:
+        self.run_dir = str(run_dir)
+
+    def __call__(self) -> dict:
+        return run_head(self.run_dir)
+
+    def __repr__(self) -> str:
+        return f"HeadJob({self.run_dir!r})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m hpcrl.launch.job RUN_DIR", file=sys.stderr)
+        return 2
+    try:
+        run_head(args[0])
+    except GroupFailed:
+        return 1
+    except RunCancelled:
+        return 143
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,249 @@
+"""The head's process supervisor: starts every group's step, keeps the table of tasks from the
+bus's peer events, starts a lost task of a revivable group again, and names what failed.
+
+    sup = Supervisor(launch, run_dir, router, log)     # router: the head's hpcrl.bus.Router
+    sup.start({"HPCRL_STORE_ADDR": ...})                 # one step per group (srun, or local processes)
+    while not sup.check(released=False): await asyncio.sleep(0.2)   # raises GroupFailed naming ranks
+    sup.release()                                        # every task: a BYE with its exit code
+    await sup.wait_ended()
+
+A task is known by (group, task rank). It tells the head about itself on the bus, as every peer
+does: REGISTER (it started: group, replica, rank, node, pid), READY (it serves), and at its end a
+BYE with its exit code, which the task's supervisor process sends even after a kill -9
+(hpcrl.bus.farewell). A task that vanishes without a word (its node lost power) is declared dead
+by the bus's heartbeat timeout. The steps' own exit codes (srun returns the largest of its
+tasks') complete the picture: a step that ended before all its tasks registered, or with a
+non-zero code, fails the run naming group, rank and node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpcrl.bus.router import PeerEvent, Router
+from hpcrl.errors import HpcrlError
+from hpcrl.launch.steps import Step, start_local_step, start_replacement, start_slurm_step
+from hpcrl.slurm.nodelist import expand_nodelist
+from hpcrl.slurm.record import LaunchRecord
+
+#: Times one lost inference replica is started again before the run gives up.
+MAX_RELAUNCHES = 3
+
+
+class GroupFailed(HpcrlError):
+    """A group's step ended with a non-zero exit code, or its tasks never registered."""
+
+
+@dataclass
+class Task:
+    """A task as the head knows it from the bus."""
+
+    identity: dict
+    """group, rank (within the group), replica, node, pid: what exit.json lists."""
+    peer: str
+    """Its name on the bus (group/replica/rank)."""
+    code: int | None = None
+    """Its exit code, once a BYE carried it."""
+    lost: str = ""
+    """Why the bus declared it dead without an exit code ("" while not)."""
+    events: list[str] = field(default_factory=list)
+
+
+class Supervisor:
+    """The head's state: steps, tasks that registered, and what went wrong."""
+
+    def __init__(self, launch: LaunchRecord, run_dir: Path, router: Router, log: logging.Logger) -> None:
+        self.launch = launch
+        self.run_dir = run_dir
+        self.router = router
+        self.log = log
+        self.expected = {(g.name, r) for g in launch.groups if g.module for r in range(g.tasks)}
+        self.tasks: dict[tuple[str, int], Task] = {}
+        self.steps: list[Step] = []
+        self.problems: list[str] = []
+        self.revivable: set[str] = set()
+        """Groups whose lost tasks are started again instead of failing the run (program rl: inference)."""
+        self.relaunches: dict[tuple[str, int], int] = {}
+        self.live_step: dict[tuple[str, int], Step] = {}
+        self.retired: set[int] = set()
+        self.env: dict[str, str] = {}
+        self.bus_address = ""
+        """The bus as tasks reach it (tcp://<the head's host>:<port>), set once the router is bound."""
+        self.released = False
+        self.all_registered = False
+        self._events: list[PeerEvent] = []
+        self._deadline = time.monotonic() + launch.start_timeout_s
+        router.watch(self._events.append)
+        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        self.head_identity = {"group": "head", "rank": 0, "replica": 0, "node": node, "pid": os.getpid()}
+
+    # ---------------------------------------------------------------- starting
+
+    def start(self, extra_env: dict[str, str] | None = None) -> None:
+        """Start one step per group; every task gets the bus address and the layout in its environment."""
+        layout = {"groups": [{**vars(g), "tasks": g.tasks} for g in self.launch.groups]}
+        # cluster.env is exported by the batch script too; the local executor has only this.
+        self.env = {**os.environ, **self.launch.env, "HPCRL_RUN_DIR": str(self.run_dir),
+                    "HPCRL_BUS_ADDR": self.bus_address or self.router.address,
+                    "HPCRL_LAYOUT": json.dumps(layout, separators=(",", ":")), **(extra_env or {})}
+        self._deadline = time.monotonic() + self.launch.start_timeout_s
+        job_nodes = expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", "")) if self.launch.layout == "split" else []
+        for slot in self.launch.groups:
+            if not slot.module:
+                continue
+            if self.launch.executor == "local":
+                step = start_local_step(slot, run_dir=self.run_dir, python=self.launch.python, env=self.env)
+            else:
+                nodes = job_nodes[slot.first_node:slot.first_node + slot.nodes] if job_nodes else None
+                step = start_slurm_step(slot, layout=self.launch.layout, run_dir=self.run_dir,
+                                        python=self.launch.python, env=self.env, nodelist=nodes)
+            self.steps.append(step)
+            for rank in step.ranks:
+                self.live_step[(slot.name, rank)] = step
+            self.log.info(f"started group {slot.name}: {slot.nodes} node(s) x {slot.tasks_per_node} task(s)")
+
+    def revive(self, group: str, rank: int, why: str) -> None:
+        """Start a lost task of a revivable group again (it registers anew, on the same node)."""
+        key = (group, rank)
+        count = self.relaunches.get(key, 0) + 1
+        if count > MAX_RELAUNCHES:
+            raise GroupFailed(f"group {group} rank {rank} was lost {count} times (last: {why}); not starting it again")
+        self.relaunches[key] = count
+        old = self.tasks.pop(key, None)
+        node = old.identity.get("node") if old else None
+        self.log.warning(f"group {group} rank {rank} lost ({why}); starting it again (time {count} of "
+                         f"{MAX_RELAUNCHES})")
+        slot = self.launch.group(group)
+        step = start_replacement(slot, rank, executor=self.launch.executor, layout=self.launch.layout,
+                                 run_dir=self.run_dir, python=self.launch.python, env=self.env,
+                                 node=node if self.launch.layout == "split" else None)
+        self.steps.append(step)
+        self.live_step[key] = step
+
+    # ---------------------------------------------------------------- the bus's word
+
+    def handle_events(self) -> None:
+        """Take in what the bus saw since the last call: registrations, exit codes, deaths."""
+        events, self._events[:] = list(self._events), []
+        for event in events:
+            info = event.info
+            key = (info.group, info.task)
+            if event.kind == "registered":
+                if key not in self.expected:
+                    self.problems.append(f"unexpected task {info.group} rank {info.task} registered from "
+                                         f"{info.host} (pid {info.pid})")
+                    continue
+                self.tasks[key] = Task(identity={"group": info.group, "rank": info.task, "replica": info.replica,
+                                                 "node": info.host, "pid": info.pid}, peer=info.name)
+                self.log.info(f"registered: {info.group} rank {info.task} replica {info.replica} "
+                              f"on node {info.host} (pid {info.pid})")
+                if self.released:  # started again just before the end
+                    self.router.dismiss(info.name, 0, "the run is over")
+                continue
+            task = self.tasks.get(key)
+            if task is None or task.peer != info.name or task.identity["pid"] != info.pid:
+                continue  # an earlier incarnation of a task started again since
+            if event.kind == "exited":
+                task.code = event.code
+                if info.group in self.revivable and event.code != 0:
+                    self.revive(*key, why=f"it exited with code {event.code} ({event.reason})")
+            elif event.kind == "dead":
+                task.lost = event.reason
+                if info.group in self.revivable:
+                    self.revive(*key, why=event.reason)
+
+    def release(self) -> None:
+        """Tell every task to exit: 0, or launch.json's exit_codes (program check, to test failures)."""
+        self.released = True
+        for (group, rank), task in sorted(self.tasks.items()):
+            self.router.dismiss(task.peer, int(self.launch.exit_codes.get(f"{group}/{rank}", 0)), "the run is over")
+
+    # ---------------------------------------------------------------- steps
+
+    def failures_of(self, step: Step, code: int) -> list[dict]:
+        """Name the ranks of a failed step: non-zero exit code, lost without one, or never registered."""
+        found = []
+        for rank in step.ranks:
+            task = self.tasks.get((step.slot.name, rank))
+            if task is None:
+                found.append({"group": step.slot.name, "rank": rank, "node": None, "code": None,
+                              "why": "never registered with the head"})
+            elif task.code not in (None, 0):
+                found.append({"group": step.slot.name, "rank": rank, "node": task.identity["node"],
+                              "code": task.code, "why": f"exited with code {task.code}"})
+            elif task.code is None:
+                found.append({"group": step.slot.name, "rank": rank, "node": task.identity["node"], "code": None,
+                              "why": f"ended without telling the head its exit code{f' ({task.lost})' if task.lost else ''}"})
+        return found or [{"group": step.slot.name, "rank": None, "node": None, "code": code,
+                          "why": f"its step exited with code {code}"}]
+
+    async def check(self, *, released: bool) -> bool:
+        """One look at the bus's events and the steps: raise GroupFailed naming what failed; True once
+        every step ended with 0."""
+        self.handle_events()
+        if self.problems:
+            raise GroupFailed("; ".join(self.problems))
+        codes = [(step, step.poll()) for step in self.steps if id(step) not in self.retired]
+        for step, code in codes:
+            if step.slot.name in self.revivable and code is not None and (code != 0 or not released):
+                self.retired.add(id(step))
+                if step.local:
+                    step.kill()  # the lost task's children (vLLM's engine processes) go with it
+                for rank in step.ranks:  # unless its exit code on the bus already had it started again
+                    if self.live_step.get((step.slot.name, rank)) is step:
+                        self.revive(step.slot.name, rank, why=f"its step ended with code {code}")
+        codes = [(step, code) for step, code in codes if id(step) not in self.retired]
+        failed = [(step, code) for step, code in codes if code not in (None, 0)]
+        if failed:
+            await asyncio.sleep(0.3)  # exit codes still in flight on the bus
+            self.handle_events()
+            failures = [f for step, code in failed for f in self.failures_of(step, code)]
+            raise GroupFailed("; ".join(describe(f) for f in failures), failures)
+        for step, code in codes:
+            if code == 0 and not released:
+                missing = [r for r in step.ranks if (step.slot.name, r) not in self.tasks]
+                if missing:
+                    raise GroupFailed(f"group {step.slot.name} ended before ranks {missing} registered with the head")
+                raise GroupFailed(f"group {step.slot.name} ended before the head told it to")
+        if self.expected <= self.tasks.keys():
+            self.all_registered = True  # from now on a task started again has the bus's timeouts instead
+        if not released and not self.all_registered and time.monotonic() > self._deadline:
+            missing = sorted(self.expected - self.tasks.keys())
+            raise GroupFailed("tasks never registered within start_timeout_s: "
+                              + ", ".join(f"{g} rank {r}" for g, r in missing))
+        return all(code == 0 for _, code in codes)
+
+    async def wait_ended(self) -> None:
+        """After release(): wait until every step has ended with 0 (GroupFailed otherwise)."""
+        while not await self.check(released=True):
+            await asyncio.sleep(0.2)
+
+    def stop_steps(self) -> None:
+        """End every step still running: SIGTERM, then SIGKILL after 10 s."""
+        for step in self.steps:
+            if step.local and step.poll() is not None:
+                step.kill()  # what a dead task left in its process group (e.g. vLLM's engine processes)
+        running = [s for s in self.steps if s.poll() is None]
+        for step in running:
+            step.terminate()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(s.poll() is None for s in running):
+            time.sleep(0.1)
+        for step in running:
+            step.kill()
+        for step in running:
+            for proc in step.procs:
+                proc.wait()
+
+
+def describe(failure: dict) -> str:
+    rank = f" rank {failure['rank']}" if failure["rank"] is not None else ""
+    node = f" on node {failure['node']}" if failure["node"] else ""
+    return f"group {failure['group']}{rank}{node} {failure['why']}"

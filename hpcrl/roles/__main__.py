@@ -1,0 +1,13 @@
+"""`python -m hpcrl.roles GROUP [--exit-code N]`: one task of a group (the head's steps start it).
+
+GROUP is trainer, inference or reward; see hpcrl.roles.serve for the task's life.
+"""
+
+import sys
+
+from hpcrl.roles.serve import GROUPS, task_main
+
+if len(sys.argv) < 2 or sys.argv[1] not in GROUPS:
+    print(f"usage: python -m hpcrl.roles {{{'|'.join(GROUPS)}}} [--exit-code N]", file=sys.stderr)
+    raise SystemExit(2)
+raise SystemExit(task_main(sys.argv[1], sys.argv[2:]))

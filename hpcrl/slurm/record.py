@@ -1,0 +1,82 @@
+"""launch.json: what the head needs to start and watch a run's groups, as a typed record.
+
+`hpcrl submit` writes it into the run directory before submitting (hpcrl.launch.submit); the head
+and every group task read it back (`read_launch`). A file that does not parse as this record is a
+SlurmError naming the file and the field, never a KeyError deep inside the head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpcrl.errors import SlurmError
+from hpcrl.rundir import LAUNCH_FILE, read_json, write_json
+from hpcrl.slurm.spec import GroupSlot
+
+VERSION = 1
+#: What the head runs: "rl" trains; "check" starts every task, has each register, and ends them.
+PROGRAMS = ("rl", "check")
+#: Seconds every task has to register after its step started (the default of start_timeout_s).
+DEFAULT_START_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchRecord:
+    run_name: str
+    run_dir: str
+    executor: str
+    """"slurm" or "local"."""
+    layout: str
+    """"hetjob" or "split" (hpcrl.slurm.spec)."""
+    cluster: str
+    python: str
+    """The interpreter every task runs (the submitting one's)."""
+    groups: tuple[GroupSlot, ...]
+    program: str = "rl"
+    stop_after: int | None = None
+    """Program rl: stop (checkpointed) after this step instead of trainer.steps."""
+    hold_s: float = 0.0
+    """Program check: keep every task this long after all registered."""
+    exit_codes: dict[str, int] = field(default_factory=dict)
+    """Program check: "group/rank" -> the exit code the head tells that task (tests failure handling)."""
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S
+    slurm_conf: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    """cluster.env: exported to every task."""
+    max_requeues: int = 0
+    version: int = VERSION
+
+    def __post_init__(self) -> None:
+        if self.program not in PROGRAMS:
+            raise SlurmError(f"{LAUNCH_FILE}: program {self.program!r} is not one of {PROGRAMS}")
+
+    def group(self, name: str) -> GroupSlot:
+        return next(g for g in self.groups if g.name == name)
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["groups"] = [{**vars(g), "tasks": g.tasks} for g in self.groups]
+        return data
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = LAUNCH_FILE) -> "LaunchRecord":
+        if not isinstance(data, dict) or data.get("version") != VERSION:
+            raise SlurmError(f"{where} is not a launch record of version {VERSION}: write it again with hpcrl submit")
+        try:
+            groups = tuple(GroupSlot(**{k: v for k, v in g.items() if k != "tasks"}) for g in data["groups"])
+            return cls(**{**data, "groups": groups})
+        except (KeyError, TypeError) as err:
+            raise SlurmError(f"{where} does not hold what the head needs ({err}): write it again with "
+                             "hpcrl submit") from None
+
+
+def read_launch(run_dir: Path | str) -> LaunchRecord:
+    path = Path(run_dir) / LAUNCH_FILE
+    return LaunchRecord.from_json(read_json(path), where=str(path))
+
+
+def write_launch(run_dir: Path | str, record: LaunchRecord) -> None:
+    write_json(Path(run_dir) / LAUNCH_FILE, record.to_json())
