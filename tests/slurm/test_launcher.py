@@ -85,7 +85,7 @@ def reported(run_dir: Path) -> list[tuple[str, int, str]]:
     ("split", [("head", 0, "n1"), ("inference", 0, "n3"), ("reward", 0, "n4"),
                ("trainer", 0, "n1"), ("trainer", 1, "n2")]),
 ])
-def test_every_task_of_every_group_reports_to_the_head_and_the_submitit_result_comes_back(
+def test_every_task_of_every_group_registers_with_the_head_and_the_submitit_result_comes_back(
         any_cluster, tmp_path, layout, expected):
     started = time.monotonic()
     done = submit_run(tiny(tmp_path, layout, any_cluster, f'cluster.layout="{layout}"'), program="check")
@@ -98,7 +98,7 @@ def test_every_task_of_every_group_reports_to_the_head_and_the_submitit_result_c
     recorded = settled(done.job_id, any_cluster)
     assert final.state == "COMPLETED" and recorded.state == "COMPLETED"
     assert len(final.rows) == (4 if layout == "hetjob" else 1)
-    assert "reporting to" in log_path(done.run_dir, "trainer", 1).read_text()
+    assert "registered with the head as trainer/0/1" in log_path(done.run_dir, "trainer", 1).read_text()
     print(f"{layout} (final state from {recorded.source}): submit -> result {elapsed:.1f} s")
 
 
