@@ -100,3 +100,25 @@ def test_descendants_lists_children_and_their_children_but_not_the_process_itsel
             os.kill(pid, signal.SIGKILL)
         outer.kill()
         outer.wait()
+
+
+@pytest.mark.timeout(60)
+def test_the_supervisor_hands_on_exit_the_status_of_a_task_killed_with_9_and_of_one_that_exits():
+    script = textwrap.dedent("""
+        import os, sys, time
+        import hpcrl.roles.reaper as reaper
+        reaper.supervise("hpcrl.test", on_exit=lambda code, how: print(f"on_exit {code} {how}", flush=True))
+        print(os.getpid(), flush=True)
+        code = sys.stdin.readline().strip()
+        os._exit(int(code)) if code else time.sleep(300)
+    """)
+    for how, expected in (("kill", "on_exit 137 killed by SIGKILL"), ("7", "on_exit 7 exited with code 7")):
+        sup = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(REPO)},
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        task = int(sup.stdout.readline())
+        if how == "kill":
+            os.kill(task, signal.SIGKILL)
+            out, _ = sup.communicate(timeout=30)
+        else:
+            out, _ = sup.communicate(f"{how}\n", timeout=30)
+        assert out.strip() == expected
