@@ -1,0 +1,245 @@
+"""The groups of a run in memory: the controller's `Ports` without processes, for tests that take milliseconds.
+
+    ports = FakePorts()
+    controller = await run_loop(config, ports, log=lines.append)     # hpcrl.rl.loop, unchanged
+    ports.trainer.version, ports.trainer.weights, ports.inference.version, ports.events
+
+Nothing is canned. The "model" is a policy over the ten digits with three weights (see `logits`):
+
+    trainer     FakeTrainer: its weights move at every train_step by a clipped, importance-weighted
+                policy gradient of the batch (advantages x ratio against the batch's old logprobs),
+                so the numbers depend on which weights generated each batch; a version counter
+                (steps made); save/load of both through the checkpoint directory
+    inference   FakeEngine: serves the weights it last received, samples every completion from them
+                seeded by (seed, the prompt's place in the batch, sample) as vLLM does (the controller's
+                seed already holds the batch index), and tags it with the weight version it holds
+    reward      FakeReward: the builtin exact match, except for the sample ids it is told are broken
+                (those come back as errors, as from a verifier that raised)
+
+A resume that loses state, a sync that delivers the wrong weights or a batch generated with other
+weights shows in the weights, the logprobs and the metrics, the same places a real run shows it.
+Faults are set on the parts: `inference.ignored_versions` (a replica that misses a push),
+`inference.claimed_version` (one that reports a version it was not given), `trainer.during_step`
+(called in the middle of a train step: raise there to crash the run, or ask it to stop).
+The same parts serve as the workers behind the fake bus of fake_head.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+from hpcrl.data.prompts import Prompt
+from hpcrl.fsio import write_atomic
+from hpcrl.inference.types import Completion
+from hpcrl.reward.builtin import exact_match
+from hpcrl.reward.types import RewardResult, Sample
+
+INITIAL_WEIGHTS = (0.0, 0.0, 0.0)
+STATE_FILE = "fake_trainer.json"
+
+
+class FakeGroupError(RuntimeError):
+    """A fake group was used in a way the real one would refuse."""
+
+
+# -- the model: logits(d) = w0 [d is the context's last digit] + w1 d / 9 + w2 [d is even] ----------
+def _target(context: list[int]) -> int | None:
+    return next((t - 48 for t in reversed(context) if 48 <= t <= 57), None)
+
+
+def _features(target: int | None, digit: int) -> tuple[float, float, float]:
+    return float(digit == target), digit / 9, float(digit % 2 == 0)
+
+
+def _probabilities(weights, target: int | None) -> list[float]:
+    w0, w1, w2 = weights
+    exps = [math.exp(w0 * (d == target) + w1 * d / 9 + w2 * (d % 2 == 0)) for d in range(10)]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
+def token_logprob(weights, context: list[int], token: int) -> float:
+    """Log-probability of `token` after `context`; the model is certain of non-digit text (prompts)."""
+    if not 48 <= token <= 57:
+        return 0.0
+    return math.log(_probabilities(weights, _target(context))[token - 48])
+
+
+def sequence_logprobs(weights, sequence: list[int]) -> list[float]:
+    """The logprob of every token after the first, as trainer and vLLM both report them."""
+    return [token_logprob(weights, sequence[:j], sequence[j]) for j in range(1, len(sequence))]
+
+
+# -- the groups ------------------------------------------------------------------------------------
+class FakeTrainer:
+    """The trainer group: weights, a version counter, and GRPO-like updates (see the module docstring)."""
+
+    def __init__(self, *, lr: float = 2.0, clip: tuple[float, float] = (0.2, 0.28)) -> None:
+        self.lr, self.clip = lr, clip
+        self.weights = list(INITIAL_WEIGHTS)
+        self.version = 0
+        """Weight version = optimizer steps made."""
+        self.trained: dict[int, list[str]] = {}
+        """step -> prompt ids of its batch (per sequence), for the tests."""
+        self.during_step: Callable[[int], None] | None = None
+
+    def train(self, batch: dict, step: int) -> dict[str, float]:
+        if step < self.version:
+            raise FakeGroupError(f"train step {step} asked of a trainer that already made weight version "
+                                 f"{self.version}")
+        grad, loss, tokens, ratio_max = [0.0, 0.0, 0.0], 0.0, 0, 0.0
+        low, high = 1 - self.clip[0], 1 + self.clip[1]
+        for ids, start, old, adv in zip(batch["input_ids"], batch["prompt_lengths"], batch["old_logprobs"],
+                                        batch["advantages"]):
+            for j in range(start, len(ids)):
+                context, token = ids[:j], ids[j]
+                ratio = math.exp(token_logprob(self.weights, context, token) - old[j - start])
+                ratio_max = max(ratio_max, ratio)
+                loss -= min(ratio * adv, min(max(ratio, low), high) * adv)
+                tokens += 1
+                if (adv > 0 and ratio > high) or (adv < 0 and ratio < low):
+                    continue  # clipped: no gradient
+                target = _target(context)
+                expected = [0.0, 0.0, 0.0]  # E_p[features], for the gradient of log p(token)
+                for d, p in enumerate(_probabilities(self.weights, target)):
+                    for k, f in enumerate(_features(target, d)):
+                        expected[k] += p * f
+                for k, f in enumerate(_features(target, token - 48)):
+                    grad[k] += adv * ratio * (f - expected[k])
+        if tokens:
+            self.weights = [w + self.lr * g / tokens for w, g in zip(self.weights, grad)]
+        self.version = step + 1
+        self.trained[step] = list(batch["prompt_ids"])
+        return {"loss": loss / max(tokens, 1), "grad_norm": math.sqrt(sum(g * g for g in grad)) / max(tokens, 1),
+                "ratio_max": ratio_max}
+
+    def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        return [sequence_logprobs(self.weights, s) for s in sequences]
+
+    def save(self, directory: Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        write_atomic(directory / STATE_FILE, json.dumps({"version": self.version, "weights": self.weights}))
+
+    def load(self, directory: Path) -> None:
+        state = json.loads((Path(directory) / STATE_FILE).read_text())
+        self.version, self.weights = int(state["version"]), [float(w) for w in state["weights"]]
+
+
+class FakeEngine:
+    """One inference replica: serves the weights it last received, tagged with their version."""
+
+    def __init__(self) -> None:
+        self.weights = list(INITIAL_WEIGHTS)  # what a replica loads from the model files at start
+        self.version = 0
+        self.ignored_versions: set[int] = set()
+        """Pushes this replica loses (it goes on serving what it had)."""
+        self.claimed_version: int | None = None
+        """A version this replica reports instead of the one it holds."""
+        self.generated: list[tuple[int, str, int]] = []
+        """(seed, prompt id, weight version) of every prompt it generated for."""
+
+    def receive(self, version: int, weights) -> None:
+        if version in self.ignored_versions:
+            return
+        self.version, self.weights = version, list(weights)
+
+    def generate(self, prompts: list[Prompt], *, n: int, seed: int, offset: int = 0) -> list[list[Completion]]:
+        version = self.version if self.claimed_version is None else self.claimed_version
+        groups = []
+        for k, prompt in enumerate(prompts):
+            context = list(prompt.text.encode())
+            probs = _probabilities(self.weights, _target(context))
+            group = []
+            for s in range(n):
+                rng = random.Random((seed * 1_000_003 + offset + k) * 1009 + s)  # as hpcrl.inference.engine
+                u, digit = rng.random(), 0
+                while digit < 9 and u >= probs[digit]:
+                    u -= probs[digit]
+                    digit += 1
+                token = 48 + digit
+                group.append(Completion(prompt_id=prompt.id, index=s, prompt_token_ids=context, token_ids=[token],
+                                        logprobs=[math.log(probs[digit])], text=str(digit),
+                                        finish_reason="length", weight_version=version))
+            groups.append(group)
+            self.generated.append((seed, prompt.id, version))
+        return groups
+
+    def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        return [sequence_logprobs(self.weights, s) for s in sequences]
+
+
+class FakeReward:
+    """Exact match; the samples named in `broken` ("prompt_id/k") fail as a raising verifier does."""
+
+    def __init__(self, broken: set[str] | Callable[[str], bool] = frozenset()) -> None:
+        self.broken = broken if callable(broken) else broken.__contains__
+
+    def score(self, samples: list[Sample]) -> list[RewardResult]:
+        return [RewardResult(id=s.id, prompt_id=s.prompt_id, reward=None,
+                             error="ValueError: the verifier could not parse the completion")
+                if self.broken(s.id) else
+                RewardResult(id=s.id, prompt_id=s.prompt_id, reward=exact_match(s.prompt, s.completion, s.answer))
+                for s in samples]
+
+
+class FakePorts:
+    """`hpcrl.rl.controller.Ports` (+ save/load_trainer) over one FakeTrainer, FakeEngine and FakeReward.
+
+    Every call yields to the event loop once, so a generation the controller started as a task runs
+    while the train step is in progress, as over the bus. `events` records, in order:
+    ("generate", seed), ("train", step, "begin" | "end"), ("sync", version).
+    """
+
+    def __init__(self, *, reward: FakeReward | None = None) -> None:
+        self.trainer = FakeTrainer()
+        self.inference = FakeEngine()
+        self.reward = reward or FakeReward()
+        self.events: list[tuple] = []
+
+    async def generate(self, prompts: list[Prompt], *, n: int, seed: int) -> list[list[Completion]]:
+        self.events.append(("generate", seed))
+        await asyncio.sleep(0)
+        return self.inference.generate(prompts, n=n, seed=seed)
+
+    async def score(self, samples: list[Sample]) -> list[RewardResult]:
+        await asyncio.sleep(0)
+        return self.reward.score(samples)
+
+    async def train_step(self, batch, *, step: int) -> dict[str, float]:
+        self.events.append(("train", step, "begin"))
+        await asyncio.sleep(0)
+        if self.trainer.during_step is not None:
+            self.trainer.during_step(step)
+        metrics = self.trainer.train(batch.to_dict(), step)
+        self.events.append(("train", step, "end"))
+        return metrics
+
+    async def sync_weights(self, version: int) -> None:
+        await asyncio.sleep(0)
+        if version < self.trainer.version:
+            raise FakeGroupError(f"weights pushed as version {version}, but the trainer made version "
+                                 f"{self.trainer.version}")
+        self.events.append(("sync", version))
+        self.inference.receive(version, self.trainer.weights)
+
+    async def trainer_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        await asyncio.sleep(0)
+        return self.trainer.logprobs(sequences)
+
+    async def inference_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        await asyncio.sleep(0)
+        return self.inference.logprobs(sequences)
+
+    async def save_trainer(self, directory: Path) -> None:
+        await asyncio.sleep(0)
+        self.trainer.save(directory)
+
+    async def load_trainer(self, directory: Path) -> None:
+        await asyncio.sleep(0)
+        self.trainer.load(directory)

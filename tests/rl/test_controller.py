@@ -1,0 +1,392 @@
+"""The RL loop without processes: the real controller and run_loop over in-memory groups (fake_ports.py),
+and the real BusPorts over an in-memory bus and job (fake_head.py). The whole file runs in about a second.
+
+    pytest tests/rl/test_controller.py --durations=0
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch  # noqa: F401  build_batch's advantages need it: a one-off import (~1.5 s) at collection, not in a test
+from fake_head import FakeHead, FakeJob
+from fake_ports import FakeGroupError, FakePorts, FakeReward
+
+import hpcrl.rl.ports as ports_module
+from hpcrl.config.schema import (
+    AlgorithmConfig,
+    Config,
+    DataConfig,
+    InferenceConfig,
+    ModelConfig,
+    RewardConfig,
+    RunConfig,
+    TrainerConfig,
+)
+from hpcrl.data.prompts import Prompt
+from hpcrl.rl.controller import ControllerError
+from hpcrl.rl.loop import Preempted, run_loop
+from hpcrl.rl.metrics import read_metrics
+from hpcrl.rl.ports import BusPorts
+
+STEPS = 6
+PROMPTS_PER_STEP = 3
+GROUP_SIZE = 4
+SEED = 3
+
+
+def config_for(run_dir: Path, *, lag: int = 1, steps: int = STEPS, interval: int = 0, replicas: int = 1,
+               trainer_nodes: int = 1) -> Config:
+    return Config(
+        run=RunConfig(name="fake-run", run_dir=str(run_dir), seed=SEED),
+        model=ModelConfig(preset="tiny-llama", dtype="float32"),
+        data=DataConfig(source="builtin:echo", max_prompt_tokens=16),
+        trainer=TrainerConfig(nodes=trainer_nodes, gpus_per_node=0, ranks_per_node=1, steps=steps, lr=1e-3,
+                              checkpoint_interval=interval, global_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,
+                              micro_batch_size=4),
+        inference=InferenceConfig(gpus_per_node=0, replicas=replicas, max_tokens=1),
+        reward=RewardConfig(function="hpcrl.reward.builtin:exact_match", tasks=1),
+        algorithm=AlgorithmConfig(group_size=GROUP_SIZE, max_policy_lag=lag))
+
+
+@contextlib.contextmanager
+def memory_dir(fallback: Path):
+    """A fresh directory in memory (/dev/shm) where there is one, else `fallback`: the loop fsyncs every
+    metrics line and checkpoint file, some milliseconds each on a disk, microseconds in memory."""
+    shm = Path("/dev/shm")
+    if not (shm.is_dir() and os.access(shm, os.W_OK)):
+        yield fallback
+        return
+    path = Path(tempfile.mkdtemp(prefix="hpcrl-test-controller-", dir=shm))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def runs(tmp_path):
+    """Where a test's runs write (see memory_dir)."""
+    with memory_dir(tmp_path) as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """uninterrupted(lag): (ports, run directory) of an undisturbed run, made once per lag for every test."""
+    made: dict[int, tuple[FakePorts, Path]] = {}
+    with memory_dir(tmp_path_factory.mktemp("uninterrupted")) as root:
+        def get(lag: int) -> tuple[FakePorts, Path]:
+            if lag not in made:
+                ports = FakePorts(reward=FakeReward(broken_sample))
+                loop_once(config_for(root / f"lag{lag}", lag=lag), ports)
+                made[lag] = ports, root / f"lag{lag}"
+            return made[lag]
+        yield get
+
+
+def run(coro, timeout: float = 10.0):
+    """One test coroutine on a fresh loop, with a deadline (a hang fails the test, it does not stall it)."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def loop_once(config: Config, ports, **kwargs) -> list[str]:
+    """run_loop to its end (or `steps`), returning what it logged."""
+    lines: list[str] = []
+    run(run_loop(config, ports, log=lines.append, **kwargs))
+    return lines
+
+
+def outcome(run_dir: Path) -> list[dict]:
+    """Every step's metrics, without wall times (which differ between any two runs)."""
+    return [{k: v for k, v in row.items() if not (k.startswith("time_") or k.endswith("_per_s"))}
+            for row in read_metrics(run_dir)]
+
+
+def batch_of(seed: int) -> int:
+    """The batch index a generation seed stands for (hpcrl.rl.controller: run.seed * 1_000_003 + index)."""
+    return seed - SEED * 1_000_003
+
+
+def broken_sample(sample_id: str) -> bool:
+    """The reward of every run here: one sample of batch 1's second prompt fails to score (its group is held out)."""
+    return sample_id == "echo-train-4/1"
+
+
+def prompt_ids(batch: int) -> list[str]:
+    return [f"echo-train-{batch * PROMPTS_PER_STEP + k}" for k in range(PROMPTS_PER_STEP)]
+
+
+# -- policy lag -------------------------------------------------------------------------------------
+# -- policy lag -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_each_step_trains_on_rollouts_of_weight_version_step_minus_lag(uninterrupted, lag):
+    ports, run_dir = uninterrupted(lag)
+    made_with = {prompt: version for _, prompt, version in ports.inference.generated}
+    for step in range(STEPS):
+        versions = {made_with[p] for p in ports.trainer.trained[step]}
+        assert versions == {max(0, step - lag)}, (step, versions)
+        assert step - min(versions) <= lag  # the staleness bound
+    assert ports.trainer.version == ports.inference.version == STEPS
+    rows = read_metrics(run_dir)
+    assert [r["weight_version"] for r in rows] == list(range(1, STEPS + 1))
+    assert all(r["policy_lag"] == lag and r["logprob_mismatch"] == 0.0 for r in rows)
+    assert any(r["ratio_max"] != 1.0 for r in rows) == (lag > 0)  # off-policy batches show in the ratio
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_with_a_lag_the_next_batch_is_generated_while_the_step_trains(uninterrupted, lag):
+    events = uninterrupted(lag)[0].events
+    for step in range(STEPS - lag):
+        begin, end = events.index(("train", step, "begin")), events.index(("train", step, "end"))
+        assert [batch_of(e[1]) for e in events[begin:end] if e[0] == "generate"] == [step + lag]
+        assert events.index(("sync", step + 1)) > end
+
+
+def test_fully_on_policy_generates_each_batch_after_the_last_sync_and_before_its_step(uninterrupted):
+    events = uninterrupted(0)[0].events
+    generations = [(at, batch_of(e[1])) for at, e in enumerate(events) if e[0] == "generate"]
+    assert [batch for _, batch in generations] == list(range(STEPS))
+    for at, batch in generations:
+        assert events.index(("sync", batch)) < at < events.index(("train", batch, "begin"))
+
+
+# -- resume ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_a_run_resumed_from_a_checkpoint_equals_an_uninterrupted_one(uninterrupted, runs, lag):
+    whole, whole_dir = uninterrupted(lag)
+    config = config_for(runs, lag=lag)
+    loop_once(config, FakePorts(reward=FakeReward(broken_sample)), steps=3)
+    assert [r["step"] for r in read_metrics(runs)] == [1, 2, 3]
+    second = FakePorts(reward=FakeReward(broken_sample))  # a new job: nothing carried over but the run dir
+    lines = loop_once(config, second)
+
+    assert f"resumed from {runs / 'checkpoints' / 'step_3'} (step 3)" in lines
+    assert outcome(runs) == outcome(whole_dir)
+    assert (second.trainer.version, second.trainer.weights) == (whole.trainer.version, whole.trainer.weights)
+    assert (second.inference.version, second.inference.weights) == (whole.inference.version, whole.inference.weights)
+    assert second.events[0] == ("sync", 3)  # the resumed weights reach inference before anything runs
+    # The batches generated before the checkpoint came back from it, scored, not generated again.
+    assert [batch_of(seed) for seed, _, _ in second.inference.generated[::PROMPTS_PER_STEP]] == \
+        list(range(3 + lag, STEPS))
+
+
+def test_a_run_that_crashed_between_checkpoints_repeats_the_lost_steps_exactly(uninterrupted, runs):
+    whole, whole_dir = uninterrupted(1)
+    config = config_for(runs, interval=3)
+    crashing = FakePorts(reward=FakeReward(broken_sample))
+
+    def lose_the_trainer(step: int) -> None:
+        if step == 4:
+            raise FakeGroupError("trainer rank 0 lost")
+    crashing.trainer.during_step = lose_the_trainer
+    with pytest.raises(FakeGroupError, match="trainer rank 0 lost"):
+        loop_once(config, crashing)
+    assert [r["step"] for r in read_metrics(runs)] == [1, 2, 3, 4]  # step 4 was logged after checkpoint 3
+
+    again = FakePorts(reward=FakeReward(broken_sample))
+    lines = loop_once(config, again)
+    assert f"resumed from {runs / 'checkpoints' / 'step_3'} (step 3)" in lines
+    assert outcome(runs) == outcome(whole_dir)
+    assert again.trainer.weights == whole.trainer.weights
+
+
+# -- held-out groups -------------------------------------------------------------------------------
+def test_a_group_whose_reward_failed_is_held_out_of_training_and_counted(uninterrupted):
+    ports, run_dir = uninterrupted(1)
+    trained = {p for ids in ports.trainer.trained.values() for p in ids}
+    assert "echo-train-4" not in trained and {"echo-train-3", "echo-train-5"} <= trained
+    rows = read_metrics(run_dir)
+    assert [r["groups"] for r in rows] == [3, 2, 3, 3, 3, 3]
+    # Counted when scored: with a lag of 1, batch 1 is scored while step 0 trains.
+    assert [r["groups_held_out_total"] for r in rows] == [1, 1, 1, 1, 1, 1]
+    assert [r["reward_errors"] for r in rows] == [0, 1, 0, 0, 0, 0]
+    assert rows[1]["reward_error_example"] == "echo-train-4/1: ValueError: the verifier could not parse the completion"
+
+
+def test_a_step_whose_every_group_is_held_out_trains_nothing_and_still_advances_the_weights(runs):
+    ports = FakePorts(reward=FakeReward(lambda sample_id: sample_id.split("/")[0] in prompt_ids(2)))
+    loop_once(config_for(runs), ports)
+    assert sorted(ports.trainer.trained) == [0, 1, 3, 4, 5]
+    rows = read_metrics(runs)
+    assert rows[2]["groups"] == 0 and rows[2]["reward_mean"] is None and "loss" not in rows[2]
+    assert rows[2]["groups_held_out_total"] == PROMPTS_PER_STEP and rows[2]["weight_version"] == 3
+    assert ("sync", 3) in ports.events and ports.inference.version == STEPS
+
+
+# -- weight versions the controller did not push ---------------------------------------------------
+def test_a_replica_that_missed_a_push_fails_the_loop_naming_the_batch_and_versions(runs):
+    ports = FakePorts()
+    ports.inference.ignored_versions = {2}
+    with pytest.raises(ControllerError, match=r"batch 3 was generated with weight versions \[1\], expected 2 "
+                                              r"\(at most 3\): the inference group missed a weight sync"):
+        loop_once(config_for(runs, lag=1), ports)
+
+
+def test_a_replica_reporting_a_version_never_pushed_fails_the_loop_before_training(runs):
+    ports = FakePorts()
+    ports.inference.claimed_version = 7
+    with pytest.raises(ControllerError, match=r"batch 0 was generated with weight versions \[7\], expected 0"):
+        loop_once(config_for(runs, lag=1), ports)
+    assert ("train", 0, "begin") not in ports.events
+
+
+# -- preemption ------------------------------------------------------------------------------------
+def test_a_stop_request_checkpoints_after_the_step_in_progress_and_a_resume_finishes_the_run(uninterrupted, runs):
+    whole, whole_dir = uninterrupted(1)
+    config = config_for(runs)
+    signalled: list[int] = []
+    first = FakePorts(reward=FakeReward(broken_sample))
+    first.trainer.during_step = lambda step: signalled.append(step) if step == 2 else None  # the signal, mid-step
+    lines: list[str] = []
+    with pytest.raises(Preempted) as stopped:
+        run(run_loop(config, first, log=lines.append, stop_requested=lambda: bool(signalled)))
+    assert stopped.value.step == 3 and first.trainer.version == 3
+    assert lines[-1] == f"checkpoint {runs / 'checkpoints' / 'step_3'}"
+    assert [r["step"] for r in read_metrics(runs)] == [1, 2, 3]
+
+    second = FakePorts(reward=FakeReward(broken_sample))
+    loop_once(config, second)
+    assert outcome(runs) == outcome(whole_dir)
+    assert second.trainer.weights == whole.trainer.weights
+
+
+# -- BusPorts over a fake bus: replicas lost around a weight push ----------------------------------
+PROBE = [Prompt(id=f"p{k}", text=f"say {k}:", answer=str(k)) for k in range(3)]
+
+
+def bus_config(run_dir: Path) -> Config:
+    """Two trainer ranks and two inference replicas (the in-memory ports ignore the layout)."""
+    return config_for(run_dir, replicas=2, trainer_nodes=2)
+
+
+async def connected(config: Config, **job_options) -> tuple[FakeJob, BusPorts, list[str]]:
+    """The real BusPorts over a fake job, connected, every replica on weight version 0."""
+    head = FakeHead()
+    job = FakeJob(config, head, **job_options)
+    lines: list[str] = []
+    ports = BusPorts(config, head, store_host="127.0.0.1", store_port=29500, log=lines.append)
+    await ports.connect(timeout=5)
+    await ports.sync_weights(0)
+    return job, ports, lines
+
+
+def trained(job: FakeJob, version: int) -> None:
+    """The trainer made weight version `version` (as a train step would: new weights, the counter)."""
+    job.trainer.weights = [0.5 * version, -0.25 * version, 0.125]
+    job.trainer.version = version
+
+
+def assert_every_replica_serves(job: FakeJob, version: int) -> None:
+    for replica, process in job.replicas.items():
+        assert (replica, process.engine.version, process.engine.weights) == (replica, version, job.trainer.weights)
+
+
+def versions_of(completions) -> set[int]:
+    return {c.weight_version for group in completions for c in group}
+
+
+@pytest.fixture
+def no_retry_pause(monkeypatch):
+    """BusPorts pauses between tries for a real head to notice a death; the fake head knows at once."""
+    monkeypatch.setattr(ports_module, "RETRY_PAUSE_S", 0.0)
+
+
+def test_a_replica_lost_before_a_push_gets_it_once_started_again_in_a_new_transfer_group(runs, no_retry_pause):
+    async def scenario() -> None:
+        job, ports, lines = await connected(bus_config(runs), relaunch=False)
+        lost = job.kill_replica(1)
+        trained(job, 1)
+        sync = asyncio.create_task(ports.sync_weights(1))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not sync.done()  # it waits for the lost replica to come back
+        job.start_replica(1)
+        await sync
+        assert ports.current and ports.generation == 1
+        assert_every_replica_serves(job, 1)
+        assert lost.engine.version == 0
+        assert "an inference replica was replaced: forming the weight-transfer group again" in lines
+        assert lines[-1] == "inference replicas caught up to weight version 1"
+        assert versions_of(await ports.generate(PROBE, n=2, seed=5)) == {1}
+    run(scenario())
+
+
+def test_a_replica_lost_during_a_push_is_caught_up_by_the_next_inference_call(runs, no_retry_pause):
+    async def scenario() -> None:
+        job, ports, lines = await connected(bus_config(runs))
+        doomed = job.replicas[1]
+        job.on_call = lambda process, endpoint, args: (
+            job.kill_replica(1) if process is doomed and endpoint == "receive_weights" else None)
+        trained(job, 1)
+        await ports.sync_weights(1)  # does not fail the loop
+        assert not ports.current and doomed.engine.version == 0
+        assert any(line.startswith("weight version 1 did not reach the inference replicas") for line in lines)
+        completions = await ports.generate(PROBE, n=2, seed=5)
+        assert versions_of(completions) == {1}
+        assert job.replicas[1] is not doomed and ports.generation == 1
+        assert_every_replica_serves(job, 1)
+        assert "inference replicas caught up to weight version 1" in lines
+        sequences = [c.prompt_token_ids + c.token_ids for group in completions for c in group]
+        assert await ports.inference_logprobs(sequences) == await ports.trainer_logprobs(sequences)
+    run(scenario())
+
+
+def test_a_replica_lost_after_a_push_loses_no_call_and_serves_again_only_once_caught_up(runs, no_retry_pause):
+    async def scenario() -> None:
+        job, ports, lines = await connected(bus_config(runs))
+        trained(job, 1)
+        await ports.sync_weights(1)
+        undisturbed = await ports.generate(PROBE, n=2, seed=5)
+        doomed = job.replicas[1]
+        job.on_call = lambda process, endpoint, args: (
+            job.kill_replica(1) if process is doomed and endpoint == "generate" else None)
+        assert await ports.generate(PROBE, n=2, seed=5) == undisturbed  # its chunk went to replica 0
+        assert any(line.startswith("generate on inference/1/0 lost") for line in lines)
+        restarted = job.replicas[1]
+        assert restarted is not doomed and restarted.engine.version == 0
+        assert await ports.generate(PROBE, n=2, seed=5) == undisturbed
+        assert restarted.engine.generated == []  # not on the current weights: it serves nothing yet
+        trained(job, 2)
+        await ports.sync_weights(2)
+        assert ports.generation == 1
+        assert_every_replica_serves(job, 2)
+        assert versions_of(await ports.generate(PROBE, n=2, seed=5)) == {2} and restarted.engine.generated
+    run(scenario())
+
+
+async def bus_run(config: Config, *, on_call=None) -> tuple[FakeJob, list[str]]:
+    """run_loop over the real BusPorts and a fake job (`on_call(job)` makes the job's on_call)."""
+    head = FakeHead()
+    job = FakeJob(config, head, reward=FakeReward(broken_sample))
+    if on_call is not None:
+        job.on_call = on_call(job)
+    lines: list[str] = []
+    ports = BusPorts(config, head, store_host="127.0.0.1", store_port=29500, log=lines.append)
+    await ports.connect(timeout=5)
+    await run_loop(config, ports, log=lines.append)
+    return job, lines
+
+
+def test_the_loop_over_bus_ports_makes_the_same_steps_as_over_the_in_memory_ports(uninterrupted, runs):
+    job, _ = run(bus_run(bus_config(runs)))
+    assert outcome(runs) == outcome(uninterrupted(1)[1])
+    assert {process.replica for process in job.processes if process.engine.generated} == {0, 1}  # both served
+
+
+def test_the_loop_goes_on_unchanged_when_a_replica_is_lost_during_a_push(uninterrupted, runs, no_retry_pause):
+    def lose_replica_1_receiving_version_3(job: FakeJob):
+        doomed = job.replicas[1]
+        return lambda process, endpoint, args: (
+            job.kill_replica(1) if process is doomed and endpoint == "receive_weights" and args["version"] == 3
+            else None)
+    job, lines = run(bus_run(bus_config(runs), on_call=lose_replica_1_receiving_version_3))
+    assert outcome(runs) == outcome(uninterrupted(1)[1])
+    assert [p.engine.version for p in job.processes] == [STEPS, 2, STEPS]  # replica 0, the lost 1, the new 1
+    assert "inference replicas caught up to weight version 3" in lines
