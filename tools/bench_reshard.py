@@ -33,6 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(1, str(REPO / "tests" / "transfer"))  # hf_module: a plain trainer model, shared with the tests
 
 
 def bench_planner(repeat: int) -> list[str]:
@@ -106,13 +107,14 @@ def trainer(ckpt: str, shape_json: str, rank: int, world: int, tp: int, fsdp_por
     try:
         import torch
         import torch.distributed as dist
+        from hf_module import checkpoint_module, local_shards
         from safetensors.torch import save_file
         from torch.distributed.fsdp import fully_shard
 
         from hpcrl.config.model_shapes import ModelShape
         from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
         from hpcrl.plan.transfer_planner import plan as plan_transfer
-        from hpcrl.transfer.trainer import TrainerSender, checkpoint_module, local_shards
+        from hpcrl.transfer.trainer import TrainerSender
         store = dist.TCPStore("127.0.0.1", fsdp_port, world, is_master=False)
         dist.init_process_group("gloo", store=dist.PrefixStore("fsdp", store), rank=rank, world_size=world)
         model = checkpoint_module(ckpt)
@@ -153,7 +155,7 @@ def bench_update(*, tp: int, fsdp: int, rounds: int, transport: str = "gloo") ->
     from hpcrl.config.model_shapes import PRESETS
     from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
     from hpcrl.plan.transfer_planner import plan as plan_transfer
-    from hpcrl.transfer.group import host_store
+    from hpcrl.transfer.rendezvous import host_store
 
     shape = dataclasses.replace(PRESETS["tiny-llama"], hidden_size=512, intermediate_size=1536, num_layers=8,
                                 num_heads=8, num_kv_heads=4, head_dim=64, vocab_size=4096)

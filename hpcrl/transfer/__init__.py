@@ -1,6 +1,10 @@
 """Executing weight-transfer plans: trainer FSDP shards -> live vLLM parameters, point to point.
 
-  group.py         a gloo process group spanning trainer ranks and vLLM workers, digest handshake
+  rendezvous.py    the TCP store every transport meets on (host_store for the head), digest comparison
+  registry.py      open_group(transport, ...): the transports by name, and the TransferLink they give
+  gloo.py          a gloo process group spanning trainer ranks and vLLM workers, digest handshake
+  ucx.py           the same over UCX (optional: ucxx)
+  for_config.py    the plan of a run, as both ends compute it from the config
   execute.py       messages of a plan for one rank; pack, send, receive, unpack (torch only)
   trainer.py       the trainer side: send from local FSDP shards, never full_tensor()
   vllm_adapter.py  the vLLM side: a WeightTransferEngine ("hpcrl") and a worker extension

@@ -1,6 +1,6 @@
 """Run one rank's part of a transfer plan over a transfer group (torch only, any device).
 
-`link` is an open transfer group (hpcrl/transfer/group.py: gloo, or UCX): `isend(buf, dst, tag)`,
+`link` is an open transfer group (registry.TransferLink: gloo, or UCX): `isend(buf, dst, tag)`,
 `irecv(buf, src, tag)` and `wait(handle, timeout)`, with ranks numbered as in
 `inference_group_rank` (trainer ranks first).
 

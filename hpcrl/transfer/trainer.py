@@ -1,53 +1,24 @@
 """The trainer side of a weight transfer: send from local FSDP2 shards, never `full_tensor()`.
 
     sender = TrainerSender.connect(plan, rank=rank, host=host, port=port, timeout_s=120)   # transport="gloo"
-    sender.send(local_shards(model))      # after every optimizer step, on every trainer rank
+    sender.send({name: shard.tensor for name, shard in engine.local_shards().items()})    # every step, every rank
 
-`local_shards(module)` maps each parameter name to its local shard (`DTensor.to_local()`, a view
-of rows [a, b) of the Shard(0) placement with torch.chunk semantics), so no gather happens.
-Every trainer rank joins the transfer group at connect time; the plan digest is compared with
-every other rank (trainer and vLLM workers) before anything moves.
+`send` takes each planned parameter's local shard under its HF name (the trainer engine's
+`local_shards`: rows [a, b) of the Shard(0) placement with torch.chunk semantics), so no gather
+happens. Every trainer rank joins the transfer group at connect time; the plan digest is
+compared with every other rank (trainer and vLLM workers) before anything moves.
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 
 from hpcrl.errors import TransferError
 from hpcrl.plan.transfer_plan import TransferPlan
 from hpcrl.transfer import execute
-from hpcrl.transfer.group import open_group
-
-
-def checkpoint_module(path: str | Path) -> torch.nn.Module:
-    """A plain module whose float32 parameters are the tensors of `path`/model.safetensors, nested
-    under their Hugging Face names (model.layers.0.self_attn.q_proj.weight, ...): a trainer model
-    with the "hf" naming of a transfer plan, without transformers or torchtitan."""
-    from safetensors.torch import load_file
-
-    root = torch.nn.Module()
-    for name, tensor in load_file(str(Path(path) / "model.safetensors")).items():
-        *parents, leaf = name.split(".")
-        module = root
-        for part in parents:
-            if not hasattr(module, part):
-                module.add_module(part, torch.nn.Module())
-            module = getattr(module, part)
-        module.register_parameter(leaf, torch.nn.Parameter(tensor.float()))
-    return root
-
-
-def local_shards(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """name -> this rank's local shard of every parameter (plain tensors pass through)."""
-    out = {}
-    for name, param in module.named_parameters():
-        data = param.data if isinstance(param, torch.nn.Parameter) else param
-        to_local = getattr(data, "to_local", None)
-        out[name] = to_local() if callable(to_local) else data
-    return out
+from hpcrl.transfer.registry import open_group
 
 
 class TrainerSender:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.errors import TransferError
-from hpcrl.transfer.group import compare_digests, rendezvous_store
+from hpcrl.transfer.rendezvous import compare_digests, rendezvous_store
 
 _TAG_BITS = 32
 _IDLE_SPINS = 64  # progress() calls without progress before the thread sleeps a little

@@ -51,7 +51,7 @@ from hpcrl.errors import TransferError
 from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
 from hpcrl.plan.transfer_planner import plan as plan_transfer
 from hpcrl.transfer import execute
-from hpcrl.transfer.group import open_group
+from hpcrl.transfer.registry import open_group
 
 ENGINE_NAME = "hpcrl"
 
@@ -85,7 +85,7 @@ class HpcrlInitInfo(WeightTransferInitInfo):
     generation: int = 0
     """Which formation of the group on this store (a replaced replica makes everyone form it again)."""
     transport: str = "gloo"
-    """"gloo" or "ucx" (hpcrl/transfer/group.py)."""
+    """"gloo" or "ucx" (hpcrl/transfer/registry.py)."""
 
 
 @dataclass

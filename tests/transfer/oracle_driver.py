@@ -59,12 +59,13 @@ def titan_module(ckpt: str, preset: str):
 def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_port: int, transfer_port: int, results) -> None:
     try:
         import torch.distributed as dist
+        from hf_module import checkpoint_module, local_shards
         from torch.distributed.fsdp import fully_shard
 
         from hpcrl.config.model_shapes import PRESETS
         from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
         from hpcrl.plan.transfer_planner import plan as plan_transfer
-        from hpcrl.transfer.trainer import TrainerSender, checkpoint_module, local_shards
+        from hpcrl.transfer.trainer import TrainerSender
 
         store = dist.TCPStore("127.0.0.1", fsdp_port, world, is_master=False)
         dist.init_process_group("gloo", store=dist.PrefixStore("fsdp", store), rank=rank, world_size=world)
@@ -116,7 +117,7 @@ def main() -> int:
     from hpcrl.config.model_shapes import PRESETS
     from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
     from hpcrl.plan.transfer_planner import plan as plan_transfer
-    from hpcrl.transfer.group import host_store
+    from hpcrl.transfer.rendezvous import host_store
     from hpcrl.transfer.vllm_adapter import init_info
 
     t0 = time.perf_counter()

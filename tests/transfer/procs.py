@@ -50,7 +50,7 @@ def receiver(spec: dict, replica: int, tp_rank: int, port: int, results) -> None
         import torch
         from hpcrl.plan.transfer_check import _hf_ids, _vllm_expected
         from hpcrl.transfer import execute
-        from hpcrl.transfer.group import open_group
+        from hpcrl.transfer.registry import open_group
         spec_here = dict(spec, **spec.get("receiver_override", {}))
         p, shape = _plan(spec_here)
         rank = execute.inference_group_rank(p, replica, tp_rank)

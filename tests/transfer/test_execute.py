@@ -12,7 +12,7 @@ import torch
 
 from hpcrl.errors import TransferError
 from hpcrl.transfer import execute
-from hpcrl.transfer.group import host_store
+from hpcrl.transfer.rendezvous import host_store
 
 import procs
 

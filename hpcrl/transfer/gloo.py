@@ -1,0 +1,87 @@
+"""The gloo transport of the transfer group: a torch ProcessGroup spanning trainer ranks and vLLM workers.
+
+    group = open_gloo_group(host=..., port=..., rank=r, world_size=w, timeout_s=120)
+    group.check_digests(rank=r, digest=plan.digest, describe=...)
+    work = group.isend(buf, dst, tag); group.wait(work, timeout)      # execute.py drives these
+
+Formed like vLLM's `stateless_init_torch_distributed_process_group` (vllm/distributed/utils.py: a
+TCPStore, a PrefixStore named after the address, a ProcessGroup with a gloo backend), with torch
+only, so trainer processes need not import vLLM. The store comes from rendezvous.py, which every
+transport shares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.errors import TransferError
+from hpcrl.transfer.rendezvous import compare_digests, rendezvous_store
+
+DIGEST_BYTES = 32
+
+
+@dataclass(frozen=True)
+class GlooGroup:
+    """The gloo process group and the store it rendezvoused on (kept alive together)."""
+
+    pg: dist.ProcessGroup
+    store: dist.TCPStore
+    transport = "gloo"
+
+    def isend(self, buf: torch.Tensor, dst: int, tag: int):
+        return self.pg.send([buf], dst, tag)
+
+    def irecv(self, buf: torch.Tensor, src: int, tag: int):
+        return self.pg.recv([buf], src, tag)
+
+    def wait(self, work, timeout: timedelta) -> None:
+        work.wait(timeout)
+
+    def check_digests(self, *, rank: int, digest: str, describe) -> None:
+        check_digests(self.pg, rank=rank, digest=digest, describe=describe)
+
+    def close(self) -> None:
+        self.pg.shutdown()
+
+
+def open_gloo_group(*, host: str, port: int, rank: int, world_size: int, timeout_s: float,
+                    external_store: bool = False, generation: int = 0) -> GlooGroup:
+    """Join the transfer group (blocks until all `world_size` ranks joined, or `timeout_s`).
+
+    Rank 0 serves the rendezvous store at host:port unless `external_store` (see
+    rendezvous.host_store). `generation` tells apart groups formed again on the same store.
+    """
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        store, prefix = rendezvous_store(host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s,
+                                         external_store=external_store, generation=generation)
+        pg = dist.ProcessGroup(prefix, rank, world_size)
+        backend = ProcessGroupGloo(prefix, rank, world_size, timeout=timeout)
+        backend._set_sequence_number_for_group()
+        pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    except Exception as err:  # noqa: BLE001 - re-raised with the rank and address
+        raise TransferError(f"transfer group rank {rank}/{world_size} could not join {host}:{port} within "
+                            f"{timeout_s:g} s: {err}") from err
+    return GlooGroup(pg=pg, store=store)
+
+
+def check_digests(pg: dist.ProcessGroup, *, rank: int, digest: str, describe) -> None:
+    """All ranks exchange their plan digest; any difference is a TransferError on every rank.
+
+    `describe(rank)` names a group rank (e.g. "trainer rank 3", "replica 0 TP rank 1").
+    """
+    mine = torch.frombuffer(bytearray(bytes.fromhex(digest)), dtype=torch.uint8)
+    gathered = [torch.empty(DIGEST_BYTES, dtype=torch.uint8) for _ in range(pg.size())]
+    try:
+        pg.allgather([gathered], [mine]).wait()
+    except Exception as err:  # noqa: BLE001
+        raise TransferError(f"plan digest handshake failed on {describe(rank)}: {err}") from err
+    compare_digests(rank=rank, digest=digest, digests={r: bytes(d.tolist()).hex() for r, d in enumerate(gathered)},
+                    describe=describe)

@@ -1,0 +1,62 @@
+"""The transports of the transfer group, by name: `open_group("gloo" | "ucx", ...)`.
+
+    group = open_group(config.inference.weight_transport, host=..., port=..., rank=r, world_size=w,
+                       timeout_s=120, external_store=True)
+    group.check_digests(rank=r, digest=plan.digest, describe=...)      # then execute.py drives it
+
+One module per transport (gloo.py; ucx.py, optional: `pip install ucxx-cu12`), each with an
+opener taking the same keywords and returning a `TransferLink`; this table names them, as vLLM's
+weight-transfer factory names its engines (vllm/distributed/weight_transfer/factory.py). Adding
+a transport (NCCL, once GPUs can test it) is one module and one line here; the transports meet
+on the same store (rendezvous.py). Both modules are cheap to import: ucxx itself is imported
+only when a UCX group is opened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+
+from hpcrl.errors import TransferError
+from hpcrl.transfer.gloo import open_gloo_group
+from hpcrl.transfer.ucx import open_ucx_group
+
+
+class TransferLink(Protocol):
+    """What execute.py needs of an open transfer group (ranks numbered as in execute.inference_group_rank)."""
+
+    transport: str
+
+    def isend(self, buf: torch.Tensor, dst: int, tag: int) -> Any: ...
+
+    def irecv(self, buf: torch.Tensor, src: int, tag: int) -> Any: ...
+
+    def wait(self, handle: Any, timeout: timedelta) -> None: ...
+
+    def check_digests(self, *, rank: int, digest: str, describe: Callable[[int], str]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+#: name -> opener(host=, port=, rank=, world_size=, timeout_s=, external_store=, generation=).
+TRANSPORTS: dict[str, Callable[..., TransferLink]] = {
+    "gloo": open_gloo_group,
+    "ucx": open_ucx_group,
+}
+
+
+def open_group(transport: str, *, host: str, port: int, rank: int, world_size: int, timeout_s: float,
+               external_store: bool = False, generation: int = 0) -> TransferLink:
+    """Join the transfer group over `transport` (blocks until all `world_size` ranks joined, or `timeout_s`).
+
+    Rank 0 serves the rendezvous store at host:port unless `external_store` (rendezvous.host_store);
+    `generation` tells apart groups formed again on the same store (after a replica was replaced).
+    """
+    opener = TRANSPORTS.get(transport)
+    if opener is None:
+        raise TransferError(f"unknown weight transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
+    return opener(host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s,
+                  external_store=external_store, generation=generation)
