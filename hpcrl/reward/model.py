@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from hpcrl.errors import HpcrlError
-from hpcrl.reward.pool import RewardError, RewardResult, Sample
+from hpcrl.reward.types import RewardError, RewardResult, Sample
 
 
 class RewardModelScorer:

@@ -20,33 +20,11 @@ import os
 import time
 import traceback
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from multiprocessing.connection import Connection, wait
 from typing import Callable
 
-from hpcrl.errors import HpcrlError
-
-
-@dataclass(frozen=True, kw_only=True)
-class Sample:
-    """One completion to score."""
-
-    id: str
-    prompt_id: str
-    prompt: str
-    completion: str
-    answer: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class RewardResult:
-    """The score of one sample, or why there is none."""
-
-    id: str
-    prompt_id: str
-    reward: float | None
-    error: str | None = None
-    seconds: float = 0.0
+from hpcrl.reward.types import RewardError, RewardResult, Sample
 
 
 def resolve(function: str) -> Callable[[str, str, str], float]:
@@ -60,10 +38,6 @@ def resolve(function: str) -> Callable[[str, str, str], float]:
     if not callable(fn):
         raise RewardError(f"reward function {function!r}: {module_name} has no function {name!r}")
     return fn
-
-
-class RewardError(HpcrlError):
-    """The reward function cannot be used at all (not importable, not callable)."""
 
 
 def _worker_main(function: str, conn: Connection) -> None:

@@ -36,9 +36,10 @@ from hpcrl.config.schema import Config
 from hpcrl.data.prompts import Prompt, PromptStream
 from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
-from hpcrl.reward.pool import RewardResult, Sample
+from hpcrl.reward.types import RewardResult, Sample
 from hpcrl.rl.buffer import ReplayBuffer
-from hpcrl.rl.rollouts import TrainBatch, build_batch, samples_for, score_groups
+from hpcrl.rl.rollouts import build_batch, samples_for, score_groups
+from hpcrl.trainer.types import TrainBatch
 
 
 class ControllerError(HpcrlError):

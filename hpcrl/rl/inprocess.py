@@ -9,13 +9,12 @@
 The Controller drives these through the same `Ports` as it drives the groups of a job; blocking
 calls run in threads so that generation of the next batch overlaps the training step.
 
-    hpcrl run configs/tiny_grpo.toml        # or: python -m hpcrl.rl.inprocess configs/tiny_grpo.toml
+    hpcrl run configs/tiny_grpo.toml        # or: python -m hpcrl run configs/tiny_grpo.toml (hpcrl.cli.run_cmd)
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,10 +23,11 @@ from hpcrl.data.prompts import Prompt
 from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
 from hpcrl.reward.model import make_scorer
-from hpcrl.reward.pool import RewardResult, Sample
+from hpcrl.reward.types import RewardResult, Sample
 from hpcrl.rl.controller import Controller
 from hpcrl.rl.loop import run_loop
-from hpcrl.rl.rollouts import TrainBatch
+from hpcrl.trainer.types import TrainBatch
+
 
 class InProcessPorts:
     """The `Ports` of hpcrl.rl.controller, served by engines living in this process."""
@@ -36,7 +36,7 @@ class InProcessPorts:
         from hpcrl.inference.engine import VllmEngine
         from hpcrl.trainer import TrainerEngine
         from hpcrl.transfer.for_config import plan_for_config
-        from hpcrl.transfer.group import host_store
+        from hpcrl.transfer.rendezvous import host_store
         from hpcrl.transfer.trainer import TrainerSender
         from hpcrl.transfer.vllm_adapter import init_info
 
@@ -116,9 +116,3 @@ async def run(config: Config, *, log=print, steps: int | None = None) -> Control
         return await run_loop(config, ports, log=log, steps=steps)
     finally:
         ports.close()
-
-
-if __name__ == "__main__":
-    from hpcrl.cli.main import main
-
-    raise SystemExit(main(["run", *sys.argv[1:]]))

@@ -25,8 +25,8 @@ from dataclasses import asdict
 from hpcrl.config.schema import Config
 from hpcrl.data.prompts import Prompt
 from hpcrl.inference.types import Completion
-from hpcrl.reward.pool import RewardResult, Sample
-from hpcrl.rl.rollouts import TrainBatch
+from hpcrl.reward.types import RewardResult, Sample
+from hpcrl.trainer.types import TrainBatch
 
 #: Seconds a call may take before the head gives up on it (a CPU step or a first vLLM call can be slow).
 CALL_TIMEOUT_S = 600.0
@@ -40,7 +40,7 @@ RETRY_PAUSE_S = 0.2
 
 class BusPorts:
     def __init__(self, config: Config, head, *, store_host: str, store_port: int, log=print) -> None:
-        from hpcrl.services import Service
+        from hpcrl.bus.service import Service
         from hpcrl.transfer.for_config import plan_for_config
 
         self.config = config

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 from hpcrl.data.prompts import Prompt
 from hpcrl.inference.types import Completion
-from hpcrl.reward.pool import RewardResult, Sample
+from hpcrl.reward.types import RewardResult, Sample
 from hpcrl.rl.buffer import ScoredGroup
+from hpcrl.trainer.types import TrainBatch
+
 
 def samples_for(prompts: list[Prompt], completions: list[list[Completion]]) -> list[Sample]:
     """The reward requests of a batch: one per completion, ids "prompt_id/k"."""
@@ -52,60 +54,26 @@ def score_groups(prompts: list[Prompt], completions: list[list[Completion]], res
     return groups, ScoreStats(groups=len(prompts), groups_with_errors=bad, errors=errors)
 
 
-@dataclass(frozen=True, kw_only=True)
-class TrainBatch:
-    """Sequences of one optimizer step, in a fixed order; the trainer ranks split it by index."""
-
-    prompt_ids: list[str]
-    input_ids: list[list[int]]
-    """prompt + completion tokens of each sequence (unpadded)."""
-    prompt_lengths: list[int]
-    old_logprobs: list[list[float]]
-    """vLLM's logprob of each completion token (behaviour policy)."""
-    advantages: list[float]
-    rewards: list[float]
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-    @classmethod
-    def from_groups(cls, groups: list[ScoredGroup], advantages: list[list[float]]) -> "TrainBatch":
-        fields: dict[str, list] = {k: [] for k in ("prompt_ids", "input_ids", "prompt_lengths", "old_logprobs",
-                                                    "advantages", "rewards")}
-        for group, group_adv in zip(groups, advantages):
-            for tokens, logprobs, adv, reward in zip(group.completions, group.logprobs, group_adv, group.rewards):
-                fields["prompt_ids"].append(group.prompt_id)
-                fields["input_ids"].append(group.prompt_token_ids + tokens)
-                fields["prompt_lengths"].append(len(group.prompt_token_ids))
-                fields["old_logprobs"].append(logprobs)
-                fields["advantages"].append(adv)
-                fields["rewards"].append(reward)
-        return cls(**fields)
-
-    def shard(self, rank: int, world_size: int) -> "TrainBatch":
-        """Rank `rank`'s contiguous share, split like torch.chunk (later ranks may get fewer, or none)."""
-        size = -(-len(self) // world_size)
-        part = slice(min(rank * size, len(self)), min((rank + 1) * size, len(self)))
-        return TrainBatch(**{k: getattr(self, k)[part] for k in self.__dataclass_fields__})
-
-    def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-    def rows(self):
-        """The trainer's padded tensors of these sequences (hpcrl.trainer.RolloutBatch)."""
-        from hpcrl.trainer import pad_rows
-        return pad_rows(self.input_ids, self.prompt_lengths, self.old_logprobs, self.advantages)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "TrainBatch":
-        return cls(**data)
+def batch_from_groups(groups: list[ScoredGroup], advantages: list[list[float]]) -> TrainBatch:
+    """One sequence per completion of `groups`, in group order, with `advantages` (one list per group)."""
+    fields: dict[str, list] = {k: [] for k in ("prompt_ids", "input_ids", "prompt_lengths", "old_logprobs",
+                                                "advantages", "rewards")}
+    for group, group_adv in zip(groups, advantages):
+        for tokens, logprobs, adv, reward in zip(group.completions, group.logprobs, group_adv, group.rewards):
+            fields["prompt_ids"].append(group.prompt_id)
+            fields["input_ids"].append(group.prompt_token_ids + tokens)
+            fields["prompt_lengths"].append(len(group.prompt_token_ids))
+            fields["old_logprobs"].append(logprobs)
+            fields["advantages"].append(adv)
+            fields["rewards"].append(reward)
+    return TrainBatch(**fields)
 
 
 def build_batch(groups: list[ScoredGroup], *, norm: str, drop_zero_variance: bool) -> tuple[TrainBatch, int]:
     """The training batch of `groups` (advantages by `hpcrl.rl.grpo.group_advantages`) and how many
     zero-variance groups were dropped."""
     if not groups:
-        return TrainBatch.from_groups([], []), 0
+        return batch_from_groups([], []), 0
     import torch
 
     from hpcrl.rl.grpo import group_advantages
@@ -115,4 +83,4 @@ def build_batch(groups: list[ScoredGroup], *, norm: str, drop_zero_variance: boo
     per_group = result.advantages.view(len(groups), -1).tolist()
     kept = [(g, a) for g, a, flat in zip(groups, per_group, result.zero_variance.tolist())
             if not (drop_zero_variance and flat)]
-    return TrainBatch.from_groups([g for g, _ in kept], [a for _, a in kept]), len(groups) - len(kept)
+    return batch_from_groups([g for g, _ in kept], [a for _, a in kept]), len(groups) - len(kept)

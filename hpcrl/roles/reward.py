@@ -32,7 +32,7 @@ class RewardRole(Role):
         return {"score": (self.score, True)}
 
     async def score(self, call) -> list[dict]:
-        from hpcrl.reward.pool import Sample
+        from hpcrl.reward.types import Sample
 
         samples = [Sample(**s) for s in call.args["samples"]]
         results = await self.on_engine(self.pool.score, samples)

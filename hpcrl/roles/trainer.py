@@ -91,7 +91,7 @@ class TrainerRole(Role):
         return {"rank": self.rank}
 
     def _train(self, batch: dict) -> dict[str, Any]:
-        from hpcrl.rl.rollouts import TrainBatch
+        from hpcrl.trainer.types import TrainBatch
 
         metrics = self.engine.train_step(TrainBatch.from_dict(batch).shard(self.rank, self.world).rows()).as_dict()
         metrics.pop("step")

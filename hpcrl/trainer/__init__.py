@@ -13,12 +13,30 @@ On every trainer rank, after torch.distributed is initialised (gloo on CPU, NCCL
     for hf_name, (rows, global_shape, dim0_offset) in engine.local_shards().items():
         ...                                                                  # send to inference
 
-torchtitan is imported only by hpcrl.trainer.titan, lazily. The process entry point
-(`python -m hpcrl.trainer`) comes with the bus and the launcher.
+    types.py    TrainBatch: what the head sends (plain lists; no torch)
+    batch.py    RolloutBatch: the padded tensors a rank trains on
+    loss.py     the GRPO loss (pure tensor functions)
+    engine.py   TrainerEngine; titan.py, parallel.py, weights.py, checkpoint.py, schedule.py beside it
+
+torchtitan is imported only by hpcrl.trainer.titan, lazily. Names are re-exported lazily, so
+that the head can import hpcrl.trainer.types without torch.
 """
 
-from hpcrl.trainer.batch import RolloutBatch, pad_rows
-from hpcrl.trainer.engine import EngineOptions, StepMetrics, TrainerEngine
-from hpcrl.trainer.weights import LocalShard
+from __future__ import annotations
 
-__all__ = ["EngineOptions", "LocalShard", "RolloutBatch", "StepMetrics", "TrainerEngine", "pad_rows"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "EngineOptions": "hpcrl.trainer.engine", "StepMetrics": "hpcrl.trainer.engine",
+    "TrainerEngine": "hpcrl.trainer.engine", "RolloutBatch": "hpcrl.trainer.batch",
+    "pad_rows": "hpcrl.trainer.batch", "LocalShard": "hpcrl.trainer.weights", "TrainBatch": "hpcrl.trainer.types",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'hpcrl.trainer' has no attribute {name!r}")

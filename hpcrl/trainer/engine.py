@@ -32,7 +32,7 @@ from torch import Tensor
 
 from hpcrl.config.model_shapes import ModelShape, load_shape
 from hpcrl.errors import TrainerError
-from hpcrl.rl.grpo import LossSettings, Normaliser, entropy_from_logits, grpo_loss, local_counts, token_logprobs
+from hpcrl.trainer.loss import LossSettings, Normaliser, entropy_from_logits, grpo_loss, local_counts, token_logprobs
 from hpcrl.trainer import checkpoint, titan, weights
 from hpcrl.trainer.batch import RolloutBatch, pad_rows
 from hpcrl.trainer.parallel import make_dp_mesh, reshard, shard_decoder

@@ -9,7 +9,8 @@ import pytest
 
 from hpcrl.config import load_config
 from hpcrl.reward.model import RewardModelScorer, make_scorer
-from hpcrl.reward.pool import RewardError, RewardPool, Sample
+from hpcrl.reward.pool import RewardPool
+from hpcrl.reward.types import RewardError, Sample
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.reward.pool import RewardError, RewardPool, Sample
+from hpcrl.reward.pool import RewardPool
+from hpcrl.reward.types import RewardError, Sample
 
 HERE = Path(__file__).resolve().parent
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hpcrl.data.prompts import Prompt
 from hpcrl.inference.types import Completion
-from hpcrl.reward.pool import RewardResult
+from hpcrl.reward.types import RewardResult
 from hpcrl.rl.rollouts import build_batch, samples_for, score_groups
 
 PROMPTS = [Prompt(id="a", text="say 1:", answer="1"), Prompt(id="b", text="say 2:", answer="2")]

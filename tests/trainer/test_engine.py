@@ -9,8 +9,8 @@ import torch
 
 from hpcrl.config import load_config
 from hpcrl.errors import TrainerError
-from hpcrl.rl.grpo import LossSettings
 from hpcrl.trainer import EngineOptions, RolloutBatch, TrainerEngine, pad_rows
+from hpcrl.trainer.loss import LossSettings
 from hpcrl.trainer.parallel import dp_layout
 from hpcrl.trainer.schedule import lr_at
 
