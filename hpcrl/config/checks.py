@@ -10,6 +10,7 @@ import difflib
 import importlib.util
 from pathlib import Path
 
+from hpcrl.config.builtin_names import BUILTIN_REWARD_FUNCTIONS, BUILTIN_REWARD_MODULE, BUILTIN_TASK_NAMES
 from hpcrl.config.model_shapes import ModelShape, load_shape
 from hpcrl.config.schema import GROUP_NAMES, Config
 from hpcrl.errors import ConfigError
@@ -174,16 +175,13 @@ def _check_reward(config: Config) -> None:
             _fail("reward.function", f"module {module!r} cannot be found on the Python path",
                   "check the module name, or add its directory to PYTHONPATH "
                   '(built-ins: "hpcrl.reward.builtin:exact_match", ":math_answer", ":format_ok")')
-        if module == "hpcrl.reward.builtin":  # ours: cheap to import, so check the name too
-            from hpcrl.reward import builtin
+        if module == BUILTIN_REWARD_MODULE:  # ours: its names are known here, so check the name too
             name = reward.function.partition(":")[2]
-            if not callable(getattr(builtin, name, None)):
-                names = [n for n in vars(builtin) if not n.startswith("_") and callable(vars(builtin)[n])
-                         and vars(builtin)[n].__module__ == builtin.__name__]
-                close = difflib.get_close_matches(name, names, n=1)
+            if name not in BUILTIN_REWARD_FUNCTIONS:
+                close = difflib.get_close_matches(name, BUILTIN_REWARD_FUNCTIONS, n=1)
                 guess = f"did you mean {close[0]!r}? " if close else ""
-                _fail("reward.function", f"hpcrl.reward.builtin has no function {name!r}",
-                      f"{guess}built-ins: {', '.join(names)}")
+                _fail("reward.function", f"{BUILTIN_REWARD_MODULE} has no function {name!r}",
+                      f"{guess}built-ins: {', '.join(BUILTIN_REWARD_FUNCTIONS)}")
     elif not (Path(reward.model_path) / "config.json").is_file():
         _fail("reward.model_path", f"{reward.model_path} has no config.json",
               "point model_path at a Hugging Face reward-model directory")
@@ -192,13 +190,12 @@ def _check_reward(config: Config) -> None:
 def _check_data(config: Config) -> None:
     source = config.data.source
     if source.startswith("builtin:"):
-        from hpcrl.data import BUILTIN_TASKS
         name = source.removeprefix("builtin:")
-        if name not in BUILTIN_TASKS:
-            close = difflib.get_close_matches(name, list(BUILTIN_TASKS), n=1)
+        if name not in BUILTIN_TASK_NAMES:
+            close = difflib.get_close_matches(name, BUILTIN_TASK_NAMES, n=1)
             guess = f"did you mean 'builtin:{close[0]}'? " if close else ""
             _fail("data.source", f"no builtin task {name!r}",
-                  f"{guess}builtin tasks: {', '.join('builtin:' + n for n in BUILTIN_TASKS)}")
+                  f"{guess}builtin tasks: {', '.join('builtin:' + n for n in BUILTIN_TASK_NAMES)}")
     elif not Path(source).is_file():
         _fail("data.source", f"prompt file {source} does not exist",
               'give the path of a JSONL file with one {"prompt": ..., "answer": ...} per line, '

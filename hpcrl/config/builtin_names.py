@@ -1,0 +1,14 @@
+"""Names of the built-in prompt tasks and reward functions, so a config can be checked before anything runs.
+
+The tasks live in hpcrl.data.builtin and the reward functions in hpcrl.reward.builtin, both above
+config in the layers (DESIGN.md), so config keeps their names only. tests/config/test_builtin_names.py
+checks each list against what its module defines: adding a task or a function means adding its
+name here.
+"""
+
+#: `data.source = "builtin:NAME"`: the generated tasks of hpcrl.data.builtin.BUILTIN_TASKS, in its order.
+BUILTIN_TASK_NAMES = ("echo", "arithmetic", "reverse", "parity")
+
+#: The module of the built-in reward functions, and `reward.function = "hpcrl.reward.builtin:NAME"` names.
+BUILTIN_REWARD_MODULE = "hpcrl.reward.builtin"
+BUILTIN_REWARD_FUNCTIONS = ("exact_match", "math_answer", "format_ok")
