@@ -1,0 +1,65 @@
+"""Imports only point down the layers of DESIGN.md, and no package has an import cycle.
+
+The contracts are [tool.importlinter] in pyproject.toml, checked by import-linter (`lint-imports`,
+from the `test` extra). The last two tests check that the contracts can fail: they add an upward
+import, and a cycle, to a copy of the package in a temporary directory (the tree stays untouched).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LINT = [sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()",
+        "--no-cache", "--no-logo"]
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """`lint-imports` on the package and pyproject.toml under `root` (the hpcrl found first on the path)."""
+    if importlib.util.find_spec("importlinter") is None:
+        pytest.fail("import-linter is not installed: pip install -e '.[test]'")
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run(LINT, cwd=root, env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def package_copy(tmp_path: Path):
+    """hpcrl/ and pyproject.toml copied to a temporary directory, removed afterwards."""
+    root = tmp_path / "tree"
+    try:
+        shutil.copytree(REPO / "hpcrl", root / "hpcrl", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_imports_only_point_down_the_layers_and_no_package_has_a_cycle():
+    done = lint_imports(REPO)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "2 kept, 0 broken" in done.stdout, done.stdout[-2000:]
+
+
+def test_an_upward_import_in_a_low_layer_breaks_the_layers_contract(package_copy: Path):
+    (package_copy / "hpcrl" / "config" / "_upward_probe.py").write_text("import hpcrl.cli.main\n")
+    done = lint_imports(package_copy)
+    assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "hpcrl.config is not allowed to import hpcrl.cli" in done.stdout, done.stdout[-4000:]
+    assert "hpcrl.config._upward_probe -> hpcrl.cli.main" in done.stdout, done.stdout[-4000:]
+
+
+def test_two_modules_importing_each_other_break_the_acyclic_contract(package_copy: Path):
+    transfer = package_copy / "hpcrl" / "transfer"
+    (transfer / "_probe_a.py").write_text("import hpcrl.transfer._probe_b\n")
+    (transfer / "_probe_b.py").write_text("import hpcrl.transfer._probe_a\n")
+    done = lint_imports(package_copy)
+    assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "No cycles are allowed in hpcrl.transfer" in done.stdout, done.stdout[-4000:]
+    assert "_probe_" in done.stdout, done.stdout[-4000:]
