@@ -96,10 +96,14 @@ def test_killing_the_writer_mid_checkpoint_leaves_the_previous_one_in_use(tmp_pa
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE,
                               env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert writer.stdout.readline().strip() == b"writing"
-    time.sleep(0.3)
+    big = tmp_path / "step_2.tmp" / "big.bin"
+    deadline = time.monotonic() + 30
+    while big.stat().st_size < 4 << 20:  # killed mid-write: some megabytes in, more to come
+        assert time.monotonic() < deadline, f"the writer wrote {big.stat().st_size} bytes in 30 s"
+        time.sleep(0.01)
     writer.send_signal(signal.SIGKILL)
     writer.wait(10)
-    assert (tmp_path / "step_2.tmp" / "big.bin").stat().st_size > 0
+    assert big.stat().st_size >= 4 << 20
     found = store.latest()
     assert found.step == 1
     save(store, 3)  # the next successful save clears the dead staging directory
