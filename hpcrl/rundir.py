@@ -10,7 +10,7 @@
                          submitted and kept for the run's life (restarts and resumes reuse it)
       logs/<group>/rank<k>.log   one log per task; logs/head/rank0.log is the head's
       submitit/          submitit's pickles, results and batch-step output
-      exit.json          written by the head when the run ends: state, failures, tasks
+      exit.json          written by the head when the run ends: state, failures, tasks (group, rank, node, pid)
       metrics.jsonl      (later) one JSON line per step
 
 Files other processes read are written to a temporary name, fsynced and renamed.

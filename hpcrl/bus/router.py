@@ -116,7 +116,7 @@ class PeerEvent:
 
 
 class Router:
-    """Binds the bus, admits workers, calls their endpoints, watches their health, reports their lives."""
+    """Binds the bus, admits workers, calls their endpoints, watches their health, tells of their lives."""
 
     def __init__(self, *, run_id: str, secret: Secret, address: str = "tcp://127.0.0.1:0",
                  config: BusConfig | None = None,

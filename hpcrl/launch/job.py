@@ -196,7 +196,7 @@ def run_head(run_dir: Path | str) -> dict:
         sup.stop_steps()
         tasks = [sup.head_identity] + [t.identity for _, t in sorted(sup.tasks.items())]
         write_json(run_dir / EXIT_FILE, {"state": state, "error": error, "failures": failures,
-                                         "reports": tasks, "elapsed_s": round(time.time() - started, 3),
+                                         "tasks": tasks, "elapsed_s": round(time.time() - started, 3),
                                          "refused_messages": router.counters().get("dropped", 0),
                                          "step_codes": {s.slot.name: s.poll() for s in sup.steps}})
         if state == "COMPLETED":
@@ -210,7 +210,7 @@ def run_head(run_dir: Path | str) -> dict:
             log.removeHandler(handler)
     if state == "REQUEUED":
         _requeue_this_job()
-    return {"state": state, "reports": tasks, "run_dir": str(run_dir)}
+    return {"state": state, "tasks": tasks, "run_dir": str(run_dir)}
 
 
 def _requeue_this_job() -> None:

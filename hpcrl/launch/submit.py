@@ -105,7 +105,7 @@ def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
     """Check, write the run directory, render, and (unless dry_run) submit; see the module docstring.
 
     program "rl" trains (the head runs the GRPO loop over the bus); "check" only starts every
-    task, has it report, and ends it (with `exit_codes`, after `hold_s`): the allocation's smoke test."""
+    task, has it register, and ends it (with `exit_codes`, after `hold_s`): the allocation's smoke test."""
     executor, note = choose_executor(config)
     spec = job_spec(config)
     run_dir = Path(config.run_dir).absolute()

@@ -84,7 +84,7 @@ def test_forged_registrations_and_exit_codes_are_refused_and_counted_and_the_che
     record = read_json(tmp_path / EXIT_FILE)
     assert record["state"] == "COMPLETED" and record["failures"] == []
     assert record["refused_messages"] >= len(messages) - 1  # the empty frame may not reach the head as one
-    assert sorted((r["group"], r["rank"], r["node"]) for r in record["reports"]) == sorted(
-        (r["group"], r["rank"], r["node"]) for r in record["reports"] if r["node"] != "n9")
+    assert sorted((r["group"], r["rank"], r["node"]) for r in record["tasks"]) == sorted(
+        (r["group"], r["rank"], r["node"]) for r in record["tasks"] if r["node"] != "n9")
     assert "n9" not in head_log.read_text() and "4242" not in head_log.read_text()
     assert re.search(r"the bus refused \d+ message\(s\): \{.*'bad_mac': \d+", head_log.read_text())

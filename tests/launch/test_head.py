@@ -39,7 +39,7 @@ def test_every_task_registers_with_the_head_and_the_run_records_completion(tmp_p
     run_dir = prepared(tmp_path, "trainer.nodes=2")
     result = run_head(run_dir)
     assert result["state"] == "COMPLETED"
-    assert sorted((r["group"], r["rank"]) for r in result["reports"]) == [
+    assert sorted((r["group"], r["rank"]) for r in result["tasks"]) == [
         ("head", 0), ("inference", 0), ("reward", 0), ("trainer", 0), ("trainer", 1)]
     assert read_json(run_dir / EXIT_FILE)["step_codes"] == {"trainer": 0, "inference": 0, "reward": 0}
 

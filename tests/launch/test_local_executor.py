@@ -31,7 +31,7 @@ def test_submit_without_sbatch_says_so_in_one_line_and_runs_every_group_locally(
     assert done.stderr.strip() == ("hpcrl: no sbatch found: running with the local executor "
                                    "(each group a process tree on this machine)")
     assert "[local]" in done.stdout and "COMPLETED" in done.stdout
-    reports = read_json(tmp_path / EXIT_FILE)["reports"]
+    reports = read_json(tmp_path / EXIT_FILE)["tasks"]
     assert sorted((r["group"], r["rank"]) for r in reports) == [
         ("head", 0), ("inference", 0), ("reward", 0), ("trainer", 0)]
 
@@ -60,7 +60,7 @@ def test_cancelling_a_local_run_stops_every_process_within_15_s(tmp_path: Path):
         cancelled = hpcrl("cancel", str(tmp_path), "--wait", "15")
         assert cancelled.returncode == 0, cancelled.stderr
         assert jobs.status(tmp_path).state == "CANCELLED" and time.monotonic() - started < 15
-        pids = [r["pid"] for r in read_json(tmp_path / EXIT_FILE)["reports"]]
+        pids = [r["pid"] for r in read_json(tmp_path / EXIT_FILE)["tasks"]]
         assert len(pids) == 4 and not any(jobs._local_alive(pid) for pid in pids)
     finally:
         job = read_json(tmp_path / "job.json")

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from hpcrl.launch import jobs
-from hpcrl.launch.reaper import descendants, live
-from hpcrl.launch.rundir import EXIT_FILE, read_json
+from hpcrl.roles.reaper import descendants, live
+from hpcrl.rundir import EXIT_FILE, read_json
 from hpcrl.rl.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,12 +64,12 @@ def test_hpcrl_resume_continues_a_checkpoint_of_two_trainer_ranks_on_one(tiny_mo
 
 def trainer_node(run_dir: Path, *, rank: int) -> str:
     """The node trainer `rank` reported from most recently."""
-    return re.findall(rf"report: trainer rank {rank} replica 0 on node (\S+)", head_log(run_dir))[-1]
+    return re.findall(rf"registered: trainer rank {rank} replica 0 on node (\S+)", head_log(run_dir))[-1]
 
 
 def reported_pid(run_dir: Path, group: str, *, rank: int) -> int:
     """The pid that `group` rank `rank` reported to the head most recently."""
-    return int(re.findall(rf"report: {group} rank {rank} replica 0 on node \S+ \(pid (\d+)\)", head_log(run_dir))[-1])
+    return int(re.findall(rf"registered: {group} rank {rank} replica \d+ on node \S+ \(pid (\d+)\)", head_log(run_dir))[-1])
 
 
 def cancel_unless_done(run_dir: Path, env: dict[str, str]) -> None:
@@ -107,7 +107,7 @@ def test_the_embedded_default_as_a_hetjob_learns_and_losing_a_trainer_node_chang
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     ended = read_json(straight / EXIT_FILE)
     assert ended["state"] == "COMPLETED"
-    where = {(r["group"], r["rank"]): r["node"] for r in ended["reports"]}
+    where = {(r["group"], r["rank"]): r["node"] for r in ended["tasks"]}
     assert set(where) == {("head", 0), ("trainer", 0), ("trainer", 1), ("inference", 0), ("reward", 0)}
     assert len(set(where.values())) == 5  # every task on its own node: the components of one hetjob
     rewards = [r["reward_mean"] for r in read_metrics(straight)]

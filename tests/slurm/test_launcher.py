@@ -75,7 +75,7 @@ def tiny(tmp_path: Path, name: str, local_slurm: dict, *overrides: str):
 
 
 def reported(run_dir: Path) -> list[tuple[str, int, str]]:
-    return sorted((r["group"], r["rank"], r["node"]) for r in read_json(run_dir / EXIT_FILE)["reports"])
+    return sorted((r["group"], r["rank"], r["node"]) for r in read_json(run_dir / EXIT_FILE)["tasks"])
 
 
 @pytest.mark.timeout(90)
@@ -92,8 +92,8 @@ def test_every_task_of_every_group_registers_with_the_head_and_the_submitit_resu
     result = done.job.result()
     elapsed = time.monotonic() - started
     assert result["state"] == "COMPLETED"
-    assert sorted((r["group"], r["rank"], r["node"]) for r in result["reports"]) == expected
-    assert {r["group"]: r["replica"] for r in result["reports"]} == {"head": 0, "trainer": 0, "inference": 0, "reward": 0}
+    assert sorted((r["group"], r["rank"], r["node"]) for r in result["tasks"]) == expected
+    assert {r["group"]: r["replica"] for r in result["tasks"]} == {"head": 0, "trainer": 0, "inference": 0, "reward": 0}
     final = jobs.wait(done.run_dir, timeout_s=30)
     recorded = settled(done.job_id, any_cluster)
     assert final.state == "COMPLETED" and recorded.state == "COMPLETED"
