@@ -21,10 +21,6 @@ class Role:
     async def on_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
 
-    def peer(self) -> dict[str, int]:
-        """replica, rank and replica_ranks of this process on the bus."""
-        raise NotImplementedError
-
     def endpoints(self) -> dict[str, Endpoint]:
         raise NotImplementedError
 

@@ -1,4 +1,4 @@
-"""`python -m hpcrl.inference`: one inference replica (a vLLM engine), serving the head.
+"""`python -m hpcrl.roles inference`: one inference replica (a vLLM engine), serving the head.
 
     generate {prompts, n, seed, offset}   n completions per prompt, tagged with the weight version
     logprobs {sequences}                  logprob of every token after the first, live weights
@@ -32,9 +32,6 @@ class InferenceRole(Role):
         self.config, self.replica = config, identity.replica
         self.plan = plan_for_config(config)
         self.engine = VllmEngine.from_config(config, weight_transfer=True)
-
-    def peer(self) -> dict[str, int]:
-        return {"replica": self.replica, "rank": 0, "replica_ranks": 1}
 
     def endpoints(self) -> dict[str, Endpoint]:
         return {"generate": (self.generate, True), "logprobs": (self.logprobs, True),

@@ -1,4 +1,4 @@
-"""`python -m hpcrl.reward`: the reward group's process, serving the head.
+"""`python -m hpcrl.roles reward`: the reward group's process, serving the head.
 
     score {samples}     one RewardResult per sample; a verifier that raises, hangs or dies gives an
                         error record naming the sample (never a silent zero), and the pool goes on
@@ -24,9 +24,6 @@ class RewardRole(Role):
 
         self.replica = identity.replica
         self.pool = make_scorer(config.reward)  # a RewardPool of the function, or a reward model
-
-    def peer(self) -> dict[str, int]:
-        return {"replica": self.replica, "rank": 0, "replica_ranks": 1}
 
     def endpoints(self) -> dict[str, Endpoint]:
         return {"score": (self.score, True)}

@@ -1,4 +1,4 @@
-"""`python -m hpcrl.trainer`: one trainer rank, serving the head.
+"""`python -m hpcrl.roles trainer`: one trainer rank, serving the head.
 
     train_step {batch, step}        this rank's rows of the batch -> one optimizer step (collective)
     logprobs {sequences}            logprobs of whole sequences under the live policy (collective)
@@ -62,9 +62,6 @@ class TrainerRole(Role):
         self.engine = TrainerEngine.from_config(config, max_seq_len=config.max_model_len + 1)
         self.plan = plan_for_config(config)
         self.sender = None
-
-    def peer(self) -> dict[str, int]:
-        return {"replica": 0, "rank": self.rank, "replica_ranks": self.world}
 
     def endpoints(self) -> dict[str, Endpoint]:
         return {"connect_transfer": (self.connect_transfer, False), "train_step": (self.train_step, False),
