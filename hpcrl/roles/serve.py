@@ -60,9 +60,15 @@ def build_role(name: str, config, identity: TaskIdentity, env: dict[str, str]):
 
 
 def _exit_code(worker: Worker, how: WorkerExit, given: int | None) -> int:
-    if how is WorkerExit.SHUTDOWN:
-        return given if given is not None else (worker.exit_code or 0)
-    return HEAD_LOST if given is None else given
+    """Dismissed (the head's BYE carried a code): that code. Anything else - the head closed the bus
+    without dismissing this task (it was cancelled, or Slurm is requeueing the job), fell silent, or
+    was never reached - is HEAD_LOST: a task must not end 0 then, or Slurm records its component
+    COMPLETED and a requeued hetjob waits for it for ever (docs/FACTS.md, Slurm)."""
+    if given is not None:
+        return given
+    if how is WorkerExit.SHUTDOWN and worker.exit_code is not None:
+        return worker.exit_code
+    return HEAD_LOST
 
 
 async def _serve(name: str, identity: TaskIdentity, run_dir: Path, launch: LaunchRecord, link: FarewellLink,
@@ -78,7 +84,7 @@ async def _serve(name: str, identity: TaskIdentity, run_dir: Path, launch: Launc
         welcomed.cancel()
         how = serving.result()
         print(f"{name} rank {identity.rank}: not admitted by the head at {worker.address}: {how.value}", flush=True)
-        return HEAD_LOST if given is None else given
+        return _exit_code(worker, how, given)
     link.welcomed(worker.head_incarnation)
     print(f"{name} rank {identity.rank}: registered with the head as {info.name}", flush=True)
     if not rl:  # program check (or a task told its exit code): wait to be dismissed
