@@ -33,7 +33,7 @@ class ConfigError(HpcrlError):
         key = f" {self.key}:" if self.key else ""
         return f"{where}:{key} {self.problem}. Fix: {self.fix}"
 
-    def located(self, *, file: str | None, line: int | None) -> "ConfigError":
+    def located(self, *, file: str | None, line: int | None) -> ConfigError:
         """Return the same error, placed in `file` at `line` (keeps an existing location)."""
         return ConfigError(key=self.key, problem=self.problem, fix=self.fix,
                            file=self.file or file, line=self.line if self.line is not None else line)

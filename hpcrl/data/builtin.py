@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 Example = dict[str, str]
 

@@ -65,7 +65,7 @@ class PromptStream:
         self._cursor = 0
 
     @classmethod
-    def from_config(cls, data: DataConfig) -> "PromptStream":
+    def from_config(cls, data: DataConfig) -> PromptStream:
         if data.source.startswith("builtin:"):
             return cls(prompts=None, task=data.source.removeprefix("builtin:"), split=data.split,
                        seed=data.shuffle_seed)

@@ -24,5 +24,5 @@ class Completion:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Completion":
+    def from_dict(cls, data: dict) -> Completion:
         return cls(**data)

@@ -115,7 +115,7 @@ def make_components(config: Config) -> list[Component]:
                       inf.gpus_per_node, f"one vLLM engine per task, TP={inf.tensor_parallel}"),
         "reward": (1, reward.tasks, 0, f"reward worker pool ({reward.workers} workers)"),
     }
-    components = []
+    components: list[Component] = []
     for name, (nodes, tasks_per_node, gpus, role) in derived.items():
         if name == "reward" and reward.tasks == 0:
             continue

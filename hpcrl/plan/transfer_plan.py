@@ -90,9 +90,9 @@ class TransferPlan:
             return []
         first = np.ones(len(keys), bool)
         first[1:] = np.any(keys[1:] != keys[:-1], axis=1)
-        return [tuple(int(x) for x in k) for k in keys[first]]
+        return [(int(s), int(r), int(t)) for s, r, t in keys[first]]
 
-    def stats(self) -> "TransferStats":
+    def stats(self) -> TransferStats:
         t, inf = self.trainer, self.inference
         nbytes = self.elements() * self.itemsize
         sent = np.bincount(self.blocks["src_rank"], weights=nbytes, minlength=t.world_size)

@@ -154,8 +154,8 @@ def plan(trainer: TrainerLayout, inference: InferenceLayout, shape: ModelShape, 
     c = {"src_rank": group * shards + np.tile(template[:, _T_SHARD], reps), "replica": replica, **tiled}
     # Stable sort by route then destination tensor; the template is already ordered by destination
     # offset within each (tp rank, destination) (q before k before v, gate before up).
-    key = (((c["src_rank"] << 12 | c["replica"]) << 10 | c["tp_rank"]) << 24) | c["dest"]
-    order = np.argsort(key, kind="stable")
+    route_key = (((c["src_rank"] << 12 | c["replica"]) << 10 | c["tp_rank"]) << 24) | c["dest"]
+    order = np.argsort(route_key, kind="stable")
     c = {k: v[order] for k, v in c.items()}
     c = _bucket(c, max(1, bucket_bytes // WIRE_DTYPE_BYTES[wire_dtype]))
     model = (f"{shape.architecture} h{shape.hidden_size} f{shape.intermediate_size} L{shape.num_layers} "

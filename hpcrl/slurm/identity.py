@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import json
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from hpcrl.errors import SlurmError
 from hpcrl.slurm.nodelist import expand_nodelist

@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from hpcrl.errors import SlurmError
 
