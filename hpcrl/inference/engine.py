@@ -25,7 +25,6 @@ from hpcrl.data.prompts import Prompt
 from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
 
-
 #: The vLLM worker extension that registers hpcrl's weight-transfer engine in every worker.
 WORKER_EXTENSION = "hpcrl.transfer.vllm_adapter.HpcrlWorkerExtension"
 
@@ -40,6 +39,13 @@ def _cpu_thread_binding(tensor_parallel: int) -> str:
     per_rank = max(1, len(cpus) // tensor_parallel)
     groups = [cpus[i * per_rank:(i + 1) * per_rank] or cpus[-1:] for i in range(tensor_parallel)]
     return "|".join(",".join(map(str, g)) for g in groups)
+
+
+def _logprob(step: dict[int, Any] | None, token: int, where: str) -> float:
+    """The logprob vLLM reported for `token` at one position; InferenceError naming `where` if none."""
+    if step is None or token not in step:
+        raise InferenceError(f"vLLM returned no logprob for token {token} of {where}")
+    return step[token].logprob
 
 
 class VllmEngine:
@@ -65,12 +71,13 @@ class VllmEngine:
             kwargs["worker_extension_cls"] = WORKER_EXTENSION
             kwargs["weight_transfer_config"] = {"backend": "hpcrl"}
         self.llm = LLM(**kwargs)
-        self._sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens)
+        self._sampling: dict[str, Any] = dict(temperature=temperature, top_p=top_p, top_k=top_k,
+                                              max_tokens=max_tokens)
         self.weight_version = 0
 
     @classmethod
     def from_config(cls, config: Config, *, model_path: str | None = None,
-                    weight_transfer: bool = False) -> "VllmEngine":
+                    weight_transfer: bool = False) -> VllmEngine:
         inf = config.inference
         on_cpu = inf.gpus_per_node == 0
         return cls(model_path=model_path or config.model.path, tensor_parallel=inf.tensor_parallel,
@@ -100,10 +107,12 @@ class VllmEngine:
         for k, output in enumerate(outputs):
             p_index, s_index = divmod(k, n)
             sample = output.outputs[0]
+            where = f"prompt {prompts[p_index].id!r}"
             if sample.logprobs is None or len(sample.logprobs) != len(sample.token_ids):
-                raise InferenceError(f"vLLM returned no logprob for some sampled token of prompt "
-                                     f"{prompts[p_index].id!r}")
-            logprobs = [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
+                raise InferenceError(f"vLLM returned no logprob for some sampled token of {where}")
+            if output.prompt_token_ids is None:
+                raise InferenceError(f"vLLM returned no prompt token ids for {where}")
+            logprobs = [_logprob(step, token, where) for step, token in zip(sample.logprobs, sample.token_ids)]
             groups[p_index].append(Completion(
                 prompt_id=prompts[p_index].id, index=s_index, prompt_token_ids=list(output.prompt_token_ids),
                 token_ids=list(sample.token_ids), logprobs=logprobs, text=sample.text,
@@ -133,14 +142,14 @@ class VllmEngine:
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(seq)) for seq in sequences], params,
                                     use_tqdm=False)
         result = []
-        for seq, output in zip(sequences, outputs):
+        for k, (seq, output) in enumerate(zip(sequences, outputs)):
             steps = output.prompt_logprobs or []
-            result.append([steps[i][token].logprob for i, token in enumerate(seq) if i > 0])
+            result.append([_logprob(steps[i], token, f"sequence {k}") for i, token in enumerate(seq) if i > 0])
         return result
 
     def close(self) -> None:
         """Stop the engine and its worker processes."""
-        llm, self.llm = self.llm, None
+        llm, self.llm = self.llm, None  # type: ignore[assignment]  # None marks it closed; close() may run twice
         if llm is not None:
             engine = getattr(llm, "llm_engine", None)
             shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None),
