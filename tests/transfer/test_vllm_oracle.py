@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.roles.reaper import live
+
 pytest.importorskip("vllm")
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tests" / "transfer" / "oracle_driver.py"
@@ -72,7 +74,9 @@ def run_driver(args: list[str], timeout: float) -> list[dict]:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        time.sleep(1)
+        deadline = time.monotonic() + 10
+        while live(pids) and time.monotonic() < deadline:  # gone before their segments are removed
+            time.sleep(0.05)
         for path in shm:
             Path(path).unlink(missing_ok=True)
         pytest.fail(f"oracle driver timed out after {timeout} s; killed session {proc.pid}\n{err[-3000:]}")
