@@ -1,32 +1,40 @@
 """Benchmark: the hpcrl control bus against Ray actor calls, on loopback, in one run.
 
-What it measures (the same work on both sides: an endpoint / actor method that returns its
-small argument, a dict of about 64 bytes):
+The production topology: every worker process holds exactly one Worker (one DEALER), and the
+head (this process) holds the Router. What it measures (the same work on both sides: an
+endpoint / actor method that returns its small argument, a dict of about 64 bytes):
   route()   1 replica and 8 replicas (one process each): sequential round trip p50/p99, and
             throughput with batches of concurrent calls;
-  fanout()  to 64 workers: p50/p99 of one call answered by every worker;
+  fanout()  to the 8 replicas, and to 64 workers in 64 processes: p50/p99 of one call
+            answered by every worker;
   Ray       an actor method call (`ray.get(actor.echo.remote(x))`) in the same shapes.
-Ray runs in a driver process of its own, started before any figure is taken, so every figure
-is taken beside Ray's daemons; the two figures of the target (route() to 1 replica, Ray's call
-to 1 actor) are taken in alternating blocks (--rounds), so that a change in the machine's load
-hits both alike.
+Every hpcrl figure is taken with the head's reply spin on (--reply-spin, BusConfig.reply_spin)
+and off, in alternating blocks. Ray runs in a driver process of its own, started before any
+figure is taken, so every figure is taken beside Ray's daemons; route() to 1 replica (spin on,
+spin off) and Ray's call to 1 actor are taken in alternating blocks (--rounds), so that a
+change in the machine's load hits all three alike.
 
 Set up Ray's environment once (Ray stays out of hpcrl's dependencies):
-    python3 -m venv .venv-bench && .venv-bench/bin/pip install ray pyzmq msgpack uvloop
-Run (20-60 s; prints a Markdown table for BENCHMARKS.md):
-    PYTHONPATH=. .venv-bench/bin/python tools/bench_bus.py
-Any Python with pyzmq and msgpack runs the hpcrl part; without Ray it says that Ray was skipped.
-Options: --fanout-procs N hosts the 64 fanout workers in N processes (default 8, one per 8 workers);
+    python3 -m venv .venv-bench && .venv-bench/bin/pip install ray uvloop -e .
+Run (1-2 minutes on a 2-core VM; prints a Markdown table, the target figures, the spin's effect):
+    .venv-bench/bin/python tools/bench_bus.py
+Any Python with hpcrl's dependencies runs the hpcrl part; without Ray it says that Ray was skipped.
+Options: --fanout-workers N (default 64, one process each); --replicas N for route();
 --transport ipc instead of tcp; --loop asyncio|uvloop (default: uvloop when installed);
---reply-spin S the head's busy-poll after a request (BusConfig.reply_spin; 0 turns it off).
-The first row is the floor: a blocking pyzmq echo with no asyncio, auth or msgpack.
+--reply-spin S the spin of the "on" blocks (0: every block without it).
+The first row is the floor: a blocking pyzmq echo with no asyncio, auth or msgpack. The CPU
+columns are CPU time per sequential call, of the head and of the called workers' processes
+together (all threads, libzmq's I/O thread included).
+The head's CPU under 1,024 heartbeating peers is tools/bench_bus_heartbeats.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -54,23 +62,22 @@ def new_loop_policy(name: str) -> str:
     return "asyncio"
 
 
-def serve(address: str, run_dir: str, loop: str, names: list[str]) -> None:
-    """Host one Worker per "group:replica" in this process, all on one event loop."""
+def serve(address: str, run_dir: str, loop: str, group: str, first: int, count: int) -> None:
+    """Host Workers `group` replicas first..first+count-1 in this process, each with its own
+    socket, on one event loop (count is 1 in the production topology)."""
     sys.path.insert(0, str(REPO))
-    from hpcrl.bus import BusConfig, PeerInfo, Worker, load_secret
+    from hpcrl.bus import PeerInfo, Worker, load_secret
 
     secret = load_secret(run_dir)
-    config = BusConfig(heartbeat_interval=1.0, heartbeat_timeout=5.0)
 
     def echo(call):  # a plain function, like Ray's actor method: answered without a task
         return call.args
 
     async def main() -> None:
         workers = []
-        for name in names:
-            group, replica = name.split(":")
-            worker = Worker(info=PeerInfo(run_id=RUN_ID, group=group, replica=int(replica), pid=os.getpid()),
-                            secret=secret, address=address, config=config)
+        for replica in range(first, first + count):
+            worker = Worker(info=PeerInfo(run_id=RUN_ID, group=group, replica=replica, pid=os.getpid()),
+                            secret=secret, address=address)  # heartbeat settings: the head's WELCOME
             worker.add_endpoint("echo", echo, idempotent=True)
             workers.append(worker.serve())
         await asyncio.gather(*workers)
@@ -79,13 +86,39 @@ def serve(address: str, run_dir: str, loop: str, names: list[str]) -> None:
     asyncio.run(main())
 
 
-def spawn(address: str, run_dir: str, group: str, replicas: int, procs: int, loop: str) -> list[subprocess.Popen]:
-    per = -(-replicas // procs)
-    out = []
-    for start in range(0, replicas, per):
-        names = [f"{group}:{r}" for r in range(start, min(replicas, start + per))]
-        out.append(subprocess.Popen([sys.executable, __file__, "--serve", address, run_dir, loop, *names]))
-    return out
+def spawn(address: str, run_dir: str, group: str, peers: int, per_process: int, loop: str) -> list[subprocess.Popen]:
+    """Start processes hosting `peers` Workers of `group`, `per_process` in each."""
+    return [subprocess.Popen([sys.executable, __file__, "--serve", address, run_dir, loop, group,
+                              str(first), str(min(per_process, peers - first))])
+            for first in range(0, peers, per_process)]
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds used so far by process `pid`, all its threads (libzmq's I/O thread too), to the
+    nanosecond (/proc/PID/task/*/schedstat; Linux)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return total / 1e9
+
+
+def own_cpu() -> float:
+    """CPU seconds (user + system) used so far by this process, all its threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def reap(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def serve_raw(address: str) -> None:
@@ -108,7 +141,7 @@ def bench_raw_zmq(opts: argparse.Namespace, address: str) -> dict:
     ident, _ = sock.recv_multipart()
     payload = msgpack.packb(ARG)
     lat = []
-    for i in range(opts.warmup + opts.calls):
+    for _ in range(opts.warmup + opts.calls):
         t = time.perf_counter()
         sock.send_multipart([ident, payload])
         sock.recv_multipart()
@@ -116,7 +149,7 @@ def bench_raw_zmq(opts: argparse.Namespace, address: str) -> dict:
     sock.send_multipart([ident, b"quit"])
     proc.wait(timeout=10)
     sock.close(linger=0)
-    return row("floor: blocking pyzmq DEALER/ROUTER echo, no auth (not a bus)", lat[opts.warmup:])
+    return row("floor: blocking pyzmq DEALER/ROUTER echo, no auth (not a bus)", None, lat[opts.warmup:])
 
 
 # ---------------------------------------------------------------- measurement helpers
@@ -130,72 +163,100 @@ def pct(samples: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def row(what: str, lat: list[float] | None = None, rate: float | None = None) -> dict:
-    return {"what": what, "p50_us": pct(lat, 0.5) * 1e6 if lat else None,
-            "p99_us": pct(lat, 0.99) * 1e6 if lat else None, "calls_s": rate}
+def row(what: str, spin: float | None, lat: list[float] | None = None, rate: float | None = None,
+        cpu: tuple[float, float] | None = None) -> dict:
+    """A table row; `cpu`: CPU seconds per call in the head, and in the workers' processes together."""
+    return {"what": what, "spin_us": None if spin is None else spin * 1e6,
+            "p50_us": pct(lat, 0.5) * 1e6 if lat else None, "p99_us": pct(lat, 0.99) * 1e6 if lat else None,
+            "calls_s": rate, "head_cpu_us": cpu[0] * 1e6 if cpu else None,
+            "workers_cpu_us": cpu[1] * 1e6 if cpu else None}
+
+
+async def timed(call, n: int) -> list[float]:
+    lat = []
+    for _ in range(n):
+        t = time.perf_counter()
+        await call()
+        lat.append(time.perf_counter() - t)
+    return lat
+
+
+async def alternating(router, spins: list[float], opts: argparse.Namespace, what: str, call, *,
+                      calls: int, procs: list[subprocess.Popen], batch: int = 0, between=None) -> list[dict]:
+    """One figure per reply spin, taken in alternating blocks (the order swaps every round), with
+    `between()` (Ray's blocks) run after the first block of each round; then, if `batch`, the
+    throughput with `batch` concurrent calls, in alternating blocks too. One row per spin, with
+    the CPU time per sequential call of the head and of the worker processes `procs`."""
+    lat: dict[float, list[float]] = {s: [] for s in spins}
+    cpu = {s: [0.0, 0.0] for s in spins}
+    per_block = max(1, calls // opts.rounds)
+    for r in range(opts.rounds):
+        for i, spin in enumerate(spins if r % 2 == 0 else spins[::-1]):
+            # The spin is read at every request: switching the config switches it at once.
+            router.config = dataclasses.replace(router.config, reply_spin=spin)
+            head, workers = own_cpu(), sum(process_cpu(p.pid) for p in procs)
+            lat[spin] += await timed(call, per_block)
+            cpu[spin][0] += own_cpu() - head
+            cpu[spin][1] += sum(process_cpu(p.pid) for p in procs) - workers
+            if between is not None and i == 0:
+                between()
+    done = {s: [0, 0.0] for s in spins}
+    for r in range(2 if batch else 0):
+        for spin in spins if r % 2 == 0 else spins[::-1]:
+            router.config = dataclasses.replace(router.config, reply_spin=spin)
+            t = time.perf_counter()
+            while time.perf_counter() - t < opts.seconds / 2:
+                await asyncio.gather(*(call() for _ in range(batch)))
+                done[spin][0] += batch
+            done[spin][1] += time.perf_counter() - t
+    router.config = dataclasses.replace(router.config, reply_spin=spins[0])
+    return [row(what, s, lat[s], done[s][0] / done[s][1] if batch else None,
+                (cpu[s][0] / len(lat[s]), cpu[s][1] / len(lat[s]))) for s in spins]
 
 
 # ---------------------------------------------------------------- hpcrl
 
-async def bench_hpcrl(opts: argparse.Namespace, run_dir: str, ray_side: "RaySide | None") -> list[dict]:
-    from hpcrl.bus import BusConfig, Head, load_secret
-    from hpcrl.services import Service
+async def bench_hpcrl(opts: argparse.Namespace, run_dir: str, ray_side: RaySide | None) -> list[dict]:
+    from hpcrl.bus import BusConfig, Router, Service, load_secret
 
-    head = Head(run_id=RUN_ID, secret=load_secret(run_dir), address=bind_address(opts, run_dir, "bus"),
-                config=BusConfig(heartbeat_interval=1.0, heartbeat_timeout=5.0, reply_spin=opts.reply_spin))
-    address = await head.start()
-    rows, procs = [], []
+    router = Router(run_id=RUN_ID, secret=load_secret(run_dir), address=bind_address(opts, run_dir, "bus"),
+                    config=BusConfig(heartbeat_interval=1.0, heartbeat_timeout=5.0))
+    address = await router.start()
+    spins = [opts.reply_spin, 0.0] if opts.reply_spin > 0 else [0.0]
+    rows, procs = [], {}
     try:
-        for replicas in (1, 8):
-            group = f"route{replicas}"
-            procs += spawn(address, run_dir, group, replicas, replicas, opts.loop)
-            await head.wait_for_peers(group, replicas, timeout=60)
-            svc = Service(head, group)
+        # Every worker process is started first (each holds one Worker), then the figures are
+        # taken beside all of them, as the head of a run sees its peers.
+        for group, n in (("route1", 1), ("routeN", opts.replicas), ("fan", opts.fanout_workers)):
+            procs[group] = spawn(address, run_dir, group, n, 1, opts.loop)
+        for group, n in (("route1", 1), ("routeN", opts.replicas), ("fan", opts.fanout_workers)):
+            await router.wait_for_peers(group, n, timeout=120)
+        one, many, fan = (Service(router, group) for group in procs)
+        ray_lat: list[float] = []
+
+        def ray_block() -> None:  # Ray's 1 actor between the two spins' blocks; blocks the loop meanwhile
+            ray_lat.extend(ray_side.sequential(1, max(1, opts.calls // opts.rounds)))
+
+        for svc, n in ((one, 1), (many, opts.replicas)):
             for _ in range(opts.warmup):
                 await svc.route("echo", ARG)
-            lat, ray_lat = [], []
-            rounds = opts.rounds if replicas == 1 and ray_side is not None else 1
-            for _ in range(rounds):  # 1 replica vs Ray's 1 actor: alternating blocks, same conditions
-                for _ in range(opts.calls // rounds):
-                    t = time.perf_counter()
-                    await svc.route("echo", ARG)
-                    lat.append(time.perf_counter() - t)
-                if rounds > 1:
-                    ray_lat += ray_side.sequential(1, opts.calls // rounds)  # blocks the loop: nothing else runs
-            batch = 32 * replicas
-            done, t = 0, time.perf_counter()
-            while time.perf_counter() - t < opts.seconds:
-                await asyncio.gather(*(svc.route("echo", ARG) for _ in range(batch)))
-                done += batch
-            rows.append(row(f"hpcrl route(), {replicas} replica(s)", lat, done / (time.perf_counter() - t)))
-            if ray_lat:
-                rows.append(row("Ray actor call, 1 actor(s) (round robin)", ray_lat, ray_side.throughput(1)))
-        lat = []
-        for _ in range(opts.fanouts):  # the shape of Ray's fanout row below
-            t = time.perf_counter()
-            await svc.fanout("echo", ARG)
-            lat.append(time.perf_counter() - t)
-        rows.append(row("hpcrl fanout() to 8 replicas (one process each)", lat))
-        procs += spawn(address, run_dir, "fan", 64, opts.fanout_procs, opts.loop)
-        await head.wait_for_peers("fan", 64, timeout=90)
-        svc = Service(head, "fan")
-        for _ in range(opts.warmup // 4):
-            await svc.fanout("echo", ARG)
-        lat = []
-        for _ in range(opts.fanouts):
-            t = time.perf_counter()
-            out = await svc.fanout("echo", ARG)
-            lat.append(time.perf_counter() - t)
-            assert len(out) == 64
-        rows.append(row(f"hpcrl fanout() to 64 workers in {len(procs) - 9} process(es)", lat))
-        assert head.counters()["dropped"] == 0, head.counters()
+            with_ray = n == 1 and ray_side is not None
+            rows += await alternating(router, spins, opts, f"hpcrl route(), {n} replica(s), one process each",
+                                      lambda svc=svc: svc.route("echo", ARG), calls=opts.calls, batch=32 * n,
+                                      procs=procs[svc.group], between=ray_block if with_ray else None)
+            if with_ray:
+                rows.append(row("Ray actor call, 1 actor", None, ray_lat, ray_side.throughput(1)))
+        rows += await alternating(router, spins, opts, f"hpcrl fanout() to {opts.replicas} replicas, one process each",
+                                  lambda: many.fanout("echo", ARG), calls=opts.fanouts, procs=procs["routeN"])
+        for _ in range(max(1, opts.warmup // 4)):
+            assert len(await fan.fanout("echo", ARG)) == opts.fanout_workers
+        rows += await alternating(router, spins, opts,
+                                  f"hpcrl fanout() to {opts.fanout_workers} workers in {opts.fanout_workers} processes",
+                                  lambda: fan.fanout("echo", ARG), calls=opts.fanouts, procs=procs["fan"])
+        assert router.counters()["dropped"] == 0, router.counters()
     finally:
-        await head.close()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        await router.close()
+        reap([p for group in procs.values() for p in group])
     return rows
 
 
@@ -244,9 +305,10 @@ class RayBench:
         return done / (time.perf_counter() - t)
 
     def rest(self) -> list[dict]:
-        """The figures not interleaved with hpcrl's: 8 actors, and a call to a list of actors."""
-        opts, ray = self.opts, self.ray
-        rows = [row("Ray actor call, 8 actor(s) (round robin)", self.sequential(8, opts.calls), self.throughput(8))]
+        """The figures not interleaved with hpcrl's: N actors, and a call to a list of actors."""
+        opts, ray, n = self.opts, self.ray, self.opts.replicas
+        rows = [row(f"Ray actor call, {n} actors (round robin)", None, self.sequential(n, opts.calls),
+                    self.throughput(n))]
         actors = [self.Echo.remote() for _ in range(opts.ray_fanout)]
         ray.get([a.echo.remote(ARG) for a in actors])
         lat = []
@@ -254,7 +316,7 @@ class RayBench:
             t = time.perf_counter()
             ray.get([a.echo.remote(ARG) for a in actors])
             lat.append(time.perf_counter() - t)
-        rows.append(row(f"Ray call to {opts.ray_fanout} actors (ray.get of a list), like fanout()", lat))
+        rows.append(row(f"Ray call to {opts.ray_fanout} actors (ray.get of a list), like fanout()", None, lat))
         return rows
 
     def close(self) -> None:
@@ -322,6 +384,41 @@ class RaySide:
 
 # ---------------------------------------------------------------- main
 
+def summary(rows: list[dict], opts: argparse.Namespace) -> list[str]:
+    """The target figures, and the reply spin's effect on each, as lines to print."""
+    fmt = lambda v, f: f.format(v) if v is not None else "-"
+    lines = ["\n| what | reply spin (us) | p50 (us) | p99 (us) | calls/s | head CPU/call (us) | workers' CPU/call (us) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['what']} | {fmt(r['spin_us'], '{:.0f}')} | {fmt(r['p50_us'], '{:.0f}')} | "
+              f"{fmt(r['p99_us'], '{:.0f}')} | {fmt(r['calls_s'], '{:.0f}')} | {fmt(r['head_cpu_us'], '{:.0f}')} | "
+              f"{fmt(r['workers_cpu_us'], '{:.0f}')} |" for r in rows]
+    by = {(r["what"], r["spin_us"]): r for r in rows}
+    on, off = opts.reply_spin * 1e6, 0.0
+    route1 = "hpcrl route(), 1 replica(s), one process each"
+    ray = by.get(("Ray actor call, 1 actor", None))
+    lines.append("")
+    if ray:
+        ratios = [f"{by[(route1, s)]['p50_us'] / ray['p50_us']:.3f} with reply_spin {s:.0f} us"
+                  for s in ((on, off) if on else (off,))]
+        lines.append(f"route() p50 / Ray p50 = {', '.join(ratios)} (target <= 0.2)")
+    n = opts.fanout_workers
+    fan = by[(f"hpcrl fanout() to {n} workers in {n} processes", on)]
+    lines.append(f"fanout to {n} workers ({n} processes, one Worker each) p50 = {fan['p50_us'] / 1000:.2f} ms "
+                 f"with reply_spin {on:.0f} us (target < 2 ms)")
+    cpu = (fan["head_cpu_us"] + fan["workers_cpu_us"]) / 1000
+    lines.append(f"CPU time of one fanout to {n} workers: {fan['workers_cpu_us'] / 1000:.2f} ms in the workers "
+                 f"together ({fan['workers_cpu_us'] / n:.0f} us each) + {fan['head_cpu_us'] / 1000:.2f} ms in the head: "
+                 f"at least {cpu / (os.cpu_count() or 1):.2f} ms a fanout on {os.cpu_count()} CPUs")
+    if on:
+        for what in dict.fromkeys(r["what"] for r in rows if r["spin_us"] == on):
+            a, b = by[(what, on)], by[(what, off)]
+            rate = f"; calls/s {b['calls_s']:.0f} -> {a['calls_s']:.0f}" if a["calls_s"] else ""
+            lines.append(f"reply_spin {on:.0f} us vs off, {what}: p50 {b['p50_us']:.0f} -> {a['p50_us']:.0f} us "
+                         f"({(a['p50_us'] - b['p50_us']) / b['p50_us'] * 100:+.0f} %){rate}; head CPU/call "
+                         f"{b['head_cpu_us']:.0f} -> {a['head_cpu_us']:.0f} us")
+    return lines
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve-raw":
         serve_raw(sys.argv[2])
@@ -330,25 +427,27 @@ def main() -> int:
         serve_ray(sys.argv[2:])
         return 0
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
-        serve(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
+        serve(*sys.argv[2:6], int(sys.argv[6]), int(sys.argv[7]))
         return 0
     sys.path.insert(0, str(REPO))  # this checkout's hpcrl, whichever Python runs the script
     from hpcrl.bus import BusConfig, create_secret
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--calls", type=int, default=2000, help="sequential calls per latency figure")
+    ap.add_argument("--calls", type=int, default=2000, help="sequential calls per latency figure (and spin)")
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=10,
-                    help="alternating blocks of hpcrl route() and Ray calls for the 1-replica latency figures")
-    ap.add_argument("--seconds", type=float, default=2.0, help="duration of each throughput figure")
-    ap.add_argument("--fanouts", type=int, default=300, help="fanout calls measured")
-    ap.add_argument("--fanout-procs", type=int, default=8, help="processes hosting the 64 fanout workers")
+                    help="alternating blocks (spin on / Ray / spin off) per latency figure")
+    ap.add_argument("--seconds", type=float, default=2.0, help="duration of each throughput figure (per spin)")
+    ap.add_argument("--fanouts", type=int, default=300, help="fanout calls measured (per spin)")
+    ap.add_argument("--replicas", type=int, default=8, help="replicas (processes) of the second route() figure")
+    ap.add_argument("--fanout-workers", type=int, default=64, help="workers of the big fanout, one process each")
     ap.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
                     help="event loop of hpcrl's side; auto = uvloop when installed")
     ap.add_argument("--transport", choices=["tcp", "ipc"], default="tcp", help="tcp on 127.0.0.1, or ipc")
     ap.add_argument("--reply-spin", type=float, default=BusConfig().reply_spin,
-                    help="the head's BusConfig.reply_spin in seconds (0: sleep at once while awaiting replies)")
+                    help="the head's BusConfig.reply_spin in the 'on' blocks, in seconds (0: no block spins)")
     ap.add_argument("--ray-fanout", type=int, default=8, help="actors in Ray's fanout figure")
     opts = ap.parse_args()
+    BusConfig(reply_spin=opts.reply_spin)  # checks its range
 
     start = time.perf_counter()
     try:
@@ -369,17 +468,11 @@ def main() -> int:
         if ray_side is not None:
             ray_side.close()
 
-    print("\n| what | p50 (us) | p99 (us) | calls/s |\n| --- | --- | --- | --- |")
-    for r in rows:
-        fmt = lambda v, f: f.format(v) if v is not None else "-"
-        print(f"| {r['what']} | {fmt(r['p50_us'], '{:.0f}')} | {fmt(r['p99_us'], '{:.0f}')} | {fmt(r['calls_s'], '{:.0f}')} |")
-    by = {r["what"]: r for r in rows}
-    ours, theirs = by.get("hpcrl route(), 1 replica(s)"), by.get("Ray actor call, 1 actor(s) (round robin)")
-    if ours and theirs:
-        print(f"\nroute() p50 / Ray p50 = {ours['p50_us'] / theirs['p50_us']:.3f} (target <= 0.2)")
-    fan = [r for r in rows if r["what"].startswith("hpcrl fanout() to 64")][0]
-    print(f"fanout to 64 workers p50 = {fan['p50_us'] / 1000:.2f} ms (target < 2 ms)")
-    print(f"hpcrl event loop: {opts.loop}; transport {opts.transport}; reply_spin {opts.reply_spin * 1e6:.0f} us; total {time.perf_counter() - start:.0f} s; python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+    print("\n".join(summary(rows, opts)))
+    procs = 1 + opts.replicas + opts.fanout_workers
+    print(f"worker processes: {procs} (1 + {opts.replicas} + {opts.fanout_workers}, one Worker each); "
+          f"hpcrl event loop: {opts.loop}; transport {opts.transport}; total {time.perf_counter() - start:.0f} s; "
+          f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
     return 0
 
 
