@@ -21,6 +21,14 @@ def fast_config(**overrides):
                         **overrides})
 
 
+async def until(check, what: str, timeout: float = 10.0) -> None:
+    """Wait on this loop until `check()` holds, failing with `what` after `timeout` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, f"{what} (not within {timeout} s)"
+        await asyncio.sleep(0.005)
+
+
 def run(coro, timeout: float = 20.0):
     """Run one test coroutine on a fresh loop, with a hard deadline."""
     return asyncio.run(asyncio.wait_for(coro, timeout))

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from bus_helpers import RUN_ID, echo_worker, fast_config, run, serving
+from bus_helpers import RUN_ID, echo_worker, fast_config, run, serving, until
 from hpcrl.bus import Router, Payload, PeerInfo, Worker, WorkerExit
 from hpcrl.bus.errors import (DeadlineExceeded, HeadClosedError, NoHealthyReplicaError, PeerDeadError,
                               RemoteError, UnknownEndpointError, UnknownPeerError)
@@ -50,7 +50,7 @@ def test_route_goes_to_the_replica_with_fewest_outstanding_calls(secret, address
     async def go():
         async with echo_group(secret, address, 2) as (head, svc):
             busy = asyncio.ensure_future(svc.route("slow", {"s": 1.5}))
-            await asyncio.sleep(0.05)
+            await until(lambda: head.outstanding("inf/0/0") + head.outstanding("inf/1/0") == 1, "the slow call is out")
             busy_peer = "inf/0/0" if head.outstanding("inf/0/0") else "inf/1/0"
             quick = [await svc.route("echo", i) for i in range(5)]
             assert {q["peer"] for q in quick} == {"inf/0/0", "inf/1/0"} - {busy_peer}
@@ -68,8 +68,8 @@ def test_fanout_reaches_every_replica_and_returns_results_in_replica_order(secre
             assert all(o["args"] == {"v": 7} for o in out)
             with pytest.raises(RemoteError, match=r"peer inf/\d/0: endpoint 'fail' raised ValueError: boom"):
                 await svc.fanout("fail")  # the first error to arrive, from any replica
-            await asyncio.sleep(0.01)  # the abandoned calls are forgotten on the next loop turn
-            assert all(head.outstanding(f"inf/{r}/0") == 0 for r in range(4))
+            # the abandoned calls are forgotten on the next loop turn
+            await until(lambda: all(head.outstanding(f"inf/{r}/0") == 0 for r in range(4)), "calls left outstanding")
     run(go())
 
 
@@ -78,7 +78,7 @@ def test_calls_waiting_when_the_head_closes_and_calls_after_it_fail_as_closed_no
     async def go():
         async with echo_group(secret, address, 2) as (head, svc):
             waiting = asyncio.ensure_future(svc.route("slow", {"s": 5.0}))
-            await asyncio.sleep(0.05)
+            await until(lambda: head.outstanding("inf/0/0") + head.outstanding("inf/1/0") == 1, "the slow call is out")
             await head.close("the run is over")
             with pytest.raises(HeadClosedError, match=r"the call of 'slow' on inf/\d/0 was abandoned: the run is over"):
                 await waiting
@@ -149,7 +149,7 @@ def test_call_all_reaches_every_rank_of_one_replica_in_rank_order(secret, addres
         async with head_at(secret, address) as head:
             workers = [echo_worker(secret, head.address, group="trainer", rank=k, ranks=3) for k in range(3)]
             async with serving(*workers[:2]):
-                await asyncio.sleep(0.3)
+                await until(lambda: len(head.peers("trainer")) == 2, "two ranks did not register")
                 assert head.complete_replicas("trainer") == []
                 with pytest.raises(NoHealthyReplicaError, match=r"lacks ranks \[2\]"):
                     await Service(head, "trainer").call_all(0, "echo")
@@ -206,7 +206,7 @@ def test_non_idempotent_call_on_a_replica_that_leaves_raises_peer_dead(secret, a
             async with serving(a, b):
                 await head.wait_for_peers("inf", 2, timeout=10)
                 call = asyncio.ensure_future(head.request("inf/0/0", "once", timeout=10))
-                await asyncio.sleep(0.05)
+                await until(lambda: head.outstanding("inf/0/0") == 1, "the call is not out")
                 a.stop("leaving for the test")
                 with pytest.raises(PeerDeadError, match="peer inf/0/0: left: leaving for the test"):
                     await call
@@ -247,7 +247,7 @@ def test_second_registration_of_a_peer_replaces_the_first_without_calling_the_ho
                     assert "replaced" in old.exit_detail
                     assert head.is_healthy("inf/0/0")
                     assert (await head.request("inf/0/0", "echo", 1))["args"] == 1
-            await asyncio.sleep(0.05)
+            await until(lambda: hooked, "the hook did not run when the peer left")
     run(go())
     assert [p.name for p in hooked] == ["inf/0/0"]  # only when `new` left at the end, not on replacement
 
@@ -257,8 +257,7 @@ def test_fanout_past_its_deadline_raises_naming_a_peer_and_forgets_every_call(se
         async with echo_group(secret, address, 3) as (head, svc):
             with pytest.raises(DeadlineExceeded, match=r"peer inf/0/0: call to 'slow' did not complete within 0.2 s"):
                 await svc.fanout("slow", {"s": 5}, timeout=0.2)
-            await asyncio.sleep(0.01)
-            assert [head.outstanding(f"inf/{r}/0") for r in range(3)] == [0, 0, 0]
+            await until(lambda: [head.outstanding(f"inf/{r}/0") for r in range(3)] == [0, 0, 0], "calls left outstanding")
             assert len(await svc.fanout("echo", 1, timeout=5)) == 3
     run(go())
 

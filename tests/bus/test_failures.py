@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from bus_helpers import REPO, RUN_ID, fast_config, run, spawn_worker
+from bus_helpers import REPO, RUN_ID, fast_config, run, spawn_worker, until
 from hpcrl.bus import Router
 from hpcrl.bus.errors import PeerDeadError
 from hpcrl.bus.service import Service
@@ -36,8 +36,8 @@ def test_request_completes_on_another_replica_after_kill_9(secret, address, run_
             await head.wait_for_peers("inf", 2, timeout=30)
             svc = Service(head, "inf")
             calls = [asyncio.ensure_future(svc.route("slow", {"s": 0.8, "i": i}, timeout=20)) for i in range(20)]
-            await asyncio.sleep(0.3)  # all 20 in flight, spread over both replicas
-            assert head.outstanding("inf/0/0") == head.outstanding("inf/1/0") == 10
+            await until(lambda: head.outstanding("inf/0/0") + head.outstanding("inf/1/0") == 20, "20 calls in flight")
+            assert head.outstanding("inf/0/0") == head.outstanding("inf/1/0") == 10  # spread over both replicas
             victim = head.peer("inf/0/0")
             os.kill(victim.pid, signal.SIGKILL)
             killed_at = loop.time()
@@ -83,7 +83,7 @@ def test_session_is_repinned_when_its_replica_is_killed(secret, run_dir, procs):
             svc = Service(head, "inf")
             first = (await svc.session("ctx", "echo", 0))["peer"]
             in_flight = asyncio.ensure_future(svc.session("ctx", "slow", {"s": 0.8}, timeout=20))
-            await asyncio.sleep(0.2)
+            await until(lambda: head.outstanding(first) == 1, "the session's call is not out")
             os.kill(head.peer(first).pid, signal.SIGKILL)
             moved = (await in_flight)["peer"]  # idempotent: retried on the new pin
             assert moved != first and svc.pinned("ctx") == moved
@@ -124,8 +124,9 @@ def test_workers_exit_cleanly_within_two_heartbeat_timeouts_after_the_head_is_ki
     assert line[0] == "address", line
     workers = [spawn_worker(line[1], run_dir, replica=r, heartbeat=hb, timeout=timeout) for r in range(3)]
     procs.extend(workers)
-    assert head.stdout.readline().strip() == "ready"
-    time.sleep(0.3)
+    assert head.stdout.readline().strip() == "ready"  # the head registered every worker ...
+    for w in workers:  # ... and each has its WELCOME (else it would still be registering)
+        assert w.stdout.readline().strip() == "welcomed"
     head.kill()
     killed = time.monotonic()
     exited = {}

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from bus_helpers import RUN_ID, fast_config, run
+from bus_helpers import RUN_ID, fast_config, run, until
 from hpcrl.bus import PeerInfo, Router, Worker, WorkerExit
 from hpcrl.bus.errors import UnknownEndpointError
 from hpcrl.bus.farewell import FarewellLink, send_farewell
@@ -21,13 +21,6 @@ pytestmark = pytest.mark.timeout(30)
 
 def info(replica: int = 0, task: int = 0) -> PeerInfo:
     return PeerInfo(run_id=RUN_ID, group="inf", replica=replica, task=task, host="localhost", pid=os.getpid())
-
-
-async def until(check, what: str, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, what
-        await asyncio.sleep(0.01)
 
 
 def test_a_peer_that_is_not_ready_is_registered_but_takes_no_calls_until_it_says_ready(secret, address):

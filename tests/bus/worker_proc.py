@@ -57,7 +57,15 @@ def main() -> int:
     async def fail(call):
         raise ValueError(f"boom from {info.name}")
 
-    how = asyncio.run(worker.serve())
+    async def serve():
+        serving = asyncio.create_task(worker.serve())
+        welcomed = asyncio.create_task(worker.welcomed())
+        await asyncio.wait({serving, welcomed}, return_when=asyncio.FIRST_COMPLETED)
+        if welcomed.done():
+            print("welcomed", flush=True)
+        return await serving
+
+    how = asyncio.run(serve())
     print(how.name, flush=True)
     return 0
 
