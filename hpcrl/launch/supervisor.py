@@ -153,7 +153,7 @@ class Supervisor:
             if event.kind == "exited":
                 task.code = event.code
                 if info.group in self.revivable and event.code != 0:
-                    self.revive(*key, why=f"it exited with code {event.code} ({event.reason})")
+                    self.revive(*key, why=f"it exited with code {event.code}: {event.reason}")
             elif event.kind == "dead":
                 task.lost = event.reason
                 if info.group in self.revivable:

@@ -218,7 +218,9 @@ def test_killing_the_inference_replica_loses_no_rollout_and_it_is_back_on_curren
     print(f"the replica was back in the weight-transfer group {back:.0f} s after it was killed "
           f"({'mid-generation: the call was sent again' if in_flight else 'between generations'})")
     assert final.state == "COMPLETED", final.render()
-    assert "group inference rank 0 lost (its process ended without a word); starting it again" in head_log(run_dir)
+    # its supervisor told the head at once, on the bus, how the task ended
+    assert ("group inference rank 0 lost (it exited with code 137: the task killed by SIGKILL); starting it again"
+            in head_log(run_dir))
     assert any(name.startswith("VLLM::") for name in engine.values()), engine  # vLLM titles its processes
     assert left == [], f"processes of the killed replica still running: {[engine[p] for p in left]}"
     rows = read_metrics(run_dir)
@@ -265,7 +267,7 @@ def test_an_inference_replica_lost_during_a_weight_push_is_started_again_and_cau
     assert final.state == "COMPLETED", final.render()
     log = head_log(run_dir)
     assert re.search(r"weight version \d+ did not reach the inference replicas \(peer inference/0/0", log), log[-3000:]
-    assert "group inference rank 0 lost (its process ended without a word); starting it again" in log
+    assert "group inference rank 0 lost (it exited with code 137: the task killed by SIGKILL); starting it again" in log
     assert "requeueing" not in log
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 31))
