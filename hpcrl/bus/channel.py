@@ -28,7 +28,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Callable
+from collections.abc import Callable
+from typing import cast
 
 import zmq
 
@@ -44,7 +45,9 @@ _NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 # pyzmq's Socket.send is a Python wrapper (routing_id/group handling) around the compiled one.
-_raw_send = zmq.Socket.__mro__[1].send
+_raw_send = zmq.backend.Socket.send
+# The compiled getter, typed for the one option read with it on the hot path (ZMQ_EVENTS, an int).
+_get_int = cast("Callable[[zmq.Socket, int], int]", zmq.Socket.get)
 
 
 def _context() -> zmq.Context:
@@ -101,15 +104,15 @@ class Channel:
     """One socket on the running loop: `on_message(frames)` for every message, `send(frames)`."""
 
     def __init__(self, sock: zmq.Socket, on_message: Callable[[list], None], *, small_frames: int = 1,
-                 awaiting: Callable[[], bool] = lambda: False) -> None:
+                 awaiting: Callable[[], int] = lambda: 0) -> None:
         """`small_frames`: how many leading frames of every message are small (routing id,
         header) and are received as bytes; the rest arrive as memoryviews, without a copy.
-        `awaiting()`: whether a message is awaited (a spin ends as soon as it says False)."""
+        `awaiting()`: how many replies are awaited (a spin ends as soon as it says 0)."""
         self._sock = sock
         self._small = small_frames
         self._on_message = on_message
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._fd = sock.getsockopt(zmq.FD)
+        self._fd = sock.fileno()  # ZMQ_FD
         self._kicked = False
         self._draining = False
         self._awaiting = awaiting
@@ -131,7 +134,7 @@ class Channel:
         finally:
             # The send may have eaten the FD's edge. While a drain runs or is scheduled, that
             # drain reads the level itself, so only other sends ask.
-            if not (self._draining or self._kicked) and self._sock.get(_EVENTS) & _POLLIN:
+            if not (self._draining or self._kicked) and _get_int(self._sock, _EVENTS) & _POLLIN:
                 self._kick()
 
     def send_many(self, messages: list[list]) -> list[bool]:
@@ -141,7 +144,7 @@ class Channel:
         try:
             return [self._put(frames) for frames in messages]
         finally:
-            if not (self._draining or self._kicked) and self._sock.get(_EVENTS) & _POLLIN:  # once for the lot
+            if not (self._draining or self._kicked) and _get_int(self._sock, _EVENTS) & _POLLIN:  # once for the lot
                 self._kick()
 
     def _put(self, frames: list) -> bool:
@@ -175,14 +178,14 @@ class Channel:
         self._spin_until = max(self._spin_until, self._loop.time() + seconds)
         if not self._spinning:
             self._spinning = True
-            self._loop.call_soon(self._spin_turn)
+            self._loop.call_soon(self._spin_turn, self._loop)
 
-    def _spin_turn(self) -> None:
-        if self.closed or self._loop.time() > self._spin_until or not self._awaiting():
+    def _spin_turn(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.closed or loop.time() > self._spin_until or not self._awaiting():
             self._spinning = False
             return
         os.sched_yield()  # another runnable thread of this CPU (libzmq's I/O thread, say) goes first
-        self._loop.call_soon(self._spin_turn)  # a ready callback: the loop polls without blocking
+        loop.call_soon(self._spin_turn, loop)  # a ready callback: the loop polls without blocking
 
     def _kick(self) -> None:
         if not self._kicked and not self.closed and self._loop is not None:
@@ -196,14 +199,15 @@ class Channel:
         sock = self._sock
         # Ask before receiving (this also takes in libzmq's pending commands): a zmq.Again
         # exception costs more than the check.
-        if not sock.get(_EVENTS) & _POLLIN:
+        if not _get_int(sock, _EVENTS) & _POLLIN:
             return
         self._draining = True
         try:
             # Every frame comes as a zmq.Frame (its `more` saves asking the socket); the leading
             # small ones (routing id, header) are copied out as bytes, the rest (maybe large
             # buffers) are handed on as memoryviews without a copy.
-            recv, small, frames = sock.recv, self._small, []
+            recv, small = sock.recv, self._small
+            frames: list[bytes | memoryview] = []
             while True:  # the rest of a multipart message is already here
                 frame = recv(_NOBLOCK, copy=False)
                 frames.append(frame.bytes if len(frames) < small else frame.buffer)

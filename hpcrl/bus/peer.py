@@ -49,7 +49,7 @@ class PeerInfo:
         return asdict(self)
 
     @classmethod
-    def from_wire(cls, data: Any) -> "PeerInfo":
+    def from_wire(cls, data: Any) -> PeerInfo:
         """Build from a registration body; raises ValueError on anything malformed."""
         if not isinstance(data, dict):
             raise ValueError("peer info is not a map")

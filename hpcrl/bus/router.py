@@ -37,13 +37,21 @@ import inspect
 import logging
 import secrets
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from hpcrl.bus import channel as _channel
 from hpcrl.bus.config import BusConfig
-from hpcrl.bus.errors import (BusError, DeadlineExceeded, HeadClosedError, PeerDeadError, RemoteError,
-                              UnknownEndpointError, UnknownPeerError)
+from hpcrl.bus.errors import (
+    BusError,
+    DeadlineExceeded,
+    HeadClosedError,
+    PeerDeadError,
+    RemoteError,
+    UnknownEndpointError,
+    UnknownPeerError,
+)
 from hpcrl.bus.peer import PeerInfo
 from hpcrl.bus.secret import Secret
 from hpcrl.bus.wire import INCARNATION_BYTES, Counters, Envelope, Kind, Opener, Payload, Sealer
@@ -142,7 +150,7 @@ class Router:
         self._channel: _channel.Channel | None = None
         self._monitor: asyncio.Task | None = None
         self._hook_tasks: set[asyncio.Task] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop  # set by start(); read only by what start() set going
         self._closed_because: str | None = None
         """Why close() was called; None while the head is open."""
 
@@ -178,7 +186,7 @@ class Router:
         self._channel.close(linger=1.0)  # the goodbyes still go out
         self._closed_because = reason
 
-    async def __aenter__(self) -> "Router":
+    async def __aenter__(self) -> Router:
         await self.start()
         return self
 
@@ -279,7 +287,7 @@ class Router:
         and HeadClosedError once close() was called (also for calls still waiting then).
         Cancelling the caller abandons the call (a late reply is counted and dropped).
         """
-        self._check_open()
+        channel = self._check_open()
         st = self._state(peer)
         if not st.healthy:
             raise PeerDeadError(peer, st.dead_reason)
@@ -296,7 +304,7 @@ class Router:
             raise PeerDeadError(peer, "unreachable (not connected, or its send queue is full)")
         self._pending[rid] = _Pending(future=future, peer=st, endpoint=endpoint)
         st.outstanding += 1
-        self._channel.spin(self.config.reply_spin)
+        channel.spin(self.config.reply_spin)
         timer = loop.call_later(timeout, self._expire, rid, timeout)
         try:
             return await future
@@ -310,7 +318,7 @@ class Router:
         """Send one call to every peer now; a future of the results in `peers` order, or the first
         error (then the other calls are abandoned). One future and one timer for all: cheap enough
         for thousands of peers. Errors known before sending are raised here, naming the peer."""
-        self._check_open()
+        channel = self._check_open()
         states = [self._state(name) for name in peers]
         for st in states:
             if not st.healthy:
@@ -332,7 +340,7 @@ class Router:
         messages = [[st.route, *seal(Kind.REQUEST, {"id": first_rid + index, "ep": endpoint, "a": args, "ttl": timeout},
                                      to=st.incarnation, buffers=buffers)]
                     for index, st in enumerate(states)]
-        sent = self._channel.send_many(messages) if self._channel is not None else [False] * len(messages)
+        sent = channel.send_many(messages)
         pending = self._pending
         for index, (st, ok) in enumerate(zip(states, sent)):
             if not ok:
@@ -345,13 +353,13 @@ class Router:
             st.outstanding += 1
             fan.open.add(rid)
         fan.timer = loop.call_later(timeout, self._expire_fanout, fan, timeout)
-        if self._channel is not None:
-            self._channel.spin(self.config.reply_spin)
+        channel.spin(self.config.reply_spin)
         fan.future.add_done_callback(lambda _f: self._forget_fanout(fan))
         return fan.future
 
     def _forget_fanout(self, fan: _Fanout) -> None:
-        fan.timer.cancel()
+        if fan.timer is not None:  # always set before this done-callback is added
+            fan.timer.cancel()
         for rid in fan.open:
             self._pending.pop(rid).peer.outstanding -= 1
         fan.open.clear()
@@ -366,9 +374,13 @@ class Router:
         if pending is not None and not pending.future.done():
             pending.future.set_exception(DeadlineExceeded(pending.peer.name, pending.endpoint, timeout))
 
-    def _check_open(self) -> None:
+    def _check_open(self) -> _channel.Channel:
+        """The head's channel, to call through; HeadClosedError once closed, BusError before start()."""
         if self._closed_because is not None:
             raise HeadClosedError(f"the head's bus is closed ({self._closed_because}): no more calls")
+        if self._channel is None:
+            raise BusError("the head's bus is not started: call start() (or use `async with`) first")
+        return self._channel
 
     def _state(self, name: str) -> _PeerState:
         st = self._peers.get(name)

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Any, Hashable, Iterable
+from collections.abc import Hashable, Iterable
+from typing import Any
 
 from hpcrl.bus.errors import DeadlineExceeded, NoHealthyReplicaError, PeerDeadError
-from hpcrl.bus.router import Router
 from hpcrl.bus.peer import PeerInfo
+from hpcrl.bus.router import Router
 
 
 class Service:

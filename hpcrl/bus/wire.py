@@ -28,9 +28,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Iterable
+from typing import Any
 
 import msgpack
 
@@ -118,6 +119,7 @@ def _as_bytes_view(buf: Any) -> memoryview:
     return view.cast("B") if (view.format != "B" or view.ndim != 1) else view
 
 
+_openssl_hmac_new: Callable[..., Any] | None
 try:
     from _hashlib import hmac_new as _openssl_hmac_new
 except ImportError:  # a Python built without OpenSSL's HMAC: the standard wrapper does the same
@@ -142,7 +144,7 @@ class _Mac:
         self._keyed = _keyed_hmac(key, _DOMAIN + version)
         self._by_count: dict[int, Any] = {}
 
-    def digest(self, frames: list, count: int) -> bytes:
+    def digest(self, frames: Sequence[Any], count: int) -> bytes:
         base = self._by_count.get(count)
         if base is None:
             base = self._keyed.copy()

@@ -30,14 +30,15 @@ import inspect
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from hpcrl.bus import channel as _channel
 from hpcrl.bus.config import BusConfig
 from hpcrl.bus.errors import BusError
-from hpcrl.bus.router import routing_id
 from hpcrl.bus.peer import PeerInfo
+from hpcrl.bus.router import routing_id
 from hpcrl.bus.secret import Secret
 from hpcrl.bus.wire import INCARNATION_BYTES, Counters, Envelope, Kind, Opener, Payload, Sealer
 
@@ -86,7 +87,7 @@ class Worker:
         self._head: bytes | None = None
         self._heartbeat = (self.config.heartbeat_interval, self.config.heartbeat_timeout)
         self._last_heard = 0.0
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop  # set by serve(); read only by what serve() set going
         self._channel: _channel.Channel | None = None
         self._welcomed: asyncio.Event | None = None
         self._done: asyncio.Future | None = None
@@ -157,7 +158,7 @@ class Worker:
                                        hard_max_bytes=4 * self.config.max_message_bytes)
         self._channel = _channel.Channel(sock, self._on_message)
         self._channel.start()
-        beat = asyncio.create_task(self._beat(), name=f"hpcrl-bus-{self.name}-heartbeat")
+        beat = asyncio.create_task(self._beat(self._welcomed), name=f"hpcrl-bus-{self.name}-heartbeat")
         try:
             return await self._done
         finally:
@@ -183,7 +184,7 @@ class Worker:
             self.exit_detail = detail
             self._done.set_result(how)
 
-    async def _beat(self) -> None:
+    async def _beat(self, welcomed: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         start = loop.time()
         while self._head is None:  # register until welcomed
@@ -192,7 +193,7 @@ class Worker:
             self._send(Kind.REGISTER, {"peer": self.info.to_wire(), "t": time.time(), "ready": self._ready,
                                        "endpoints": self._endpoint_flags()})
             try:
-                await asyncio.wait_for(self._welcomed.wait(), self.config.heartbeat_interval)
+                await asyncio.wait_for(welcomed.wait(), self.config.heartbeat_interval)
             except TimeoutError:
                 pass
         while True:
@@ -227,6 +228,7 @@ class Worker:
             self._heartbeat = (float(body["hb"]), float(body["hbt"]))
             self._last_heard = self._loop.time()
             self._counters.accept()
+            assert self._welcomed is not None  # made by serve() before the channel that delivers this
             self._welcomed.set()
             log.info("bus: %s registered with the head at %s", self.name, self.address)
             return
@@ -266,7 +268,7 @@ class Worker:
         # A plain function runs right here, on the loop (keep such endpoints quick): no task.
         try:
             result = fn(call)
-        except Exception as exc:  # the endpoint's own failure goes back to the caller, typed
+        except Exception as exc:  # noqa: BLE001 - the endpoint's own failure goes back to the caller, typed
             return self._reply_error(rid, type(exc).__name__, str(exc))
         if type(result) not in _PLAIN_RESULTS and inspect.isawaitable(result):  # it handed back a coroutine
             task = asyncio.create_task(self._run(rid, lambda _call: result, call, body["ttl"]))
@@ -290,7 +292,7 @@ class Worker:
                 log.debug("bus: %s: %s passed its deadline", self.name, call.endpoint)
                 return
             return self._reply_error(rid, "TimeoutError", "the endpoint raised TimeoutError")
-        except Exception as exc:  # the endpoint's own failure goes back to the caller, typed
+        except Exception as exc:  # noqa: BLE001 - the endpoint's own failure goes back to the caller, typed
             log.debug("bus: %s: %s raised %r", self.name, call.endpoint, exc)
             return self._reply_error(rid, type(exc).__name__, str(exc))
         self._reply(rid, call, result)

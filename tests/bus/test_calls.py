@@ -8,11 +8,18 @@ import contextlib
 import logging
 
 import pytest
-
 from bus_helpers import RUN_ID, echo_worker, fast_config, run, serving, until
-from hpcrl.bus import Router, Payload, PeerInfo, Worker, WorkerExit
-from hpcrl.bus.errors import (DeadlineExceeded, HeadClosedError, NoHealthyReplicaError, PeerDeadError,
-                              RemoteError, UnknownEndpointError, UnknownPeerError)
+
+from hpcrl.bus import Payload, PeerInfo, Router, Worker, WorkerExit
+from hpcrl.bus.errors import (
+    DeadlineExceeded,
+    HeadClosedError,
+    NoHealthyReplicaError,
+    PeerDeadError,
+    RemoteError,
+    UnknownEndpointError,
+    UnknownPeerError,
+)
 from hpcrl.bus.service import Service
 
 pytestmark = pytest.mark.timeout(30)

@@ -11,8 +11,8 @@ import sys
 import time
 
 import pytest
-
 from bus_helpers import REPO, RUN_ID, fast_config, run, spawn_worker, until
+
 from hpcrl.bus import Router
 from hpcrl.bus.errors import PeerDeadError
 from hpcrl.bus.service import Service

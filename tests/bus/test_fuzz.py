@@ -14,10 +14,11 @@ import time
 import msgpack
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings, strategies as st
-
 from bus_helpers import RUN_ID, LoopThread, echo_worker, fast_config
-from hpcrl.bus import Router, PeerInfo
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hpcrl.bus import PeerInfo, Router
 from hpcrl.bus.router import routing_id
 from hpcrl.bus.secret import Secret
 from hpcrl.bus.wire import PROTOCOL_VERSION, TRAILER_BYTES, Counters, Kind, Opener, Sealer, seal_raw

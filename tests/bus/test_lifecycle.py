@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-
 from bus_helpers import RUN_ID, fast_config, run, until
+
 from hpcrl.bus import PeerInfo, Router, Worker, WorkerExit
 from hpcrl.bus.errors import UnknownEndpointError
 from hpcrl.bus.farewell import FarewellLink, send_farewell
