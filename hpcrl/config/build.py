@@ -47,8 +47,8 @@ def field_example(cls: type, name: str) -> str:
     fld = next(f for f in dataclasses.fields(cls) if f.name == name)
     if fld.default is not dataclasses.MISSING:
         return f"{name} = {_toml_literal(fld.default)}"
-    if fld.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f"{name} = {_toml_literal(fld.default_factory())}"  # type: ignore[misc]
+    if fld.default_factory is not dataclasses.MISSING:
+        return f"{name} = {_toml_literal(fld.default_factory())}"
     hint = _hints(cls)[name]
     if typing.get_origin(hint) is Literal:
         return f"{name} = {_toml_literal(typing.get_args(hint)[0])}"
@@ -82,7 +82,7 @@ def _convert(value: Any, hint: Any, key: str, example: str) -> Any:
                               fix=f"write it as a table [{key}] with one key per entry")
         return {k: _convert(v, item, f"{key}.{k}", f"{k} = {_EXAMPLES.get(item, '...')}")
                 for k, v in value.items()}
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return build(hint, value, key)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -112,7 +112,7 @@ def build(cls: type, table: Any, prefix: str) -> Any:
     for name, fld in fields.items():
         key = f"{prefix}.{name}" if prefix else name
         if name not in table:
-            if fld.default is dataclasses.MISSING and fld.default_factory is dataclasses.MISSING:  # type: ignore[misc]
+            if fld.default is dataclasses.MISSING and fld.default_factory is dataclasses.MISSING:
                 raise ConfigError(key=key, problem=f"required key {name!r} is missing from {section}",
                                   fix=f"add a line {field_example(cls, name)} under {section}")
             continue

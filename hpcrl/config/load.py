@@ -16,9 +16,10 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from hpcrl.config.build import build
 from hpcrl.config.checks import check_config
