@@ -20,9 +20,10 @@ import os
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict
 from multiprocessing.connection import Connection, wait
-from typing import Callable
+from typing import cast
 
 from hpcrl.reward.types import RewardError, RewardResult, Sample
 
@@ -53,20 +54,21 @@ def _worker_main(function: str, conn: Connection) -> None:
             request = json.loads(conn.recv_bytes())
         except EOFError:
             return
+        reply: dict[str, str | float]
         try:
             value = fn(request["prompt"], request["completion"], request["answer"])
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 reply = {"error": f"returned {value!r}, not a finite number"}
             else:
                 reply = {"reward": float(value)}
-        except Exception as err:  # the verifier's own failure is the result, reported with the sample
+        except Exception as err:  # noqa: BLE001 - the verifier's own failure is the result, reported with the sample
             frame = traceback.extract_tb(err.__traceback__)[-1]
             reply = {"error": f"{type(err).__name__}: {err} ({os.path.basename(frame.filename)}:{frame.lineno})"}
         conn.send_bytes(json.dumps(reply).encode())
 
 
 class _Worker:
-    def __init__(self, ctx: mp.context.BaseContext, function: str) -> None:
+    def __init__(self, ctx: mp.context.SpawnContext, function: str) -> None:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_worker_main, args=(function, child), daemon=True,
                                    name="hpcrl-reward-worker")
@@ -132,7 +134,8 @@ class RewardPool:
                 busy[worker.conn] = worker
             now = time.monotonic()
             next_deadline = min(w.started + self.timeout_s for w in busy.values())
-            for conn in wait(list(busy), timeout=max(0.0, next_deadline - now)):
+            for ready in wait(list(busy), timeout=max(0.0, next_deadline - now)):
+                conn = cast(Connection, ready)  # wait() returns some of the connections it was given
                 worker = busy.pop(conn)
                 sample, spent = worker.sample, time.monotonic() - worker.started
                 assert sample is not None
@@ -163,7 +166,7 @@ class RewardPool:
             worker.kill()
         self._workers = []
 
-    def __enter__(self) -> "RewardPool":
+    def __enter__(self) -> RewardPool:
         return self
 
     def __exit__(self, *exc) -> None:
