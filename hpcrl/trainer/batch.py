@@ -16,6 +16,7 @@ normalised over the whole step by the engine, so rows may be split unevenly.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -65,7 +66,7 @@ class RolloutBatch:
         positions = torch.arange(1, self.tokens.shape[1] + 1).expand_as(self.completion_mask)
         return (positions * self.completion_mask).amax(dim=1) if self.size else torch.zeros(0, dtype=torch.long)
 
-    def rows(self, start: int, stop: int) -> "RolloutBatch":
+    def rows(self, start: int, stop: int) -> RolloutBatch:
         """Rows start..stop-1, trimmed to their longest real length (padding costs compute)."""
         width = max(int(self.lengths[start:stop].max()), 2) if stop > start else 2
         out = {}
@@ -76,26 +77,27 @@ class RolloutBatch:
                 out[f.name] = value[:, :width] if value.dim() == 2 else value
         return RolloutBatch(**out)
 
-    def micro_batches(self, size: int) -> list["RolloutBatch"]:
+    def micro_batches(self, size: int) -> list[RolloutBatch]:
         """Consecutive chunks of at most `size` rows."""
         return [self.rows(i, min(i + size, self.size)) for i in range(0, self.size, size)]
 
-    def shard(self, rank: int, world_size: int) -> "RolloutBatch":
+    def shard(self, rank: int, world_size: int) -> RolloutBatch:
         """This data-parallel rank's rows (torch.chunk-like: the first ranks get one more when uneven)."""
         base, extra = divmod(self.size, world_size)
         start = rank * base + min(rank, extra)
         stop = start + base + (1 if rank < extra else 0)
         return self.rows(start, stop) if stop > start else self.empty()
 
-    def empty(self) -> "RolloutBatch":
+    def empty(self) -> RolloutBatch:
         """A batch with no rows (a rank that got none still joins the collectives)."""
         return RolloutBatch(tokens=self.tokens[:0, :2], completion_mask=self.completion_mask[:0, :2],
                             old_logprobs=self.old_logprobs[:0, :2], advantages=self.advantages[:0],
                             ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[:0, :2])
 
-    def to(self, device: torch.device) -> "RolloutBatch":
-        return RolloutBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
-                               for f in fields(self)})
+    def to(self, device: torch.device) -> RolloutBatch:
+        moved: dict[str, Any] = {f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                                 for f in fields(self)}
+        return RolloutBatch(**moved)
 
 
 def empty_batch() -> RolloutBatch:

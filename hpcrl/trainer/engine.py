@@ -32,11 +32,11 @@ from torch import Tensor
 
 from hpcrl.config.model_shapes import ModelShape, load_shape
 from hpcrl.errors import TrainerError
-from hpcrl.trainer.loss import LossSettings, Normaliser, entropy_from_logits, grpo_loss, local_counts, token_logprobs
 from hpcrl.trainer import checkpoint, titan, weights
 from hpcrl.trainer.batch import RolloutBatch, pad_rows
+from hpcrl.trainer.loss import LossSettings, Normaliser, entropy_from_logits, grpo_loss, local_counts, token_logprobs
 from hpcrl.trainer.parallel import make_dp_mesh, reshard, shard_decoder
-from hpcrl.trainer.schedule import lr_at
+from hpcrl.trainer.schedule import LrSchedule, lr_at
 
 #: Tokens per slice when computing the entropy metric.
 _ENTROPY_SLICE = 2048
@@ -69,7 +69,7 @@ class EngineOptions:
     """AdamW epsilon."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
-    lr_schedule: str = "constant"
+    lr_schedule: LrSchedule = "constant"
     """After warmup: constant, linear or cosine (hpcrl.trainer.schedule)."""
     warmup_steps: int = 0
     """Steps of linear warmup."""
@@ -102,7 +102,7 @@ class EngineOptions:
             object.__setattr__(self, "rope_scaling", weights.read_rope_scaling(self.weights_path))
 
     @classmethod
-    def from_config(cls, config, *, device: str | None = None, **overrides) -> "EngineOptions":
+    def from_config(cls, config, *, device: str | None = None, **overrides) -> EngineOptions:
         """Options from an `hpcrl.config.Config` (device: cuda when the trainer has GPUs)."""
         t, m = config.trainer, config.model
         device = device or ("cuda" if t.gpus_per_node > 0 else "cpu")
@@ -177,7 +177,7 @@ class TrainerEngine:
         self.step = 0
 
     @classmethod
-    def from_config(cls, config, *, device: str | None = None, **overrides) -> "TrainerEngine":
+    def from_config(cls, config, *, device: str | None = None, **overrides) -> TrainerEngine:
         return cls(EngineOptions.from_config(config, device=device, **overrides))
 
     def _build(self, *, trainable: bool):

@@ -8,9 +8,12 @@ from __future__ import annotations
 import math
 from typing import Literal
 
+LrSchedule = Literal["constant", "linear", "cosine"]
+"""The decay after warmup (config key trainer.lr_schedule)."""
+
 
 def lr_at(step: int, *, peak: float, total_steps: int, warmup_steps: int = 0,
-          schedule: Literal["constant", "linear", "cosine"] = "constant", min_lr_ratio: float = 0.0) -> float:
+          schedule: LrSchedule = "constant", min_lr_ratio: float = 0.0) -> float:
     """Learning rate of optimizer step `step` (0-based).
 
     Warmup: peak * (step + 1) / warmup_steps for the first warmup_steps steps (never 0).

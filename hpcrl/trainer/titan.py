@@ -27,6 +27,7 @@ import math
 import re
 from dataclasses import dataclass
 from functools import cache, partial
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -153,6 +154,15 @@ def model_config(shape: ModelShape, *, max_seq_len: int, rope_scaling: RopeScali
         layers=layers)
 
 
+class _Decoder(Protocol):
+    """What this module calls on a torchtitan decoder beyond nn.Module (torchtitan ships no types)."""
+
+    layers: nn.ModuleDict
+    """The transformer blocks, named "0", "1", ..."""
+
+    def init_states(self, *, buffer_device: torch.device | None = None) -> None: ...
+
+
 def build_model(shape: ModelShape, *, max_seq_len: int, rope_scaling: RopeScaling | None = None,
                 device: str | torch.device = "meta") -> nn.Module:
     """The torchtitan model of `shape`, with parameters on `device` (meta: no memory, fill later)."""
@@ -164,20 +174,21 @@ def build_model(shape: ModelShape, *, max_seq_len: int, rope_scaling: RopeScalin
 def init_states(model: nn.Module, *, device: torch.device) -> None:
     """Random parameters (torchtitan's per-module inits) and RoPE caches, after `to_empty`."""
     with torch.no_grad():
-        model.init_states(buffer_device=device)
+        cast(_Decoder, model).init_states(buffer_device=device)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute every transformer block in backward (torch's checkpoint wrapper, as torchtitan's full AC)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    for name, block in list(model.layers.named_children()):
-        model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
+    layers = cast(_Decoder, model).layers
+    for name, block in list(layers.named_children()):
+        layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The decoder's blocks in order (each becomes one FSDP unit)."""
-    return list(model.layers.values())
+    return list(cast(_Decoder, model).layers.values())
 
 
 def _hf_templates(shape: ModelShape, config) -> dict[str, str | None]:

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from trainer_workers import engine_options, toy_batch
 
 from hpcrl.config import load_config
 from hpcrl.errors import TrainerError
@@ -13,8 +14,6 @@ from hpcrl.trainer import EngineOptions, RolloutBatch, TrainerEngine, pad_rows
 from hpcrl.trainer.loss import LossSettings
 from hpcrl.trainer.parallel import dp_layout
 from hpcrl.trainer.schedule import lr_at
-
-from trainer_workers import engine_options, toy_batch
 
 
 @pytest.mark.timeout(120)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from trainer_workers import engine_options, run_ranks, toy_batch
 
 from hpcrl.trainer import TrainerEngine
-
-from trainer_workers import engine_options, run_ranks, toy_batch
 
 
 @pytest.fixture(scope="module")

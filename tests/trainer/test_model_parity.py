@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainer_workers import toy_batch
 
 from hpcrl.config.model_shapes import PRESETS, ModelShape
 from hpcrl.trainer import EngineOptions, TrainerEngine
-
-from trainer_workers import toy_batch
 
 
 def _hf_model(shape: ModelShape, out: Path, **extra):
