@@ -17,9 +17,9 @@ the message, its parameters and both ranks.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
 
 import numpy as np
 import torch

@@ -30,7 +30,7 @@ class TrainerSender:
 
     @classmethod
     def connect(cls, plan: TransferPlan, *, rank: int, host: str, port: int, timeout_s: float = 120.0,
-                external_store: bool = False, generation: int = 0, transport: str = "gloo") -> "TrainerSender":
+                external_store: bool = False, generation: int = 0, transport: str = "gloo") -> TrainerSender:
         world = plan.trainer.world_size + plan.inference.replicas * plan.inference.tensor_parallel
         if not 0 <= rank < plan.trainer.world_size:
             raise TransferError(f"trainer rank {rank} is outside the plan's {plan.trainer.world_size} trainer ranks")

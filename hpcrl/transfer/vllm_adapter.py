@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -49,9 +49,10 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from hpcrl.config.model_shapes import from_hf_config
 from hpcrl.errors import TransferError
 from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
+from hpcrl.plan.transfer_plan import TransferPlan
 from hpcrl.plan.transfer_planner import plan as plan_transfer
 from hpcrl.transfer import execute
-from hpcrl.transfer.registry import open_group
+from hpcrl.transfer.registry import TransferLink, open_group
 
 ENGINE_NAME = "hpcrl"
 
@@ -102,12 +103,12 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.plan = None
-        self.group = None
+        self.plan: TransferPlan | None = None
+        self.group: TransferLink | None = None
         self.replica = self.tp_rank = 0
         self._targets: dict[str, torch.Tensor] = {}
-        self._reprocess: list[torch.nn.Module] = []
-        self.last = {}
+        self._reprocess: list[tuple[torch.nn.Module, Any]] = []  # (layer, its vLLM quant_method)
+        self.last: dict[str, Any] = {}
 
     # -- set-up ---------------------------------------------------------------------------
     def init_transfer_engine(self, info: HpcrlInitInfo) -> None:
@@ -120,21 +121,20 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         if inference.tensor_parallel != self.parallel_config.tensor_parallel_size:
             raise TransferError(f"the plan has TP {inference.tensor_parallel}, this engine runs TP "
                                 f"{self.parallel_config.tensor_parallel_size}")
-        self.plan = plan_transfer(TrainerLayout(**info.trainer), inference, shape, wire_dtype=info.wire_dtype,
-                                  bucket_bytes=info.bucket_bytes)
+        self.plan = plan = plan_transfer(TrainerLayout(**info.trainer), inference, shape, wire_dtype=info.wire_dtype,
+                                         bucket_bytes=info.bucket_bytes)
         self.replica, self.tp_rank = info.replica, get_tensor_model_parallel_rank()
-        me = execute.describe_group_rank(self.plan, execute.inference_group_rank(self.plan, self.replica, self.tp_rank))
-        if info.digest and info.digest != self.plan.digest:
-            raise TransferError(f"{me} planned {self.plan.digest[:12]}, the caller {info.digest[:12]}: the served "
+        me = execute.describe_group_rank(plan, execute.inference_group_rank(plan, self.replica, self.tp_rank))
+        if info.digest and info.digest != plan.digest:
+            raise TransferError(f"{me} planned {plan.digest[:12]}, the caller {info.digest[:12]}: the served "
                                 "model or the layouts differ from what the caller planned with")
         self.timeout_s = info.timeout_s
-        rank = execute.inference_group_rank(self.plan, self.replica, self.tp_rank)
-        world = self.plan.trainer.world_size + inference.replicas * inference.tensor_parallel
-        self.group = open_group(info.transport, host=info.host, port=info.port, rank=rank, world_size=world,
-                                timeout_s=info.timeout_s, external_store=info.external_store,
-                                generation=info.generation)
-        self.group.check_digests(rank=rank, digest=self.plan.digest,
-                                 describe=lambda r: execute.describe_group_rank(self.plan, r))
+        rank = execute.inference_group_rank(plan, self.replica, self.tp_rank)
+        world = plan.trainer.world_size + inference.replicas * inference.tensor_parallel
+        self.group = group = open_group(info.transport, host=info.host, port=info.port, rank=rank, world_size=world,
+                                        timeout_s=info.timeout_s, external_store=info.external_store,
+                                        generation=info.generation)
+        group.check_digests(rank=rank, digest=plan.digest, describe=lambda r: execute.describe_group_rank(plan, r))
 
     # -- one update -----------------------------------------------------------------------
     def start_weight_update(self) -> None:
@@ -165,9 +165,10 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
             # Every module computing from a written parameter repacks it, including a tied lm_head
             # (its `weight` *is* embed_tokens.weight, but its packed copy is its own).
             for module in self.model.modules():
-                if (hasattr(getattr(module, "quant_method", None), "process_weights_after_loading")
+                quant_method = getattr(module, "quant_method", None)
+                if (hasattr(quant_method, "process_weights_after_loading")
                         and any(id(p) in written for p in module.parameters(recurse=False))):
-                    self._reprocess.append(module)
+                    self._reprocess.append((module, quant_method))
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class calls torch.accelerator.synchronize(), which raises on CPU.
@@ -178,17 +179,19 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
     def receive_weights(self, update_info: HpcrlUpdateInfo) -> None:
         if not self._targets:
             raise TransferError("update_weights outside start_weight_update / finish_weight_update")
+        plan, group = self.plan, self.group
+        if plan is None or group is None:  # the group failed to open, or was shut down
+            raise TransferError("update_weights without a transfer group: call init_weight_transfer_engine first")
         t0 = time.perf_counter()
-        dests = execute.check_dests(self.plan, self.replica, self.tp_rank, self._targets)
+        dests = execute.check_dests(plan, self.replica, self.tp_rank, self._targets)
         with torch.no_grad():
-            received = execute.receive(self.group, self.plan, self.replica, self.tp_rank, dests,
-                                       timeout_s=self.timeout_s)
+            received = execute.receive(group, plan, self.replica, self.tp_rank, dests, timeout_s=self.timeout_s)
         self.last = {"version": update_info.version, "bytes": received, "receive_s": time.perf_counter() - t0}
 
     def finish_weight_update(self) -> None:
         t0 = time.perf_counter()
-        for module in self._reprocess:
-            module.quant_method.process_weights_after_loading(module)
+        for module, quant_method in self._reprocess:
+            quant_method.process_weights_after_loading(module)
         self._targets, self._reprocess = {}, []
         self.last["finish_s"] = time.perf_counter() - t0
 
@@ -226,8 +229,9 @@ def quiet_idle_workers(spin_s: float = CPU_WORKER_SPIN_S) -> None:
             self.busy_loop_s = spin_s
         return original(self, timeout_ms)
 
-    wait.hpcrl_spin_s = spin_s
-    condition.wait = wait
+    # A monkeypatch (module docstring): mypy cannot follow a marked function put in a method's place.
+    wait.hpcrl_spin_s = spin_s  # type: ignore[attr-defined]  # the mark that makes this idempotent
+    condition.wait = wait  # type: ignore[method-assign]  # the patch itself
 
 
 quiet_idle_workers()
@@ -237,8 +241,16 @@ def _sha(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+class _ModelRunner(Protocol):
+    """What the extension uses of the vLLM Worker's model runner (GPU or CPU)."""
+
+    def get_model(self) -> torch.nn.Module: ...
+
+
 class HpcrlWorkerExtension:
     """Methods vLLM mixes into its Worker (`worker_extension_cls`), called with `collective_rpc`."""
+
+    model_runner: _ModelRunner  # the Worker's (an annotation only: vLLM refuses extension names the Worker has)
 
     def hpcrl_weight_digests(self) -> dict[str, str]:
         """sha256 of every weight this rank computes with: non-empty parameters, and for layers whose

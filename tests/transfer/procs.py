@@ -20,6 +20,7 @@ def _plan(spec: dict):
 def id_shards(p, shape, rank: int) -> dict:
     """This trainer rank's local shards of tensors filled with element ids (as float32)."""
     import torch
+
     from hpcrl.plan.transfer_check import _hf_ids, _trainer_tensors
     from hpcrl.plan.transfer_layout import chunk_rows
     tensors = _trainer_tensors(p, shape, _hf_ids(shape))
@@ -48,6 +49,7 @@ def trainer(spec: dict, rank: int, port: int, results) -> None:
 def receiver(spec: dict, replica: int, tp_rank: int, port: int, results) -> None:
     try:
         import torch
+
         from hpcrl.plan.transfer_check import _hf_ids, _vllm_expected
         from hpcrl.transfer import execute
         from hpcrl.transfer.registry import open_group

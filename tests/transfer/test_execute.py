@@ -7,14 +7,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 
+import procs
 import pytest
 import torch
 
 from hpcrl.errors import TransferError
 from hpcrl.transfer import execute
 from hpcrl.transfer.rendezvous import host_store
-
-import procs
 
 
 def run(spec: dict, *, deadline: float = 90.0) -> list[tuple]:
