@@ -386,7 +386,10 @@ class RaySide:
 
 def summary(rows: list[dict], opts: argparse.Namespace) -> list[str]:
     """The target figures, and the reply spin's effect on each, as lines to print."""
-    fmt = lambda v, f: f.format(v) if v is not None else "-"
+
+    def fmt(v: float | None, f: str) -> str:
+        return f.format(v) if v is not None else "-"
+
     lines = ["\n| what | reply spin (us) | p50 (us) | p99 (us) | calls/s | head CPU/call (us) | workers' CPU/call (us) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['what']} | {fmt(r['spin_us'], '{:.0f}')} | {fmt(r['p50_us'], '{:.0f}')} | "

@@ -13,9 +13,9 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from hpcrl.errors import SlurmError
 from hpcrl.rundir import EXIT_FILE, JOB_FILE, LAUNCH_FILE, LOGS_DIR, METRICS_FILE, read_json
@@ -69,7 +69,7 @@ class Run:
     groups: tuple[str, ...] = field(default=())
 
     @classmethod
-    def open(cls, run_dir: Path | str) -> "Run":
+    def open(cls, run_dir: Path | str) -> Run:
         run_dir = Path(run_dir)
         if not (run_dir / JOB_FILE).is_file():
             hint = ("it was prepared by --dry-run but never submitted" if (run_dir / LAUNCH_FILE).is_file()
@@ -109,9 +109,9 @@ def _last_line(path: Path) -> str:
 def status(target: str | Path) -> RunStatus:
     """The status of a run directory or a Slurm job id."""
     if str(target).isdigit() and not Path(target).is_dir():
-        state = tracking.query(str(target))
-        return RunStatus(job_id=state.job_id, executor="slurm", state=state.state, source=state.source,
-                         rows=tuple(Row(c.job_id, c.state, c.nodes, c.elapsed) for c in state.components))
+        job = tracking.query(str(target))
+        return RunStatus(job_id=job.job_id, executor="slurm", state=job.state, source=job.source,
+                         rows=tuple(Row(c.job_id, c.state, c.nodes, c.elapsed) for c in job.components))
     run = Run.open(target)
     record = run.exit_record()
     failures = tuple(f"group {f['group']} rank {f['rank']} on node {f['node']}: {f['why']}"

@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Mapping
 
 from hpcrl.rundir import LOGS_DIR, log_path
 from hpcrl.slurm.spec import GroupSlot
@@ -55,8 +55,8 @@ class Step:
     def poll(self) -> int | None:
         """None while any process runs; then the largest exit code (a signal counts as 128+N)."""
         if self.returncode is None:
-            codes = [p.poll() for p in self.procs]
-            if any(c is None for c in codes):
+            codes = [code for code in (p.poll() for p in self.procs) if code is not None]
+            if len(codes) < len(self.procs):  # some still run
                 return None
             self.returncode = max(128 - c if c < 0 else c for c in codes)
         return self.returncode

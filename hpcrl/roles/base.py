@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 Endpoint = tuple[Callable[[Any], Awaitable[Any]], bool]
 """(async fn(call), idempotent)."""

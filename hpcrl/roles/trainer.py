@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpcrl.config.schema import Config
 from hpcrl.errors import HpcrlError
 from hpcrl.roles.base import Endpoint, Role
 from hpcrl.slurm.identity import TaskIdentity
+
+if TYPE_CHECKING:  # imported when the first transfer connects (it needs torch)
+    from hpcrl.transfer.trainer import TrainerSender
 
 #: Seconds trainer ranks wait for each other to form their process group.
 RENDEZVOUS_TIMEOUT_S = 600.0
@@ -61,7 +64,7 @@ class TrainerRole(Role):
                                     timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
         self.engine = TrainerEngine.from_config(config, max_seq_len=config.max_model_len + 1)
         self.plan = plan_for_config(config)
-        self.sender = None
+        self.sender: TrainerSender | None = None
 
     def endpoints(self) -> dict[str, Endpoint]:
         return {"connect_transfer": (self.connect_transfer, False), "train_step": (self.train_step, False),

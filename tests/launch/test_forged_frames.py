@@ -14,10 +14,10 @@ import secrets
 import subprocess
 import sys
 import time
-import zmq
 from pathlib import Path
 
 import pytest
+import zmq
 
 from hpcrl.bus import PeerInfo
 from hpcrl.bus.router import routing_id

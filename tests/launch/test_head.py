@@ -13,8 +13,8 @@ import pytest
 from hpcrl.config import load_config
 from hpcrl.errors import SlurmError
 from hpcrl.launch.job import GroupFailed, run_head
-from hpcrl.rundir import EXIT_FILE, JOB_FILE, read_json, write_json
 from hpcrl.launch.submit import launch_record, prepare_run_dir, refuse_live_run
+from hpcrl.rundir import EXIT_FILE, JOB_FILE, read_json, write_json
 from hpcrl.slurm.spec import job_spec
 
 REPO = Path(__file__).resolve().parents[2]

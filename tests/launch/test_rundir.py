@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpcrl.config import load_config
-from hpcrl.config.dump import dump_toml
 import pytest
 
+from hpcrl.config import load_config
+from hpcrl.config.dump import dump_toml
 from hpcrl.errors import SlurmError
 from hpcrl.launch.submit import launch_record, prepare_run_dir
 from hpcrl.rundir import CONFIG_FILE, LAUNCH_FILE, write_json
