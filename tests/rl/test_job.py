@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from hpcrl.launch import jobs
+from hpcrl.rl.metrics import read_metrics
 from hpcrl.roles.reaper import descendants, live
 from hpcrl.rundir import EXIT_FILE, read_json
-from hpcrl.rl.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow]
