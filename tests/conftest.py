@@ -17,6 +17,33 @@ def repo() -> Path:
     return REPO
 
 
+@pytest.fixture(autouse=True)
+def logging_restored():
+    """Entry points run in a test (the CLI's main, the head's run_head) set up this process's logging
+    and point vLLM at their configuration (hpcrl.logs): put both back after each test."""
+    import logging
+
+    root = logging.getLogger()
+    loggers = {name: logging.getLogger(name) for name in ("hpcrl", "vllm")}
+    saved = (root.level, root.handlers[:], {n: (lg.level, lg.handlers[:], lg.propagate) for n, lg in loggers.items()})
+    env = {key: os.environ.get(key) for key in ("VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING")}
+    yield
+    for handler in root.handlers:
+        if handler not in saved[1]:
+            handler.close()
+    root.setLevel(saved[0])
+    root.handlers[:] = saved[1]
+    for name, (level, handlers, propagate) in saved[2].items():
+        loggers[name].setLevel(level)
+        loggers[name].handlers[:] = handlers
+        loggers[name].propagate = propagate
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def _cluster_up(settings: dict[str, str]) -> dict[str, str]:
     """Run `tools/local_slurm.sh up` with `settings`; the client environment, or skip/fail saying why."""
     script = REPO / "tools" / "local_slurm.sh"

@@ -63,3 +63,20 @@ def test_two_modules_importing_each_other_break_the_acyclic_contract(package_cop
     assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-2000:]
     assert "No cycles are allowed in hpcrl.transfer" in done.stdout, done.stdout[-4000:]
     assert "_probe_" in done.stdout, done.stdout[-4000:]
+
+
+def test_the_base_modules_import_no_hpcrl_package_only_each_other():
+    """errors, fsio, rundir and logs sit under every layer (exhaustive_ignores): anyone imports them,
+    so they may import nothing of hpcrl but one another (logs is also imported by vLLM's processes)."""
+    import ast
+    import tomllib
+
+    contract = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]
+    base = {f"hpcrl.{name}" for name in contract["exhaustive_ignores"] if name != "__main__"}
+    assert "hpcrl.logs" in base
+    for module in sorted(base):
+        tree = ast.parse((REPO / (module.replace(".", "/") + ".py")).read_text())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        outside = sorted(name for name in imported if name.split(".")[0] == "hpcrl" and name not in base)
+        assert outside == [], f"{module} imports {outside}: a base module may import only {sorted(base)}"
