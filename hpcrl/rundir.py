@@ -8,7 +8,9 @@
       job_id             the job id alone, for shell scripts
       secret             per-run bus secret (hpcrl.bus.secret, mode 0600), created before anything is
                          submitted and kept for the run's life (restarts and resumes reuse it)
-      logs/<group>/rank<k>.log   one log per task; logs/head/rank0.log is the head's
+      logs/<group>/rank<k>.log   one log per task; logs/head/rank0.log is the head's, logs/run/rank0.log
+                         hpcrl run's; rank<k>.logging.json beside each: its logging set-up, for vLLM
+                         (hpcrl.logs)
       submitit/          submitit's pickles, results and batch-step output
       exit.json          written by the head when the run ends: state, failures, tasks (group, rank, node, pid)
       metrics.jsonl      (later) one JSON line per step

@@ -33,7 +33,7 @@ from typing import cast
 
 import zmq
 
-log = logging.getLogger("hpcrl.bus")
+log = logging.getLogger(__name__)
 
 #: Frames shorter than this are sent by copying (cheaper than a zero-copy zmq.Frame); pyzmq
 #: copies them anyway (its copy_threshold), but only after building the Frame object.

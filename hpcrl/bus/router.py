@@ -56,7 +56,7 @@ from hpcrl.bus.peer import PeerInfo
 from hpcrl.bus.secret import Secret
 from hpcrl.bus.wire import INCARNATION_BYTES, Counters, Envelope, Kind, Opener, Payload, Sealer
 
-log = logging.getLogger("hpcrl.bus")
+log = logging.getLogger(__name__)
 
 
 def routing_id(incarnation: bytes) -> bytes:
@@ -167,7 +167,7 @@ class Router:
                                          awaiting=self._pending.__len__)
         self._channel.start()
         self._monitor = asyncio.create_task(self._watch(), name="hpcrl-bus-router-monitor")
-        log.info("bus: head of run %s listening on %s", self.run_id, self.address)
+        log.debug("bus: head of run %s listening on %s", self.run_id, self.address)
         return self.address
 
     async def close(self, reason: str = "the head is shutting down") -> None:
@@ -464,8 +464,8 @@ class Router:
         self._by_incarnation[env.sender] = st
         self._counters.accept()
         self._welcome(st)
-        log.info("bus: %s registered (host %s, pid %d, gpu %r)%s", info.name, info.host, info.pid,
-                 info.gpu, " again" if previous is not None else "")
+        log.debug("bus: %s registered (host %s, pid %d, gpu %r)%s", info.name, info.host, info.pid,
+                  info.gpu, " again" if previous is not None else "")
         self._tell(PeerEvent("registered", info))
         if st.ready:
             self._tell(PeerEvent("ready", info))

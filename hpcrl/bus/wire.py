@@ -37,7 +37,7 @@ import msgpack
 
 from hpcrl.bus.secret import Secret
 
-log = logging.getLogger("hpcrl.bus")
+log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 2  # 2: the trailer ends the header frame (1: it was a frame of its own)
 MAC_BYTES = 32

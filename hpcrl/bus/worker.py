@@ -42,7 +42,7 @@ from hpcrl.bus.router import routing_id
 from hpcrl.bus.secret import Secret
 from hpcrl.bus.wire import INCARNATION_BYTES, Counters, Envelope, Kind, Opener, Payload, Sealer
 
-log = logging.getLogger("hpcrl.bus")
+log = logging.getLogger(__name__)
 
 
 #: Result types that are never awaitable (inspect.isawaitable costs an ABC check per call).
@@ -169,8 +169,8 @@ class Worker:
                 await asyncio.wait(list(self._tasks), timeout=1.0)
             how = self._done.result() if self._done.done() and not self._done.cancelled() else None
             self._channel.close(linger=1.0 if how is WorkerExit.STOPPED else 0.0)  # let the BYE out
-            log.info("bus: %s left the bus: %s%s", self.name, how.value if how else "serve() was cancelled",
-                     f" ({self.exit_detail})" if self.exit_detail else "")
+            log.debug("bus: %s left the bus: %s%s", self.name, how.value if how else "serve() was cancelled",
+                      f" ({self.exit_detail})" if self.exit_detail else "")
 
     def stop(self, reason: str = "stopped by its process", code: int | None = None) -> None:
         """Say goodbye to the head (with the exit code this process is about to exit with, if
@@ -230,7 +230,7 @@ class Worker:
             self._counters.accept()
             assert self._welcomed is not None  # made by serve() before the channel that delivers this
             self._welcomed.set()
-            log.info("bus: %s registered with the head at %s", self.name, self.address)
+            log.debug("bus: %s registered with the head at %s", self.name, self.address)
             return
         if env.sender != self._head:
             return self._counters.drop("drop_unknown_peer", "a message from another head")

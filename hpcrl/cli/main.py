@@ -1,11 +1,14 @@
 """Entry point of the `hpcrl` command: sub-commands, and turning HpcrlError into one line.
 
     hpcrl plan CONFIG [--cluster NAME] [--set key=value ...] [--json]
-    hpcrl run CONFIG [--steps N]               (the whole loop in this process)
-    hpcrl submit CONFIG [--cluster NAME] [--set ...] [--dry-run] [--wait]
+    hpcrl run CONFIG [--steps N] [-v]          (the whole loop in this process)
+    hpcrl submit CONFIG [--cluster NAME] [--set ...] [--dry-run] [--wait] [-v]
     hpcrl status RUN_DIR|JOBID
     hpcrl logs RUN_DIR [--group G [--rank K]] [-f]
     hpcrl cancel RUN_DIR
+
+Logging is set up here for every command (the terminal: hpcrl's records, other libraries'
+warnings; hpcrl.logs); `hpcrl run` sets it up again once it knows its run directory.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import sys
 
 from hpcrl import __version__
 from hpcrl.errors import HpcrlError
+from hpcrl.logs import setup_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    setup_logging(None, "hpcrl", 0, getattr(args, "verbose", False))
     try:
         return args.func(args)
     except HpcrlError as err:

@@ -10,7 +10,6 @@ world size). A corrupt or partial checkpoint is reported by name and skipped for
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from hpcrl.errors import HpcrlError
@@ -39,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         raise HpcrlError(f"{run_dir} is not a run directory (no {CONFIG_FILE}); give the directory "
                          "`hpcrl submit` wrote (runs/<name> by default)")
     config = load_config(run_dir / CONFIG_FILE, overrides=[f"run.run_dir={run_dir}", *args.set])
-    found = newest_checkpoint(config, log=lambda line: print(f"hpcrl: {line}", file=sys.stderr))
+    found = newest_checkpoint(config)  # a skipped checkpoint is logged as a warning, on stderr
     print(f"resuming {config.run.name} from " + (f"{found.path} (step {found.step})" if found else
                                                  "the start: no complete checkpoint"))
     return report_submission(config, submit_run(config, stop_after=args.steps), wait_for_end=args.wait)

@@ -24,6 +24,9 @@ def add_parser(subparsers: argparse._SubParsersAction, common: argparse.Argument
     parser.add_argument("--dry-run", action="store_true",
                         help="write RUN_DIR/job.sbatch (the exact script) and submit nothing")
     parser.add_argument("--wait", action="store_true", help="wait for the run to end; exit 1 unless COMPLETED")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="hpcrl's DEBUG lines in every task's log, and other libraries' INFO lines on the head's "
+                             "terminal (vLLM's INFO lines are always in the inference tasks' logs)")
     parser.add_argument("--steps", type=int, metavar="N", default=None,
                         help="stop after step N (default: trainer.steps), with a checkpoint; submitting the "
                              "same run directory again resumes from it")
@@ -55,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(file="--hold/--debug-exit", key="", problem="these shape a start-up check, not a training run",
                           fix="add --check (or drop them to train)")
     done = submit_run(config, dry_run=args.dry_run, hold_s=args.hold, exit_codes=parse_exit_codes(args.debug_exit),
-                      program="check" if args.check else "rl", stop_after=args.steps)
+                      program="check" if args.check else "rl", stop_after=args.steps, verbose=args.verbose)
     if args.dry_run:
         if done.note:
             print(f"hpcrl: {done.note}", file=sys.stderr)

@@ -34,28 +34,18 @@ from pathlib import Path
 from hpcrl.bus import BusConfig, Router, load_secret
 from hpcrl.errors import HpcrlError
 from hpcrl.launch.supervisor import GroupFailed, Supervisor
+from hpcrl.logs import setup_logging
 from hpcrl.roles.serve import BUS_SETTINGS
-from hpcrl.rundir import CONFIG_FILE, EXIT_FILE, log_path, write_json
+from hpcrl.rundir import CONFIG_FILE, EXIT_FILE, write_json
 from hpcrl.slurm.record import read_launch
 
 __all__ = ["GroupFailed", "HeadJob", "RunCancelled", "run_head"]
 
+log = logging.getLogger(__name__)
+
 
 class RunCancelled(HpcrlError):
     """The head was told to stop (SIGTERM or SIGINT), e.g. by scancel or hpcrl cancel."""
-
-
-def _logger(run_dir: Path) -> logging.Logger:
-    log = logging.getLogger(f"hpcrl.head.{run_dir}")
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    fmt = logging.Formatter("%(asctime)s head: %(message)s")
-    path = log_path(run_dir, "head", 0)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for handler in (logging.FileHandler(path), logging.StreamHandler(sys.stderr)):
-        handler.setFormatter(fmt)
-        log.addHandler(handler)
-    return log
 
 
 def _raise_cancelled(signum: int, frame: object) -> None:
@@ -64,8 +54,7 @@ def _raise_cancelled(signum: int, frame: object) -> None:
 
 def _late_usr2(signum: int, frame: object) -> None:
     """SIGUSR2 once training is over (the groups are stopping): nothing is left to checkpoint."""
-    print("head: SIGUSR2 after the last step: the run is finishing, nothing to checkpoint", file=sys.stderr,
-          flush=True)
+    log.info("SIGUSR2 after the last step: the run is finishing, nothing to checkpoint")
 
 
 async def _check(sup: Supervisor) -> None:
@@ -75,7 +64,7 @@ async def _check(sup: Supervisor) -> None:
     while not await sup.check(released=sup.released):
         if registered_at is None and sup.all_registered:
             registered_at = time.monotonic()
-            sup.log.info(f"all {len(sup.expected)} tasks registered in {registered_at - started:.1f} s")
+            log.info(f"all {len(sup.expected)} tasks registered in {registered_at - started:.1f} s")
         if registered_at is not None and not sup.released and time.monotonic() - registered_at >= sup.launch.hold_s:
             sup.release()
         await asyncio.sleep(0.1)
@@ -90,7 +79,7 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
     from hpcrl.rl.program import run_program
     from hpcrl.transfer.rendezvous import host_store
 
-    log, launch = sup.log, sup.launch
+    launch = sup.launch
     config = load_config(sup.run_dir / CONFIG_FILE)
     store = host_store(advertise, 0, timeout_s=launch.start_timeout_s)
     log.info(f"rendezvous store at {advertise}:{store.port}")
@@ -108,7 +97,7 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
             await asyncio.sleep(0.2)
 
     loop_task = asyncio.create_task(run_program(
-        config, sup.router, store_host=advertise, store_port=store.port, log=log.info, steps=launch.stop_after,
+        config, sup.router, store_host=advertise, store_port=store.port, steps=launch.stop_after,
         stop_requested=preempt.is_set, connect_timeout=launch.start_timeout_s))
     watch_task = asyncio.create_task(watch())
     try:
@@ -140,7 +129,7 @@ async def _run(sup: Supervisor, advertise: str) -> bool:
     try:
         bound = await sup.router.start()
         sup.bus_address = f"tcp://{advertise}:{bound.rpartition(':')[2]}"
-        sup.log.info(f"run {sup.launch.run_name} ({sup.launch.executor}, layout {sup.launch.layout}): head on "
+        log.info(f"run {sup.launch.run_name} ({sup.launch.executor}, layout {sup.launch.layout}): head on "
                      f"{sup.head_identity['node']}, bus at {sup.bus_address}")
         if sup.launch.program == "rl":
             return await _train(sup, advertise)
@@ -150,7 +139,7 @@ async def _run(sup: Supervisor, advertise: str) -> bool:
         counters = sup.router.counters()
         refused = {k: v for k, v in counters.items() if k not in ("accepted", "dropped") and v}
         if counters.get("dropped"):
-            sup.log.warning(f"the bus refused {counters['dropped']} message(s): {refused}")
+            log.warning(f"the bus refused {counters['dropped']} message(s): {refused}")
         await sup.router.close("the run is over")
 
 
@@ -158,11 +147,11 @@ def run_head(run_dir: Path | str) -> dict:
     """Start, watch and stop every group of the run in `run_dir`; return how it ended."""
     run_dir = Path(run_dir).absolute()
     launch = read_launch(run_dir)
-    log = _logger(run_dir)
+    setup_logging(run_dir, "head", 0, launch.verbose)  # logs/head/rank0.log, and stderr
     advertise = os.environ.get("HPCRL_HEAD_HOST") or socket.gethostname()
     router = Router(run_id=launch.run_name, secret=load_secret(run_dir), address="tcp://0.0.0.0:0",
                     config=BusConfig(**BUS_SETTINGS))
-    sup = Supervisor(launch, run_dir, router, log)
+    sup = Supervisor(launch, run_dir, router)
     previous = {sig: signal.signal(sig, _raise_cancelled) for sig in (signal.SIGTERM, signal.SIGINT)}
     started = time.time()
     state, failures, error = "FAILED", [], ""
@@ -205,9 +194,6 @@ def run_head(run_dir: Path | str) -> dict:
             log.info("requeueing the job (scontrol requeue); it resumes from its newest checkpoint when it starts "
                      "again" if state == "REQUEUED" else
                      "run stopped at a checkpoint: submit the same run directory again to resume")
-        for handler in list(log.handlers):
-            handler.close()
-            log.removeHandler(handler)
     if state == "REQUEUED":
         _requeue_this_job()
     return {"state": state, "tasks": tasks, "run_dir": str(run_dir)}

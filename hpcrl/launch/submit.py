@@ -56,7 +56,7 @@ def choose_executor(config: Config) -> tuple[str, str]:
 #: What the head runs once the groups started: the GRPO loop, or only the start-up check.
 def launch_record(config: Config, spec: JobSpec, *, executor: str, python: str, hold_s: float = 0.0,
                   exit_codes: dict[str, int] | None = None, start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
-                  program: str = "rl", stop_after: int | None = None) -> LaunchRecord:
+                  program: str = "rl", stop_after: int | None = None, verbose: bool = False) -> LaunchRecord:
     """The content of launch.json: what the head needs (pure)."""
     if stop_after is not None and not 1 <= stop_after <= config.trainer.steps:
         raise ConfigError(file="--steps", key="", problem=f"{stop_after} is outside 1..trainer.steps "
@@ -66,7 +66,7 @@ def launch_record(config: Config, spec: JobSpec, *, executor: str, python: str, 
                         cluster=spec.cluster, python=python, groups=spec.groups, hold_s=hold_s,
                         exit_codes=dict(exit_codes or {}), start_timeout_s=start_timeout_s,
                         slurm_conf=config.cluster.slurm_conf, env=dict(config.cluster.env),
-                        max_requeues=config.cluster.max_requeues)
+                        max_requeues=config.cluster.max_requeues, verbose=verbose)
 
 
 def check_partitions(config: Config, spec: JobSpec, env: dict[str, str]) -> None:
@@ -101,7 +101,7 @@ def refuse_live_run(run_dir: Path) -> None:
 
 def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
                exit_codes: dict[str, int] | None = None, start_timeout_s: float = 600.0,
-               program: str = "rl", stop_after: int | None = None) -> Submission:
+               program: str = "rl", stop_after: int | None = None, verbose: bool = False) -> Submission:
     """Check, write the run directory, render, and (unless dry_run) submit; see the module docstring.
 
     program "rl" trains (the head runs the GRPO loop over the bus); "check" only starts every
@@ -121,7 +121,7 @@ def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
     refuse_live_run(run_dir)
     launch = launch_record(config, spec, executor=executor, python=sys.executable, hold_s=hold_s,
                            exit_codes=exit_codes, start_timeout_s=start_timeout_s, program=program,
-                           stop_after=stop_after)
+                           stop_after=stop_after, verbose=verbose)
     prepare_run_dir(run_dir, config_toml=dump_toml(config), launch=launch, groups=[g.name for g in spec.groups])
     from hpcrl.slurm import executor as adapter  # submitit: only now
 

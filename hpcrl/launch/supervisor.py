@@ -1,7 +1,7 @@
 """The head's process supervisor: starts every group's step, keeps the table of tasks from the
 bus's peer events, starts a lost task of a revivable group again, and names what failed.
 
-    sup = Supervisor(launch, run_dir, router, log)     # router: the head's hpcrl.bus.Router
+    sup = Supervisor(launch, run_dir, router)          # router: the head's hpcrl.bus.Router
     sup.start({"HPCRL_STORE_ADDR": ...})                 # one step per group (srun, or local processes)
     while not sup.check(released=False): await asyncio.sleep(0.2)   # raises GroupFailed naming ranks
     sup.release()                                        # every task: a BYE with its exit code
@@ -36,6 +36,8 @@ from hpcrl.slurm.record import LaunchRecord
 #: Times one lost inference replica is started again before the run gives up.
 MAX_RELAUNCHES = 3
 
+log = logging.getLogger(__name__)
+
 
 class GroupFailed(HpcrlError):
     """A group's step ended with a non-zero exit code, or its tasks never registered."""
@@ -59,11 +61,10 @@ class Task:
 class Supervisor:
     """The head's state: steps, tasks that registered, and what went wrong."""
 
-    def __init__(self, launch: LaunchRecord, run_dir: Path, router: Router, log: logging.Logger) -> None:
+    def __init__(self, launch: LaunchRecord, run_dir: Path, router: Router) -> None:
         self.launch = launch
         self.run_dir = run_dir
         self.router = router
-        self.log = log
         self.expected = {(g.name, r) for g in launch.groups if g.module for r in range(g.tasks)}
         self.tasks: dict[tuple[str, int], Task] = {}
         self.steps: list[Step] = []
@@ -107,7 +108,7 @@ class Supervisor:
             self.steps.append(step)
             for rank in step.ranks:
                 self.live_step[(slot.name, rank)] = step
-            self.log.info(f"started group {slot.name}: {slot.nodes} node(s) x {slot.tasks_per_node} task(s)")
+            log.info(f"started group {slot.name}: {slot.nodes} node(s) x {slot.tasks_per_node} task(s)")
 
     def revive(self, group: str, rank: int, why: str) -> None:
         """Start a lost task of a revivable group again (it registers anew, on the same node)."""
@@ -118,8 +119,8 @@ class Supervisor:
         self.relaunches[key] = count
         old = self.tasks.pop(key, None)
         node = old.identity.get("node") if old else None
-        self.log.warning(f"group {group} rank {rank} lost ({why}); starting it again (time {count} of "
-                         f"{MAX_RELAUNCHES})")
+        log.warning(f"group {group} rank {rank} lost ({why}); starting it again (time {count} of "
+                    f"{MAX_RELAUNCHES})")
         slot = self.launch.group(group)
         step = start_replacement(slot, rank, executor=self.launch.executor, layout=self.launch.layout,
                                  run_dir=self.run_dir, python=self.launch.python, env=self.env,
@@ -142,8 +143,8 @@ class Supervisor:
                     continue
                 self.tasks[key] = Task(identity={"group": info.group, "rank": info.task, "replica": info.replica,
                                                  "node": info.host, "pid": info.pid}, peer=info.name)
-                self.log.info(f"registered: {info.group} rank {info.task} replica {info.replica} "
-                              f"on node {info.host} (pid {info.pid})")
+                log.info(f"registered: {info.group} rank {info.task} replica {info.replica} "
+                         f"on node {info.host} (pid {info.pid})")
                 if self.released:  # started again just before the end
                     self.router.dismiss(info.name, 0, "the run is over")
                 continue

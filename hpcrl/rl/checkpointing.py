@@ -14,6 +14,7 @@ step so a resumed run's metrics continue exactly where the checkpoint left them.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -25,6 +26,8 @@ RUN_STATE = "run_state.json"
 TRAINER_DIR = "trainer"
 
 SaveTrainer = Callable[[Path], Awaitable[None]]
+
+log = logging.getLogger(__name__)
 
 
 def store_for(config: Config) -> CheckpointStore:
@@ -55,12 +58,12 @@ def load_run_state(found: FoundCheckpoint, config: Config) -> dict:
     return data["controller"]
 
 
-def newest_checkpoint(config: Config, *, log=print) -> FoundCheckpoint | None:
-    """The newest complete checkpoint of the run; skipped ones are reported through `log`."""
+def newest_checkpoint(config: Config) -> FoundCheckpoint | None:
+    """The newest complete checkpoint of the run; skipped ones are logged as warnings."""
     store = store_for(config)
     found = store.latest()
     for path, why in store.skipped:
-        log(f"checkpoint {path} skipped: {why}")
+        log.warning(f"checkpoint {path} skipped: {why}")
     return found
 
 

@@ -15,6 +15,8 @@ calls run in threads so that generation of the next batch overlaps the training 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,6 +29,8 @@ from hpcrl.reward.types import RewardResult, Sample
 from hpcrl.rl.controller import Controller
 from hpcrl.rl.loop import run_loop
 from hpcrl.trainer.types import TrainBatch
+
+log = logging.getLogger(__name__)
 
 
 class InProcessPorts:
@@ -46,7 +50,10 @@ class InProcessPorts:
                              "trainer.nodes=1 --set trainer.ranks_per_node=1 --set inference.replicas=1, or submit "
                              "the run as a job (hpcrl submit)")
         self.config = config
+        started = time.monotonic()
         self.trainer = TrainerEngine.from_config(config, max_seq_len=config.max_model_len + 1)
+        log.info(f"trainer: {config.model.path} loaded in {time.monotonic() - started:.1f} s; starting vLLM")
+        started = time.monotonic()
         self.inference = VllmEngine.from_config(config, weight_transfer=True)
         self.rewards = make_scorer(config.reward)
         self.plan = plan_for_config(config)
@@ -63,6 +70,8 @@ class InProcessPorts:
                                                 timeout_s=120, external_store=True,
                                                 transport=config.inference.weight_transport)
             joined.result()
+        log.info(f"vLLM engine and reward pool up, weight transfer joined in {time.monotonic() - started:.1f} s "
+                 f"({config.inference.weight_transport}); training")
 
     # -- Ports ---------------------------------------------------------------------------------
     async def generate(self, prompts: list[Prompt], *, n: int, seed: int) -> list[list[Completion]]:
@@ -109,10 +118,10 @@ class InProcessPorts:
         self.inference.close()
 
 
-async def run(config: Config, *, log=print, steps: int | None = None) -> Controller:
+async def run(config: Config, *, steps: int | None = None) -> Controller:
     """Run (or resume) the whole loop in this process; returns the finished controller."""
     ports = InProcessPorts(config)
     try:
-        return await run_loop(config, ports, log=log, steps=steps)
+        return await run_loop(config, ports, steps=steps)
     finally:
         ports.close()

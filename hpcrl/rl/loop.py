@@ -1,10 +1,11 @@
 """Run (or resume) the GRPO loop over any `Ports`: in one process (hpcrl run) or over the bus (the head).
 
-    controller = await run_loop(config, ports, log=print)
+    controller = await run_loop(config, ports)
 
 Resumes from the newest complete checkpoint of the run directory (a corrupt or partial one is
 reported and skipped), writes metrics.jsonl (and TensorBoard, and W&B when run.wandb_project is
-set), prints a progress line per step, and checkpoints every trainer.checkpoint_interval steps and
+set), logs a progress line per step (logger hpcrl.progress: on a terminal it rewrites itself, and
+every tenth of the run it stays), and checkpoints every trainer.checkpoint_interval steps and
 after the last one.
 Ports must also offer `save_trainer(directory)` and `load_trainer(directory)`.
 """
@@ -12,12 +13,19 @@ Ports must also offer `save_trainer(directory)` and `load_trainer(directory)`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from hpcrl.config.schema import Config
+from hpcrl.logs import PROGRESS
 from hpcrl.rl.checkpointing import TRAINER_DIR, load_run_state, newest_checkpoint, rewind_metrics, save_checkpoint, \
     store_for
 from hpcrl.rl.controller import Controller
 from hpcrl.rl.metrics import MetricsLog, WandbTarget, read_metrics, reward_curve
+
+log = logging.getLogger(__name__)
+progress = logging.getLogger(PROGRESS)
+#: Progress lines that stay on a terminal over a run, besides the first step's (its time is the warm-up).
+KEPT_LINES = 10
 
 
 def progress_line(metrics: dict, total: int | None = None) -> str:
@@ -51,31 +59,41 @@ def wandb_target(config: Config) -> WandbTarget | None:
                        config=dataclasses.asdict(config))
 
 
-async def run_loop(config: Config, ports, *, log=print, steps: int | None = None,
+def kept(step: int, last: int) -> bool:
+    """Whether the progress line of `step` stays on a terminal: every last/KEPT_LINES-th, and the last."""
+    return step >= last or step % max(1, round(last / KEPT_LINES)) == 0
+
+
+async def run_loop(config: Config, ports, *, steps: int | None = None,
                    stop_requested=None) -> Controller:
     """See the module docstring. `stop_requested()`, checked after every step, makes the loop
     checkpoint at once and raise Preempted (the head's answer to Slurm's pre-timeout signal)."""
     controller = Controller(config, ports)
     store = store_for(config)
-    found = newest_checkpoint(config, log=log)
+    found = newest_checkpoint(config)
     if found is not None:
         await ports.load_trainer(found.path / TRAINER_DIR)
         controller.restore(load_run_state(found, config))
         rewind_metrics(config, found.step)
-        log(f"resumed from {found.path} (step {found.step})")
+        log.info(f"resumed from {found.path} (step {found.step})")
     metrics_log = MetricsLog(config.run_dir, wandb=wandb_target(config))
     interval = config.trainer.checkpoint_interval
     total = config.trainer.steps
     last = steps if steps is not None else total
+    shown = 0
 
     async def on_step(ctl: Controller, metrics: dict) -> None:
+        nonlocal shown
         metrics_log.write(metrics)
-        log(progress_line(metrics, total))
         step = metrics["step"]
         stopping = stop_requested is not None and stop_requested()
+        # On a terminal the line stays for this process's first step (the warm-up), every tenth of
+        # the run, and a stop; the others are rewritten by the next.
+        progress.info(progress_line(metrics, total), extra={"keep": shown == 0 or stopping or kept(step, last)})
+        shown += 1
         if (interval and step % interval == 0) or step in (total, last) or stopping:
             path = await save_checkpoint(store, config, ctl.snapshot(), ports.save_trainer)
-            log(f"checkpoint {path}")
+            log.info(f"checkpoint {path}")
         if step >= last:
             raise _StopAfter()
         if stopping:
@@ -88,5 +106,5 @@ async def run_loop(config: Config, ports, *, log=print, steps: int | None = None
         pass
     finally:
         metrics_log.close()
-    log(reward_curve(read_metrics(config.run_dir)))
+    log.info(reward_curve(read_metrics(config.run_dir)))
     return controller

@@ -20,6 +20,7 @@ Nothing is pickled: batches, completions and rewards cross the bus as msgpack ma
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import asdict
 
 from hpcrl.config.schema import Config
@@ -37,16 +38,17 @@ REJOIN_TIMEOUT_S = 300.0
 #: a pause would spin the head's event loop so that it never learns otherwise.
 RETRY_PAUSE_S = 0.2
 
+log = logging.getLogger(__name__)
+
 
 class BusPorts:
-    def __init__(self, config: Config, head, *, store_host: str, store_port: int, log=print) -> None:
+    def __init__(self, config: Config, head, *, store_host: str, store_port: int) -> None:
         from hpcrl.bus.service import Service
         from hpcrl.transfer.for_config import plan_for_config
 
         self.config = config
         self.head = head
         self.store_host, self.store_port = store_host, store_port
-        self.log = log
         self.trainer = Service(head, "trainer")
         self.inference = Service(head, "inference")
         self.reward = Service(head, "reward")
@@ -71,7 +73,7 @@ class BusPorts:
         await self.head.wait_for_peers("trainer", 1, timeout=timeout)
         if self.local_scorer is None:
             await self.head.wait_for_peers("reward", 1, timeout=timeout)
-        self.log(f"groups ready: trainer ({self.plan.trainer.world_size} rank(s)), reward "
+        log.info(f"groups ready: trainer ({self.plan.trainer.world_size} rank(s)), reward "
                  f"({'in the head' if self.local_scorer is not None else 'its own group'})")
         async with self._trainer_turn:
             await self._form_group(timeout)
@@ -102,7 +104,7 @@ class BusPorts:
         await asyncio.gather(self.trainer.call_all(0, "connect_transfer", args, timeout=timeout),
                              self.inference.fanout("connect_transfer", args, timeout=timeout))
         self.members = members
-        self.log(f"weight-transfer group formed (generation {self.generation}): {self.plan.trainer.world_size} "
+        log.info(f"weight-transfer group formed (generation {self.generation}): {self.plan.trainer.world_size} "
                  f"trainer rank(s) -> {self.replicas} replica(s) x TP {self.config.inference.tensor_parallel} "
                  f"(plan {self.plan.digest[:12]})")
 
@@ -119,7 +121,7 @@ class BusPorts:
             self.inference.fanout("receive_weights", {"version": version}, timeout=CALL_TIMEOUT_S),
             return_exceptions=True)
         if isinstance(received, PeerDeadError):
-            self.log(f"weight version {version} did not reach the inference replicas ({received}); they get "
+            log.warning(f"weight version {version} did not reach the inference replicas ({received}); they get "
                      "the trainer's weights once the lost replica is back")
             return False
         for outcome in (sent, received):
@@ -135,14 +137,14 @@ class BusPorts:
         count it as dead), and the caller tries again."""
         replaced = not self._intact()
         if replaced:
-            self.log("an inference replica was replaced: forming the weight-transfer group again")
+            log.info("an inference replica was replaced: forming the weight-transfer group again")
             await self._form_group(REJOIN_TIMEOUT_S)
         if self.current:
             return
         if not await self._push():
             await asyncio.sleep(RETRY_PAUSE_S)
         elif replaced:
-            self.log(f"inference replicas caught up to weight version {self.trainer_version}")
+            log.info(f"inference replicas caught up to weight version {self.trainer_version}")
 
     def _serving(self) -> list[str]:
         """Names of the replicas that may serve now: in the group, healthy, on the current weights."""
@@ -174,7 +176,7 @@ class BusPorts:
             except PeerDeadError as err:
                 if loop.time() > deadline:
                     raise
-                self.log(f"{endpoint} on {name} lost ({err}); it goes to a replica on current weights")
+                log.warning(f"{endpoint} on {name} lost ({err}); it goes to a replica on current weights")
                 await asyncio.sleep(RETRY_PAUSE_S)
 
     # -- Ports ---------------------------------------------------------------------------------

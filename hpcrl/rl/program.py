@@ -1,7 +1,7 @@
 """The RL program of a run's head: the GRPO loop over the group tasks on the bus.
 
-    preempted = await run_program(config, router, store_host=..., store_port=..., log=log.info,
-                                  steps=None, stop_requested=event.is_set, connect_timeout=600)
+    preempted = await run_program(config, router, store_host=..., store_port=..., steps=None,
+                                  stop_requested=event.is_set, connect_timeout=600)
 
 The head's job entry (hpcrl.launch.job) starts the groups and watches their steps; this is the
 part that trains: wait for every group's tasks to be ready on the bus, form the weight-transfer
@@ -12,6 +12,7 @@ checkpoints and stops). Returns True when it stopped early that way.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 from hpcrl.bus.router import Router
@@ -19,17 +20,19 @@ from hpcrl.config.schema import Config
 from hpcrl.rl.loop import Preempted, run_loop
 from hpcrl.rl.ports import BusPorts
 
+log = logging.getLogger(__name__)
+
 
 async def run_program(config: Config, router: Router, *, store_host: str, store_port: int,
-                      log: Callable[[str], None], steps: int | None, stop_requested: Callable[[], bool],
+                      steps: int | None, stop_requested: Callable[[], bool],
                       connect_timeout: float) -> bool:
-    ports = BusPorts(config, router, store_host=store_host, store_port=store_port, log=log)
+    ports = BusPorts(config, router, store_host=store_host, store_port=store_port)
     try:
         await ports.connect(timeout=max(1.0, connect_timeout))
         try:
-            await run_loop(config, ports, log=log, steps=steps, stop_requested=stop_requested)
+            await run_loop(config, ports, steps=steps, stop_requested=stop_requested)
         except Preempted as stopped:
-            log(f"preempted: {stopped}")
+            log.info(f"preempted: {stopped}")
             return True
         return False
     finally:

@@ -28,6 +28,7 @@ so a Ctrl-C is not doubled into the task's clean-up.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import sys
@@ -41,6 +42,8 @@ GRACE_S = 5.0
 #: Seconds the processes a task left get to end by themselves before they are signalled.
 SETTLE_S = 0.5
 FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+log = logging.getLogger(__name__)
 
 
 def _set_child_subreaper() -> bool:
@@ -168,7 +171,7 @@ def supervise(label: str, on_exit: Callable[[int, str], object] | None = None) -
     """Fork; return in the child (the task), never in the parent, which reaps and exits as the child did.
 
     `on_exit(code, how)` runs in the parent as soon as the task has ended (code as `exit_code`,
-    how e.g. "killed by SIGKILL"), before what it left running is ended; its failure is printed
+    how e.g. "killed by SIGKILL"), before what it left running is ended; its failure is logged
     and changes nothing else. Call this first thing in a process that will start others, before
     any thread exists. Where the kernel has no child subreapers (not Linux) it returns without
     forking, and `on_exit` is never called."""
@@ -194,13 +197,11 @@ def supervise(label: str, on_exit: Callable[[int, str], object] | None = None) -
         try:
             on_exit(exit_code(status), _describe(status))
         except Exception as err:  # noqa: BLE001 - telling the head is best effort; reaping must go on
-            print(f"{label}: could not report the task's end: {type(err).__name__}: {err}", file=sys.stderr,
-                  flush=True)
+            log.error(f"{label}: could not report the task's end: {type(err).__name__}: {err}")
     ended = end_left_behind(GRACE_S, SETTLE_S)
     if ended:
         names = ", ".join(f"{name} (pid {pid})" for pid, name in sorted(ended.items()))
-        print(f"{label}: the task (pid {child}) {_describe(status)}; ended what it left running: {names}",
-              file=sys.stderr, flush=True)
+        log.warning(f"{label}: the task (pid {child}) {_describe(status)}; ended what it left running: {names}")
     _exit_as(status)
 
 

@@ -15,14 +15,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
-import sys
-import traceback
 from pathlib import Path
 
 from hpcrl.bus import BusConfig, PeerInfo, Worker, WorkerExit, load_secret
 from hpcrl.bus.farewell import FarewellLink, send_farewell
 from hpcrl.errors import HpcrlError
+from hpcrl.logs import setup_logging
 from hpcrl.roles.reaper import supervise
 from hpcrl.rundir import CONFIG_FILE
 from hpcrl.slurm.identity import TaskIdentity, identify_task
@@ -33,6 +33,8 @@ BUS_SETTINGS = {"heartbeat_interval": 1.0, "heartbeat_timeout": 30.0, "default_d
 #: Exit code of a task whose head went away before telling it how to exit.
 HEAD_LOST = 75
 GROUPS = ("trainer", "inference", "reward")
+
+log = logging.getLogger(__name__)
 
 
 def peer_info(identity: TaskIdentity, run_id: str) -> PeerInfo:
@@ -83,10 +85,10 @@ async def _serve(name: str, identity: TaskIdentity, run_dir: Path, launch: Launc
     if not welcomed.done():
         welcomed.cancel()
         how = serving.result()
-        print(f"{name} rank {identity.rank}: not admitted by the head at {worker.address}: {how.value}", flush=True)
+        log.error(f"{name} rank {identity.rank}: not admitted by the head at {worker.address}: {how.value}")
         return _exit_code(worker, how, given)
     link.welcomed(worker.head_incarnation)
-    print(f"{name} rank {identity.rank}: registered with the head as {info.name}", flush=True)
+    log.info(f"{name} rank {identity.rank}: registered with the head as {info.name}")
     if not rl:  # program check (or a task told its exit code): wait to be dismissed
         return _exit_code(worker, await serving, given)
     from hpcrl.config.load import load_config
@@ -103,9 +105,9 @@ async def _serve(name: str, identity: TaskIdentity, run_dir: Path, launch: Launc
         for endpoint, (fn, idempotent) in role.endpoints().items():
             worker.add_endpoint(endpoint, fn, idempotent=idempotent)
         worker.mark_ready()
-        print(f"{name} rank {identity.rank}: serving the head as {info.name}", flush=True)
+        log.info(f"{name} rank {identity.rank}: serving the head as {info.name}")
         how = await serving
-        print(f"{name} rank {identity.rank}: left the bus: {how.value} {worker.exit_detail}", flush=True)
+        log.info(f"{name} rank {identity.rank}: left the bus: {how.value} {worker.exit_detail}")
         return _exit_code(worker, how, None)
     finally:
         role.close()
@@ -127,35 +129,35 @@ def task_main(name: str, argv: list[str] | None = None) -> int:
             raise HpcrlError("HPCRL_BUS_ADDR is not set: group tasks are started by the head (hpcrl submit)")
         launch = read_launch(run_dir)
         secret = load_secret(run_dir)
+        identity = identify_task(os.environ)
     except HpcrlError as err:
-        print(f"hpcrl.roles {name}: error: {err}", file=sys.stderr, flush=True)
+        log.error(f"hpcrl.roles {name}: error: {err}")  # logging is not set up: Python prints it as it is
         return 2
+    # The task's stdout and stderr already are logs/<group>/rank<k>.log (srun --output, or the local
+    # executor): everything goes there, vLLM's processes included; the supervisor logs there too.
+    setup_logging(run_dir, name, identity.rank, launch.verbose)
     link = FarewellLink()
-    identity = None
 
     def tell_head(code: int, how: str) -> None:
         send_farewell(link, address=address, secret=secret, code=code, reason=f"the task {how}")
 
     supervise(f"hpcrl.roles {name}", on_exit=tell_head)  # nothing the task starts may outlive it
     try:
-        identity = identify_task(os.environ)
         if identity.group != name:
             raise HpcrlError(f"hpcrl.roles {name} was started as a task of group {identity.group!r}; "
                              f"the head starts `hpcrl.roles {identity.group}` for that group")
-        print(f"{name} rank {identity.rank}/{identity.group_size} replica {identity.replica} "
-              f"on {identity.node} (node {identity.node_index}): registering at {address}", flush=True)
+        log.info(f"{name} rank {identity.rank}/{identity.group_size} replica {identity.replica} "
+                 f"on {identity.node} (node {identity.node_index}): registering at {address}")
         code = asyncio.run(_serve(name, identity, run_dir, launch, link, args.exit_code))
     except HpcrlError as err:
-        print(f"hpcrl.roles {name}: error: {err}", file=sys.stderr, flush=True)
+        log.error(f"hpcrl.roles {name}: error: {err}")
         return 2
     except Exception as err:  # noqa: BLE001 - any failure ends the task with 1, reported by name
-        traceback.print_exc()
-        print(f"hpcrl.roles {name}: error: {err}", file=sys.stderr, flush=True)
+        log.exception(f"hpcrl.roles {name}: error: {err}")
         code = 1
-    print(f"{name} rank {identity.rank if identity else '?'}: exiting with code {code}", flush=True)
+    log.info(f"{name} rank {identity.rank}: exiting with code {code}")
     if launch.program == "rl":
-        sys.stdout.flush()
-        sys.stderr.flush()
+        logging.shutdown()  # flush every handler: os._exit below does not
         # The role has closed its engines; skip interpreter teardown, where threads left by native
         # libraries (vLLM's, gloo's) can abort the process after its work is done.
         os._exit(code)

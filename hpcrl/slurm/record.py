@@ -47,6 +47,8 @@ class LaunchRecord:
     env: dict[str, str] = field(default_factory=dict)
     """cluster.env: exported to every task."""
     max_requeues: int = 0
+    verbose: bool = False
+    """hpcrl submit --verbose: every task logs hpcrl's DEBUG lines, and every library's INFO lines on its terminal."""
     version: int = VERSION
 
     def __post_init__(self) -> None:

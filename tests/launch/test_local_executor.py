@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -94,6 +95,7 @@ def test_logs_follow_a_live_run_and_return_when_it_ends(tmp_path: Path):
     started = time.monotonic()
     followed = hpcrl("logs", str(tmp_path), "-f")
     assert followed.returncode == 0, followed.stderr
-    assert "[trainer/0] trainer rank 0: exiting with code 0" in followed.stdout
+    # every line: "[group/rank] " and the task's log line, "<time> <group>: <message>" (hpcrl.logs)
+    assert re.search(r"^\[trainer/0\] \S+ \S+ trainer: trainer rank 0: exiting with code 0$", followed.stdout, re.M)
     assert "head: run COMPLETED" in followed.stdout
     assert time.monotonic() - started > 1.5  # it waited for the hold, then stopped by itself

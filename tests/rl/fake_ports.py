@@ -1,7 +1,7 @@
 """The groups of a run in memory: the controller's `Ports` without processes, for tests that take milliseconds.
 
     ports = FakePorts()
-    controller = await run_loop(config, ports, log=lines.append)     # hpcrl.rl.loop, unchanged
+    controller = await run_loop(config, ports)     # hpcrl.rl.loop, unchanged
     ports.trainer.version, ports.trainer.weights, ports.inference.version, ports.events
 
 Nothing is canned. The "model" is a policy over the ten digits with three weights (see `logits`):

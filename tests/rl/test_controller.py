@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import tempfile
@@ -96,11 +97,28 @@ def run(coro, timeout: float = 10.0):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-def loop_once(config: Config, ports, **kwargs) -> list[str]:
-    """run_loop to its end (or `steps`), returning what it logged."""
+def loop_once(config: Config, ports, **kwargs) -> None:
+    """run_loop to its end (or `steps`)."""
+    run(run_loop(config, ports, **kwargs))
+
+
+@pytest.fixture
+def logged():
+    """What hpcrl logs during the test (run_loop's and BusPorts' messages), in order."""
     lines: list[str] = []
-    run(run_loop(config, ports, log=lines.append, **kwargs))
-    return lines
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+    handler, logger = Collect(), logging.getLogger("hpcrl")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def outcome(run_dir: Path) -> list[dict]:
@@ -159,15 +177,15 @@ def test_fully_on_policy_generates_each_batch_after_the_last_sync_and_before_its
 
 # -- resume ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("lag", [0, 1, 2])
-def test_a_run_resumed_from_a_checkpoint_equals_an_uninterrupted_one(uninterrupted, runs, lag):
+def test_a_run_resumed_from_a_checkpoint_equals_an_uninterrupted_one(uninterrupted, runs, lag, logged):
     whole, whole_dir = uninterrupted(lag)
     config = config_for(runs, lag=lag)
     loop_once(config, FakePorts(reward=FakeReward(broken_sample)), steps=3)
     assert [r["step"] for r in read_metrics(runs)] == [1, 2, 3]
     second = FakePorts(reward=FakeReward(broken_sample))  # a new job: nothing carried over but the run dir
-    lines = loop_once(config, second)
+    loop_once(config, second)
 
-    assert f"resumed from {runs / 'checkpoints' / 'step_3'} (step 3)" in lines
+    assert f"resumed from {runs / 'checkpoints' / 'step_3'} (step 3)" in logged
     assert outcome(runs) == outcome(whole_dir)
     assert (second.trainer.version, second.trainer.weights) == (whole.trainer.version, whole.trainer.weights)
     assert (second.inference.version, second.inference.weights) == (whole.inference.version, whole.inference.weights)
@@ -177,7 +195,7 @@ def test_a_run_resumed_from_a_checkpoint_equals_an_uninterrupted_one(uninterrupt
         list(range(3 + lag, STEPS))
 
 
-def test_a_run_that_crashed_between_checkpoints_repeats_the_lost_steps_exactly(uninterrupted, runs):
+def test_a_run_that_crashed_between_checkpoints_repeats_the_lost_steps_exactly(uninterrupted, runs, logged):
     whole, whole_dir = uninterrupted(1)
     config = config_for(runs, interval=3)
     crashing = FakePorts(reward=FakeReward(broken_sample))
@@ -191,8 +209,8 @@ def test_a_run_that_crashed_between_checkpoints_repeats_the_lost_steps_exactly(u
     assert [r["step"] for r in read_metrics(runs)] == [1, 2, 3, 4]  # step 4 was logged after checkpoint 3
 
     again = FakePorts(reward=FakeReward(broken_sample))
-    lines = loop_once(config, again)
-    assert f"resumed from {runs / 'checkpoints' / 'step_3'} (step 3)" in lines
+    loop_once(config, again)
+    assert f"resumed from {runs / 'checkpoints' / 'step_3'} (step 3)" in logged
     assert outcome(runs) == outcome(whole_dir)
     assert again.trainer.weights == whole.trainer.weights
 
@@ -238,17 +256,17 @@ def test_a_replica_reporting_a_version_never_pushed_fails_the_loop_before_traini
 
 
 # -- preemption ------------------------------------------------------------------------------------
-def test_a_stop_request_checkpoints_after_the_step_in_progress_and_a_resume_finishes_the_run(uninterrupted, runs):
+def test_a_stop_request_checkpoints_after_the_step_in_progress_and_a_resume_finishes_the_run(uninterrupted, runs,
+                                                                                             logged):
     whole, whole_dir = uninterrupted(1)
     config = config_for(runs)
     signalled: list[int] = []
     first = FakePorts(reward=FakeReward(broken_sample))
     first.trainer.during_step = lambda step: signalled.append(step) if step == 2 else None  # the signal, mid-step
-    lines: list[str] = []
     with pytest.raises(Preempted) as stopped:
-        run(run_loop(config, first, log=lines.append, stop_requested=lambda: bool(signalled)))
+        run(run_loop(config, first, stop_requested=lambda: bool(signalled)))
     assert stopped.value.step == 3 and first.trainer.version == 3
-    assert lines[-1] == f"checkpoint {runs / 'checkpoints' / 'step_3'}"
+    assert logged[-1] == f"checkpoint {runs / 'checkpoints' / 'step_3'}"
     assert [r["step"] for r in read_metrics(runs)] == [1, 2, 3]
 
     second = FakePorts(reward=FakeReward(broken_sample))
@@ -266,15 +284,14 @@ def bus_config(run_dir: Path) -> Config:
     return config_for(run_dir, replicas=2, trainer_nodes=2)
 
 
-async def connected(config: Config, **job_options) -> tuple[FakeJob, BusPorts, list[str]]:
+async def connected(config: Config, **job_options) -> tuple[FakeJob, BusPorts]:
     """The real BusPorts over a fake job, connected, every replica on weight version 0."""
     head = FakeHead()
     job = FakeJob(config, head, **job_options)
-    lines: list[str] = []
-    ports = BusPorts(config, head, store_host="127.0.0.1", store_port=29500, log=lines.append)
+    ports = BusPorts(config, head, store_host="127.0.0.1", store_port=29500)
     await ports.connect(timeout=5)
     await ports.sync_weights(0)
-    return job, ports, lines
+    return job, ports
 
 
 def trained(job: FakeJob, version: int) -> None:
@@ -298,9 +315,10 @@ def no_retry_pause(monkeypatch):
     monkeypatch.setattr(ports_module, "RETRY_PAUSE_S", 0.0)
 
 
-def test_a_replica_lost_before_a_push_gets_it_once_started_again_in_a_new_transfer_group(runs, no_retry_pause):
+def test_a_replica_lost_before_a_push_gets_it_once_started_again_in_a_new_transfer_group(runs, no_retry_pause,
+                                                                                          logged):
     async def scenario() -> None:
-        job, ports, lines = await connected(bus_config(runs), relaunch=False)
+        job, ports = await connected(bus_config(runs), relaunch=False)
         lost = job.kill_replica(1)
         trained(job, 1)
         sync = asyncio.create_task(ports.sync_weights(1))
@@ -312,35 +330,36 @@ def test_a_replica_lost_before_a_push_gets_it_once_started_again_in_a_new_transf
         assert ports.current and ports.generation == 1
         assert_every_replica_serves(job, 1)
         assert lost.engine.version == 0
-        assert "an inference replica was replaced: forming the weight-transfer group again" in lines
-        assert lines[-1] == "inference replicas caught up to weight version 1"
+        assert "an inference replica was replaced: forming the weight-transfer group again" in logged
+        assert logged[-1] == "inference replicas caught up to weight version 1"
         assert versions_of(await ports.generate(PROBE, n=2, seed=5)) == {1}
     run(scenario())
 
 
-def test_a_replica_lost_during_a_push_is_caught_up_by_the_next_inference_call(runs, no_retry_pause):
+def test_a_replica_lost_during_a_push_is_caught_up_by_the_next_inference_call(runs, no_retry_pause, logged):
     async def scenario() -> None:
-        job, ports, lines = await connected(bus_config(runs))
+        job, ports = await connected(bus_config(runs))
         doomed = job.replicas[1]
         job.on_call = lambda process, endpoint, args: (
             job.kill_replica(1) if process is doomed and endpoint == "receive_weights" else None)
         trained(job, 1)
         await ports.sync_weights(1)  # does not fail the loop
         assert not ports.current and doomed.engine.version == 0
-        assert any(line.startswith("weight version 1 did not reach the inference replicas") for line in lines)
+        assert any(line.startswith("weight version 1 did not reach the inference replicas") for line in logged)
         completions = await ports.generate(PROBE, n=2, seed=5)
         assert versions_of(completions) == {1}
         assert job.replicas[1] is not doomed and ports.generation == 1
         assert_every_replica_serves(job, 1)
-        assert "inference replicas caught up to weight version 1" in lines
+        assert "inference replicas caught up to weight version 1" in logged
         sequences = [c.prompt_token_ids + c.token_ids for group in completions for c in group]
         assert await ports.inference_logprobs(sequences) == await ports.trainer_logprobs(sequences)
     run(scenario())
 
 
-def test_a_replica_lost_after_a_push_loses_no_call_and_serves_again_only_once_caught_up(runs, no_retry_pause):
+def test_a_replica_lost_after_a_push_loses_no_call_and_serves_again_only_once_caught_up(runs, no_retry_pause,
+                                                                                        logged):
     async def scenario() -> None:
-        job, ports, lines = await connected(bus_config(runs))
+        job, ports = await connected(bus_config(runs))
         trained(job, 1)
         await ports.sync_weights(1)
         undisturbed = await ports.generate(PROBE, n=2, seed=5)
@@ -348,7 +367,7 @@ def test_a_replica_lost_after_a_push_loses_no_call_and_serves_again_only_once_ca
         job.on_call = lambda process, endpoint, args: (
             job.kill_replica(1) if process is doomed and endpoint == "generate" else None)
         assert await ports.generate(PROBE, n=2, seed=5) == undisturbed  # its chunk went to replica 0
-        assert any(line.startswith("generate on inference/1/0 lost") for line in lines)
+        assert any(line.startswith("generate on inference/1/0 lost") for line in logged)
         restarted = job.replicas[1]
         assert restarted is not doomed and restarted.engine.version == 0
         assert await ports.generate(PROBE, n=2, seed=5) == undisturbed
@@ -361,32 +380,32 @@ def test_a_replica_lost_after_a_push_loses_no_call_and_serves_again_only_once_ca
     run(scenario())
 
 
-async def bus_run(config: Config, *, on_call=None) -> tuple[FakeJob, list[str]]:
+async def bus_run(config: Config, *, on_call=None) -> FakeJob:
     """run_loop over the real BusPorts and a fake job (`on_call(job)` makes the job's on_call)."""
     head = FakeHead()
     job = FakeJob(config, head, reward=FakeReward(broken_sample))
     if on_call is not None:
         job.on_call = on_call(job)
-    lines: list[str] = []
-    ports = BusPorts(config, head, store_host="127.0.0.1", store_port=29500, log=lines.append)
+    ports = BusPorts(config, head, store_host="127.0.0.1", store_port=29500)
     await ports.connect(timeout=5)
-    await run_loop(config, ports, log=lines.append)
-    return job, lines
+    await run_loop(config, ports)
+    return job
 
 
 def test_the_loop_over_bus_ports_makes_the_same_steps_as_over_the_in_memory_ports(uninterrupted, runs):
-    job, _ = run(bus_run(bus_config(runs)))
+    job = run(bus_run(bus_config(runs)))
     assert outcome(runs) == outcome(uninterrupted(1)[1])
     assert {process.replica for process in job.processes if process.engine.generated} == {0, 1}  # both served
 
 
-def test_the_loop_goes_on_unchanged_when_a_replica_is_lost_during_a_push(uninterrupted, runs, no_retry_pause):
+def test_the_loop_goes_on_unchanged_when_a_replica_is_lost_during_a_push(uninterrupted, runs, no_retry_pause,
+                                                                          logged):
     def lose_replica_1_receiving_version_3(job: FakeJob):
         doomed = job.replicas[1]
         return lambda process, endpoint, args: (
             job.kill_replica(1) if process is doomed and endpoint == "receive_weights" and args["version"] == 3
             else None)
-    job, lines = run(bus_run(bus_config(runs), on_call=lose_replica_1_receiving_version_3))
+    job = run(bus_run(bus_config(runs), on_call=lose_replica_1_receiving_version_3))
     assert outcome(runs) == outcome(uninterrupted(1)[1])
     assert [p.engine.version for p in job.processes] == [STEPS, 2, STEPS]  # replica 0, the lost 1, the new 1
-    assert "inference replicas caught up to weight version 3" in lines
+    assert "inference replicas caught up to weight version 3" in logged

@@ -10,6 +10,7 @@ starts 5 by default.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -179,9 +180,9 @@ def test_status_by_job_id_and_logs_of_one_rank_from_the_command_line(cluster, tm
     out = capsys.readouterr().out
     assert f"job {done.job_id} [slurm]: COMPLETED" in out and f"{done.job_id}+3" in out
     assert cli(["logs", str(done.run_dir), "--group", "trainer", "--rank", "1"]) == 0
-    assert capsys.readouterr().out.startswith("trainer rank 1/2 replica 0 on n3")
+    assert "trainer: trainer rank 1/2 replica 0 on n3" in capsys.readouterr().out.splitlines()[0]
     assert cli(["logs", str(done.run_dir), "-f"]) == 0  # the run has ended: follow returns
-    assert "[reward/0] reward rank 0/1" in capsys.readouterr().out
+    assert re.search(r"^\[reward/0\] \S+ \S+ reward: reward rank 0/1", capsys.readouterr().out, re.M)
 
 
 @pytest.mark.timeout(30)

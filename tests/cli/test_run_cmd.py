@@ -1,0 +1,40 @@
+"""`hpcrl run` on its terminal: set-up progress, a line per step, the summary; vLLM's log in the run's file.
+
+Real vLLM (CPU) and the tiny model, for a few steps; stdout and stderr are a pipe here (not a TTY),
+so every step gets its own line.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def hpcrl_run(*args: str) -> subprocess.CompletedProcess:
+    """`python -m hpcrl run configs/tiny_grpo.toml ARGS` from the repository; stdout and stderr in one pipe."""
+    argv = [sys.executable, "-m", "hpcrl", "run", "configs/tiny_grpo.toml", *args]
+    return subprocess.run(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=580)
+
+
+def test_hpcrl_run_prints_no_vllm_info_line_while_its_log_file_keeps_vllms_whole_log(tiny_model, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    done = hpcrl_run("--steps", "3", "--set", f"run.run_dir={run_dir}", "--set", f"model.path={tiny_model}",
+                     "--set", "trainer.checkpoint_interval=0")
+    terminal = done.stdout
+    assert done.returncode == 0, terminal[-3000:]
+    assert not re.search(r"\bINFO\b", terminal), terminal  # vLLM's INFO lines, in its format or ours
+    assert "reset prefix cache" not in terminal
+    steps = [line for line in terminal.splitlines() if line.startswith("step ")]
+    assert [line.split("/")[0] for line in steps] == ["step    1", "step    2", "step    3"]
+    assert "reward curve" in terminal and "done in" in terminal
+    log = (run_dir / "logs" / "run" / "rank0.log").read_text()
+    assert "run: INFO vllm." in log  # vLLM's own lines, at INFO
+    assert re.search(r"run: INFO vllm\.\S+ \(EngineCore\S* pid \d+\): ", log), log[-3000:]  # and its engine process's
+    assert "run: step    3/200" in log and "run: done in" in log
