@@ -63,7 +63,8 @@ class VllmEngine:
         kwargs: dict[str, Any] = dict(
             model=model_path, tensor_parallel_size=tensor_parallel, dtype=dtype, seed=seed,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager, logprobs_mode="raw_logprobs", enable_prefix_caching=False)
+            enforce_eager=enforce_eager, logprobs_mode="raw_logprobs", enable_prefix_caching=False,
+            use_tqdm_on_load=False)
         if tensor_parallel > 1:
             kwargs["distributed_executor_backend"] = "mp"
         if weight_transfer:
@@ -71,6 +72,7 @@ class VllmEngine:
             kwargs["worker_extension_cls"] = WORKER_EXTENSION
             kwargs["weight_transfer_config"] = {"backend": "hpcrl"}
         self.llm = LLM(**kwargs)
+        self.prefix_caching: bool = kwargs["enable_prefix_caching"]
         self._sampling: dict[str, Any] = dict(temperature=temperature, top_p=top_p, top_k=top_k,
                                               max_tokens=max_tokens)
         self.weight_version = 0
@@ -126,7 +128,10 @@ class VllmEngine:
         llm.start_weight_update()
         llm.update_weights({"update_info": {"version": version}})
         llm.finish_weight_update(weight_version=str(version))
-        llm.reset_prefix_cache()
+        if self.prefix_caching:
+            # Cached KV blocks were computed by the old weights: stale now. With caching off (our
+            # engine args) there is nothing to drop, and vLLM would log each reset at INFO.
+            llm.reset_prefix_cache()
         self.weight_version = version
 
     def token_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
