@@ -11,6 +11,8 @@ write into a temporary directory, then rename it and write the run's manifest la
 
 from __future__ import annotations
 
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -23,6 +25,17 @@ def _distributed() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
+
+
+@contextmanager
+def _single_process_quietly(distributed: bool):
+    """Without a process group we pass no_dist=True, and DCP still warns that it is "assuming the
+    intent is to save (load) in a single process" (every checkpoint of `hpcrl run`): that is our intent."""
+    with warnings.catch_warnings():
+        if not distributed:
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process",
+                                    category=UserWarning)
+        yield
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -38,7 +51,9 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, director
 
     state = _state(model, optimizer)
     state["step"] = torch.tensor(step)
-    dcp.save(state, checkpoint_id=str(directory), no_dist=not _distributed())
+    distributed = _distributed()
+    with _single_process_quietly(distributed):
+        dcp.save(state, checkpoint_id=str(directory), no_dist=not distributed)
 
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Path, *, rank: int = 0) -> int:
@@ -51,6 +66,8 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str | Pa
                            "resume from the last checkpoint the run's manifest lists")
     state = _state(model, optimizer)
     state["step"] = torch.tensor(0)
-    dcp.load(state, checkpoint_id=str(directory), no_dist=not _distributed())
+    distributed = _distributed()
+    with _single_process_quietly(distributed):
+        dcp.load(state, checkpoint_id=str(directory), no_dist=not distributed)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     return int(state["step"])
