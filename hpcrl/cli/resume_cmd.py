@@ -29,7 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from hpcrl.cli.submit_cmd import report_submission
     from hpcrl.config import load_config
-    from hpcrl.launch.rundir import CONFIG_FILE
+    from hpcrl.rundir import CONFIG_FILE
     from hpcrl.launch.submit import submit_run
     from hpcrl.rl.checkpointing import newest_checkpoint
 

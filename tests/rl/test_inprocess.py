@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.launch.reaper import descendants, live
+from hpcrl.roles.reaper import descendants, live
 from hpcrl.rl.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
