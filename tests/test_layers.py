@@ -1,4 +1,4 @@
-"""Imports only point down the layers of DESIGN.md, and no package has an import cycle.
+"""Imports only point down the layers of docs/ARCHITECTURE.md, and no package has an import cycle.
 
 The contracts are [tool.importlinter] in pyproject.toml, checked by import-linter (`lint-imports`,
 from the `test` extra). The last two tests check that the contracts can fail: they add an upward

@@ -1,5 +1,8 @@
 """Benchmark: the hpcrl control bus against Ray actor calls, on loopback, in one run.
 
+(About 480 lines: the worker processes, the Ray driver and the alternating measurement blocks
+have to live in one file so that one command reproduces every figure of BENCHMARKS.md's table.)
+
 The production topology: every worker process holds exactly one Worker (one DEALER), and the
 head (this process) holds the Router. What it measures (the same work on both sides: an
 endpoint / actor method that returns its small argument, a dict of about 64 bytes):

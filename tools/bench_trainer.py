@@ -11,7 +11,7 @@ heads x head_dim x seq_len FLOPs per token (torchtitan's convention; attention n
 causality) against the GPU's dense bf16 peak (--peak-tflops to override; none on CPU).
 
 Measured: the H100 figure for Llama-3 1B (batch 4 x 2048, bf16) is pending a GPU session; the
-target is at least 35% MFU (FACTS.md has 38.4% for a plain torchtitan step on torch 2.11).
+target is at least 35% MFU (docs/FACTS.md has 38.4% for a plain torchtitan step on torch 2.11).
 Results go to BENCHMARKS.md by hand.
 """
 

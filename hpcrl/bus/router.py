@@ -27,7 +27,10 @@ reaches the head, from the task's supervisor process after the task ended (any c
 the MAC proves who sent it; see hpcrl.bus.farewell).
 
 Per-peer state is a small mutable record (`_PeerState`); what callers see is `PeerInfo` and
-`PeerEvent`. Spread calls over replicas with `hpcrl.bus.service.Service`, not by hand.
+`PeerEvent`. The module is ~600 lines on purpose: the peer table, the pending calls and the
+health watch are one state machine on one loop (a death fails the peer's pending calls and wakes
+waiters; a registration replaces a peer and bumps the generation Service caches on), and split
+across modules each part would reach into the others' private state. Spread calls over replicas with `hpcrl.bus.service.Service`, not by hand.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Names of the built-in prompt tasks and reward functions, so a config can be checked before anything runs.
 
 The tasks live in hpcrl.data.builtin and the reward functions in hpcrl.reward.builtin, both above
-config in the layers (DESIGN.md), so config keeps their names only. tests/config/test_builtin_names.py
+config in the layers (docs/ARCHITECTURE.md), so config keeps their names only. tests/config/test_builtin_names.py
 checks each list against what its module defines: adding a task or a function means adding its
 name here.
 """

@@ -16,7 +16,7 @@ Memory estimates (per GPU, or per node on CPU) are deliberately simple and on th
             gpu_memory_utilization x memory - weights - activation reserve.
 
 Checked against a measurement: Llama-3 1B, FSDP on one H100, batch 4 x 2048, no checkpointing:
-39.9 GiB measured (FACTS.md), 41.2 GiB estimated (tests/plan/test_resources.py).
+39.9 GiB measured (docs/FACTS.md), 41.2 GiB estimated (tests/plan/test_resources.py).
 """
 
 from __future__ import annotations

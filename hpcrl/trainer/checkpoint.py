@@ -3,7 +3,7 @@
 Every rank writes its own shards in parallel (no gather); a checkpoint written by N ranks loads
 on M ranks (DCP reshards on load), or in one process. The caller owns "complete or invisible":
 write into a temporary directory, then rename it and write the run's manifest last
-(hpcrl.rl does that; DESIGN.md, invariants).
+(hpcrl.rl does that; docs/ARCHITECTURE.md, state on disk).
 
     save(model, optimizer, step, directory)         # collective
     step = load(model, optimizer, directory)        # collective

@@ -7,7 +7,7 @@
 
 Every transport (gloo.py, ucx.py) joins through `rendezvous_store`, so all agree on the store's
 layout. Under torchrun, TORCHELASTIC_USE_AGENT_STORE is popped around the store creation, or rank 0
-would not host the store (FACTS.md).
+would not host the store (docs/FACTS.md).
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def test_scoring_in_the_head_leaves_no_reward_component():
 
 
 def test_trainer_estimate_is_within_ten_percent_of_the_measured_llama_1b_step(tmp_path: Path):
-    # FACTS.md: Llama-3 1B, FSDP2 on one H100, bf16 params / fp32 reduce, AdamW, batch 4 x 2048,
+    # docs/FACTS.md: Llama-3 1B, FSDP2 on one H100, bf16 params / fp32 reduce, AdamW, batch 4 x 2048,
     # no activation checkpointing: 39.9 GiB.
     text = (REPO / "configs" / "llama8b_grpo.toml").read_text()
     path = tmp_path / "l1b.toml"

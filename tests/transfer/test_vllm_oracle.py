@@ -7,7 +7,7 @@ torchtitan's own llama3 (fused, RoPE-permuted wqkv) under FSDP2, loaded through 
 
 Each engine runs in tests/transfer/oracle_driver.py, a subprocess in its own session: on a
 timeout the whole session is SIGKILLed and the /dev/shm segments its processes held are removed
-(FACTS.md: killed drivers leave engine processes stuck).
+(docs/FACTS.md: killed drivers leave engine processes stuck).
 """
 
 from __future__ import annotations
