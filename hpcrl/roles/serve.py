@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 from pathlib import Path
 
 from hpcrl.bus import BusConfig, PeerInfo, Worker, WorkerExit, load_secret
@@ -46,6 +47,14 @@ def peer_info(identity: TaskIdentity, run_id: str) -> PeerInfo:
         place = {"replica": identity.rank, "rank": 0, "replica_ranks": 1}
     return PeerInfo(run_id=run_id, group=identity.group, task=identity.rank, host=identity.node,
                     pid=os.getpid(), gpu=os.environ.get("CUDA_VISIBLE_DEVICES", ""), **place)
+
+
+def own_address() -> str:
+    """The address this host's name resolves to here: where its process groups are reached."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError as err:
+        return f"its name does not resolve: {err}"
 
 
 def build_role(name: str, config, identity: TaskIdentity, env: dict[str, str]):
@@ -147,7 +156,7 @@ def task_main(name: str, argv: list[str] | None = None) -> int:
             raise HpcrlError(f"hpcrl.roles {name} was started as a task of group {identity.group!r}; "
                              f"the head starts `hpcrl.roles {identity.group}` for that group")
         log.info(f"{name} rank {identity.rank}/{identity.group_size} replica {identity.replica} "
-                 f"on {identity.node} (node {identity.node_index}): registering at {address}")
+                 f"on {identity.node} ({own_address()}, node {identity.node_index}): registering at {address}")
         code = asyncio.run(_serve(name, identity, run_dir, launch, link, args.exit_code))
     except HpcrlError as err:
         log.error(f"hpcrl.roles {name}: error: {err}")
