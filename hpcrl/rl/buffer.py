@@ -28,7 +28,7 @@ class ScoredGroup:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ScoredGroup":
+    def from_dict(cls, data: dict) -> ScoredGroup:
         return cls(**data)
 
 

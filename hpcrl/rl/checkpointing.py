@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Awaitable, Callable
 
 from hpcrl.ckpt import CheckpointError, CheckpointStore, FoundCheckpoint, write_atomic
 from hpcrl.config.schema import Config

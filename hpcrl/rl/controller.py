@@ -142,7 +142,7 @@ class Controller:
             generation = None
             if ahead < steps and self.state.generated == ahead:
                 generation = asyncio.create_task(self._generate_batch(ahead, step))
-            if self.lag == 0:
+            if self.lag == 0 and generation is not None:
                 await generation  # on-policy: the batch first
                 generation = None
             groups = self.buffer.take_batch(step, trainer_version=step)

@@ -27,7 +27,11 @@ class GroupAdvantages:
     """[N] bool: completions to train on (all, or those of non-zero-variance groups when filtering)."""
 
 
-def group_advantages(rewards: Tensor, *, group_size: int, norm: Literal["mean_std", "mean"] = "mean_std",
+AdvantageNorm = Literal["mean_std", "mean"]
+"""How rewards are normalised within a group (config key algorithm.advantage_norm)."""
+
+
+def group_advantages(rewards: Tensor, *, group_size: int, norm: AdvantageNorm = "mean_std",
                      eps: float = 1e-6, filter_zero_variance: bool = False) -> GroupAdvantages:
     """Advantages of completions normalised within their group of `group_size`.
 

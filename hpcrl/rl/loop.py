@@ -17,8 +17,14 @@ import logging
 
 from hpcrl.config.schema import Config
 from hpcrl.logs import PROGRESS
-from hpcrl.rl.checkpointing import TRAINER_DIR, load_run_state, newest_checkpoint, rewind_metrics, save_checkpoint, \
-    store_for
+from hpcrl.rl.checkpointing import (
+    TRAINER_DIR,
+    load_run_state,
+    newest_checkpoint,
+    rewind_metrics,
+    save_checkpoint,
+    store_for,
+)
 from hpcrl.rl.controller import Controller
 from hpcrl.rl.metrics import MetricsLog, WandbTarget, read_metrics, reward_curve
 

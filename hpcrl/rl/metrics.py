@@ -17,7 +17,7 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hpcrl.errors import ConfigError
 from hpcrl.fsio import write_atomic
@@ -33,7 +33,7 @@ class WandbTarget:
     project: str
     name: str
     entity: str = ""
-    mode: str = "online"
+    mode: Literal["online", "offline"] = "online"
     config: dict = field(default_factory=dict)
     """The run's configuration, shown beside its curves."""
 
@@ -83,8 +83,8 @@ class MetricsLog:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:  # tensorboard is optional; metrics.jsonl is the record
-                SummaryWriter = None
-            if SummaryWriter is not None:
+                pass
+            else:
                 self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
     def write(self, row: dict[str, Any]) -> None:

@@ -116,10 +116,11 @@ class BusPorts:
         from hpcrl.bus.errors import PeerDeadError
 
         version = self.trainer_version
-        sent, received = await asyncio.gather(
+        outcomes = await asyncio.gather(
             self.trainer.call_all(0, "send_weights", {"version": version}, timeout=CALL_TIMEOUT_S),
             self.inference.fanout("receive_weights", {"version": version}, timeout=CALL_TIMEOUT_S),
             return_exceptions=True)
+        sent, received = outcomes  # unpacked apart: mypy 2.4 cannot type `a, b = await gather(...)` here
         if isinstance(received, PeerDeadError):
             log.warning(f"weight version {version} did not reach the inference replicas ({received}); they get "
                      "the trainer's weights once the lost replica is back")

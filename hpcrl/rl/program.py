@@ -13,7 +13,7 @@ checkpoints and stops). Returns True when it stopped early that way.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from hpcrl.bus.router import Router
 from hpcrl.config.schema import Config

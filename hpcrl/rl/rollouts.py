@@ -11,12 +11,16 @@ in the metrics instead of silently teaching the policy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hpcrl.data.prompts import Prompt
 from hpcrl.inference.types import Completion
 from hpcrl.reward.types import RewardResult, Sample
 from hpcrl.rl.buffer import ScoredGroup
 from hpcrl.trainer.types import TrainBatch
+
+if TYPE_CHECKING:  # grpo imports torch: build_batch imports it when first called
+    from hpcrl.rl.grpo import AdvantageNorm
 
 
 def samples_for(prompts: list[Prompt], completions: list[list[Completion]]) -> list[Sample]:
@@ -48,7 +52,7 @@ def score_groups(prompts: list[Prompt], completions: list[list[Completion]], res
         groups.append(ScoredGroup(
             prompt_id=prompt.id, prompt_token_ids=group[0].prompt_token_ids,
             completions=[c.token_ids for c in group], logprobs=[c.logprobs for c in group],
-            rewards=[float(r.reward) for r in rewards], batch=batch,
+            rewards=[float(r.reward) for r in rewards if r.reward is not None], batch=batch,  # all scored: see above
             weight_version=min((c.weight_version for c in group), default=weight_version),
             finish_reasons=[c.finish_reason for c in group]))
     return groups, ScoreStats(groups=len(prompts), groups_with_errors=bad, errors=errors)
@@ -69,7 +73,7 @@ def batch_from_groups(groups: list[ScoredGroup], advantages: list[list[float]]) 
     return TrainBatch(**fields)
 
 
-def build_batch(groups: list[ScoredGroup], *, norm: str, drop_zero_variance: bool) -> tuple[TrainBatch, int]:
+def build_batch(groups: list[ScoredGroup], *, norm: AdvantageNorm, drop_zero_variance: bool) -> tuple[TrainBatch, int]:
     """The training batch of `groups` (advantages by `hpcrl.rl.grpo.group_advantages`) and how many
     zero-variance groups were dropped."""
     if not groups:

@@ -9,13 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from hpcrl.roles.reaper import descendants, live
 from hpcrl.rl.metrics import read_metrics
+from hpcrl.roles.reaper import descendants, live
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow]
