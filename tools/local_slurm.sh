@@ -35,7 +35,15 @@
 # apt packages mariadb-server and slurmdbd; about 2 s more to start),
 # HPCRL_LOCAL_SLURM_NODES (6: a 4-component hetjob with a 2-node trainer, plus a spare; hetjob components
 # never share nodes), HPCRL_LOCAL_SLURM_PORT (16817; slurmd ports follow from +184),
-# HPCRL_LOCAL_SLURM_NETNS (auto | 1 | 0, see above).
+# HPCRL_LOCAL_SLURM_NETNS (auto | 1 | 0, see above),
+# HPCRL_LOCAL_SLURM_GPUS (0: CPU-only nodes, the default; N: N fake GPUs per node, 4 suggested, see below).
+#
+# Fake GPUs (HPCRL_LOCAL_SLURM_GPUS=N): every node gets `Gres=gpu:N` (slurm.conf has GresTypes=gpu)
+# backed by character devices <dir>/dev/nK/nvidia0..N-1 (mknod c 195 <minor>, minors distinct per
+# node), listed per node in <dir>/gres.conf with AutoDetect=off. Slurm then allocates them as real
+# GPUs and sets CUDA_VISIBLE_DEVICES per task: `srun -n2 --gpus-per-task=1` gives 0 and 1,
+# `--gres=gpu:2` gives 0,1. Nothing opens the files; there is no CUDA. mknod needs root. `up` on a
+# cluster started with another GPU count stops it and starts it again with the one asked for.
 # Tuned for tests (measured on Slurm 22.05): bf_interval=1 because only the backfill scheduler
 # starts heterogeneous jobs; JobRequeue=1; SlurmdTimeout=10; cred_expire=10 (a requeued job
 # otherwise waits 121 s); ReturnToService=1 (keeps an admin-downed node down).
@@ -53,6 +61,9 @@ CTLD_PORT=${HPCRL_LOCAL_SLURM_PORT:-16817}
 SLURMD_PORT0=$((CTLD_PORT + 184))   # 17001 by default: n1 -> 17001, n2 -> 17002, ...
 ACCOUNTING=${HPCRL_LOCAL_SLURM_ACCOUNTING:-0}
 NETNS_WANTED=${HPCRL_LOCAL_SLURM_NETNS:-auto}
+GPUS=${HPCRL_LOCAL_SLURM_GPUS:-0}
+[[ $GPUS =~ ^[0-9]+$ ]] || { echo "local_slurm: HPCRL_LOCAL_SLURM_GPUS must be 0 or a count, got '$GPUS'" >&2; exit 2; }
+GPUS=$((10#$GPUS))
 DBD_PORT=$((CTLD_PORT + 1))
 DB_PORT=$((CTLD_PORT + 2))
 CONF=$DIR/slurm.conf
@@ -74,6 +85,26 @@ node_addr() { echo "198.18.$C.$1"; }
 bridge_addr() { echo "198.18.$C.254"; }
 owner_tag() { echo "hpcrl-local-slurm:$DIR"; }   # the bridge's alias: which cluster made it
 short_host() { local h; h=$(uname -n); echo "${h%%.*}"; }
+
+# GPUs per node of a configured cluster (0 when its slurm.conf names none).
+conf_gpus() { [[ -f $CONF ]] && sed -n 's/^NodeName=.* Gres=gpu:\([0-9]*\).*$/\1/p' "$CONF" | head -1 | grep . || echo 0; }
+
+# The fake GPUs' device files and gres.conf (GPU mode only). Minor numbers: node K has
+# (K-1)*N .. K*N-1, so no two nodes share a device.
+write_gres() {
+    local i j f dev lines="AutoDetect=off"
+    rm -rf "$DIR/dev"   # made again: another GPU count or node count may have left other files
+    for ((i = 1; i <= NODES; i++)); do
+        dev=$DIR/dev/n$i
+        mkdir -p "$dev"
+        for ((j = 0; j < GPUS; j++)); do
+            f=$dev/nvidia$j
+            mknod "$f" c 195 $(((i - 1) * GPUS + j)) || { say "mknod $f failed (fake GPUs need root)"; return 1; }
+        done
+        lines+=$'\n'"NodeName=n$i Name=gpu File=$dev/nvidia[0-$((GPUS - 1))]"
+    done
+    printf '%s\n' "$lines" >"$DIR/gres.conf"
+}
 
 # C of a running or configured namespaced cluster ("" when its nodes share localhost).
 conf_index() { [[ -f $CONF ]] && sed -n "s/^$NETNS_MARK \([0-9]*\)$/\1/p" "$CONF" | head -1 || true; }
@@ -266,7 +297,16 @@ net_init() {
 
 write_config() {
     local cpus=2 mem=4096 last=$((SLURMD_PORT0 + NODES - 1)) i nodes ctld_host acct_host=localhost where
+    local gres="" gres_types="" where_gpus=""
     mkdir -p "$DIR"/{munge,state,spool,run,log}
+    if ((GPUS > 0)); then
+        write_gres
+        gres=" Gres=gpu:$GPUS"
+        gres_types=$'\n'"GresTypes=gpu"
+        where_gpus=", $GPUS fake GPUs each"
+    else
+        rm -rf "$DIR/gres.conf" "$DIR/dev"
+    fi
     chmod 700 "$DIR/munge"
     if [[ ! -s $DIR/munge/munge.key ]]; then
         dd if=/dev/urandom of="$DIR/munge/munge.key" bs=1024 count=1 status=none
@@ -279,12 +319,12 @@ write_config() {
         where="each in its own network namespace"
         nodes="$NETNS_MARK $C"
         for ((i = 1; i <= NODES; i++)); do
-            nodes+=$'\n'"NodeName=n$i NodeHostname=n$i NodeAddr=$(node_addr "$i") Port=$((SLURMD_PORT0 + i - 1)) CPUs=$cpus RealMemory=$mem State=UNKNOWN"
+            nodes+=$'\n'"NodeName=n$i NodeHostname=n$i NodeAddr=$(node_addr "$i") Port=$((SLURMD_PORT0 + i - 1)) CPUs=$cpus RealMemory=$mem$gres State=UNKNOWN"
         done
     else
         ctld_host=localhost
         where="on localhost"
-        nodes="NodeName=n[1-$NODES] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[$SLURMD_PORT0-$last] CPUs=$cpus RealMemory=$mem State=UNKNOWN"
+        nodes="NodeName=n[1-$NODES] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[$SLURMD_PORT0-$last] CPUs=$cpus RealMemory=$mem$gres State=UNKNOWN"
     fi
     local accounting="AccountingStorageType=accounting_storage/none"
     if [[ $ACCOUNTING == 1 ]]; then
@@ -311,7 +351,7 @@ EOC
         chmod 600 "$DIR/slurmdbd.conf"
     fi
     cat >"$CONF.tmp" <<EOC
-# Written by tools/local_slurm.sh: a ${NODES}-node cluster for tests, nodes $where.
+# Written by tools/local_slurm.sh: a ${NODES}-node cluster for tests, nodes $where$where_gpus.
 ClusterName=hpcrl-local
 SlurmctldHost=$ctld_host
 SlurmctldPort=$CTLD_PORT
@@ -338,7 +378,7 @@ SchedulerParameters=bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
-JobRequeue=1
+JobRequeue=1$gres_types
 SlurmdTimeout=10
 ReturnToService=1
 KillWait=3
@@ -440,6 +480,12 @@ up() {
     local pidfile slurmd_alive=""
     mkdir -p "$DIR"
     install_packages
+    local had
+    had=$(conf_gpus)
+    if [[ $had != "$GPUS" ]] && { alive "$DIR/run/slurmctld.pid" || compgen -G "$DIR/run/slurmd.*.pid" >/dev/null; }; then
+        say "restarting: the cluster was started with $had GPUs per node, HPCRL_LOCAL_SLURM_GPUS asks for $GPUS"
+        down
+    fi
     for pidfile in "$DIR"/run/slurmd.*.pid; do alive "$pidfile" && slurmd_alive=1; done
     if alive "$DIR/run/slurmctld.pid" && [[ -f $CONF ]] && SLURM_CONF=$CONF sinfo -h >/dev/null 2>&1; then
         C=$(conf_index)   # a running cluster keeps its mode
