@@ -29,9 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from hpcrl.cli.submit_cmd import report_submission
     from hpcrl.config import load_config
-    from hpcrl.rundir import CONFIG_FILE
     from hpcrl.launch.submit import submit_run
     from hpcrl.rl.checkpointing import newest_checkpoint
+    from hpcrl.rundir import CONFIG_FILE
 
     run_dir = Path(args.run_dir).absolute()
     if not (run_dir / CONFIG_FILE).is_file():

@@ -17,7 +17,6 @@ from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
 from hpcrl.plan.transfer_planner import plan as plan_transfer
 
 
-
 def _size(n: float) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:

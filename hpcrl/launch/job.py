@@ -154,7 +154,8 @@ def run_head(run_dir: Path | str) -> dict:
     sup = Supervisor(launch, run_dir, router)
     previous = {sig: signal.signal(sig, _raise_cancelled) for sig in (signal.SIGTERM, signal.SIGINT)}
     started = time.time()
-    state, failures, error = "FAILED", [], ""
+    state, error = "FAILED", ""
+    failures: list[dict] = []
     try:
         preempted = asyncio.run(_run(sup, advertise))
         state = ("REQUEUED" if launch.executor == "slurm" else "PREEMPTED") if preempted else "COMPLETED"

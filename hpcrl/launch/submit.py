@@ -19,14 +19,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpcrl.bus.secret import create_secret, secret_path
 from hpcrl.config.dump import dump_toml
 from hpcrl.config.schema import Config
 from hpcrl.errors import ConfigError, SlurmError
-from hpcrl.bus.secret import create_secret, secret_path
-from hpcrl.launch.job import HeadJob
 from hpcrl.fsio import write_atomic
-from hpcrl.rundir import (CONFIG_FILE, EXIT_FILE, JOB_FILE, JOB_ID_FILE, LAUNCH_FILE, LOGS_DIR, SCRIPT_FILE,
-                          SUBMITIT_DIR, write_json)
+from hpcrl.launch.job import HeadJob
+from hpcrl.rundir import (
+    CONFIG_FILE,
+    EXIT_FILE,
+    JOB_FILE,
+    JOB_ID_FILE,
+    LOGS_DIR,
+    SCRIPT_FILE,
+    SUBMITIT_DIR,
+    write_json,
+)
 from hpcrl.slurm.record import DEFAULT_START_TIMEOUT_S, LaunchRecord, write_launch
 from hpcrl.slurm.spec import JobSpec, job_spec, time_limit_seconds
 

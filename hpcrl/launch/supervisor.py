@@ -216,9 +216,9 @@ class Supervisor:
         if self.expected <= self.tasks.keys():
             self.all_registered = True  # from now on a task started again has the bus's timeouts instead
         if not released and not self.all_registered and time.monotonic() > self._deadline:
-            missing = sorted(self.expected - self.tasks.keys())
+            unregistered = sorted(self.expected - self.tasks.keys())
             raise GroupFailed("tasks never registered within start_timeout_s: "
-                              + ", ".join(f"{g} rank {r}" for g, r in missing))
+                              + ", ".join(f"{g} rank {r}" for g, r in unregistered))
         return all(code == 0 for _, code in codes)
 
     async def wait_ended(self) -> None:

@@ -22,6 +22,7 @@ Checked against a measurement: Llama-3 1B, FSDP on one H100, batch 4 x 2048, no 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TypedDict
 
 from hpcrl.config.model_shapes import DTYPE_BYTES, ModelShape
 from hpcrl.config.schema import Config
@@ -70,6 +71,23 @@ class MemoryEstimate:
         return self.capacity == 0 or self.total <= self.capacity
 
 
+class ModelSummary(TypedDict):
+    """The model of a plan, as `hpcrl plan` shows it (sizes from its config.json or preset)."""
+
+    architecture: str
+    preset: str
+    path: str
+    parameters: int
+    dtype: str
+    bytes: int
+    """Of the weights in `dtype`."""
+    layers: int
+    hidden_size: int
+    heads: int
+    kv_heads: int
+    vocab_size: int
+
+
 @dataclass(frozen=True, kw_only=True)
 class ResourcePlan:
     run_name: str
@@ -78,7 +96,7 @@ class ResourcePlan:
     components: list[Component]
     trainer_mesh: dict[str, int]
     inference_layout: dict[str, int]
-    model: dict[str, object]
+    model: ModelSummary
     trainer_memory: MemoryEstimate
     inference_memory: MemoryEstimate
     kv_cache_tokens: int

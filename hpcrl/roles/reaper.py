@@ -33,7 +33,7 @@ import os
 import signal
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 #: prctl(2) option that makes orphaned descendants re-parent to this process instead of init.
 PR_SET_CHILD_SUBREAPER = 36

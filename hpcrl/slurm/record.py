@@ -64,7 +64,7 @@ class LaunchRecord:
         return data
 
     @classmethod
-    def from_json(cls, data: Any, where: str = LAUNCH_FILE) -> "LaunchRecord":
+    def from_json(cls, data: Any, where: str = LAUNCH_FILE) -> LaunchRecord:
         if not isinstance(data, dict) or data.get("version") != VERSION:
             raise SlurmError(f"{where} is not a launch record of version {VERSION}: write it again with hpcrl submit")
         try:
