@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from run_helpers import head_log, wait_for
 
 from hpcrl.launch import jobs
 from hpcrl.rl.metrics import read_metrics
@@ -24,19 +25,6 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools" / "local_slurm.sh"
 
 pytestmark = [pytest.mark.slurm]
-
-
-def head_log(run_dir: Path) -> str:
-    path = run_dir / "logs" / "head" / "rank0.log"
-    return path.read_text() if path.exists() else ""
-
-
-def wait_for(predicate, what: str, timeout_s: float, *, poll_s: float = 0.05) -> float:
-    started = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - started < timeout_s, f"{what} did not happen within {timeout_s} s"
-        time.sleep(poll_s)
-    return time.monotonic() - started
 
 
 def cluster_tool(env: dict[str, str], *args: str) -> None:
@@ -69,7 +57,7 @@ def test_cutting_the_inference_node_off_for_10_s_loses_no_rollout_and_the_run_co
     assert queued.returncode == 0, queued.stderr
     node = ""
     try:
-        wait_for(lambda: "step   20/" in head_log(run_dir), "step 20", 300)
+        wait_for(lambda: "step   20/" in head_log(run_dir), "step 20", 300, poll_s=0.05)
         node = re.findall(r"registered: inference rank 0 replica 0 on node (\S+)", head_log(run_dir))[-1]
         cut_at = time.time()
         cluster_tool(namespaced, "cut", node)

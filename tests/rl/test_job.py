@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from run_helpers import head_log, wait_for
 
 from hpcrl.launch import jobs
 from hpcrl.rl.metrics import read_metrics
@@ -77,19 +78,6 @@ def cancel_unless_done(run_dir: Path, env: dict[str, str]) -> None:
     if not jobs.status(run_dir).done:
         subprocess.run([sys.executable, "-m", "hpcrl", "cancel", str(run_dir)], cwd=REPO, timeout=60,
                        env={**env, "PYTHONPATH": str(REPO)}, capture_output=True)
-
-
-def head_log(run_dir: Path) -> str:
-    path = run_dir / "logs" / "head" / "rank0.log"
-    return path.read_text() if path.exists() else ""
-
-
-def wait_for(predicate, what: str, timeout_s: float, *, poll_s: float = 0.5) -> float:
-    started = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - started < timeout_s, f"{what} did not happen within {timeout_s} s"
-        time.sleep(poll_s)
-    return time.monotonic() - started
 
 
 @pytest.mark.slurm

@@ -10,30 +10,15 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
+from throwaway_cluster import run_script, throwaway_settings
 
 pytestmark = [pytest.mark.slurm]
 
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "local_slurm.sh"
 GPUS = 4
 REPORT = 'echo "task=$SLURM_PROCID node=$SLURMD_NODENAME gpus=$CUDA_VISIBLE_DEVICES"'
-
-
-def _free_port() -> int:
-    """A slurmctld port for the throw-away cluster: free here, away from the suite's and other tests' clusters."""
-    for port in range(56817, 61817, 100):
-        with socket.socket() as probe:
-            try:
-                probe.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no free port for a throw-away cluster")
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +28,10 @@ def gpu_cluster():
         pytest.skip("fake GPUs need root: tools/local_slurm.sh makes their device files with mknod")
     if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
         pytest.skip("no Slurm here and no apt-get to install it")
-    directory = Path(tempfile.mkdtemp(prefix="hpcrl-gpu-"))  # short: munge's socket path must fit 108 bytes
-    settings = {key: value for key, value in os.environ.items() if not key.startswith("HPCRL_LOCAL_SLURM_")}
-    settings.pop("SLURM_CONF", None)
-    settings |= {"HPCRL_LOCAL_SLURM_DIR": str(directory), "HPCRL_LOCAL_SLURM_PORT": str(_free_port()),
-                 "HPCRL_LOCAL_SLURM_NODES": "2", "HPCRL_LOCAL_SLURM_GPUS": str(GPUS)}
+    directory, settings = throwaway_settings("hpcrl-gpu-", 56817, **{"HPCRL_LOCAL_SLURM_GPUS": str(GPUS)})
 
     def script(command: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["bash", str(SCRIPT), command], env=settings, capture_output=True, text=True,
-                              timeout=180)
+        return run_script(settings, command, timeout=180)
 
     try:
         up = script("up")

@@ -8,20 +8,17 @@ tools/local_slurm.sh fell back to nodes sharing localhost.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
+from throwaway_cluster import run_script, throwaway_settings
 
 pytestmark = [pytest.mark.slurm]
 
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "local_slurm.sh"
 
 
 def _network(conf: Path) -> tuple[int, dict[str, str]] | None:
@@ -135,18 +132,6 @@ def test_a_port_on_one_nodes_loopback_is_unreachable_from_another_node(namespace
     assert second["by_name"] == f"address of {server}"
 
 
-def _free_port() -> int:
-    """A slurmctld port for a throw-away cluster: free on this host, away from the suite's clusters."""
-    for port in range(46817, 51817, 100):
-        with socket.socket() as probe:
-            try:
-                probe.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no free port for a throw-away cluster")
-
-
 def _leftovers(index: int) -> list[str]:
     """Namespaces, links and /etc/hosts lines of cluster index `index` still on this host."""
     found = [f"netns {line.split()[0]}" for line in subprocess.run(
@@ -164,15 +149,10 @@ def _leftovers(index: int) -> list[str]:
 @pytest.mark.slow
 def test_down_leaves_no_namespace_link_or_hosts_entry_behind(namespaced):
     env, suite_index, _ = namespaced
-    directory = Path(tempfile.mkdtemp(prefix="hpcrl-ns-"))  # short: munge's socket path must fit 108 bytes
-    settings = {key: value for key, value in os.environ.items() if not key.startswith("HPCRL_LOCAL_SLURM_")}
-    settings.pop("SLURM_CONF", None)
-    settings |= {"HPCRL_LOCAL_SLURM_DIR": str(directory), "HPCRL_LOCAL_SLURM_PORT": str(_free_port()),
-                 "HPCRL_LOCAL_SLURM_NODES": "2", "HPCRL_LOCAL_SLURM_NETNS": "1"}
+    directory, settings = throwaway_settings("hpcrl-ns-", 46817, **{"HPCRL_LOCAL_SLURM_NETNS": "1"})
 
     def script(command: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["bash", str(SCRIPT), command], env=settings, capture_output=True, text=True,
-                              timeout=120)
+        return run_script(settings, command, timeout=120)
 
     try:
         first = script("up")
