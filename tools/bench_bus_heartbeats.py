@@ -103,12 +103,13 @@ async def bench(opts: argparse.Namespace, run_dir: str) -> list[str]:
 def main() -> int:
     from hpcrl.bus import create_secret
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--peers", type=int, default=1024, help="registered peers (Workers, one socket each)")
-    ap.add_argument("--per-process", type=int, default=128, help="Workers hosted per process, on one event loop")
-    ap.add_argument("--seconds", type=float, default=30.0, help="duration of the head CPU figure")
-    ap.add_argument("--settle", type=float, default=3.0, help="pause after the last registration")
-    ap.add_argument("--interval", type=float, default=1.0, help="BusConfig.heartbeat_interval (s)")
-    ap.add_argument("--timeout", type=float, default=5.0, help="BusConfig.heartbeat_timeout (s)")
+    for flag, default, text in (("--peers", 1024, "registered peers (Workers, one socket each)"),
+                                ("--per-process", 128, "Workers hosted per process, on one event loop"),
+                                ("--seconds", 30.0, "duration of the head CPU figure"),
+                                ("--settle", 3.0, "pause after the last registration"),
+                                ("--interval", 1.0, "BusConfig.heartbeat_interval (s)"),
+                                ("--timeout", 5.0, "BusConfig.heartbeat_timeout (s)")):
+        ap.add_argument(flag, type=type(default), default=default, help=text)
     ap.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
                     help="event loop of the head and hosts; auto = uvloop when installed")
     opts = ap.parse_args()
