@@ -61,7 +61,7 @@ async def _check(sup: Supervisor) -> None:
     """Program "check": release every task once all registered and hold_s passed; wait for the steps."""
     sup.start()
     started, registered_at = time.monotonic(), None
-    while not await sup.check(released=sup.released):
+    while not await sup.check():
         if registered_at is None and sup.all_registered:
             registered_at = time.monotonic()
             log.info(f"all {len(sup.expected)} tasks registered in {registered_at - started:.1f} s")
@@ -93,7 +93,7 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, on_usr2)
 
     async def watch() -> None:
-        while not await sup.check(released=False):
+        while not await sup.check():
             await asyncio.sleep(0.2)
 
     loop_task = asyncio.create_task(run_program(

@@ -3,7 +3,7 @@ bus's peer events, starts a lost task of a revivable group again, and names what
 
     sup = Supervisor(launch, run_dir, router)          # router: the head's hpcrl.bus.Router
     sup.start({"HPCRL_STORE_ADDR": ...})                 # one step per group (srun, or local processes)
-    while not sup.check(released=False): await asyncio.sleep(0.2)   # raises GroupFailed naming ranks
+    while not await sup.check(): await asyncio.sleep(0.2)   # raises GroupFailed naming ranks
     sup.release()                                        # every task: a BYE with its exit code
     await sup.wait_ended()
 
@@ -24,7 +24,7 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl.bus.router import PeerEvent, Router
@@ -55,7 +55,6 @@ class Task:
     """Its exit code, once a BYE carried it."""
     lost: str = ""
     """Why the bus declared it dead without an exit code ("" while not)."""
-    events: list[str] = field(default_factory=list)
 
 
 class Supervisor:
@@ -89,7 +88,7 @@ class Supervisor:
 
     def start(self, extra_env: dict[str, str] | None = None) -> None:
         """Start one step per group; every task gets the bus address and the layout in its environment."""
-        layout = {"groups": [{**vars(g), "tasks": g.tasks} for g in self.launch.groups]}
+        layout = {"groups": self.launch.to_json()["groups"]}
         # cluster.env is exported by the batch script too; the local executor has only this.
         self.env = {**os.environ, **self.launch.env, "HPCRL_RUN_DIR": str(self.run_dir),
                     "HPCRL_BUS_ADDR": self.bus_address or self.router.address,
@@ -185,9 +184,10 @@ class Supervisor:
         return found or [{"group": step.slot.name, "rank": None, "node": None, "code": code,
                           "why": f"its step exited with code {code}"}]
 
-    async def check(self, *, released: bool) -> bool:
+    async def check(self) -> bool:
         """One look at the bus's events and the steps: raise GroupFailed naming what failed; True once
-        every step ended with 0."""
+        every step ended with 0 (before release(), a step that ends at all is a failure)."""
+        released = self.released
         self.handle_events()
         if self.problems:
             raise GroupFailed("; ".join(self.problems))
@@ -223,7 +223,7 @@ class Supervisor:
 
     async def wait_ended(self) -> None:
         """After release(): wait until every step has ended with 0 (GroupFailed otherwise)."""
-        while not await self.check(released=True):
+        while not await self.check():
             await asyncio.sleep(0.2)
 
     def stop_steps(self) -> None:

@@ -83,12 +83,6 @@ class JobSpec:
                 return slot
         raise KeyError(name)
 
-    def to_dict(self) -> dict:
-        return {
-            "job_name": self.job_name, "layout": self.layout, "cluster": self.cluster,
-            "groups": [{**vars(g), "tasks": g.tasks} for g in self.groups],
-        }
-
 
 def _ranks_per_replica(config: Config, name: str, tasks: int) -> int:
     if name != "trainer":
