@@ -42,7 +42,9 @@
 # backed by character devices <dir>/dev/nK/nvidia0..N-1 (mknod c 195 <minor>, minors distinct per
 # node), listed per node in <dir>/gres.conf with AutoDetect=off. Slurm then allocates them as real
 # GPUs and sets CUDA_VISIBLE_DEVICES per task: `srun -n2 --gpus-per-task=1` gives 0 and 1,
-# `--gres=gpu:2` gives 0,1. Nothing opens the files; there is no CUDA. mknod needs root. `up` on a
+# `--gres=gpu:2` gives 0,1. Nothing opens the files; there is no CUDA. mknod needs root. A GPU node
+# also claims 2 CPUs per GPU (Slurm accepts more than the host has with config_overrides, and binds
+# nothing with task/none), so GPU tasks can ask for CPUs as on a real node. `up` on a
 # cluster started with another GPU count stops it and starts it again with the one asked for.
 # Tuned for tests (measured on Slurm 22.05): bf_interval=1 because only the backfill scheduler
 # starts heterogeneous jobs; JobRequeue=1; SlurmdTimeout=10; cred_expire=10 (a requeued job
@@ -302,6 +304,7 @@ write_config() {
     if ((GPUS > 0)); then
         write_gres
         gres=" Gres=gpu:$GPUS"
+        cpus=$((2 * GPUS))   # more than the host has: SlurmdParameters=config_overrides, TaskPlugin=task/none
         gres_types=$'\n'"GresTypes=gpu"
         where_gpus=", $GPUS fake GPUs each"
     else

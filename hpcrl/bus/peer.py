@@ -32,7 +32,11 @@ class PeerInfo:
     pid: int = 0
     """Process id on that host (for the launcher and for operators)."""
     gpu: str = ""
-    """GPU(s) the process holds (e.g. "0" or "0,1"); empty on CPU."""
+    """GPU(s) the process holds (e.g. "0" or "0,1"): its CUDA_VISIBLE_DEVICES; empty on CPU."""
+    cpus: int = 0
+    """CPUs Slurm gave the process's task (or its CPU affinity); 0 = not said."""
+    threads: int = 0
+    """Its OMP_NUM_THREADS; 0 = not set."""
 
     def __post_init__(self) -> None:
         if not self.group or "/" in self.group:
@@ -54,7 +58,7 @@ class PeerInfo:
         if not isinstance(data, dict):
             raise ValueError("peer info is not a map")
         types = {"run_id": str, "group": str, "replica": int, "rank": int, "replica_ranks": int, "task": int,
-                 "host": str, "pid": int, "gpu": str}
+                 "host": str, "pid": int, "gpu": str, "cpus": int, "threads": int}
         if set(data) != set(types) or any(type(data[k]) is not t for k, t in types.items()):
             raise ValueError("peer info has missing, extra or mistyped fields")
         try:

@@ -47,11 +47,13 @@ def render_text(plan: ResourcePlan) -> str:
         f"{m['layers']} layers, hidden {m['hidden_size']}, heads {m['heads']}/{m['kv_heads']} KV, "
         f"vocab {m['vocab_size']}; {_size(m['bytes'])} in {m['dtype']}",
         "",
-        f"{'component':<10} {'het':>3} {'nodes':>5} {'tasks/node':>10} {'tasks':>5} {'gpus/node':>9}  runs",
+        f"{'component':<10} {'het':>3} {'nodes':>5} {'tasks/node':>10} {'tasks':>5} {'gpus/task':>9} "
+        f"{'cpus/task':>9} {'mem/node':>9}  runs",
     ]
     for c in plan.components:
         lines.append(f"{c.name:<10} {c.index:>3} {c.nodes:>5} {c.tasks_per_node:>10} {c.tasks:>5} "
-                     f"{c.gpus_per_node:>9}  {c.role}")
+                     f"{c.gpus_per_task:>9} {c.cpus_per_task or '-':>9} {c.mem or '-':>9}  {c.role}")
+    lines.append("(each task sees only its own GPUs; '-': Slurm's default, the profile does not say)")
     mesh, inf = plan.trainer_mesh, plan.inference_layout
     lines += [
         "",

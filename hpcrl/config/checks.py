@@ -11,6 +11,7 @@ import importlib.util
 from pathlib import Path
 
 from hpcrl.config.builtin_names import BUILTIN_REWARD_FUNCTIONS, BUILTIN_REWARD_MODULE, BUILTIN_TASK_NAMES
+from hpcrl.config.components import make_components
 from hpcrl.config.model_shapes import ModelShape, load_shape
 from hpcrl.config.schema import GROUP_NAMES, Config
 from hpcrl.errors import ConfigError
@@ -30,6 +31,7 @@ def check_config(config: Config) -> ModelShape:
     _check_sequence_lengths(config, shape)
     _check_groups_against_roles(config)
     _check_cluster(config)
+    make_components(config)  # what each task gets of its node: raises when a node cannot hold it
     _check_reward(config)
     _check_data(config)
     return shape

@@ -291,9 +291,13 @@ class ClusterConfig:
     gpu_mem_gib: float = 80.0
     """Memory of one GPU, used by the memory estimate."""
     cpus_per_node: int = 0
-    """CPU cores per compute node; 0 = unknown."""
+    """CPUs per compute node that Slurm can allocate; 0 = unknown (then no task's CPUs are derived)."""
     mem_per_node_gib: float = 0.0
-    """RAM per compute node; 0 = unknown (used by the estimate on CPU-only clusters)."""
+    """Memory per compute node that Slurm can allocate (its RealMemory); 0 = unknown (then no --mem is derived)."""
+    cpus_per_gpu: int = 0
+    """CPUs given with each GPU of a GPU task; 0 = cpus_per_node / gpus_per_node (the node shared by GPU)."""
+    mem_per_gpu_gib: float = 0.0
+    """Host memory given with each GPU of a GPU task; 0 = mem_per_node_gib / gpus_per_node."""
     partition: str = ""
     """Default partition of every group."""
     account: str = ""
@@ -324,6 +328,8 @@ class ClusterConfig:
                  f"must be -1, 0 or more, got {self.gpus_per_node}",
                  "set gpus_per_node = 0 for a CPU-only cluster")
         _positive(self.gpu_mem_gib, "gpu_mem_gib")
+        for key in ("cpus_per_node", "mem_per_node_gib", "cpus_per_gpu", "mem_per_gpu_gib"):
+            _positive(getattr(self, key), key, allow_zero=True)
         for name in self.env:
             _require(bool(re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name)), f"env.{name}",
                      f"{name!r} is not a valid environment variable name",
@@ -337,11 +343,14 @@ class GroupConfig:
     nodes: int = 0
     """Nodes of this component; 0 = what its role needs (derived)."""
     gpus_per_node: int = -1
-    """GPUs requested per node (--gpus-per-node); -1 = what its role needs."""
+    """GPUs per node (--gpus-per-node); -1 = what its role needs. The reward group runs its reward model on GPUs
+    when this is set above 0 (split evenly among the node's reward tasks)."""
     cpus_per_task: int = 0
-    """--cpus-per-task; 0 = Slurm's default."""
+    """--cpus-per-task; 0 = derived: a GPU task gets cluster.cpus_per_gpu per GPU, a CPU task of the trainer,
+    inference or reward group its node's CPUs shared among the node's tasks, the head 2."""
     mem: str = ""
-    """--mem per node, e.g. "200G"; "0" = all of it; empty = Slurm's default."""
+    """--mem per node, e.g. "200G"; "0" = all of it; empty = derived: a GPU task gets cluster.mem_per_gpu_gib per
+    GPU; on a CPU-only cluster a CPU task gets the node's memory in proportion to its CPUs; else Slurm's default."""
     time: str = ""
     """--time limit, e.g. "04:00:00" or "2-00:00:00"; empty = the partition's default."""
     constraint: str = ""

@@ -1,8 +1,14 @@
 """Starting one group: the argv of its srun step (pure) and the running step (processes).
 
-    hetjob  srun --het-group=i --nodes=N --ntasks=T --ntasks-per-node=K --output=.../rank%t.log
-    split   srun --nodes=N --ntasks=T --nodelist=<the group's node range> --output=...
+    hetjob  srun --het-group=i --nodes=N --ntasks=T --ntasks-per-node=K [resources] --output=.../rank%t.log
+    split   srun --nodes=N --ntasks=T --nodelist=<the group's node range> [resources] --output=...
     local   T processes on this machine, each the leader of its own process group
+
+[resources] are the component's, as in its #SBATCH block (hpcrl.config.components): --cpus-per-task
+(srun does not inherit sbatch's since Slurm 22.05), --mem of each node, and --gres=gpu:N, all of
+the node's GPUs of the component, which each task then narrows to its own block by its local rank
+(hpcrl.plan.placement). A task started again alone gets the same --gres on the same node (-w) and
+its old local rank, hence the same GPUs. OMP_NUM_THREADS is set to the task's CPUs.
 
 `%t` in an srun output path is the task's rank within the step, i.e. within the group; `%j`
 is avoided on purpose (in a hetjob it expands to each component's own id). srun returns the
@@ -14,12 +20,36 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from hpcrl.config.components import mem_gib
+from hpcrl.plan.placement import PlacementError, step_gpus
 from hpcrl.rundir import LOGS_DIR, log_path
 from hpcrl.slurm.spec import GroupSlot
+
+
+def resource_args(slot: GroupSlot, *, tasks: int | None = None) -> list[str]:
+    """srun options giving a step of `slot` its CPUs, memory and GPUs; `tasks` on one node (a task started
+    again alone) asks that node's share of the memory instead of the whole node's."""
+    args = [f"--cpus-per-task={slot.cpus_per_task}"] if slot.cpus_per_task else []
+    if slot.mem and slot.mem != "0":
+        if tasks is None:
+            args.append(f"--mem={slot.mem}")
+        else:
+            args.append(f"--mem={max(1, int(mem_gib(slot.mem) * 1024 * tasks / slot.tasks_per_node))}M")
+    if slot.gpus_per_node:
+        args.append(f"--gres=gpu:{slot.gpus_per_node}")
+    return args
+
+
+def task_env(slot: GroupSlot, env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a step of `slot`: `env`, with OMP_NUM_THREADS = its CPUs per task (when known)."""
+    out = dict(env)
+    if slot.cpus_per_task:
+        out["OMP_NUM_THREADS"] = str(slot.cpus_per_task)
+    return out
 
 
 def srun_argv(slot: GroupSlot, *, layout: str, run_dir: Path, python: str,
@@ -32,7 +62,18 @@ def srun_argv(slot: GroupSlot, *, layout: str, run_dir: Path, python: str,
         assert nodelist is not None, "a split step needs the group's nodes"
         argv.append(f"--nodelist={','.join(nodelist)}")
     argv += [f"--nodes={slot.nodes}", f"--ntasks={slot.tasks}", f"--ntasks-per-node={slot.tasks_per_node}",
-             f"--output={Path(run_dir) / LOGS_DIR / slot.name / 'rank%t.log'}",
+             *resource_args(slot), f"--output={Path(run_dir) / LOGS_DIR / slot.name / 'rank%t.log'}",
+             python, "-u", "-m", slot.module, slot.name]
+    return argv
+
+
+def replacement_argv(slot: GroupSlot, rank: int, *, layout: str, run_dir: Path, python: str,
+                     node: str | None) -> list[str]:
+    """The srun command line starting rank `rank` of `slot` again, alone, on `node` (pure)."""
+    argv = ["srun", "--unbuffered", "--overlap", f"--job-name={slot.name}-{rank}", "--nodes=1", "--ntasks=1"]
+    argv += [f"--het-group={slot.component}"] if layout == "hetjob" else []
+    argv += [f"--nodelist={node}"] if node else []
+    argv += [*resource_args(slot, tasks=1), "--open-mode=append", f"--output={log_path(run_dir, slot.name, rank)}",
              python, "-u", "-m", slot.module, slot.name]
     return argv
 
@@ -86,7 +127,7 @@ class Step:
 
 def start_slurm_step(slot: GroupSlot, *, layout: str, run_dir: Path, python: str,
                      env: Mapping[str, str], nodelist: list[str] | None = None) -> Step:
-    step_env = dict(env)
+    step_env = task_env(slot, env)
     if layout == "hetjob":
         step_env["HPCRL_STEP_GROUPS"] = str(slot.component)
     else:
@@ -97,35 +138,63 @@ def start_slurm_step(slot: GroupSlot, *, layout: str, run_dir: Path, python: str
 
 
 def start_replacement(slot: GroupSlot, rank: int, *, executor: str, layout: str, run_dir: Path, python: str,
-                      env: Mapping[str, str], node: str | None = None) -> Step:
+                      env: Mapping[str, str], node: str | None = None,
+                      gpus: Mapping[tuple[str, int], str] | None = None) -> Step:
     """Start rank `rank` of `slot` again, alone (its log is appended to), e.g. a lost inference replica.
 
-    Under Slurm: an srun step of one task in the group's component (hetjob) or on `node` (split),
-    sharing the allocation with whatever the old step left (--overlap)."""
+    Under Slurm: an srun step of one task in the group's component (hetjob) on `node`, the node the
+    rank ran on, sharing the allocation with whatever the old step left (--overlap). The task keeps
+    its local rank (HPCRL_LOCAL_RANK: ranks are laid out node by node), so it takes the same GPUs."""
     one = replace(slot, nodes=1, tasks_per_node=1)
-    task_env = {**env, "HPCRL_GROUP": slot.name, "HPCRL_RELAUNCH_RANK": str(rank)}
+    env_one = {**task_env(slot, env), "HPCRL_GROUP": slot.name, "HPCRL_RELAUNCH_RANK": str(rank),
+               "HPCRL_LOCAL_RANK": str(rank % slot.tasks_per_node)}
     log = log_path(run_dir, slot.name, rank)
     if executor == "local":
+        env_one["HPCRL_NODE_INDEX"] = str(rank // slot.tasks_per_node)
+        if gpus and (slot.name, rank) in gpus:
+            env_one["CUDA_VISIBLE_DEVICES"] = gpus[(slot.name, rank)]
         with open(log, "ab") as out:
-            proc = subprocess.Popen([python, "-u", "-m", slot.module, slot.name], env=task_env, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen([python, "-u", "-m", slot.module, slot.name], env=env_one, stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         return Step(slot=one, procs=[proc], local=True, first_rank=rank)
-    argv = ["srun", "--unbuffered", "--overlap", f"--job-name={slot.name}-{rank}", "--nodes=1", "--ntasks=1"]
-    argv += [f"--het-group={slot.component}"] if layout == "hetjob" else []
-    argv += [f"--nodelist={node}"] if node else []
-    argv += ["--open-mode=append", f"--output={log}", python, "-u", "-m", slot.module, slot.name]
-    proc = subprocess.Popen(argv, env=task_env, stdin=subprocess.DEVNULL)
+    argv = replacement_argv(slot, rank, layout=layout, run_dir=run_dir, python=python, node=node)
+    proc = subprocess.Popen(argv, env=env_one, stdin=subprocess.DEVNULL)
     return Step(slot=one, procs=[proc], local=False, first_rank=rank)
 
 
-def start_local_step(slot: GroupSlot, *, run_dir: Path, python: str, env: Mapping[str, str]) -> Step:
+def local_gpu_blocks(groups: Sequence[GroupSlot], env: Mapping[str, str]) -> dict[tuple[str, int], str]:
+    """The local executor's GPUs (every group on this one machine): each GPU task its own block, group after
+    group, of this process's CUDA_VISIBLE_DEVICES (or 0, 1, ... when it is unset)."""
+    visible, _ = step_gpus(env)
+    needed = sum(slot.tasks * slot.gpus_per_task for slot in groups if slot.module)
+    if not needed:
+        return {}
+    pool = list(visible) if visible else [str(index) for index in range(needed)]
+    if len(pool) < needed:
+        raise PlacementError(f"the run's GPU tasks need {needed} GPUs on this machine, but CUDA_VISIBLE_DEVICES="
+                             f"{','.join(pool)} shows {len(pool)}. Fix: show more GPUs, or lower the config's GPUs")
+    blocks, start = {}, 0
+    for slot in groups:
+        if not slot.module:
+            continue
+        for rank in range(slot.tasks):
+            if slot.gpus_per_task:
+                blocks[(slot.name, rank)] = ",".join(pool[start:start + slot.gpus_per_task])
+                start += slot.gpus_per_task
+    return blocks
+
+
+def start_local_step(slot: GroupSlot, *, run_dir: Path, python: str, env: Mapping[str, str],
+                     gpus: Mapping[tuple[str, int], str] | None = None) -> Step:
     procs = []
     for rank in range(slot.tasks):
-        task_env = {**env, "HPCRL_GROUP": slot.name, "HPCRL_RANK": str(rank),
-                    "HPCRL_NODE_INDEX": str(rank // slot.tasks_per_node),
-                    "HPCRL_LOCAL_RANK": str(rank % slot.tasks_per_node)}
+        one_env = {**task_env(slot, env), "HPCRL_GROUP": slot.name, "HPCRL_RANK": str(rank),
+                   "HPCRL_NODE_INDEX": str(rank // slot.tasks_per_node),
+                   "HPCRL_LOCAL_RANK": str(rank % slot.tasks_per_node)}
+        if gpus and (slot.name, rank) in gpus:
+            one_env["CUDA_VISIBLE_DEVICES"] = gpus[(slot.name, rank)]
         with open(log_path(run_dir, slot.name, rank), "ab") as log:
-            procs.append(subprocess.Popen([python, "-u", "-m", slot.module, slot.name], env=task_env,
+            procs.append(subprocess.Popen([python, "-u", "-m", slot.module, slot.name], env=one_env,
                                           stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True))
     return Step(slot=slot, procs=procs, local=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from hpcrl.bus.router import PeerEvent, Router
 from hpcrl.errors import HpcrlError
-from hpcrl.launch.steps import Step, start_local_step, start_replacement, start_slurm_step
+from hpcrl.launch.steps import Step, local_gpu_blocks, start_local_step, start_replacement, start_slurm_step
 from hpcrl.slurm.nodelist import expand_nodelist
 from hpcrl.slurm.record import LaunchRecord
 
@@ -79,6 +79,8 @@ class Supervisor:
         self.released = False
         self.all_registered = False
         self._events: list[PeerEvent] = []
+        self.local_gpus: dict[tuple[str, int], str] = {}
+        """(group, rank) -> its GPUs, under the local executor (every group on this machine)."""
         self._deadline = time.monotonic() + launch.start_timeout_s
         router.watch(self._events.append)
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -95,11 +97,13 @@ class Supervisor:
                     "HPCRL_LAYOUT": json.dumps(layout, separators=(",", ":")), **(extra_env or {})}
         self._deadline = time.monotonic() + self.launch.start_timeout_s
         job_nodes = expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", "")) if self.launch.layout == "split" else []
+        self.local_gpus = local_gpu_blocks(self.launch.groups, os.environ) if self.launch.executor == "local" else {}
         for slot in self.launch.groups:
             if not slot.module:
                 continue
             if self.launch.executor == "local":
-                step = start_local_step(slot, run_dir=self.run_dir, python=self.launch.python, env=self.env)
+                step = start_local_step(slot, run_dir=self.run_dir, python=self.launch.python, env=self.env,
+                                        gpus=self.local_gpus)
             else:
                 nodes = job_nodes[slot.first_node:slot.first_node + slot.nodes] if job_nodes else None
                 step = start_slurm_step(slot, layout=self.launch.layout, run_dir=self.run_dir,
@@ -117,15 +121,26 @@ class Supervisor:
             raise GroupFailed(f"group {group} rank {rank} was lost {count} times (last: {why}); not starting it again")
         self.relaunches[key] = count
         old = self.tasks.pop(key, None)
-        node = old.identity.get("node") if old else None
+        node = old.identity.get("node") if old else self.node_of(group, rank)
         log.warning(f"group {group} rank {rank} lost ({why}); starting it again (time {count} of "
                     f"{MAX_RELAUNCHES})")
         slot = self.launch.group(group)
         step = start_replacement(slot, rank, executor=self.launch.executor, layout=self.launch.layout,
                                  run_dir=self.run_dir, python=self.launch.python, env=self.env,
-                                 node=node if self.launch.layout == "split" else None)
+                                 node=node, gpus=self.local_gpus)
         self.steps.append(step)
         self.live_step[key] = step
+
+    def node_of(self, group: str, rank: int) -> str | None:
+        """The node rank `rank` of `group` was started on (srun lays ranks out node by node), from the job's
+        node lists; None without Slurm."""
+        slot = self.launch.group(group)
+        if self.launch.layout == "hetjob":
+            nodes = expand_nodelist(os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{slot.component}", ""))
+        else:
+            nodes = expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", ""))[slot.first_node:slot.first_node + slot.nodes]
+        index = rank // slot.tasks_per_node
+        return nodes[index] if index < len(nodes) else None
 
     # ---------------------------------------------------------------- the bus's word
 
@@ -141,9 +156,11 @@ class Supervisor:
                                          f"{info.host} (pid {info.pid})")
                     continue
                 self.tasks[key] = Task(identity={"group": info.group, "rank": info.task, "replica": info.replica,
-                                                 "node": info.host, "pid": info.pid}, peer=info.name)
+                                                 "node": info.host, "pid": info.pid, "gpus": info.gpu,
+                                                 "cpus": info.cpus, "threads": info.threads}, peer=info.name)
+                gpus = f", GPUs {info.gpu}" if info.gpu else ""
                 log.info(f"registered: {info.group} rank {info.task} replica {info.replica} "
-                         f"on node {info.host} (pid {info.pid})")
+                         f"on node {info.host} (pid {info.pid}, {info.cpus} CPUs{gpus})")
                 if self.released:  # started again just before the end
                     self.router.dismiss(info.name, 0, "the run is over")
                 continue

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TypedDict
 
+from hpcrl.config.components import Component, make_components
 from hpcrl.config.model_shapes import DTYPE_BYTES, ModelShape
 from hpcrl.config.schema import Config
 
@@ -34,24 +35,6 @@ GPU_RUNTIME_OVERHEAD = 3.0 * GIB
 INFERENCE_ACTIVATION_RESERVE = 2.0 * GIB
 #: Python, torch and vLLM processes on a CPU node.
 CPU_RUNTIME_OVERHEAD = 1.0 * GIB
-
-
-@dataclass(frozen=True, kw_only=True)
-class Component:
-    """One component of the heterogeneous job (one Slurm het group)."""
-
-    name: str
-    index: int
-    nodes: int
-    tasks_per_node: int
-    gpus_per_node: int
-    cpus_per_task: int
-    role: str
-    """What runs in each task, in words."""
-
-    @property
-    def tasks(self) -> int:
-        return self.nodes * self.tasks_per_node
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,36 +99,6 @@ class ResourcePlan:
             data["tasks"] = comp.tasks
         out["fits"] = self.fits
         return out
-
-
-def make_components(config: Config) -> list[Component]:
-    """The job's components in het-group order; the reward one only when reward.tasks > 0."""
-    t, inf, reward = config.trainer, config.inference, config.reward
-    if inf.gpus_per_node:
-        replicas_per_node = max(1, inf.gpus_per_node // inf.tensor_parallel)
-    else:
-        replicas_per_node = 1  # a CPU replica gets a node's cores to itself
-    derived = {
-        "head": (1, 1, 0, "controller: the RL loop, the bus, launches the other groups"),
-        "trainer": (t.nodes, t.ranks_on_each_node, t.gpus_per_node,
-                    "one FSDP2 rank per task (torchtitan)"),
-        "inference": (-(-inf.replicas // replicas_per_node), min(replicas_per_node, inf.replicas),
-                      inf.gpus_per_node, f"one vLLM engine per task, TP={inf.tensor_parallel}"),
-        "reward": (1, reward.tasks, 0, f"reward worker pool ({reward.workers} workers)"),
-    }
-    components: list[Component] = []
-    for name, (nodes, tasks_per_node, gpus, role) in derived.items():
-        if name == "reward" and reward.tasks == 0:
-            continue
-        group = config.group(name)
-        nodes = group.nodes or nodes
-        if name == "reward":
-            tasks_per_node = -(-reward.tasks // nodes)
-        components.append(Component(
-            name=name, index=len(components), nodes=nodes, tasks_per_node=tasks_per_node,
-            gpus_per_node=gpus if group.gpus_per_node == -1 else group.gpus_per_node,
-            cpus_per_task=group.cpus_per_task, role=role))
-    return components
 
 
 def _trainer_memory(config: Config, shape: ModelShape) -> MemoryEstimate:

@@ -4,7 +4,8 @@
 
   1. fork a supervisor (hpcrl.roles.reaper) that outlives the task: it ends whatever the task
      leaves running and sends the head the task's exit code, whatever ended it (hpcrl.bus.farewell)
-  2. work out the task's identity (group, replica, rank, node) from its environment
+  2. work out the task's identity (group, replica, rank, node) from its environment, and narrow the
+     GPUs of its step to its own (hpcrl.plan.placement): from here on they are cuda:0..
   3. register on the bus (HPCRL_BUS_ADDR, the run's secret): the head now knows the task started
   4. program "check": wait to be dismissed. Program "rl": build the role (load engines, join the
      trainer's process group: the slow part), add its endpoints, say READY, serve the head
@@ -24,6 +25,7 @@ from hpcrl.bus import BusConfig, PeerInfo, Worker, WorkerExit, load_secret
 from hpcrl.bus.farewell import FarewellLink, send_farewell
 from hpcrl.errors import HpcrlError
 from hpcrl.logs import setup_logging
+from hpcrl.plan.placement import place_gpus
 from hpcrl.roles.reaper import supervise
 from hpcrl.rundir import CONFIG_FILE
 from hpcrl.slurm.identity import TaskIdentity, identify_task
@@ -46,7 +48,29 @@ def peer_info(identity: TaskIdentity, run_id: str) -> PeerInfo:
     else:
         place = {"replica": identity.rank, "rank": 0, "replica_ranks": 1}
     return PeerInfo(run_id=run_id, group=identity.group, task=identity.rank, host=identity.node,
-                    pid=os.getpid(), gpu=os.environ.get("CUDA_VISIBLE_DEVICES", ""), **place)
+                    pid=os.getpid(), gpu=os.environ.get("CUDA_VISIBLE_DEVICES", ""), cpus=task_cpus(os.environ),
+                    threads=int(os.environ.get("OMP_NUM_THREADS", "0") or 0), **place)
+
+
+def task_cpus(env: dict[str, str] | os._Environ[str]) -> int:
+    """CPUs Slurm gave this task (SLURM_CPUS_PER_TASK), else those it may run on (its affinity)."""
+    given = env.get("SLURM_CPUS_PER_TASK", "")
+    return int(given) if given.isdigit() else len(os.sched_getaffinity(0))
+
+
+def take_gpus(launch: LaunchRecord, identity: TaskIdentity) -> None:
+    """Narrow CUDA_VISIBLE_DEVICES to this task's own GPUs (hpcrl.plan.placement), before anything
+    imports torch; a GPU inference task also has vLLM spawn its workers (this process has threads)."""
+    slot = launch.group(identity.group)
+    if not slot.gpus_per_task:
+        return
+    placement = place_gpus(os.environ, gpus_per_task=slot.gpus_per_task, local_rank=identity.local_rank,
+                           tasks_on_node=slot.tasks_per_node, what=f"{identity.group} rank {identity.rank}")
+    os.environ["CUDA_VISIBLE_DEVICES"] = placement.cuda_visible_devices
+    if identity.group == "inference":
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    log.info(f"{identity.group} rank {identity.rank}: GPUs {placement.cuda_visible_devices} "
+             f"(local rank {identity.local_rank} of {placement.source}={','.join(placement.visible)})")
 
 
 def own_address() -> str:
@@ -155,6 +179,7 @@ def task_main(name: str, argv: list[str] | None = None) -> int:
         if identity.group != name:
             raise HpcrlError(f"hpcrl.roles {name} was started as a task of group {identity.group!r}; "
                              f"the head starts `hpcrl.roles {identity.group}` for that group")
+        take_gpus(launch, identity)
         log.info(f"{name} rank {identity.rank}/{identity.group_size} replica {identity.replica} "
                  f"on {identity.node} ({own_address()}, node {identity.node_index}): registering at {address}")
         code = asyncio.run(_serve(name, identity, run_dir, launch, link, args.exit_code))

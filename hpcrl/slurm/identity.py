@@ -12,7 +12,7 @@ tasks and ranks_per_replica). The rest comes from where the task runs:
   split job     HPCRL_GROUP names the group (one step per group); rank = SLURM_PROCID.
   local         HPCRL_GROUP and HPCRL_RANK, set by the local launcher (no Slurm at all).
   relaunched    HPCRL_GROUP and HPCRL_RELAUNCH_RANK: one task the head started again (a lost
-                inference replica), under Slurm or not.
+                inference replica), under Slurm or not; HPCRL_LOCAL_RANK keeps its old local rank.
 
 The replica is rank // ranks_per_replica (trainer: HSDP replica; inference: one engine per task).
 """
@@ -104,6 +104,7 @@ def identify_task(env: Mapping[str, str]) -> TaskIdentity:
     if env.get("HPCRL_GROUP") and "HPCRL_RELAUNCH_RANK" in env:  # one task started again by the head
         group = _by_name(layout, env["HPCRL_GROUP"])
         rank = _int(env, "HPCRL_RELAUNCH_RANK")
+        local_rank = int(env.get("HPCRL_LOCAL_RANK", "0"))  # its step has one task: SLURM_LOCALID is 0
         node = env.get("SLURMD_NODENAME") or env.get("HPCRL_NODE") or socket.gethostname()
         nodes = expand_nodelist(env.get(f"SLURM_JOB_NODELIST_HET_GROUP_{group['component']}", node))
         node_index = nodes.index(node) if node in nodes else 0

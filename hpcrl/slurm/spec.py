@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hpcrl.config.components import Component, make_components, mem_gib
 from hpcrl.config.schema import Config, GroupConfig
 from hpcrl.errors import ConfigError
-from hpcrl.plan.resources import Component, make_components
 
 #: Module run by `python -m` for each group; the head runs in the batch step itself.
 #: The `python -m` module every group task runs, with the group's name as its argument.
@@ -38,7 +38,13 @@ class GroupSlot:
     nodes: int
     tasks_per_node: int
     gpus_per_node: int
+    """GPUs the component holds on each node (--gpus-per-node; srun --gres=gpu:N)."""
+    gpus_per_task: int
+    """GPUs each task narrows its node's to (hpcrl.plan.placement); 0 = none."""
     cpus_per_task: int
+    """0 = Slurm's default."""
+    mem: str
+    """--mem of each node; "" = Slurm's default."""
     ranks_per_replica: int
     """Consecutive ranks forming one replica (trainer: an HSDP replica; others: 1)."""
     module: str
@@ -94,7 +100,8 @@ def _ranks_per_replica(config: Config, name: str, tasks: int) -> int:
 
 def _slots(config: Config, components: list[Component]) -> list[GroupSlot]:
     return [GroupSlot(name=c.name, component=c.index, nodes=c.nodes, tasks_per_node=c.tasks_per_node,
-                      gpus_per_node=c.gpus_per_node, cpus_per_task=c.cpus_per_task,
+                      gpus_per_node=c.gpus_per_node, gpus_per_task=c.gpus_per_task,
+                      cpus_per_task=c.cpus_per_task, mem=c.mem,
                       ranks_per_replica=_ranks_per_replica(config, c.name, c.tasks),
                       module=GROUP_MODULES.get(c.name, ""))
             for c in components]
@@ -121,7 +128,7 @@ def _setting(config: Config, group: GroupConfig, key: str) -> str:
 
 
 def _resource_options(config: Config, group: GroupConfig, *, nodes: int, tasks_per_node: int,
-                      cpus_per_task: int, gpus_per_node: int) -> list[tuple[str, str]]:
+                      cpus_per_task: int, gpus_per_node: int, mem: str) -> list[tuple[str, str]]:
     options = []
     for key in ("partition", "account", "qos"):
         if value := _setting(config, group, key):
@@ -131,7 +138,9 @@ def _resource_options(config: Config, group: GroupConfig, *, nodes: int, tasks_p
         options.append(("cpus-per-task", str(cpus_per_task)))
     if gpus_per_node > 0:
         options.append(("gpus-per-node", str(gpus_per_node)))
-    for key in ("mem", "time", "constraint"):
+    if mem:
+        options.append(("mem", mem))
+    for key in ("time", "constraint"):
         if value := getattr(group, key):
             options.append((key, value))
     for extra in group.sbatch_extra:
@@ -145,7 +154,7 @@ def _hetjob_blocks(config: Config, slots: list[GroupSlot]) -> list[SbatchBlock]:
     for slot in slots:
         options = _resource_options(config, config.group(slot.name), nodes=slot.nodes,
                                     tasks_per_node=slot.tasks_per_node, cpus_per_task=slot.cpus_per_task,
-                                    gpus_per_node=slot.gpus_per_node)
+                                    gpus_per_node=slot.gpus_per_node, mem=slot.mem)
         blocks.append(SbatchBlock(title=f"component {slot.component}: {slot.name}", options=tuple(options)))
     return blocks
 
@@ -185,7 +194,8 @@ def _split_layout(config: Config, slots: list[GroupSlot]) -> tuple[list[GroupSlo
         config, lead, nodes=first_node,
         tasks_per_node=max(s.tasks_per_node for s in workers),
         cpus_per_task=max(s.cpus_per_task for s in workers),
-        gpus_per_node=max(s.gpus_per_node for s in workers))
+        gpus_per_node=max(s.gpus_per_node for s in workers),
+        mem=max((s.mem for s in workers), key=lambda m: mem_gib(m) if m and m != "0" else (1e18 if m else 0)))
     return placed, SbatchBlock(title="one job for every group (layout split)", options=tuple(options))
 
 

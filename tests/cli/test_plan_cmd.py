@@ -20,15 +20,16 @@ def hpcrl(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(60)
-def test_plan_of_the_70b_config_prints_every_component_and_the_memory_estimate():
-    done = hpcrl("plan", "configs/llama70b_grpo.toml")
+def test_plan_of_the_70b_config_prints_every_component_with_its_gpus_cpus_and_memory():
+    done = hpcrl("plan", "configs/llama70b_grpo.toml", "--cluster", "generic")
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "70.55 B parameters" in out
-    for line in ("head         0     1          1     1         0",
-                 "trainer      1     8          8    64         8",
-                 "inference    2     4          1     4         8",
-                 "reward       3     1          1     1         0"):
+    # component, het group, nodes, tasks/node, tasks, GPUs/task, CPUs/task, mem/node (the config says "0": all)
+    for line in ("head         0     1          1     1         0         8         -",
+                 "trainer      1     8          8    64         1        12         0",
+                 "inference    2     4          1     4         8        96         0",
+                 "reward       3     1          1     1         0        32         -"):
         assert line in out
     assert "trainer mesh: 64 ranks = dp_replicate 1 x dp_shard 64" in out
     assert "trainer memory per GPU" in out and "inference memory per GPU" in out

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpcrl.launch.steps import srun_argv
+from hpcrl.launch.steps import local_gpu_blocks, replacement_argv, srun_argv, task_env
 from hpcrl.slurm.spec import GroupSlot
 
-TRAINER = GroupSlot(name="trainer", component=1, nodes=2, tasks_per_node=4, gpus_per_node=4, cpus_per_task=8,
-                    ranks_per_replica=8, module="hpcrl.roles", first_node=0)
+TRAINER = GroupSlot(name="trainer", component=1, nodes=2, tasks_per_node=4, gpus_per_node=4, gpus_per_task=1,
+                    cpus_per_task=8, mem="120G", ranks_per_replica=8, module="hpcrl.roles", first_node=0)
+INFERENCE = GroupSlot(name="inference", component=2, nodes=1, tasks_per_node=2, gpus_per_node=4, gpus_per_task=2,
+                      cpus_per_task=4, mem="8G", ranks_per_replica=1, module="hpcrl.roles")
+REWARD = GroupSlot(name="reward", component=3, nodes=1, tasks_per_node=1, gpus_per_node=0, gpus_per_task=0,
+                   cpus_per_task=0, mem="", ranks_per_replica=1, module="hpcrl.roles")
 
 
 def test_a_hetjob_group_is_one_step_on_its_own_het_group_with_one_log_per_rank():
@@ -22,3 +26,31 @@ def test_a_hetjob_group_is_one_step_on_its_own_het_group_with_one_log_per_rank()
 def test_a_split_group_is_one_step_on_its_node_range():
     argv = srun_argv(TRAINER, layout="split", run_dir=Path("/runs/x"), python="py", nodelist=["n2", "n3"])
     assert "--nodelist=n2,n3" in argv and not any(a.startswith("--het-group") for a in argv)
+
+
+def test_a_gpu_step_asks_every_gpu_of_its_nodes_and_its_cpus_and_memory_as_sbatch_did():
+    argv = srun_argv(TRAINER, layout="hetjob", run_dir=Path("/runs/x"), python="py")
+    assert {"--gres=gpu:4", "--cpus-per-task=8", "--mem=120G"} <= set(argv)
+    assert task_env(TRAINER, {"A": "1"}) == {"A": "1", "OMP_NUM_THREADS": "8"}
+
+
+def test_a_cpu_step_without_known_resources_leaves_them_to_slurm():
+    argv = srun_argv(REWARD, layout="hetjob", run_dir=Path("/runs/x"), python="py")
+    assert not any(a.startswith(("--gres", "--cpus-per-task", "--mem")) for a in argv)
+    assert "OMP_NUM_THREADS" not in task_env(REWARD, {})
+
+
+def test_a_replica_started_again_goes_to_its_old_node_with_the_same_gres_and_its_share_of_memory():
+    argv = replacement_argv(INFERENCE, 1, layout="hetjob", run_dir=Path("/runs/x"), python="py", node="n4")
+    assert {"--overlap", "--het-group=2", "--nodelist=n4", "--ntasks=1", "--gres=gpu:4", "--cpus-per-task=4",
+            "--mem=4096M"} <= set(argv)
+    assert "--output=/runs/x/logs/inference/rank1.log" in argv and "--open-mode=append" in argv
+
+
+def test_the_local_executor_gives_every_gpu_task_its_own_block_group_after_group():
+    blocks = local_gpu_blocks([TRAINER, INFERENCE, REWARD], {"CUDA_VISIBLE_DEVICES": "2,3,4,5,6,7,8,9,10,11,12,13"})
+    assert blocks[("trainer", 0)] == "2" and blocks[("trainer", 7)] == "9"
+    assert blocks[("inference", 0)] == "10,11" and blocks[("inference", 1)] == "12,13"
+    assert ("reward", 0) not in blocks
+    assert local_gpu_blocks([REWARD], {}) == {}
+    assert local_gpu_blocks([INFERENCE], {})[("inference", 1)] == "2,3"  # no variable: this machine's 0, 1, ...
