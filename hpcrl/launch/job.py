@@ -58,7 +58,9 @@ def _late_usr2(signum: int, frame: object) -> None:
 
 
 async def _check(sup: Supervisor) -> None:
-    """Program "check": release every task once all registered and hold_s passed; wait for the steps."""
+    """Program "check": release every task once all registered and hold_s passed; wait for the steps.
+    A lost inference replica is started again, as in a real run, until the release."""
+    sup.revivable = {"inference"}
     sup.start()
     started, registered_at = time.monotonic(), None
     while not await sup.check():
@@ -66,6 +68,7 @@ async def _check(sup: Supervisor) -> None:
             registered_at = time.monotonic()
             log.info(f"all {len(sup.expected)} tasks registered in {registered_at - started:.1f} s")
         if registered_at is not None and not sup.released and time.monotonic() - registered_at >= sup.launch.hold_s:
+            sup.revivable = set()
             sup.release()
         await asyncio.sleep(0.1)
 

@@ -222,6 +222,11 @@ class Supervisor:
         if failed:
             await asyncio.sleep(0.3)  # exit codes still in flight on the bus
             self.handle_events()
+            for step, code in [(step, code) for step, code in failed if self._replaced(step)]:
+                self.retired.add(id(step))  # its non-zero code is a task already started again elsewhere
+                failed.remove((step, code))
+                codes.remove((step, code))
+        if failed:
             failures = [f for step, code in failed for f in self.failures_of(step, code)]
             raise GroupFailed("; ".join(describe(f) for f in failures), failures)
         for step, code in codes:
@@ -237,6 +242,15 @@ class Supervisor:
             raise GroupFailed("tasks never registered within start_timeout_s: "
                               + ", ".join(f"{g} rank {r}" for g, r in unregistered))
         return all(code == 0 for _, code in codes)
+
+    def _replaced(self, step: Step) -> bool:
+        """True when the ranks of `step` that failed all run in another step now (started again), and the
+        rest told the head they exited 0: e.g. a step of two replicas on one node, one of them killed and
+        started again alone, the other released at the end of the run."""
+        name = step.slot.name
+        moved = [rank for rank in step.ranks if self.live_step.get((name, rank)) not in (None, step)]
+        stayed = [self.tasks.get((name, rank)) for rank in step.ranks if rank not in moved]
+        return bool(moved) and all(task is not None and task.code == 0 for task in stayed)
 
     async def wait_ended(self) -> None:
         """After release(): wait until every step has ended with 0 (GroupFailed otherwise)."""

@@ -26,10 +26,10 @@ def test_plan_of_the_70b_config_prints_every_component_with_its_gpus_cpus_and_me
     out = done.stdout
     assert "70.55 B parameters" in out
     # component, het group, nodes, tasks/node, tasks, GPUs/task, CPUs/task, mem/node (the config says "0": all)
-    for line in ("head         0     1          1     1         0         8         -",
+    for line in ("head         0     1          1     1         0         8       16G",
                  "trainer      1     8          8    64         1        12         0",
                  "inference    2     4          1     4         8        96         0",
-                 "reward       3     1          1     1         0        32         -"):
+                 "reward       3     1          1     1         0        32      128G"):
         assert line in out
     assert "trainer mesh: 64 ranks = dp_replicate 1 x dp_shard 64" in out
     assert "trainer memory per GPU" in out and "inference memory per GPU" in out

@@ -89,5 +89,5 @@ def test_the_base_layout_loads_and_each_task_gets_its_share_of_the_node(tmp_path
     assert (trainer.tasks_per_node, trainer.gpus_per_task, trainer.cpus_per_task, trainer.mem) == (8, 1, 12, "1024G")
     assert (inference.tasks_per_node, inference.gpus_per_task, inference.cpus_per_task) == (4, 2, 24)
     assert inference.gpus_per_node == 8 and inference.mem == "1024G"
-    assert (parts["head"].cpus_per_task, parts["head"].mem) == (4, "")  # the profile's [groups.head]; cpu partition
+    assert (parts["head"].cpus_per_task, parts["head"].mem) == (4, "16G")  # the profile's [groups.head]: cpu nodes
     assert len(CASES) >= 8

@@ -35,9 +35,18 @@ def test_every_shipped_config_loads(path: Path):
 
 @pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.name)
 def test_every_cluster_profile_loads_under_a_config_that_suits_it(profile: Path):
-    # A CPU-only profile carries the CPU config, a GPU one the 70B config.
-    experiment = "tiny_grpo.toml" if "gpus_per_node = 0" in profile.read_text() else "llama70b_grpo.toml"
-    config = load_config(REPO / "configs" / experiment, cluster=profile.stem)
+    # A CPU-only profile carries the CPU config, an 8-GPU one the 70B config, a smaller one the 8B config's
+    # shape scaled to 4-GPU nodes (as tests/slurm/test_gpu_placement.py submits it).
+    text = profile.read_text()
+    if "gpus_per_node = 0" in text:
+        experiment, overrides = "tiny_grpo.toml", []
+    elif "gpus_per_node = 8" in text:
+        experiment, overrides = "llama70b_grpo.toml", []
+    else:
+        experiment = "llama8b_grpo.toml"
+        overrides = ["trainer.nodes=2", "trainer.gpus_per_node=4", "trainer.global_batch_size=64",
+                     "inference.replicas=2", "inference.gpus_per_node=4"]
+    config = load_config(REPO / "configs" / experiment, cluster=profile.stem, overrides=overrides)
     assert config.cluster.name == profile.stem
 
 
