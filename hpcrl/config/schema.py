@@ -54,11 +54,22 @@ class RunConfig:
     """W&B entity (user or team); empty = your default entity."""
     wandb_mode: Literal["online", "offline"] = "online"
     """"offline" writes the W&B run under <run_dir>/wandb for `wandb sync` later (nodes without internet)."""
+    start_timeout_s: float = 0.0
+    """Seconds every task has to start (load the model, capture CUDA graphs) and register with the head,
+    and the trainer ranks to form their process group; 0 = derived from the model's size: 600 s + 10 s
+    per GB of weights in model.dtype (Llama-3 8B bf16: 761 s, 70B: 2011 s; hpcrl.plan.timeouts)."""
+    rejoin_timeout_s: float = 0.0
+    """Seconds a lost inference replica, started again by the head, has to load its model and register
+    before the run fails; 0 = derived: 300 s + 5 s per GB of weights (8B: 380 s, 70B: 1006 s)."""
 
     def __post_init__(self) -> None:
         _require(bool(_NAME_RE.match(self.name)), "name",
                  f"{self.name!r} is not a usable run name",
                  "use letters, digits, '.', '_' and '-', starting with a letter or digit")
+        for key in ("start_timeout_s", "rejoin_timeout_s"):
+            value = getattr(self, key)
+            _require(value >= 0, key, f"must be 0 (derived from the model's size) or more seconds, got {value}",
+                     f"remove {key} to derive it, or set it to the seconds to wait")
 
 
 @dataclass(frozen=True, kw_only=True)
