@@ -325,8 +325,15 @@ class ClusterConfig:
     signal_delay_s: int = 90
     """Seconds before the time limit that Slurm sends SIGUSR2 to the head, which then checkpoints after
     the step in progress and requeues the job (--signal=B:USR2@N); leave room for one step and a save."""
+    python: str = ""
+    """Absolute path of the run's interpreter on the compute nodes (its venv's bin/python, on a filesystem
+    every node mounts), which runs the head and every group task; "" = the interpreter running `hpcrl submit`.
+    The head checks on its node that it exists and is executable before starting any group."""
 
     def __post_init__(self) -> None:
+        _require(not self.python or self.python.startswith("/"), "python",
+                 f"{self.python!r} is not an absolute path",
+                 'give the interpreter\'s absolute path on the compute nodes, e.g. "/shared/venvs/hpcrl/bin/python"')
         _require(self.max_requeues >= 0, "max_requeues", f"must be 0 or more, got {self.max_requeues}",
                  "set max_requeues = 0 to end a run that loses a task FAILED")
         _require(self.signal_delay_s >= 1, "signal_delay_s", f"must be at least 1 second, got {self.signal_delay_s}",

@@ -11,6 +11,7 @@ directory is written and before sbatch. Rendering (hpcrl.slurm.render) and submi
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -134,7 +135,8 @@ def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
                              'or set cluster.executor = "auto" (local when no sbatch) or "local"')
         check_partitions(config, spec, env)
     refuse_live_run(run_dir)
-    launch = launch_record(config, spec, executor=executor, python=sys.executable, hold_s=hold_s,
+    python = config.cluster.python or sys.executable  # the head and every task run it on the nodes
+    launch = launch_record(config, spec, executor=executor, python=python, hold_s=hold_s,
                            exit_codes=exit_codes, start_timeout_s=start_timeout_s, program=program,
                            stop_after=stop_after, verbose=verbose)
     prepare_run_dir(run_dir, config_toml=dump_toml(config), launch=launch, groups=[g.name for g in spec.groups])
@@ -142,7 +144,7 @@ def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
 
     folder = run_dir / SUBMITIT_DIR
     if executor == "slurm":
-        slurm = adapter.HetJobExecutor(folder, spec=spec, run_dir=run_dir)
+        slurm = adapter.HetJobExecutor(folder, spec=spec, run_dir=run_dir, python=shlex.quote(python))
         script = run_dir / SCRIPT_FILE
         write_atomic(script, slurm.script_text())
         if dry_run:
