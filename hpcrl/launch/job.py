@@ -3,9 +3,10 @@ program, records how the run ended, and requeues it after a lost task.
 
     python -m hpcrl.launch.job RUN_DIR       (the sbatch/ templates; submitit calls HeadJob(run_dir))
 
-  1. reads RUN_DIR/launch.json (hpcrl.slurm.record) and binds the control bus (hpcrl.bus.Router,
-     the run's secret): the head's one control port. Program "rl" also serves a rendezvous store
-     (torch's TCPStore: trainer process group, weight-transfer group).
+  1. reads RUN_DIR/launch.json (hpcrl.slurm.record), checks that its interpreter (cluster.python, or
+     the one that ran hpcrl submit) exists and is executable on this node, and binds the control
+     bus (hpcrl.bus.Router, the run's secret): the head's one control port. Program "rl" also
+     serves a rendezvous store (torch's TCPStore: trainer process group, weight-transfer group).
   2. starts one step per group (hpcrl.launch.supervisor): `srun --het-group=i` (hetjob), srun on the
      group's node range (split), or local process trees (local executor). Every task registers
      on the bus, says READY when it serves, and its exit code comes back as a BYE.
@@ -39,13 +40,32 @@ from hpcrl.roles.serve import BUS_SETTINGS
 from hpcrl.rundir import CONFIG_FILE, EXIT_FILE, write_json
 from hpcrl.slurm.record import read_launch
 
-__all__ = ["GroupFailed", "HeadJob", "RunCancelled", "run_head"]
+__all__ = ["GroupFailed", "HeadJob", "InterpreterMissing", "RunCancelled", "check_interpreter", "run_head"]
 
 log = logging.getLogger(__name__)
 
 
 class RunCancelled(HpcrlError):
     """The head was told to stop (SIGTERM or SIGINT), e.g. by scancel or hpcrl cancel."""
+
+
+class InterpreterMissing(HpcrlError):
+    """launch.json's interpreter cannot run on the head's node: the run fails, it is not requeued."""
+
+
+def check_interpreter(python: str, node: str) -> None:
+    """Refuse a recorded interpreter that does not exist or is not executable here, on `node`."""
+    path = Path(python)
+    if not path.is_file():
+        problem = "does not exist" if not path.exists() else "is not a file"
+    elif not os.access(path, os.X_OK):
+        problem = "is not executable"
+    else:
+        return
+    raise InterpreterMissing(
+        f"the run's interpreter {python} {problem} on node {node}, and every group task is started with it: "
+        "set cluster.python to the run's venv interpreter as the compute nodes see it (in launch/<cluster>.toml "
+        "or --set cluster.python=/path/to/venv/bin/python), or install the venv on a filesystem the nodes share")
 
 
 def _raise_cancelled(signum: int, frame: object) -> None:
@@ -160,6 +180,7 @@ def run_head(run_dir: Path | str) -> dict:
     state, error = "FAILED", ""
     failures: list[dict] = []
     try:
+        check_interpreter(launch.python, str(sup.head_identity["node"]))
         preempted = asyncio.run(_run(sup, advertise))
         state = ("REQUEUED" if launch.executor == "slurm" else "PREEMPTED") if preempted else "COMPLETED"
     except GroupFailed as err:
@@ -175,6 +196,10 @@ def run_head(run_dir: Path | str) -> dict:
         else:
             log.error(f"run FAILED: {error}")
             raise GroupFailed(error) from None
+    except InterpreterMissing as err:
+        error = str(err)
+        log.error(f"run FAILED: {error}")
+        raise GroupFailed(error) from None
     except RunCancelled as err:
         state, error = "CANCELLED", str(err)
         log.info(f"run CANCELLED ({err}); stopping every group")

@@ -11,6 +11,7 @@ directory is written and before sbatch. Rendering (hpcrl.slurm.render) and submi
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -35,7 +36,7 @@ from hpcrl.rundir import (
     SUBMITIT_DIR,
     write_json,
 )
-from hpcrl.slurm.record import DEFAULT_START_TIMEOUT_S, LaunchRecord, write_launch
+from hpcrl.slurm.record import LaunchRecord, write_launch
 from hpcrl.slurm.spec import JobSpec, job_spec, time_limit_seconds
 
 LOCAL_NOTE = "no sbatch found: running with the local executor (each group a process tree on this machine)"
@@ -63,12 +64,19 @@ def choose_executor(config: Config) -> tuple[str, str]:
 
 #: What the head runs once the groups started: the GRPO loop, or only the start-up check.
 def launch_record(config: Config, spec: JobSpec, *, executor: str, python: str, hold_s: float = 0.0,
-                  exit_codes: dict[str, int] | None = None, start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+                  exit_codes: dict[str, int] | None = None, start_timeout_s: float | None = None,
                   program: str = "rl", stop_after: int | None = None, verbose: bool = False) -> LaunchRecord:
-    """The content of launch.json: what the head needs (pure)."""
+    """The content of launch.json: what the head needs (pure but for reading the model's config.json
+    when there is no preset). start_timeout_s None = run.start_timeout_s, or derived from the model's
+    size (hpcrl.plan.timeouts)."""
     if stop_after is not None and not 1 <= stop_after <= config.trainer.steps:
         raise ConfigError(file="--steps", key="", problem=f"{stop_after} is outside 1..trainer.steps "
                           f"({config.trainer.steps})", fix="give a step the run reaches, or raise trainer.steps")
+    if start_timeout_s is None:
+        from hpcrl.config.model_shapes import load_shape
+        from hpcrl.plan.timeouts import run_timeouts
+        shape = load_shape(preset_name=config.model.preset, path=config.model.path)
+        start_timeout_s = run_timeouts(config, shape).start_s
     return LaunchRecord(program=program, stop_after=stop_after, run_name=config.run.name,
                         run_dir=str(Path(config.run_dir).absolute()), executor=executor, layout=spec.layout,
                         cluster=spec.cluster, python=python, groups=spec.groups, hold_s=hold_s,
@@ -108,7 +116,7 @@ def refuse_live_run(run_dir: Path) -> None:
 
 
 def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
-               exit_codes: dict[str, int] | None = None, start_timeout_s: float = 600.0,
+               exit_codes: dict[str, int] | None = None, start_timeout_s: float | None = None,
                program: str = "rl", stop_after: int | None = None, verbose: bool = False) -> Submission:
     """Check, write the run directory, render, and (unless dry_run) submit; see the module docstring.
 
@@ -127,7 +135,8 @@ def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
                              'or set cluster.executor = "auto" (local when no sbatch) or "local"')
         check_partitions(config, spec, env)
     refuse_live_run(run_dir)
-    launch = launch_record(config, spec, executor=executor, python=sys.executable, hold_s=hold_s,
+    python = config.cluster.python or sys.executable  # the head and every task run it on the nodes
+    launch = launch_record(config, spec, executor=executor, python=python, hold_s=hold_s,
                            exit_codes=exit_codes, start_timeout_s=start_timeout_s, program=program,
                            stop_after=stop_after, verbose=verbose)
     prepare_run_dir(run_dir, config_toml=dump_toml(config), launch=launch, groups=[g.name for g in spec.groups])
@@ -135,7 +144,7 @@ def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
 
     folder = run_dir / SUBMITIT_DIR
     if executor == "slurm":
-        slurm = adapter.HetJobExecutor(folder, spec=spec, run_dir=run_dir)
+        slurm = adapter.HetJobExecutor(folder, spec=spec, run_dir=run_dir, python=shlex.quote(python))
         script = run_dir / SCRIPT_FILE
         write_atomic(script, slurm.script_text())
         if dry_run:

@@ -6,8 +6,13 @@ no Slurm. `hpcrl plan` prints it; the launcher renders its components into sbatc
 Memory estimates (per GPU, or per node on CPU) are deliberately simple and on the safe side:
 
   trainer   fp32 master params + fp32 grads + AdamW (2 x fp32), all / dp_shard
-            + reference model (compute dtype, / dp_shard) when kl_coef > 0
+            + reference model when kl_coef > 0: fp32, / dp_shard (it is built like the policy,
+              as fp32 shards that FSDP casts to the compute dtype when it gathers them)
             + two gathered blocks in compute dtype (FSDP prefetch)
+            + the gathered root unit (embedding, final norm, output head) in compute dtype,
+              of the policy and, when kl_coef > 0, of the reference: a root is not resharded
+              after forward, and the reference's stays gathered until the step's backward is done
+              (FSDP2 gathers into tensors of its own, even in fp32 on one rank: on CPU too)
             + activations: per token per block ~ (7h + 2kv + 4f) x dtype bytes, or only the
               block inputs with activation checkpointing (plus one block recomputed)
             + fp32 logits and their log-softmax for one micro-batch
@@ -15,8 +20,10 @@ Memory estimates (per GPU, or per node on CPU) are deliberately simple and on th
   inference weights / TP (embedding and head vocab-split), then the KV-cache budget
             gpu_memory_utilization x memory - weights - activation reserve.
 
-Checked against a measurement: Llama-3 1B, FSDP on one H100, batch 4 x 2048, no checkpointing:
-39.9 GiB measured (docs/FACTS.md), 41.2 GiB estimated (tests/plan/test_resources.py).
+Checked against measurements (tests/plan/test_resources.py): Llama-3 1B, FSDP on one H100, batch
+4 x 2048, no checkpointing: 39.9 GiB measured (docs/FACTS.md), 41.7 GiB estimated; Llama-3 70B on
+64 H100s (configs/llama70b_grpo.toml): about 47 GiB measured, 47.4 GiB estimated; and the bytes of
+the reference model and of the gathered roots that a bf16 step of a small model holds on CPU.
 """
 
 from __future__ import annotations
@@ -109,6 +116,8 @@ def _trainer_memory(config: Config, shape: ModelShape) -> MemoryEstimate:
     h, f = shape.hidden_size, shape.intermediate_size
     kv = shape.num_kv_heads * shape.head_dim
     tokens = t.micro_batch_size * (config.data.max_prompt_tokens + config.inference.max_tokens)
+    roots = 2 if alg.kl_coef > 0 else 1
+    root_params = params - shape.num_layers * shape.layer_parameters
     block_per_token = (7 * h + 2 * kv + 4 * f) * compute
     if t.activation_checkpointing:
         activations = tokens * (h * compute * shape.num_layers + block_per_token)
@@ -118,8 +127,9 @@ def _trainer_memory(config: Config, shape: ModelShape) -> MemoryEstimate:
         "params_fp32": 4 * params // shard,
         "grads_fp32": 4 * params // shard,
         "adamw_states": 8 * params // shard,
-        "reference_model": compute * params // shard if alg.kl_coef > 0 else 0,
-        "gathered_blocks": 2 * compute * shape.layer_parameters if compute != 4 or shard > 1 else 0,
+        "reference_model": 4 * params // shard if alg.kl_coef > 0 else 0,
+        "gathered_blocks": 2 * compute * shape.layer_parameters,
+        "gathered_roots": roots * compute * root_params,
         "activations": activations,
         "logits_fp32": 2 * 4 * tokens * shape.vocab_size,
         "runtime": int(GPU_RUNTIME_OVERHEAD if t.gpus_per_node else CPU_RUNTIME_OVERHEAD),

@@ -31,14 +31,20 @@ from hpcrl.trainer.types import TrainBatch
 
 #: Seconds a call may take before the head gives up on it (a CPU step or a first vLLM call can be slow).
 CALL_TIMEOUT_S = 600.0
-#: Seconds a lost inference replica has to come back (started again by the head) and register.
-REJOIN_TIMEOUT_S = 300.0
 #: Pause before a lost inference call is made again: the head may still count the replica as
 #: healthy (unreachable for a moment, not yet silent for heartbeat_timeout), and a retry without
 #: a pause would spin the head's event loop so that it never learns otherwise.
 RETRY_PAUSE_S = 0.2
 
 log = logging.getLogger(__name__)
+
+
+def _rejoin_timeout_s(config: Config) -> float:
+    """run.rejoin_timeout_s, or derived from the model's size (hpcrl.plan.timeouts)."""
+    from hpcrl.config.model_shapes import load_shape
+    from hpcrl.plan.timeouts import run_timeouts
+
+    return run_timeouts(config, load_shape(preset_name=config.model.preset, path=config.model.path)).rejoin_s
 
 
 class BusPorts:
@@ -53,6 +59,8 @@ class BusPorts:
         self.inference = Service(head, "inference")
         self.reward = Service(head, "reward")
         self.plan = plan_for_config(config)
+        self.rejoin_timeout_s = _rejoin_timeout_s(config)
+        """Seconds a lost inference replica has to come back (started again by the head) and register."""
         self.replicas = config.inference.replicas
         # Trainer-side work (train steps, weight pushes, forming the transfer group) one at a time.
         self._trainer_turn = asyncio.Lock()
@@ -139,7 +147,7 @@ class BusPorts:
         replaced = not self._intact()
         if replaced:
             log.info("an inference replica was replaced: forming the weight-transfer group again")
-            await self._form_group(REJOIN_TIMEOUT_S)
+            await self._form_group(self.rejoin_timeout_s)
         if self.current:
             return
         if not await self._push():
@@ -164,7 +172,7 @@ class BusPorts:
         from hpcrl.bus.errors import PeerDeadError
 
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + CALL_TIMEOUT_S + REJOIN_TIMEOUT_S
+        deadline = loop.time() + CALL_TIMEOUT_S + self.rejoin_timeout_s
         while True:
             serving = self._serving()
             if not serving:

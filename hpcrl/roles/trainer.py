@@ -25,8 +25,15 @@ from hpcrl.slurm.identity import TaskIdentity
 if TYPE_CHECKING:  # imported when the first transfer connects (it needs torch)
     from hpcrl.transfer.trainer import TrainerSender
 
-#: Seconds trainer ranks wait for each other to form their process group.
-RENDEZVOUS_TIMEOUT_S = 600.0
+
+def rendezvous_timeout(config: Config) -> timedelta:
+    """How long trainer ranks wait for each other to form their process group (and its collectives'
+    timeout): run.start_timeout_s, or derived from the model's size (hpcrl.plan.timeouts)."""
+    from hpcrl.config.model_shapes import load_shape
+    from hpcrl.plan.timeouts import run_timeouts
+
+    shape = load_shape(preset_name=config.model.preset, path=config.model.path)
+    return timedelta(seconds=run_timeouts(config, shape).start_s)
 
 
 def parse_address(value: str, what: str) -> tuple[str, int]:
@@ -56,12 +63,12 @@ class TrainerRole(Role):
             torch.cuda.set_device(identity.local_rank)
         if self.world > 1:
             host, port = parse_address(env.get("HPCRL_STORE_ADDR", ""), "HPCRL_STORE_ADDR")
-            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+            store = dist.TCPStore(host, port, is_master=False, timeout=rendezvous_timeout(config))
             restart = env.get("SLURM_RESTART_COUNT", "0")
             dist.init_process_group("cpu:gloo,cuda:nccl" if gpus else "gloo",
                                     store=dist.PrefixStore(f"hpcrl-trainer/{restart}", store),
                                     rank=self.rank, world_size=self.world,
-                                    timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+                                    timeout=rendezvous_timeout(config))
         self.engine = TrainerEngine.from_config(config, max_seq_len=config.max_model_len + 1)
         self.plan = plan_for_config(config)
         self.sender: TrainerSender | None = None

@@ -33,7 +33,7 @@ class LaunchRecord:
     """"hetjob" or "split" (hpcrl.slurm.spec)."""
     cluster: str
     python: str
-    """The interpreter every task runs (the submitting one's)."""
+    """The interpreter the head and every task run: cluster.python, or the one that ran hpcrl submit."""
     groups: tuple[GroupSlot, ...]
     program: str = "rl"
     stop_after: int | None = None

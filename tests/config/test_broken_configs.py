@@ -150,6 +150,10 @@ CASES = [
     ("bad environment variable name", BASE + "\n[cluster.env]\n\"1BAD\" = \"x\"\n", None, [],
      "cluster.env.1BAD", ["not a valid environment variable name"], 34),
     ("empty file", "", None, [], "run", ["required key 'run' is missing"], None),
+    ("negative start timeout", edit(BASE, 'name = "t"', 'name = "t"\nstart_timeout_s = -5'), None, [],
+     "run.start_timeout_s", ["must be 0 (derived from the model's size) or more seconds", "remove start_timeout_s"], 3),
+    ("relative cluster.python", BASE + '\n[cluster]\npython = "venv/bin/python"\n', None, [],
+     "cluster.python", ["'venv/bin/python' is not an absolute path", "absolute path on the compute nodes"], 34),
 ]
 
 

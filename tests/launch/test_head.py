@@ -12,7 +12,7 @@ import pytest
 
 from hpcrl.config import load_config
 from hpcrl.errors import SlurmError
-from hpcrl.launch.job import GroupFailed, run_head
+from hpcrl.launch.job import GroupFailed, InterpreterMissing, check_interpreter, run_head
 from hpcrl.launch.submit import launch_record, prepare_run_dir, refuse_live_run
 from hpcrl.rundir import EXIT_FILE, JOB_FILE, read_json, write_json
 from hpcrl.slurm.spec import job_spec
@@ -107,3 +107,31 @@ def test_cluster_environment_reaches_every_group_task(tmp_path: Path, monkeypatc
     write_json(run_dir / "launch.json", launch)
     assert run_head(run_dir)["state"] == "COMPLETED"
     assert (run_dir / "mark").read_text() == "seen"
+
+
+@pytest.mark.parametrize("make, problem", [
+    (lambda d: d / "venv" / "bin" / "python", "does not exist"),
+    (lambda d: (d / "python").write_text("") or d / "python", "is not executable"),
+    (lambda d: d, "is not a file"),
+])
+def test_an_interpreter_the_node_cannot_run_is_named_with_the_node_and_the_fix(tmp_path: Path, make, problem):
+    path = make(tmp_path)
+    with pytest.raises(InterpreterMissing) as caught:
+        check_interpreter(str(path), "gpu-node-7")
+    assert str(caught.value).startswith(f"the run's interpreter {path} {problem} on node gpu-node-7")
+    assert "set cluster.python" in str(caught.value) and "a filesystem the nodes share" in str(caught.value)
+    check_interpreter(sys.executable, "gpu-node-7")  # the one running this test is fine
+
+
+@pytest.mark.timeout(30)
+def test_a_missing_interpreter_fails_the_run_before_any_group_starts(tmp_path: Path):
+    run_dir = prepared(tmp_path)
+    launch = read_json(run_dir / "launch.json")
+    launch["python"] = "/login-node-only/venv/bin/python"
+    write_json(run_dir / "launch.json", launch)
+    with pytest.raises(GroupFailed, match="the run's interpreter /login-node-only/venv/bin/python does not exist "
+                                          "on node "):
+        run_head(run_dir)
+    record = read_json(run_dir / EXIT_FILE)
+    assert record["state"] == "FAILED" and "set cluster.python" in record["error"]
+    assert [t["group"] for t in record["tasks"]] == ["head"] and record["step_codes"] == {}

@@ -9,8 +9,8 @@ import pytest
 from hpcrl.config import load_config
 from hpcrl.config.dump import dump_toml
 from hpcrl.errors import SlurmError
-from hpcrl.launch.submit import launch_record, prepare_run_dir
-from hpcrl.rundir import CONFIG_FILE, LAUNCH_FILE, write_json
+from hpcrl.launch.submit import launch_record, prepare_run_dir, submit_run
+from hpcrl.rundir import CONFIG_FILE, LAUNCH_FILE, SCRIPT_FILE, write_json
 from hpcrl.slurm.record import read_launch
 from hpcrl.slurm.spec import job_spec
 
@@ -41,3 +41,13 @@ def test_a_launch_file_that_is_not_the_record_is_an_error_naming_the_file(tmp_pa
     write_json(tmp_path / LAUNCH_FILE, {"version": 1, "program": "rl"})
     with pytest.raises(SlurmError, match=f"{tmp_path / LAUNCH_FILE} does not hold what the head needs"):
         read_launch(tmp_path)
+
+
+def test_cluster_python_is_the_interpreter_of_the_head_and_of_every_task(tmp_path: Path):
+    venv = "/shared/venvs/hpcrl/bin/python"
+    config = load_config(REPO / "configs" / "tiny_grpo.toml", cluster=str(REPO / "launch" / "generic.toml"),
+                         overrides=[f"run.run_dir={tmp_path / 'run'}", 'cluster.executor="slurm"',
+                                    f'cluster.python="{venv}"'])
+    dry = submit_run(config, dry_run=True, program="check")
+    assert read_launch(dry.run_dir).python == venv  # the head starts every group task with it
+    assert f"SUBMITIT_EXECUTOR=slurm {venv} -u -m submitit.core._submit" in (dry.run_dir / SCRIPT_FILE).read_text()

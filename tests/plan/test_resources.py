@@ -97,3 +97,70 @@ def test_the_plan_serialises_to_plain_json_types():
     assert data["components"][1]["tasks"] == 1
     assert data["trainer_memory"]["device"] == "CPU node"
     assert data["fits"] is True
+
+
+def test_the_70b_trainer_estimate_is_near_the_47_gib_measured_on_64_h100s():
+    # configs/llama70b_grpo.toml on launch/generic.toml: FSDP over 64 ranks, bf16, kl_coef 0.001,
+    # micro-batch 1 x (1024 + 4096) tokens, activation checkpointing. 70.55e9 parameters, of which
+    # the root unit holds 2.10e9 (embedding and output head, 128256 x 8192 each, and the norm).
+    #   fp32 params, grads and AdamW's 2 states: 16 B x 70.55e9 / 64            16.43 GiB
+    #   the reference model, fp32 shards:         4 B x 70.55e9 / 64             4.11 GiB
+    #   two gathered blocks in bf16:          2 x 2 B x 855.6e6                  3.19 GiB
+    #   the gathered roots of policy and reference: 2 x 2 B x 2.10e9              7.83 GiB
+    #   activations, fp32 logits, runtime:   7.91 + 4.89 + 3.00                 15.80 GiB
+    #                                                                    total  47.35 GiB
+    # Before: the reference in bf16 (2.05 GiB) and no roots: 37.5 GiB, 9.9 GiB short.
+    plan = plan_of("llama70b_grpo.toml", cluster="generic")
+    parts = plan.trainer_memory.parts
+    assert parts["reference_model"] == 4 * 70_553_706_496 // 64
+    assert parts["gathered_roots"] == 2 * 2 * (2 * 128256 * 8192 + 8192)
+    estimate = plan.trainer_memory.total / GIB
+    assert estimate == pytest.approx(47.35, abs=0.01)
+    assert abs(estimate - 47.0) / 47.0 < 0.05
+
+
+def _bytes_a_step_holds(shape, dtype: str, store: Path) -> dict[str, int]:
+    """Bytes of the reference's shards, and of the roots gathered while the policy computes its
+    logits, in one GRPO step of a world of one gloo rank (FSDP2, kl_coef > 0)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from hpcrl.trainer import EngineOptions, TrainerEngine, pad_rows
+    from hpcrl.trainer.loss import LossSettings
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(store), 1), rank=0, world_size=1)
+    try:
+        engine = TrainerEngine(EngineOptions(shape=shape, dtype=dtype, max_seq_len=64, micro_batch_size=4,
+                                             loss=LossSettings(kl_coef=0.1)))
+        gathered: list[int] = []
+
+        def count_gathered(*_):  # plain tensors, not DTensor shards: what FSDP has gathered now
+            gathered.append(sum(p.numel() * p.element_size() for model in (engine.model, engine.reference)
+                                for p in model.parameters() if not isinstance(p, DTensor)))
+
+        engine.model.lm_head.register_forward_hook(count_gathered)
+        batch = pad_rows(sequences=[[1, *range(10, 40)]] * 4, prompt_lengths=[2] * 4,
+                         old_logprobs=[[-5.0] * 29] * 4, advantages=[1.0, -1.0, 0.5, 0.0])
+        engine.train_step(batch)
+        assert engine.reference is not None
+        reference = sum(p.to_local().numel() * p.to_local().element_size() for p in engine.reference.parameters())
+        assert {p.to_local().dtype for p in engine.reference.parameters()} == {torch.float32}
+        return {"reference_model": reference, "gathered_roots": max(gathered)}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype, gpus", [("bfloat16", 1), ("float32", 0)])
+def test_the_reference_and_gathered_roots_are_estimated_as_a_measured_cpu_step_holds_them(
+        tmp_path: Path, dtype: str, gpus: int):
+    # A tiny Llama with a 4096-token vocabulary, so that the root (embedding, norm, head) is 1/3 of
+    # the model. The plan counts bf16 compute only on GPUs, so the bf16 case plans for one GPU.
+    import dataclasses
+    shape = dataclasses.replace(PRESETS["tiny-llama"], vocab_size=4096)
+    config, _ = load_config_and_shape(REPO / "configs" / "tiny_grpo.toml", overrides=(
+        f"model.dtype={dtype}", f"trainer.gpus_per_node={gpus}", "algorithm.kl_coef=0.1"))
+    parts = plan_resources(config, shape).trainer_memory.parts
+    measured = _bytes_a_step_holds(shape, dtype, tmp_path / "store")
+    assert measured == {"reference_model": parts["reference_model"], "gathered_roots": parts["gathered_roots"]}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -379,6 +380,25 @@ def test_a_replica_lost_after_a_push_loses_no_call_and_serves_again_only_once_ca
         assert versions_of(await ports.generate(PROBE, n=2, seed=5)) == {2} and restarted.engine.generated
     run(scenario())
 
+
+
+def test_a_lost_replica_that_never_comes_back_fails_the_push_after_run_rejoin_timeout_s(runs, no_retry_pause):
+    from hpcrl.bus.errors import BusError
+
+    derived = bus_config(runs)
+    config = dataclasses.replace(derived, run=dataclasses.replace(derived.run, rejoin_timeout_s=0.3))
+
+    async def scenario() -> None:
+        job, ports = await connected(config, relaunch=False)
+        assert BusPorts(derived, FakeHead(), store_host="127.0.0.1", store_port=0).rejoin_timeout_s == 300
+        job.kill_replica(1)
+        trained(job, 1)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        with pytest.raises(BusError, match="fewer than 2 replicas registered within 0.3 s"):
+            await asyncio.wait_for(ports.sync_weights(1), 30)
+        assert 0.3 <= loop.time() - began < 5
+    run(scenario())
 
 async def bus_run(config: Config, *, on_call=None) -> FakeJob:
     """run_loop over the real BusPorts and a fake job (`on_call(job)` makes the job's on_call)."""
