@@ -211,6 +211,9 @@ class Supervisor:
         codes = [(step, step.poll()) for step in self.steps if id(step) not in self.retired]
         for step, code in codes:
             if step.slot.name in self.revivable and code is not None and (code != 0 or not released):
+                if any((step.slot.name, rank) not in self.tasks and (step.slot.name, rank) not in self.relaunches
+                       for rank in step.ranks):
+                    continue  # a task that never started (never registered) would fail again: a failure
                 self.retired.add(id(step))
                 if step.local:
                     step.kill()  # the lost task's children (vLLM's engine processes) go with it
