@@ -9,6 +9,8 @@
 #   tools/local_slurm.sh cut nK      # network fault: take node nK's link down ...
 #   tools/local_slurm.sh mend nK     # ... and up again
 #   tools/local_slurm.sh slow nK 100mbit | slow nK off   # a token-bucket (tbf) limit on nK's link
+#   tools/local_slurm.sh poweroff nK # power loss: cut nK's link, freeze then kill everything on it
+#   tools/local_slurm.sh poweron nK  # ... and back: link up, slurmd started, node resumed
 #
 # Clients find the cluster through SLURM_CONF (printed by `up` and `env`):
 #   export SLURM_CONF=$PWD/.local_slurm/slurm.conf; sbatch --wrap hostname
@@ -573,6 +575,38 @@ status() {
 }
 
 # cut / mend / slow act on node nK's veth pair: the host end (and, for slow, eth0 inside too).
+# Power loss of node K, as the rest of the cluster sees one: its link goes down first (so no FIN or
+# RST leaves it: peers see silence, not closed connections), then every process in its network
+# namespace - slurmd, its slurmstepds, the tasks and all their descendants (vLLM's engine
+# processes carry no SLURM_* variables, but they live in the node's namespace) - is frozen with
+# SIGSTOP until no new one appears, so none reports its own end, and then killed. slurmd stays
+# dead: Slurm notices the node after SlurmdTimeout and marks it DOWN.
+poweroff() {  # node number
+    local k=$1 n pids all=() round
+    n=$(ns "$k")
+    ip link set "$(veth "$k")" down
+    for round in $(seq 20); do
+        mapfile -t pids < <(ip netns pids "$n" 2>/dev/null)
+        local new=()
+        for pid in "${pids[@]}"; do [[ " ${all[*]} " == *" $pid "* ]] || new+=("$pid"); done
+        ((${#new[@]})) || break
+        kill -STOP "${new[@]}" 2>/dev/null || true
+        all+=("${new[@]}")
+    done
+    ((${#all[@]})) && kill -KILL "${all[@]}" 2>/dev/null || true
+    rm -f "$DIR/run/slurmd.n$k.pid"
+    say "n$k powered off (link $(veth "$k") down, ${#all[@]} processes frozen, then killed)"
+}
+
+poweron() {  # node number
+    local k=$1
+    ip link set "$(veth "$k")" up
+    export SLURM_CONF=$CONF
+    alive "$DIR/run/slurmd.n$k.pid" || start_slurmd "$k"
+    scontrol update nodename="n$k" state=resume 2>/dev/null || true  # DOWN after the loss; idle if not yet noticed
+    say "n$k powered on (link up, slurmd started, node resumed)"
+}
+
 node_link() {
     C=$(conf_index)
     [[ -n $C ]] || { say "nodes of $CONF share localhost: $1 needs namespaced nodes"; exit 1; }
@@ -608,5 +642,7 @@ case ${1:-} in
     cut) node_link cut "${2:-}"; ip link set "$(veth "$K")" down; say "n$K cut off (link $(veth "$K") down)" ;;
     mend) node_link mend "${2:-}"; ip link set "$(veth "$K")" up; say "n$K reconnected (link $(veth "$K") up)" ;;
     slow) node_link slow "${2:-}" RATE; [[ -n ${3:-} ]] || { say "usage: $0 slow nK RATE|off"; exit 2; }; slow "$2" "$3" ;;
-    *) echo "usage: $0 up|down|status|env|cut nK|mend nK|slow nK RATE|off" >&2; exit 2 ;;
+    poweroff) node_link poweroff "${2:-}"; poweroff "$K" ;;
+    poweron) node_link poweron "${2:-}"; poweron "$K" ;;
+    *) echo "usage: $0 up|down|status|env|cut nK|mend nK|slow nK RATE|off|poweroff nK|poweron nK" >&2; exit 2 ;;
 esac
