@@ -3,7 +3,8 @@
     trainer    one TrainerEngine rank in a process group of one (gloo on CPU, NCCL on a GPU): FSDP2 and
                its mixed precision, as on the ranks of a job; its calls run on one engine thread
     inference  one VllmEngine (its own engine-core / worker processes, as vLLM always starts them)
-    reward     a RewardPool (spawned worker processes, per-sample timeout)
+    reward     a RewardPool (spawned worker processes, per-sample timeout), or a reward model (its own
+               vLLM engine; on CPU unless [groups.reward] gpus_per_node > 0)
     weights    trainer -> vLLM workers through hpcrl's transfer plan and weight-transfer engine over
                gloo: the same planner, digest handshake and receive path as in a heterogeneous job
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +28,7 @@ from hpcrl.config.schema import Config
 from hpcrl.data.prompts import Prompt
 from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
-from hpcrl.reward.model import make_scorer
+from hpcrl.reward.model import make_scorer, reward_device
 from hpcrl.reward.types import RewardResult, Sample
 from hpcrl.rl.controller import Controller
 from hpcrl.rl.loop import run_loop
@@ -94,7 +96,8 @@ class InProcessPorts:
         log.info(f"trainer: {config.model.path} loaded in {time.monotonic() - started:.1f} s; starting vLLM")
         started = time.monotonic()
         self.inference = VllmEngine.from_config(config, weight_transfer=True)
-        self.rewards = make_scorer(config.reward)
+        self.rewards = make_scorer(config.reward, dtype=config.model.dtype, device=reward_device(
+            config.group("reward").gpus_per_node, os.environ.get("CUDA_VISIBLE_DEVICES")))
         self.plan = plan_for_config(config)
         self._store = host_store()
         llm = self.inference.llm
