@@ -1,8 +1,10 @@
 """Every group of a run in this one process: `hpcrl run CONFIG`, and the loop's end-to-end test bed.
 
-    trainer    one unsharded TrainerEngine rank (torchtitan model, GRPO loss)
+    trainer    one TrainerEngine rank in a process group of one (gloo on CPU, NCCL on a GPU): FSDP2 and
+               its mixed precision, as on the ranks of a job; its calls run on one engine thread
     inference  one VllmEngine (its own engine-core / worker processes, as vLLM always starts them)
-    reward     a RewardPool (spawned worker processes, per-sample timeout)
+    reward     a RewardPool (spawned worker processes, per-sample timeout), or a reward model (its own
+               vLLM engine; on CPU unless [groups.reward] gpus_per_node > 0)
     weights    trainer -> vLLM workers through hpcrl's transfer plan and weight-transfer engine over
                gloo: the same planner, digest handshake and receive path as in a heterogeneous job
 
@@ -16,21 +18,59 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from hpcrl.config.schema import Config
 from hpcrl.data.prompts import Prompt
 from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
-from hpcrl.reward.model import make_scorer
+from hpcrl.reward.model import make_scorer, reward_device
 from hpcrl.reward.types import RewardResult, Sample
 from hpcrl.rl.controller import Controller
 from hpcrl.rl.loop import run_loop
+from hpcrl.roles.base import DeviceTable, EngineThread
 from hpcrl.trainer.types import TrainBatch
 
+if TYPE_CHECKING:
+    from hpcrl.trainer import TrainerEngine
+
 log = logging.getLogger(__name__)
+
+
+class OneProcessTrainer:
+    """`hpcrl run`'s trainer: one rank in a torch.distributed group of one, on its own engine thread
+    (on CUDA device 0 when trainer.gpus_per_node > 0), so FSDP2's mixed precision works as in a job.
+    `overrides` go to EngineOptions (a test trains bfloat16 on CPU). close() leaves the group."""
+
+    def __init__(self, config: Config, *, devices: DeviceTable | None = None, **overrides: Any) -> None:
+        gpus = config.trainer.gpus_per_node > 0
+        self.thread = EngineThread("hpcrl-trainer", device=0 if gpus else None, devices=devices)
+        try:
+            self.engine: TrainerEngine = self.thread.call(self._start, config, "cuda" if gpus else "cpu", overrides)
+        except BaseException:
+            self.thread.close()
+            raise
+
+    @staticmethod
+    def _start(config: Config, device: str, overrides: dict[str, Any]) -> TrainerEngine:
+        from hpcrl.trainer import TrainerEngine, group
+
+        group.join_alone(device=device)
+        try:
+            return TrainerEngine.from_config(config, max_seq_len=config.max_model_len + 1, **overrides)
+        except BaseException:
+            group.leave()
+            raise
+
+    def close(self) -> None:
+        from hpcrl.trainer import group
+
+        self.thread.close()
+        group.leave()
 
 
 class InProcessPorts:
@@ -38,7 +78,6 @@ class InProcessPorts:
 
     def __init__(self, config: Config) -> None:
         from hpcrl.inference.engine import VllmEngine
-        from hpcrl.trainer import TrainerEngine
         from hpcrl.transfer.for_config import plan_for_config
         from hpcrl.transfer.rendezvous import host_store
         from hpcrl.transfer.trainer import TrainerSender
@@ -51,11 +90,14 @@ class InProcessPorts:
                              "the run as a job (hpcrl submit)")
         self.config = config
         started = time.monotonic()
-        self.trainer = TrainerEngine.from_config(config, max_seq_len=config.max_model_len + 1)
+        self._trainer = OneProcessTrainer(config)
+        self.trainer = self._trainer.engine
+        self.on_trainer = self._trainer.thread
         log.info(f"trainer: {config.model.path} loaded in {time.monotonic() - started:.1f} s; starting vLLM")
         started = time.monotonic()
         self.inference = VllmEngine.from_config(config, weight_transfer=True)
-        self.rewards = make_scorer(config.reward)
+        self.rewards = make_scorer(config.reward, dtype=config.model.dtype, device=reward_device(
+            config.group("reward").gpus_per_node, os.environ.get("CUDA_VISIBLE_DEVICES")))
         self.plan = plan_for_config(config)
         self._store = host_store()
         llm = self.inference.llm
@@ -66,9 +108,10 @@ class InProcessPorts:
         # Both ends must join the transfer group at once: vLLM's side blocks in its workers.
         with ThreadPoolExecutor(1) as pool:
             joined = pool.submit(llm.init_weight_transfer_engine, {"init_info": info})
-            self.sender = TrainerSender.connect(self.plan, rank=0, host="127.0.0.1", port=self._store.port,
-                                                timeout_s=120, external_store=True,
-                                                transport=config.inference.weight_transport)
+            self.sender = self.on_trainer.call(
+                lambda: TrainerSender.connect(self.plan, rank=0, host="127.0.0.1", port=self._store.port,
+                                              timeout_s=120, external_store=True,
+                                              transport=config.inference.weight_transport))
             joined.result()
         log.info(f"vLLM engine and reward pool up, weight transfer joined in {time.monotonic() - started:.1f} s "
                  f"({config.inference.weight_transport}); training")
@@ -86,7 +129,7 @@ class InProcessPorts:
         return metrics
 
     async def train_step(self, batch: TrainBatch, *, step: int) -> dict[str, float]:
-        return await asyncio.to_thread(self._train, batch)
+        return await self.on_trainer.run(self._train, batch)
 
     def _sync(self, version: int) -> None:
         shards = {name: shard.tensor for name, shard in self.trainer.local_shards().items()}
@@ -97,25 +140,26 @@ class InProcessPorts:
             received.result()
 
     async def sync_weights(self, version: int) -> None:
-        await asyncio.to_thread(self._sync, version)
+        await self.on_trainer.run(self._sync, version)
 
     async def trainer_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return await asyncio.to_thread(self.trainer.sequence_logprobs, sequences)
+        return await self.on_trainer.run(self.trainer.sequence_logprobs, sequences)
 
     async def inference_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         return await asyncio.to_thread(self.inference.token_logprobs, sequences)
 
     # -- checkpoints ---------------------------------------------------------------------------
     async def save_trainer(self, directory: Path) -> None:
-        await asyncio.to_thread(self.trainer.save_checkpoint, directory)
+        await self.on_trainer.run(self.trainer.save_checkpoint, directory)
 
     async def load_trainer(self, directory: Path) -> None:
-        await asyncio.to_thread(self.trainer.load_checkpoint, directory)
+        await self.on_trainer.run(self.trainer.load_checkpoint, directory)
 
     def close(self) -> None:
         self.sender.close()
         self.rewards.close()
         self.inference.close()
+        self._trainer.close()
 
 
 async def run(config: Config, *, steps: int | None = None) -> Controller:

