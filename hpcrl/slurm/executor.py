@@ -72,11 +72,10 @@ class HetJobExecutor(SlurmExecutor):
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
         paths = utils.JobPaths(folder=self.folder)
-        # submitit finds its job environment through SUBMITIT_EXECUTOR; `env` keeps the exec'd
-        # python the batch step's process, so the batch signal (B:USR2) reaches it directly.
+        # submitit finds its job environment through SUBMITIT_EXECUTOR.
         return render_script(self.spec, run_dir=str(self.run_dir), command=f"env SUBMITIT_EXECUTOR=slurm {command}",
                              stdout=str(paths.stdout).replace("%t", "0"),
-                             stderr=str(paths.stderr).replace("%t", "0"))
+                             stderr=str(paths.stderr).replace("%t", "0"), python=self.python)
 
     def script_text(self) -> str:
         """The exact script `submit` would write (for --dry-run)."""

@@ -31,10 +31,16 @@ def _flag(option: str, value: str) -> str:
 TEMPLATE_COMMAND = '"${HPCRL_PYTHON:-python3}" -u -m hpcrl.launch.job "$HPCRL_RUN_DIR"'
 
 
-def render_script(spec: JobSpec, *, run_dir: str | None, command: str, stdout: str, stderr: str) -> str:
-    """The batch script of `spec`; `command` is exec'd by the batch step (the head).
+def render_script(spec: JobSpec, *, run_dir: str | None, command: str, stdout: str, stderr: str,
+                  python: str) -> str:
+    """The batch script of `spec`; `command` runs the head, `python` its guard (hpcrl.launch.guard).
 
-    With run_dir None the script takes HPCRL_RUN_DIR from the environment (templates).
+    The head runs as the script's child, not exec'd: when it dies by a signal (kill -9, the OOM
+    killer) the script is still there to have the guard requeue the run. The script forwards
+    SIGUSR2 (the time limit; `--signal=B:` reaches only the batch shell) to the head; SIGTERM
+    (scancel) reaches the head directly, the whole batch step being signalled, and the script
+    ignores it until the head has ended. With run_dir None the script takes HPCRL_RUN_DIR from the
+    environment (templates).
     """
     names = ", ".join(g.name for g in spec.groups)
     kind = (f"{len(spec.blocks)} components ({names})" if spec.layout == "hetjob"
@@ -47,7 +53,7 @@ def render_script(spec: JobSpec, *, run_dir: str | None, command: str, stdout: s
         _flag("output", stdout),
         _flag("error", stderr),
         _flag("open-mode", "append"),
-        # B: the signal goes to the batch step, which is the head (exec below); it tells the groups.
+        # B: the signal goes to the batch shell, which passes it to the head; it tells the groups.
         _flag("signal", f"B:USR2@{spec.signal_delay_s}"),
     ]
     for i, block in enumerate(spec.blocks):
@@ -68,7 +74,13 @@ def render_script(spec: JobSpec, *, run_dir: str | None, command: str, stdout: s
         "# the head runs here (batch step, component 0) and starts one srun step per group",
         f"export HPCRL_RUN_DIR={shlex.quote(run_dir)}" if run_dir is not None else
         ': "${HPCRL_RUN_DIR:?set HPCRL_RUN_DIR to a run directory made by hpcrl submit --dry-run}"',
-        f"exec {command}",
+        f"{command} &",
+        "head=$!",
+        'trap \'kill -USR2 "$head" 2>/dev/null\' USR2',
+        "trap : TERM INT",
+        'while wait "$head"; code=$?; kill -0 "$head" 2>/dev/null; do :; done  # a trapped signal ends wait early',
+        "# the head died by a signal (kill -9, OOM killer)? requeue the run, up to cluster.max_requeues",
+        f'exec {python} -m hpcrl.launch.guard "$HPCRL_RUN_DIR" "$code"',
         "",
     ]
     return "\n".join(lines)
@@ -91,6 +103,7 @@ def render_template(spec: JobSpec) -> str:
         "# The #SBATCH blocks below are for configs/tiny_grpo.toml on launch/local.toml; edit nodes,",
         "# tasks and partitions to match launch.json's groups (hpcrl plan CONFIG prints them).",
     ]
-    text = render_script(spec, run_dir=None, command=TEMPLATE_COMMAND, stdout="hpcrl-%j.out", stderr="hpcrl-%j.out")
+    text = render_script(spec, run_dir=None, command=TEMPLATE_COMMAND, stdout="hpcrl-%j.out", stderr="hpcrl-%j.out",
+                         python='"${HPCRL_PYTHON:-python3}"')
     first, rest = text.split("\n", 1)
     return "\n".join([first, *usage, rest])
