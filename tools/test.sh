@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # The README's second command: set up .venv, start the local Slurm cluster, run the tests.
 #
-#   tools/test.sh                 # everything
-#   tools/test.sh tests/config    # any pytest arguments
+#   tools/test.sh                 # every test but the fault matrix (about 27 min on 2 cores)
+#   tools/test.sh --faults        # every test and the fault matrix (about 15 min more): what CI runs
+#   tools/test.sh tests/config    # any pytest arguments (as given: tests/faults/test_matrix.py runs it)
 #
 # Fails on a lint or type error (tools/lint.sh, run first), when a test fails or when no test ran
 # (pytest's exit code 5). Under CI (CI=true) a Slurm cluster that cannot start is an error, not a skip.
 set -euo pipefail
+select=(-m "not faults")   # the fault matrix (marker faults): real hetjobs hit by power loss, hangs, cuts
+if [[ ${1:-} == --faults ]]; then
+    select=()
+    shift
+elif (($#)); then
+    select=()
+fi
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
 tools/setup_env.sh
@@ -22,4 +30,4 @@ else
     echo "test.sh: the local Slurm cluster did not start; tests marked slurm will be skipped" >&2
 fi
 
-exec .venv/bin/python -m pytest "$@"
+exec .venv/bin/python -m pytest ${select[@]+"${select[@]}"} "$@"

@@ -38,6 +38,7 @@ from hpcrl.launch.supervisor import GroupFailed, Supervisor
 from hpcrl.logs import setup_logging
 from hpcrl.roles.serve import BUS_SETTINGS
 from hpcrl.rundir import CONFIG_FILE, EXIT_FILE, write_json
+from hpcrl.slurm import tracking
 from hpcrl.slurm.record import read_launch
 
 __all__ = ["GroupFailed", "HeadJob", "InterpreterMissing", "RunCancelled", "check_interpreter", "run_head"]
@@ -202,7 +203,10 @@ def run_head(run_dir: Path | str) -> dict:
         raise GroupFailed(error) from None
     except RunCancelled as err:
         state, error = "CANCELLED", str(err)
-        log.info(f"run CANCELLED ({err}); stopping every group")
+        if launch.executor == "slurm" and signal.SIGTERM.name in str(err) and _join_slurms_requeue():
+            state = "REQUEUED"
+        else:
+            log.info(f"run CANCELLED ({err}); stopping every group")
         raise
     except Exception as err:  # a bug or an unreadable run directory: still FAILED, saying why
         error = f"the head failed: {type(err).__name__}: {err}"
@@ -226,6 +230,23 @@ def run_head(run_dir: Path | str) -> dict:
     if state == "REQUEUED":
         _requeue_this_job()
     return {"state": state, "tasks": tasks, "run_dir": str(run_dir)}
+
+
+def _join_slurms_requeue() -> bool:
+    """On SIGTERM: when it is Slurm requeueing this hetjob (a node failed), requeue it too, at once.
+
+    Slurm 22.05 requeues a hetjob component by component; a component whose tasks end before the
+    leader does - they do as soon as this head stops its groups - is recorded COMPLETED instead, and
+    the requeued job then waits for it for ever (PENDING, Resources). `scontrol requeue <leader>`
+    while that component still runs flags it too (measured: docs/FACTS.md, Slurm). Slurm answers
+    "Job is pending execution" for the components it has already requeued: that is expected."""
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    if not job_id or not tracking.being_requeued(job_id):
+        return False
+    done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+    log.warning(f"Slurm is requeueing this job (a node failed): requeued every component with it "
+                f"(scontrol: {(done.stderr or done.stdout).strip() or 'ok'}); it resumes from its newest checkpoint")
+    return True
 
 
 def _requeue_this_job() -> None:

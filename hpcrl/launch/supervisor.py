@@ -211,9 +211,12 @@ class Supervisor:
         codes = [(step, step.poll()) for step in self.steps if id(step) not in self.retired]
         for step, code in codes:
             if step.slot.name in self.revivable and code is not None and (code != 0 or not released):
-                if any((step.slot.name, rank) not in self.tasks and (step.slot.name, rank) not in self.relaunches
-                       for rank in step.ranks):
-                    continue  # a task that never started (never registered) would fail again: a failure
+                here = [rank for rank in step.ranks if self.live_step.get((step.slot.name, rank)) is step]
+                if any((step.slot.name, rank) not in self.tasks for rank in here):
+                    # A task that never registered - at its first start, or started again (its node is
+                    # likely lost: an srun into a dead node ends without the task running) - would fail
+                    # the same way again: a failure now, so the job is requeued onto healthy nodes.
+                    continue
                 self.retired.add(id(step))
                 if step.local:
                     step.kill()  # the lost task's children (vLLM's engine processes) go with it

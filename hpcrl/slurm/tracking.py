@@ -158,6 +158,25 @@ def query(job_id: str, env: Mapping[str, str] | None = None) -> JobState:
                     source="squeue")
 
 
+def requeue_under_way(states: list[str]) -> bool:
+    """True when some components of a hetjob that still runs are already back in the queue: Slurm is
+    requeueing it (a node failed), component by component. Pure."""
+    words = [_first_word(state) for state in states]
+    return any(w in ("PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD") for w in words) and any(
+        w in _ACTIVE for w in words)
+
+
+def being_requeued(job_id: str, env: Mapping[str, str] | None = None) -> bool:
+    """Whether Slurm is requeueing job `job_id` right now (see requeue_under_way); False when unsure."""
+    leader = job_id.split("+")[0]
+    try:
+        done = _run(["squeue", "-h", "--states=all", "-j", leader, "-o", "%i|%T|%N|%M"], env)
+    except SlurmError:
+        return False
+    rows = [r for r in parse_squeue(done.stdout) if r.job_id.split("+")[0] == leader] if done.returncode == 0 else []
+    return requeue_under_way([r.state for r in rows])
+
+
 def slurm_env(slurm_conf: str) -> dict[str, str]:
     """This process's environment, pointed at the cluster of `slurm_conf` when one is given."""
     env = dict(os.environ)

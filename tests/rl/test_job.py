@@ -70,7 +70,7 @@ def trainer_node(run_dir: Path, *, rank: int) -> str:
 
 def reported_pid(run_dir: Path, group: str, *, rank: int) -> int:
     """The pid that `group` rank `rank` reported to the head most recently."""
-    return int(re.findall(rf"registered: {group} rank {rank} replica \d+ on node \S+ \(pid (\d+)\)", head_log(run_dir))[-1])
+    return int(re.findall(rf"registered: {group} rank {rank} replica \d+ on node \S+ \(pid (\d+)[,)]", head_log(run_dir))[-1])
 
 
 def cancel_unless_done(run_dir: Path, env: dict[str, str]) -> None:

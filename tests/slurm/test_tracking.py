@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.slurm import tracking
 from hpcrl.slurm.tracking import TERMINAL, overall_state, parse_sacct, parse_squeue
 
 SQUEUE_HETJOB_DONE = "5+0|COMPLETED|n1|0:00\n5+1|COMPLETED|n[2-3]|0:00\n5+2|COMPLETED|n4|0:00\n5+3|COMPLETED|n5|0:00\n"
@@ -73,3 +74,16 @@ def test_recorded_sacct_output_of_a_hetjob_gives_one_row_per_component_without_s
 def test_empty_sacct_output_means_no_rows_yet():
     assert parse_sacct("JobID|State|ExitCode|NodeList|Elapsed\n") == []
     assert parse_sacct("") == []
+
+
+@pytest.mark.parametrize("states, expected", [
+    (["COMPLETING", "PENDING", "RUNNING"], True),   # a node failed: Slurm requeues component by component
+    (["RUNNING", "REQUEUED", "RUNNING", "RUNNING"], True),
+    (["RUNNING", "RUNNING", "RUNNING"], False),     # running
+    (["PENDING", "PENDING", "PENDING"], False),     # all back in the queue: nothing left to flag
+    (["CANCELLED", "CANCELLED", "COMPLETING"], False),  # scancel
+    (["COMPLETED", "PENDING", "PENDING"], False),  # half-requeued already: no component runs to flag
+    ([], False),
+])
+def test_a_requeue_under_way_is_some_components_queued_while_others_still_run(states, expected):
+    assert tracking.requeue_under_way(states) is expected
