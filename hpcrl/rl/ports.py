@@ -23,10 +23,13 @@ import asyncio
 import logging
 from dataclasses import asdict
 
+from hpcrl.bus.errors import DeadlineExceeded
 from hpcrl.config.schema import Config
 from hpcrl.data.prompts import Prompt
+from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
 from hpcrl.reward.types import RewardResult, Sample
+from hpcrl.rl.deadline import StepDeadline
 from hpcrl.trainer.types import TrainBatch
 
 #: Seconds a call may take before the head gives up on it (a CPU step or a first vLLM call can be slow).
@@ -37,6 +40,10 @@ CALL_TIMEOUT_S = 600.0
 RETRY_PAUSE_S = 0.2
 
 log = logging.getLogger(__name__)
+
+
+class StepStuck(HpcrlError):
+    """A trainer step overran its deadline (hpcrl.rl.deadline): the run's attempt ends, the job is requeued."""
 
 
 def _rejoin_timeout_s(config: Config) -> float:
@@ -55,6 +62,7 @@ class BusPorts:
         self.config = config
         self.head = head
         self.store_host, self.store_port = store_host, store_port
+        self.step_deadline = StepDeadline(ceiling_s=CALL_TIMEOUT_S)
         self.trainer = Service(head, "trainer")
         self.inference = Service(head, "inference")
         self.reward = Service(head, "reward")
@@ -206,8 +214,16 @@ class BusPorts:
 
     async def train_step(self, batch: TrainBatch, *, step: int) -> dict[str, float]:
         async with self._trainer_turn:
-            results = await self.trainer.call_all(0, "train_step", {"batch": batch.to_dict(), "step": step},
-                                                  timeout=CALL_TIMEOUT_S)
+            loop = asyncio.get_running_loop()
+            started, deadline = loop.time(), self.step_deadline.seconds()
+            try:
+                results = await self.trainer.call_all(0, "train_step", {"batch": batch.to_dict(), "step": step},
+                                                      timeout=deadline)
+            except DeadlineExceeded as err:
+                raise StepStuck(f"train step {step} did not finish within its deadline of "
+                                f"{self.step_deadline.describe()}: a trainer rank is stuck (a collective some rank "
+                                f"never joined?) ({err})") from None
+            self.step_deadline.observe(loop.time() - started)
             self.trainer_version = step + 1  # the replicas get it at the next push
         return results[0]
 

@@ -429,3 +429,47 @@ def test_the_loop_goes_on_unchanged_when_a_replica_is_lost_during_a_push(uninter
     assert outcome(runs) == outcome(uninterrupted(1)[1])
     assert [p.engine.version for p in job.processes] == [STEPS, 2, STEPS]  # replica 0, the lost 1, the new 1
     assert "inference replicas caught up to weight version 3" in logged
+
+
+def test_a_train_step_that_never_returns_while_every_rank_is_alive_fails_the_run_at_its_deadline(
+        runs, monkeypatch):
+    """Heartbeats cannot see ranks that are alive but deadlocked (a collective one rank never joins): the head
+    gives each step 10 x the median of the recent ones (floor patched here to 0.5 s), then ends the attempt."""
+    import fake_head
+
+    from hpcrl.rl import deadline
+    from hpcrl.rl.ports import StepStuck
+
+    monkeypatch.setattr(deadline, "DEADLINE_FLOOR_S", 0.5)
+    plain = fake_head.FakeTrainerRank.train_step
+
+    async def deadlocked_at_step_5(self, args: dict) -> dict | None:
+        if args["step"] == 5 and self.rank == 1:
+            await asyncio.Event().wait()  # never: its bus thread stays alive, only the step hangs
+        return await plain(self, args)
+
+    monkeypatch.setattr(fake_head.FakeTrainerRank, "train_step", deadlocked_at_step_5)
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        with pytest.raises(StepStuck, match=r"train step 5 did not finish within its deadline of 0.5 s \(10 x the "
+                                            r"median of the last \d+ steps"):
+            await bus_run(bus_config(runs))
+        assert loop.time() - began < 8
+    run(scenario(), timeout=20)
+
+
+@pytest.mark.parametrize("times, expected", [
+    ([], 600.0), ([0.2, 0.2], 600.0),                   # fewer than 3 steps timed: the call timeout
+    ([0.2, 0.3, 0.25], 60.0),                          # tiny steps: the floor
+    ([30.0, 31.0, 200.0, 29.0], 305.0),                # 10 x the median (30.5 s); one slow step moves it little
+    ([100.0] * 5, 600.0),                              # never above the call timeout
+])
+def test_the_step_deadline_is_ten_times_the_recent_median_between_a_floor_and_the_call_timeout(times, expected):
+    from hpcrl.rl.deadline import StepDeadline
+
+    deadline = StepDeadline(ceiling_s=600.0)
+    for seconds in times:
+        deadline.observe(seconds)
+    assert deadline.seconds() == pytest.approx(expected)
