@@ -26,7 +26,7 @@ from hpcrl.logs import setup_logging
 from hpcrl.rundir import EXIT_FILE, write_json
 from hpcrl.slurm.record import read_launch
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("hpcrl.launch.guard")  # not __main__: it runs as python -m
 
 #: Signals that mean the head crashed or was killed outright, not asked to stop (SIGTERM, SIGINT: a
 #: cancel, which the head handles itself; SIGUSR2: the time limit, likewise).
