@@ -6,8 +6,8 @@ bound (or never stopped), finishes every step once, and its per-step metrics are
 Power loss (tools/local_slurm.sh poweroff): the node's link goes down, then slurmd, its slurmstepds, the
 tasks and every descendant are frozen together and killed; the node stays down until the case ends.
 
-Marked `faults` (about 15 min in all): tools/test.sh runs them after the rest; `tools/test.sh --no-faults`
-leaves them out. Each case prints a row of BENCHMARKS.md "Recovery".
+Marked `faults` (about 20 min in all): `tools/test.sh --faults` runs them with the rest, as CI does
+(.ci/run); plain `tools/test.sh` leaves them out. Each case prints a row of BENCHMARKS.md "Recovery".
 """
 
 from __future__ import annotations
