@@ -30,6 +30,7 @@ from pathlib import Path
 from hpcrl.bus.router import PeerEvent, Router
 from hpcrl.errors import HpcrlError
 from hpcrl.launch.steps import Step, local_gpu_blocks, start_local_step, start_replacement, start_slurm_step
+from hpcrl.rundir import log_path
 from hpcrl.slurm.nodelist import expand_nodelist
 from hpcrl.slurm.record import LaunchRecord
 
@@ -190,8 +191,9 @@ class Supervisor:
         for rank in step.ranks:
             task = self.tasks.get((step.slot.name, rank))
             if task is None:
+                last = last_line(log_path(self.run_dir, step.slot.name, rank))
                 found.append({"group": step.slot.name, "rank": rank, "node": None, "code": None,
-                              "why": "never registered with the head"})
+                              "why": "never registered with the head" + (f" (its log ends: {last!r})" if last else "")})
             elif task.code not in (None, 0):
                 found.append({"group": step.slot.name, "rank": rank, "node": task.identity["node"],
                               "code": task.code, "why": f"exited with code {task.code}"})
@@ -279,6 +281,18 @@ class Supervisor:
         for step in running:
             for proc in step.procs:
                 proc.wait()
+
+
+def last_line(path: Path, *, limit: int = 300) -> str:
+    """The last non-empty line of a task's log (e.g. srun's "execve(): ...: No such file or directory" when the
+    run's interpreter is missing on that node); "" when there is none."""
+    try:
+        with open(path, "rb") as log:
+            log.seek(max(0, log.seek(0, 2) - 4096))
+            lines = [line.strip() for line in log.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1][-limit:] if lines else ""
 
 
 def describe(failure: dict) -> str:

@@ -50,8 +50,10 @@ def test_tasks_that_die_before_registering_are_named_as_never_registered(tmp_pat
     launch = read_json(run_dir / "launch.json")
     launch["groups"][2]["module"] = "hpcrl.no_such_role"  # python -m fails at once, exit 1
     write_json(run_dir / "launch.json", launch)
-    with pytest.raises(GroupFailed, match="group inference rank 0 never registered with the head"):
+    with pytest.raises(GroupFailed, match="group inference rank 0 never registered with the head") as failed:
         run_head(run_dir)
+    # its own last words come with it (under Slurm: srun's execve error when the interpreter is missing there)
+    assert "its log ends:" in str(failed.value) and "No module named hpcrl.no_such_role" in str(failed.value)
     record = read_json(run_dir / EXIT_FILE)
     assert record["state"] == "FAILED" and record["failures"][0]["group"] == "inference"
 
