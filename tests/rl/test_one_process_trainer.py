@@ -1,5 +1,6 @@
-"""`hpcrl run`'s trainer: one rank in a torch.distributed group of one, so bfloat16 trains through
-FSDP2's mixed precision as on a job's ranks (here on CPU, gloo), and the group is gone at the end."""
+"""`hpcrl run`'s trainer: a bfloat16 run is one rank in a torch.distributed group of one, so it trains through
+FSDP2's mixed precision as on a job's ranks (here on CPU, gloo), and the group is gone at the end; a float32 run
+forms no group and stays unsharded (fast)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,16 @@ def test_hpcrl_runs_trainer_trains_a_tiny_model_in_bfloat16_mixed_precision_and_
     finally:
         trainer.close()
     assert not dist.is_initialized()
+
+
+@pytest.mark.timeout(120)
+def test_a_float32_run_stays_unsharded_and_forms_no_group(repo, tiny_model):
+    import torch.distributed as dist
+
+    config = load_config(repo / "configs" / "tiny_grpo.toml", overrides=[f'model.path="{tiny_model}"'])
+    trainer = OneProcessTrainer(config)
+    try:
+        assert not dist.is_initialized() and not trainer.engine.distributed  # no FSDP2 wrappers on a world of 1
+        assert math.isfinite(trainer.thread.call(trainer.engine.train_step, rows()).loss)
+    finally:
+        trainer.close()
