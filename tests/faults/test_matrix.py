@@ -12,6 +12,7 @@ Marked `faults` (about 20 min in all): `tools/test.sh --faults` runs them with t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -166,6 +167,9 @@ def test_the_run_survives_the_fault_and_ends_bitwise_equal(case: Case, namespace
     resumed = [(stamp(line) - t0, int(m.group(1))) for line in after if (m := re.search(r"resumed from .* \(step (\d+)\)", line))]
     back_s, from_step = resumed[0] if resumed else (float("nan"), None)
     lost = at_step - from_step if from_step is not None else 0
+    row = {"case": case.name, "noticed_s": round(noticed, 1), "running_again_s": round(back_s, 1),
+           "resumed_from": from_step, "steps_lost": lost}
+    (tmp_path / "recovery.json").write_text(json.dumps(row))  # for BENCHMARKS.md, found after the run
     print(f"\nRecovery | {case.name} | noticed {noticed:.1f} s | running again {back_s:.1f} s | "
           f"resumed from step {from_step} | steps lost {lost}")
     assert final.state == "COMPLETED", final.render()
