@@ -163,7 +163,9 @@ def test_the_run_survives_the_fault_and_ends_bitwise_equal(case: Case, namespace
         subprocess.run([sys.executable, "-m", "hpcrl", "cancel", str(run_dir)], cwd=REPO, timeout=60,
                        env={**namespaced, "PYTHONPATH": str(REPO)}, capture_output=True)
     after = lines_after(run_dir, t0)
-    noticed = next((stamp(line) - t0 for line in after if not re.search(r"step +\d+/", line)), float("nan"))
+    # The first word of it in the head's log: a loss, a silence, a requeue, the guard, or a new head's start.
+    noticed = next((stamp(line) - t0 for line in after
+                    if re.search(r"lost|silent|unhealthy|requeu|killed by|: head on ", line)), float("nan"))
     resumed = [(stamp(line) - t0, int(m.group(1))) for line in after if (m := re.search(r"resumed from .* \(step (\d+)\)", line))]
     back_s, from_step = resumed[0] if resumed else (float("nan"), None)
     lost = at_step - from_step if from_step is not None else 0
