@@ -30,7 +30,8 @@ GROUP_MODULES = {"trainer": "hpcrl.roles", "inference": "hpcrl.roles", "reward":
 
 @dataclass(frozen=True, kw_only=True)
 class GroupSlot:
-    """One group of the run as the launcher sees it."""
+    """One group of the run as the launcher sees it: its component's shape and share of each node
+    (nodes, tasks, GPUs, CPUs, memory: hpcrl.config.components.Component), and how to start it."""
 
     name: str
     component: int
@@ -38,13 +39,9 @@ class GroupSlot:
     nodes: int
     tasks_per_node: int
     gpus_per_node: int
-    """GPUs the component holds on each node (--gpus-per-node; srun --gres=gpu:N)."""
     gpus_per_task: int
-    """GPUs each task narrows its node's to (hpcrl.plan.placement); 0 = none."""
     cpus_per_task: int
-    """0 = Slurm's default."""
     mem: str
-    """--mem of each node; "" = Slurm's default."""
     ranks_per_replica: int
     """Consecutive ranks forming one replica (trainer: an HSDP replica; others: 1)."""
     module: str

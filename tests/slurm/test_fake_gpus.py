@@ -13,7 +13,7 @@ import shutil
 import subprocess
 
 import pytest
-from throwaway_cluster import run_script, throwaway_settings
+from throwaway_cluster import client_env, need_fake_gpus, run_script, throwaway_settings
 
 pytestmark = [pytest.mark.slurm]
 
@@ -24,10 +24,7 @@ REPORT = 'echo "task=$SLURM_PROCID node=$SLURMD_NODENAME gpus=$CUDA_VISIBLE_DEVI
 @pytest.fixture(scope="module")
 def gpu_cluster():
     """(script runner, client environment, cluster directory) of a 2-node cluster with 4 fake GPUs per node."""
-    if os.geteuid() != 0:
-        pytest.skip("fake GPUs need root: tools/local_slurm.sh makes their device files with mknod")
-    if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
-        pytest.skip("no Slurm here and no apt-get to install it")
+    need_fake_gpus()
     directory, settings = throwaway_settings("hpcrl-gpu-", 56817, **{"HPCRL_LOCAL_SLURM_GPUS": str(GPUS)})
 
     def script(command: str) -> subprocess.CompletedProcess[str]:
@@ -36,9 +33,7 @@ def gpu_cluster():
     try:
         up = script("up")
         assert up.returncode == 0, up.stderr
-        client = {key: value for key, value in settings.items() if not key.startswith("HPCRL_LOCAL_SLURM_")}
-        client["SLURM_CONF"] = str(directory / "slurm.conf")
-        yield script, client, directory
+        yield script, client_env(settings, directory), directory
     finally:
         script("down")
         shutil.rmtree(directory, ignore_errors=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from run_helpers import head_log, wait_for
-from throwaway_cluster import run_script, throwaway_settings
+from throwaway_cluster import client_env, need_fake_gpus, run_script, throwaway_settings
 
 from hpcrl.config import load_config
 from hpcrl.launch.submit import submit_run
@@ -34,17 +34,13 @@ SCALED = ["trainer.nodes=2", "trainer.gpus_per_node=4", "trainer.global_batch_si
 @pytest.fixture(scope="module")
 def gpu_cluster():
     """The client environment of a 6-node cluster with 4 fake GPUs per node, stopped after the module."""
-    if os.geteuid() != 0:
-        pytest.skip("fake GPUs need root: tools/local_slurm.sh makes their device files with mknod")
-    if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
-        pytest.skip("no Slurm here and no apt-get to install it")
+    need_fake_gpus()
     directory, settings = throwaway_settings("hpcrl-gpuplace-", 36817, HPCRL_LOCAL_SLURM_GPUS="4",
                                              HPCRL_LOCAL_SLURM_NODES="6")
     try:
         up = run_script(settings, "up", timeout=300)
         assert up.returncode == 0, up.stderr
-        yield {**{k: v for k, v in settings.items() if not k.startswith("HPCRL_LOCAL_SLURM_")},
-               "SLURM_CONF": str(directory / "slurm.conf")}
+        yield client_env(settings, directory)
     finally:
         run_script(settings, "down", timeout=120)
         shutil.rmtree(directory, ignore_errors=True)

@@ -4,10 +4,13 @@ directory and a port of its own, beside the suite's cluster."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
 from pathlib import Path
+
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "local_slurm.sh"
 
@@ -37,3 +40,17 @@ def throwaway_settings(prefix: str, first_port: int, **extra: str) -> tuple[Path
 def run_script(settings: dict[str, str], command: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["bash", str(SCRIPT), command], env=settings, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def need_fake_gpus() -> None:
+    """Skip, saying why, where a cluster with fake GPUs cannot be made."""
+    if os.geteuid() != 0:
+        pytest.skip("fake GPUs need root: tools/local_slurm.sh makes their device files with mknod")
+    if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
+        pytest.skip("no Slurm here and no apt-get to install it")
+
+
+def client_env(settings: dict[str, str], directory: Path) -> dict[str, str]:
+    """The environment Slurm's clients need for the throw-away cluster of `settings` in `directory`."""
+    return {**{k: v for k, v in settings.items() if not k.startswith("HPCRL_LOCAL_SLURM_")},
+            "SLURM_CONF": str(directory / "slurm.conf")}
