@@ -188,12 +188,15 @@ class InferenceConfig:
     """vLLM's fraction of GPU memory (on CPU: of RAM for the KV cache, about 0.2)."""
     enforce_eager: bool = False
     """Disable CUDA graphs in vLLM (slower decode, faster start-up)."""
+    transfer_round_mib: int = 256
+    """Staging memory per rank and round of a weight update, in MiB: the update runs in rounds that keep each
+    sender's and receiver's buffers under this (one parameter block larger than it goes alone)."""
     weight_transport: Literal["gloo", "ucx"] = "gloo"
     """How trainer shards reach vLLM workers: "gloo" (TCP), or "ucx" (shared memory / TCP / RDMA through ucxx,
     `pip install ucxx-cu12`). NCCL is not built yet."""
 
     def __post_init__(self) -> None:
-        for key in ("replicas", "tensor_parallel", "max_tokens"):
+        for key in ("replicas", "tensor_parallel", "max_tokens", "transfer_round_mib"):
             _positive(getattr(self, key), key)
         for key in ("gpus_per_node", "max_model_len"):
             _positive(getattr(self, key), key, allow_zero=True)

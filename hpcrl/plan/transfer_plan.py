@@ -28,6 +28,8 @@ PLAN_VERSION = 1
 COLUMNS = ("src_rank", "replica", "tp_rank", "source", "dest", "src_offset", "src_stride",
            "dst_offset", "dst_stride", "length", "count", "message")
 WIRE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: Staging bytes per rank and round of the transfer schedule (hpcrl.plan.transfer_rounds), about 256 MB.
+DEFAULT_ROUND_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +46,9 @@ class TransferPlan:
     dests: tuple[DestTensor, ...]
     blocks: dict[str, np.ndarray] = field(repr=False)
     """Column name (COLUMNS) -> int64 array, one entry per block."""
+    round_bytes: int = DEFAULT_ROUND_BYTES
+    """Staging bytes per rank and round when the plan is executed (hpcrl.plan.transfer_rounds); part of the
+    digest, so both ends run the same rounds."""
 
     @property
     def itemsize(self) -> int:
@@ -55,7 +60,7 @@ class TransferPlan:
 
     def header(self) -> dict:
         return {"version": PLAN_VERSION, "model": self.model, "wire_dtype": self.wire_dtype,
-                "bucket_bytes": self.bucket_bytes, "trainer": asdict(self.trainer),
+                "bucket_bytes": self.bucket_bytes, "round_bytes": self.round_bytes, "trainer": asdict(self.trainer),
                 "inference": asdict(self.inference),
                 "sources": [[s.name, list(s.shape)] for s in self.sources],
                 "dests": [[d.name, list(d.local_shape), list(d.real_rows)] for d in self.dests]}

@@ -4,11 +4,12 @@
 `irecv(buf, src, tag)` and `wait(handle, timeout)`, with ranks numbered as in
 `inference_group_rank` (trainer ranks first).
 
-A message is a run of consecutive plan blocks of one route (plan.blocks["message"]). The sender
-packs each block's `count` strided runs out of its local shard (torch.as_strided, casting to the
-wire dtype) into one buffer and `send`s it with the message number as tag; the receiver posts
-every `recv` up front (so no ordering of sends can deadlock), then unpacks each buffer into its
-destination tensors in plan order. Senders keep at most `window` messages in flight.
+A message is a run of consecutive plan blocks of one route (plan.blocks["message"]). Every
+transport runs the same schedule: the plan's messages in rounds (hpcrl.plan.transfer_rounds,
+`plan.round_bytes` of staging per rank and round). In each round a receiver posts all its `recv`s,
+a sender packs each block's `count` strided runs out of its local shard (torch.as_strided, casting
+to the wire dtype) into one buffer per message and `send`s it with the message number as tag; both
+wait, then the receiver unpacks each buffer into its destination tensors in plan order.
 
 Failures (a peer gone, a timeout, a tensor missing or mis-shaped) raise TransferError naming
 the message, its parameters and both ranks.
@@ -16,48 +17,29 @@ the message, its parameters and both ranks.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 
-import numpy as np
 import torch
 
 from hpcrl.errors import TransferError
 from hpcrl.plan.transfer_layout import chunk_rows
 from hpcrl.plan.transfer_plan import TransferPlan
+from hpcrl.plan.transfer_rounds import Message, rounds
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass(frozen=True, kw_only=True)
-class Message:
-    id: int
-    src_rank: int
-    replica: int
-    tp_rank: int
-    start: int
-    """First block (index into plan.blocks)."""
-    stop: int
-    numel: int
-
-
-def messages(plan: TransferPlan) -> list[Message]:
-    """Every message of the plan, in plan order."""
-    b = plan.blocks
-    if not plan.num_blocks:
-        return []
-    starts = np.flatnonzero(np.r_[True, b["message"][1:] != b["message"][:-1]])
-    stops = np.r_[starts[1:], plan.num_blocks]
-    numel = np.add.reduceat(b["length"] * b["count"], starts)
-    return [Message(id=int(b["message"][s]), src_rank=int(b["src_rank"][s]), replica=int(b["replica"][s]),
-                    tp_rank=int(b["tp_rank"][s]), start=int(s), stop=int(e), numel=int(n))
-            for s, e, n in zip(starts, stops, numel)]
-
-
 def inference_group_rank(plan: TransferPlan, replica: int, tp_rank: int) -> int:
     return plan.trainer.world_size + replica * plan.inference.tensor_parallel + tp_rank
+
+
+def _wait(link, plan: TransferPlan, m: Message, work, timeout: timedelta, side: str) -> None:
+    try:
+        link.wait(work, timeout)
+    except Exception as err:  # noqa: BLE001 - re-raised naming the message and ranks
+        verb = "sending" if side == "source" else "receiving"
+        raise TransferError(f"{verb} {_what(plan, m, side)} failed: {err}") from err
 
 
 def describe_group_rank(plan: TransferPlan, rank: int) -> str:
@@ -142,53 +124,40 @@ def unpack(plan: TransferPlan, m: Message, buf: torch.Tensor, dests: list[torch.
         pos += count * length
 
 
-def send(link, plan: TransferPlan, rank: int, sources: list[torch.Tensor | None], *, timeout_s: float,
-         window: int = 8) -> int:
-    """Send every message of trainer `rank`; returns the bytes sent."""
+def send(link, plan: TransferPlan, rank: int, sources: list[torch.Tensor | None], *, timeout_s: float) -> int:
+    """Send every message of trainer `rank`, round by round (hpcrl.plan.transfer_rounds); the bytes sent."""
     wire = TORCH_DTYPES[plan.wire_dtype]
     timeout = timedelta(seconds=timeout_s)
-    pending: deque = deque()
     sent = 0
-
-    def wait_oldest() -> None:
-        m, work, _ = pending.popleft()
-        try:
-            link.wait(work, timeout)
-        except Exception as err:  # noqa: BLE001 - re-raised naming the message and ranks
-            raise TransferError(f"sending {_what(plan, m, 'source')} failed: {err}") from err
-
-    for m in messages(plan):
-        if m.src_rank != rank:
-            continue
-        buf = torch.empty(m.numel, dtype=wire)
-        pack(plan, m, sources, buf)
-        pending.append((m, link.isend(buf, inference_group_rank(plan, m.replica, m.tp_rank), m.id), buf))
-        sent += m.numel * plan.itemsize
-        while len(pending) > window:
-            wait_oldest()
-    while pending:
-        wait_oldest()
+    for batch in rounds(plan, plan.round_bytes):
+        mine = [m for m in batch if m.src_rank == rank]
+        posted = []
+        for m in mine:  # pack and send; the staging buffers live until the round's sends completed
+            buf = torch.empty(m.numel, dtype=wire)
+            pack(plan, m, sources, buf)
+            posted.append((m, link.isend(buf, inference_group_rank(plan, m.replica, m.tp_rank), m.id), buf))
+        for m, work, _ in posted:
+            _wait(link, plan, m, work, timeout, "source")
+            sent += m.numel * plan.itemsize
     return sent
 
 
 def receive(link, plan: TransferPlan, replica: int, tp_rank: int, dests: list[torch.Tensor], *, timeout_s: float,
             on_message: Callable[[Message], None] | None = None) -> int:
-    """Receive every message for (replica, tp_rank) into `dests`; returns the bytes received."""
+    """Receive every message for (replica, tp_rank) into `dests`, round by round; the bytes received."""
     wire = TORCH_DTYPES[plan.wire_dtype]
     timeout = timedelta(seconds=timeout_s)
-    posted = []
-    for m in messages(plan):
-        if m.replica == replica and m.tp_rank == tp_rank:
-            buf = torch.empty(m.numel, dtype=wire)
-            posted.append((m, buf, link.irecv(buf, m.src_rank, m.id)))
     received = 0
-    for m, buf, work in posted:
-        try:
-            link.wait(work, timeout)
-        except Exception as err:  # noqa: BLE001 - re-raised naming the message and ranks
-            raise TransferError(f"receiving {_what(plan, m, 'dest')} failed: {err}") from err
-        unpack(plan, m, buf, dests)
-        received += m.numel * plan.itemsize
-        if on_message is not None:
-            on_message(m)
+    for batch in rounds(plan, plan.round_bytes):
+        posted = []
+        for m in batch:  # post every receive of the round before waiting on any
+            if m.replica == replica and m.tp_rank == tp_rank:
+                buf = torch.empty(m.numel, dtype=wire)
+                posted.append((m, buf, link.irecv(buf, m.src_rank, m.id)))
+        for m, buf, work in posted:
+            _wait(link, plan, m, work, timeout, "dest")
+            unpack(plan, m, buf, dests)
+            received += m.numel * plan.itemsize
+            if on_message is not None:
+                on_message(m)
     return received

@@ -10,6 +10,8 @@ exchanged when the transfer group forms, catches any difference between the two 
 
 from __future__ import annotations
 
+import dataclasses
+
 from hpcrl.config.schema import Config
 from hpcrl.plan.transfer_plan import TransferPlan
 
@@ -30,7 +32,8 @@ def plan_for_config(config: Config) -> TransferPlan:
     world = config.trainer.world_size
     replicate = max(1, config.trainer.dp_replicate)
     shape = load_shape(preset_name=config.model.preset, path=config.model.path)
-    return plan_transfer(TrainerLayout(dp_replicate=replicate, dp_shard=world // replicate, naming="hf"),
+    plan = plan_transfer(TrainerLayout(dp_replicate=replicate, dp_shard=world // replicate, naming="hf"),
                          InferenceLayout(replicas=config.inference.replicas,
                                          tensor_parallel=config.inference.tensor_parallel),
                          shape, wire_dtype=wire_dtype_for(config), bucket_bytes=BUCKET_BYTES)
+    return dataclasses.replace(plan, round_bytes=config.inference.transfer_round_mib << 20)

@@ -14,6 +14,9 @@ def _plan(spec: dict):
     shape = PRESETS[spec["preset"]]
     p = plan(TrainerLayout(**spec["trainer"]), InferenceLayout(**spec["inference"]), shape,
              wire_dtype=spec.get("wire_dtype", "float32"), bucket_bytes=spec.get("bucket", 1 << 16))
+    if "round_bytes" in spec:
+        import dataclasses
+        p = dataclasses.replace(p, round_bytes=spec["round_bytes"])
     return p, shape
 
 

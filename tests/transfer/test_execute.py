@@ -51,9 +51,10 @@ def needs(transport: str) -> str:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("transport", ["gloo", "ucx"])
-def test_three_fsdp_ranks_feed_two_replicas_at_tp2_element_exact(transport):
+@pytest.mark.parametrize("round_bytes", [1 << 28, 20000], ids=["one-round", "many-rounds"])
+def test_three_fsdp_ranks_feed_two_replicas_at_tp2_element_exact(transport, round_bytes):
     spec = {"preset": "tiny-qwen2", "trainer": {"dp_shard": 3}, "inference": {"replicas": 2, "tensor_parallel": 2},
-            "bucket": 8192, "transport": needs(transport)}
+            "bucket": 8192, "transport": needs(transport), "round_bytes": round_bytes}
     out = run(spec)
     assert len(out) == 7, out
     assert all(status == "ok" for _, _, status, _ in out), out
