@@ -30,6 +30,17 @@ from hpcrl.plan.transfer_rounds import Message, rounds
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+_SCHEDULE: list = [None, None]
+"""[plan, its rounds]: the last plan's schedule, made once (a plan is fixed for a run; each sync reuses it)."""
+
+
+def schedule(plan: TransferPlan) -> list[list[Message]]:
+    """rounds(plan, plan.round_bytes), computed once per plan object."""
+    if _SCHEDULE[0] is not plan:
+        _SCHEDULE[:] = [plan, rounds(plan, plan.round_bytes)]
+    return _SCHEDULE[1]
+
+
 def inference_group_rank(plan: TransferPlan, replica: int, tp_rank: int) -> int:
     return plan.trainer.world_size + replica * plan.inference.tensor_parallel + tp_rank
 
@@ -129,7 +140,7 @@ def send(link, plan: TransferPlan, rank: int, sources: list[torch.Tensor | None]
     wire = TORCH_DTYPES[plan.wire_dtype]
     timeout = timedelta(seconds=timeout_s)
     sent = 0
-    for batch in rounds(plan, plan.round_bytes):
+    for batch in schedule(plan):
         mine = [m for m in batch if m.src_rank == rank]
         posted = []
         for m in mine:  # pack and send; the staging buffers live until the round's sends completed
@@ -148,7 +159,7 @@ def receive(link, plan: TransferPlan, replica: int, tp_rank: int, dests: list[to
     wire = TORCH_DTYPES[plan.wire_dtype]
     timeout = timedelta(seconds=timeout_s)
     received = 0
-    for batch in rounds(plan, plan.round_bytes):
+    for batch in schedule(plan):
         posted = []
         for m in batch:  # post every receive of the round before waiting on any
             if m.replica == replica and m.tp_rank == tp_rank:
