@@ -33,6 +33,7 @@ from hpcrl.launch.steps import Step, local_gpu_blocks, start_local_step, start_r
 from hpcrl.rundir import log_path
 from hpcrl.slurm.nodelist import expand_nodelist
 from hpcrl.slurm.record import LaunchRecord
+from hpcrl.slurm.spec import GroupSlot
 
 #: Times one lost inference replica is started again before the run gives up.
 MAX_RELAUNCHES = 3
@@ -97,7 +98,6 @@ class Supervisor:
                     "HPCRL_BUS_ADDR": self.bus_address or self.router.address,
                     "HPCRL_LAYOUT": json.dumps(layout, separators=(",", ":")), **(extra_env or {})}
         self._deadline = time.monotonic() + self.launch.start_timeout_s
-        job_nodes = expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", "")) if self.launch.layout == "split" else []
         self.local_gpus = local_gpu_blocks(self.launch.groups, os.environ) if self.launch.executor == "local" else {}
         for slot in self.launch.groups:
             if not slot.module:
@@ -106,7 +106,7 @@ class Supervisor:
                 step = start_local_step(slot, run_dir=self.run_dir, python=self.launch.python, env=self.env,
                                         gpus=self.local_gpus)
             else:
-                nodes = job_nodes[slot.first_node:slot.first_node + slot.nodes] if job_nodes else None
+                nodes = (self.nodes_of(slot) or None) if self.launch.layout == "split" else None
                 step = start_slurm_step(slot, layout=self.launch.layout, run_dir=self.run_dir,
                                         python=self.launch.python, env=self.env, nodelist=nodes)
             self.steps.append(step)
@@ -132,15 +132,17 @@ class Supervisor:
         self.steps.append(step)
         self.live_step[key] = step
 
-    def node_of(self, group: str, rank: int) -> str | None:
-        """The node rank `rank` of `group` was started on (srun lays ranks out node by node), from the job's
-        node lists; None without Slurm."""
-        slot = self.launch.group(group)
+    def nodes_of(self, slot: GroupSlot) -> list[str]:
+        """The nodes of group `slot` in the job: its component's (hetjob), or its range of the allocation
+        (split); [] without Slurm."""
         if self.launch.layout == "hetjob":
-            nodes = expand_nodelist(os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{slot.component}", ""))
-        else:
-            nodes = expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", ""))[slot.first_node:slot.first_node + slot.nodes]
-        index = rank // slot.tasks_per_node
+            return expand_nodelist(os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{slot.component}", ""))
+        return expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", ""))[slot.first_node:slot.first_node + slot.nodes]
+
+    def node_of(self, group: str, rank: int) -> str | None:
+        """The node rank `rank` of `group` was started on (srun lays ranks out node by node); None without Slurm."""
+        slot = self.launch.group(group)
+        nodes, index = self.nodes_of(slot), rank // slot.tasks_per_node
         return nodes[index] if index < len(nodes) else None
 
     # ---------------------------------------------------------------- the bus's word

@@ -131,6 +131,14 @@ def _run(argv: list[str], env: Mapping[str, str] | None) -> subprocess.Completed
         raise SlurmError(f"{' '.join(argv)} did not answer in 30 s: is slurmctld up?") from None
 
 
+def _squeue_rows(leader: str, env: Mapping[str, str] | None) -> list[ComponentState]:
+    """squeue's rows of job `leader` (every component); [] when the controller no longer knows it."""
+    done = _run(["squeue", "-h", "--states=all", "-j", leader, "-o", "%i|%T|%N|%M"], env)
+    if done.returncode != 0 and "Invalid job id" not in done.stderr:
+        raise SlurmError(f"squeue failed for job {leader}: {done.stderr.strip()[-300:]}")
+    return [r for r in parse_squeue(done.stdout) if r.job_id.split("+")[0] == leader] if done.returncode == 0 else []
+
+
 def query(job_id: str, env: Mapping[str, str] | None = None) -> JobState:
     """The job's state: sacct's when accounting works and has the whole job ended, else squeue's.
 
@@ -146,10 +154,7 @@ def query(job_id: str, env: Mapping[str, str] | None = None) -> JobState:
         if rows:
             accounted = JobState(job_id=leader, state=overall_state([r.state for r in rows]),
                                  components=tuple(rows), source="sacct")
-    done = _run(["squeue", "-h", "--states=all", "-j", leader, "-o", "%i|%T|%N|%M"], env)
-    if done.returncode != 0 and "Invalid job id" not in done.stderr:
-        raise SlurmError(f"squeue failed for job {leader}: {done.stderr.strip()[-300:]}")
-    rows = [r for r in parse_squeue(done.stdout) if r.job_id.split("+")[0] == leader] if done.returncode == 0 else []
+    rows = _squeue_rows(leader, env)
     if not rows:
         return accounted or JobState(job_id=leader, state="ENDED", components=(), source="none")
     if accounted and accounted.done and len(accounted.components) >= len(rows):
@@ -168,12 +173,10 @@ def requeue_under_way(states: list[str]) -> bool:
 
 def being_requeued(job_id: str, env: Mapping[str, str] | None = None) -> bool:
     """Whether Slurm is requeueing job `job_id` right now (see requeue_under_way); False when unsure."""
-    leader = job_id.split("+")[0]
     try:
-        done = _run(["squeue", "-h", "--states=all", "-j", leader, "-o", "%i|%T|%N|%M"], env)
+        rows = _squeue_rows(job_id.split("+")[0], env)
     except SlurmError:
         return False
-    rows = [r for r in parse_squeue(done.stdout) if r.job_id.split("+")[0] == leader] if done.returncode == 0 else []
     return requeue_under_way([r.state for r in rows])
 
 
