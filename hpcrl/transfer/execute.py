@@ -1,15 +1,21 @@
 """Run one rank's part of a transfer plan over a transfer group (torch only, any device).
 
-`link` is an open transfer group (registry.TransferLink: gloo, or UCX): `isend(buf, dst, tag)`,
-`irecv(buf, src, tag)` and `wait(handle, timeout)`, with ranks numbered as in
-`inference_group_rank` (trainer ranks first).
+`link` is an open transfer group (registry.TransferLink: gloo, UCX or NCCL): `round(timeout)`,
+`isend(buf, dst, tag)`, `irecv(buf, src, tag)` and `wait(handle, timeout)`, with ranks numbered as
+in `inference_group_rank` (trainer ranks first).
 
 A message is a run of consecutive plan blocks of one route (plan.blocks["message"]). Every
 transport runs the same schedule: the plan's messages in rounds (hpcrl.plan.transfer_rounds,
 `plan.round_bytes` of staging per rank and round). In each round a receiver posts all its `recv`s,
 a sender packs each block's `count` strided runs out of its local shard (torch.as_strided, casting
 to the wire dtype) into one buffer per message and `send`s it with the message number as tag; both
-wait, then the receiver unpacks each buffer into its destination tensors in plan order.
+wait, then the receiver unpacks each buffer into its destination tensors in plan order. A round's
+operations are issued inside `link.round()` (NCCL: one group_start ... group_end).
+
+Staging (class Staging) is one buffer per rank and sync, sized for the rank's largest round, on the
+link's device: on a GPU with NCCL, packing and unpacking are device copies with no host round trip;
+with a host transport (gloo, UCX) and GPU tensors, packing stays on the GPU and one pinned host hop
+per round remains.
 
 Failures (a peer gone, a timeout, a tensor missing or mis-shaped) raise TransferError naming
 the message, its parameters and both ranks.
@@ -45,12 +51,18 @@ def inference_group_rank(plan: TransferPlan, replica: int, tp_rank: int) -> int:
     return plan.trainer.world_size + replica * plan.inference.tensor_parallel + tp_rank
 
 
-def _wait(link, plan: TransferPlan, m: Message, work, timeout: timedelta, side: str) -> None:
+def _wait(link, plan: TransferPlan, m: Message, work, timeout: timedelta, side: str, batch: list[Message]) -> None:
     try:
         link.wait(work, timeout)
     except Exception as err:  # noqa: BLE001 - re-raised naming the message and ranks
         verb = "sending" if side == "source" else "receiving"
-        raise TransferError(f"{verb} {_what(plan, m, side)} failed: {err}") from err
+        # NCCL completes a round as a whole: name every peer this rank waited on in it.
+        peers = {describe_group_rank(plan, inference_group_rank(plan, o.replica, o.tp_rank) if side == "source"
+                                     else o.src_rank) for o in batch if o is not m}
+        peers.discard(describe_group_rank(plan, inference_group_rank(plan, m.replica, m.tp_rank) if side == "source"
+                                          else m.src_rank))
+        also = f" (in a round also waiting on {', '.join(sorted(peers))})" if peers else ""
+        raise TransferError(f"{verb} {_what(plan, m, side)} failed{also}: {err}") from err
 
 
 def describe_group_rank(plan: TransferPlan, rank: int) -> str:
@@ -135,38 +147,101 @@ def unpack(plan: TransferPlan, m: Message, buf: torch.Tensor, dests: list[torch.
         pos += count * length
 
 
+class Staging:
+    """One rank's staging memory for one sync: room for its largest round, made once per sync.
+
+    `link` is where the transport reads and writes (the link's device); `work` is where packing and
+    unpacking run (the tensors' device). They are one buffer unless the tensors are on a GPU and the
+    transport moves host memory (gloo, UCX): then `link` is pinned host memory and each round makes
+    one host hop, device -> host after packing or host -> device before unpacking.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, *, link_device: torch.device, tensor_device: torch.device):
+        self.hop = link_device != tensor_device
+        pinned = self.hop and link_device.type == "cpu" and tensor_device.type == "cuda"
+        self.link = torch.empty(numel, dtype=dtype, device=link_device, pin_memory=pinned)
+        self.work = torch.empty(numel, dtype=dtype, device=tensor_device) if self.hop else self.link
+
+    def slices(self, buf: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        out, pos = [], 0
+        for n in sizes:
+            out.append(buf[pos:pos + n])
+            pos += n
+        return out
+
+    def to_link(self, numel: int) -> None:
+        if self.hop:
+            self.link[:numel].copy_(self.work[:numel], non_blocking=True)
+            _synchronize(self.work.device)
+
+    def to_work(self, numel: int) -> None:
+        if self.hop:
+            self.work[:numel].copy_(self.link[:numel], non_blocking=True)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def _staging_numel(batches: list[list[Message]]) -> int:
+    return max((sum(m.numel for m in batch) for batch in batches), default=0)
+
+
+def _device_of(tensors: list[torch.Tensor | None], default: torch.device) -> torch.device:
+    return next((t.device for t in tensors if t is not None), default)
+
+
 def send(link, plan: TransferPlan, rank: int, sources: list[torch.Tensor | None], *, timeout_s: float) -> int:
-    """Send every message of trainer `rank`, round by round (hpcrl.plan.transfer_rounds); the bytes sent."""
+    """Send every message of trainer `rank`, round by round (hpcrl.plan.transfer_rounds); the bytes sent.
+
+    Per round: pack this rank's messages into staging (strided copies with the cast to the wire
+    dtype, on the shards' device), issue the sends as one round of the link, wait for them.
+    """
     wire = TORCH_DTYPES[plan.wire_dtype]
     timeout = timedelta(seconds=timeout_s)
+    mine = [[m for m in batch if m.src_rank == rank] for batch in schedule(plan)]
+    mine = [batch for batch in mine if batch]
+    staging = Staging(_staging_numel(mine), wire, link_device=link.device,
+                      tensor_device=_device_of(sources, link.device))
     sent = 0
-    for batch in schedule(plan):
-        mine = [m for m in batch if m.src_rank == rank]
-        posted = []
-        for m in mine:  # pack and send; the staging buffers live until the round's sends completed
-            buf = torch.empty(m.numel, dtype=wire)
+    for batch in mine:
+        sizes = [m.numel for m in batch]
+        for m, buf in zip(batch, staging.slices(staging.work, sizes)):
             pack(plan, m, sources, buf)
-            posted.append((m, link.isend(buf, inference_group_rank(plan, m.replica, m.tp_rank), m.id), buf))
-        for m, work, _ in posted:
-            _wait(link, plan, m, work, timeout, "source")
+        staging.to_link(sum(sizes))
+        with link.round(timeout):
+            posted = [(m, link.isend(buf, inference_group_rank(plan, m.replica, m.tp_rank), m.id))
+                      for m, buf in zip(batch, staging.slices(staging.link, sizes))]
+        for m, work in posted:
+            _wait(link, plan, m, work, timeout, "source", batch)
             sent += m.numel * plan.itemsize
     return sent
 
 
 def receive(link, plan: TransferPlan, replica: int, tp_rank: int, dests: list[torch.Tensor], *, timeout_s: float,
             on_message: Callable[[Message], None] | None = None) -> int:
-    """Receive every message for (replica, tp_rank) into `dests`, round by round; the bytes received."""
+    """Receive every message for (replica, tp_rank) into `dests`, round by round; the bytes received.
+
+    Per round: post every receive of the round as one round of the link, wait for them, unpack each
+    into the destination tensors in plan order (strided copies on their device, in place).
+    """
     wire = TORCH_DTYPES[plan.wire_dtype]
     timeout = timedelta(seconds=timeout_s)
+    mine = [[m for m in batch if m.replica == replica and m.tp_rank == tp_rank] for batch in schedule(plan)]
+    mine = [batch for batch in mine if batch]
+    staging = Staging(_staging_numel(mine), wire, link_device=link.device,
+                      tensor_device=_device_of(list(dests), link.device))
     received = 0
-    for batch in schedule(plan):
-        posted = []
-        for m in batch:  # post every receive of the round before waiting on any
-            if m.replica == replica and m.tp_rank == tp_rank:
-                buf = torch.empty(m.numel, dtype=wire)
-                posted.append((m, buf, link.irecv(buf, m.src_rank, m.id)))
-        for m, buf, work in posted:
-            _wait(link, plan, m, work, timeout, "dest")
+    for batch in mine:
+        sizes = [m.numel for m in batch]
+        with link.round(timeout):
+            posted = [(m, link.irecv(buf, m.src_rank, m.id))
+                      for m, buf in zip(batch, staging.slices(staging.link, sizes))]
+        for m, work in posted:
+            _wait(link, plan, m, work, timeout, "dest", batch)
+        staging.to_work(sum(sizes))
+        for m, buf in zip(batch, staging.slices(staging.work, sizes)):
             unpack(plan, m, buf, dests)
             received += m.numel * plan.itemsize
             if on_message is not None:

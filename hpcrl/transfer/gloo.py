@@ -12,6 +12,7 @@ transport shares.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -31,6 +32,13 @@ class GlooGroup:
     pg: dist.ProcessGroup
     store: dist.TCPStore
     transport = "gloo"
+    device = torch.device("cpu")
+    """Where staging buffers live: host memory (pinned when the tensors are on a GPU)."""
+
+    def round(self, timeout: timedelta) -> AbstractContextManager[None]:
+        """One round of the schedule: nothing to group (operations are posted as issued)."""
+        return nullcontext()
+
 
     def isend(self, buf: torch.Tensor, dst: int, tag: int):
         return self.pg.send([buf], dst, tag)

@@ -1,20 +1,22 @@
-"""The transports of the transfer group, by name: `open_group("gloo" | "ucx", ...)`.
+"""The transports of the transfer group, by name: `open_group("gloo" | "ucx" | "nccl", ...)`.
 
     group = open_group(config.inference.weight_transport, host=..., port=..., rank=r, world_size=w,
                        timeout_s=120, external_store=True)
     group.check_digests(rank=r, digest=plan.digest, describe=...)      # then execute.py drives it
 
-One module per transport (gloo.py; ucx.py, optional: `pip install ucxx-cu12`), each with an
-opener taking the same keywords and returning a `TransferLink`; this table names them, as vLLM's
-weight-transfer factory names its engines (vllm/distributed/weight_transfer/factory.py). Adding
-a transport (NCCL, once GPUs can test it) is one module and one line here; the transports meet
-on the same store (rendezvous.py). Both modules are cheap to import: ucxx itself is imported
-only when a UCX group is opened.
+One module per transport (gloo.py; ucx.py, optional: `pip install ucxx-cu12`; nccl.py, GPUs:
+vLLM's PyNccl), each with an opener taking the same keywords and returning a `TransferLink`; this
+table names them, as vLLM's weight-transfer factory names its engines
+(vllm/distributed/weight_transfer/factory.py). Adding a transport is one module and one line here;
+the transports meet on the same store (rendezvous.py) and run the same round schedule
+(execute.py). The modules are cheap to import: ucxx and vLLM are imported only when a group of
+theirs is opened.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -22,6 +24,7 @@ import torch
 
 from hpcrl.errors import TransferError
 from hpcrl.transfer.gloo import open_gloo_group
+from hpcrl.transfer.nccl import open_nccl_group
 from hpcrl.transfer.ucx import open_ucx_group
 
 
@@ -29,6 +32,11 @@ class TransferLink(Protocol):
     """What execute.py needs of an open transfer group (ranks numbered as in execute.inference_group_rank)."""
 
     transport: str
+    device: torch.device
+    """Where the transport reads and writes buffers (staging lives there)."""
+
+    def round(self, timeout: timedelta) -> AbstractContextManager[None]:
+        """The operations of one round of the schedule are issued inside it (NCCL: one group)."""
 
     def isend(self, buf: torch.Tensor, dst: int, tag: int) -> Any: ...
 
@@ -45,6 +53,7 @@ class TransferLink(Protocol):
 TRANSPORTS: dict[str, Callable[..., TransferLink]] = {
     "gloo": open_gloo_group,
     "ucx": open_ucx_group,
+    "nccl": open_nccl_group,
 }
 
 

@@ -5,7 +5,7 @@
                                      external_store=True, generation=0)          # every rank, any transport
     compare_digests(rank=r, digest=plan.digest, digests={rank: digest, ...}, describe=...)
 
-Every transport (gloo.py, ucx.py) joins through `rendezvous_store`, so all agree on the store's
+Every transport (gloo.py, ucx.py, nccl.py) joins through `rendezvous_store`, so all agree on the store's
 layout. Under torchrun, TORCHELASTIC_USE_AGENT_STORE is popped around the store creation, or rank 0
 would not host the store (docs/FACTS.md).
 """
@@ -52,6 +52,25 @@ def rendezvous_store(*, host: str, port: int, rank: int, world_size: int, timeou
                               timeout=timedelta(seconds=timeout_s), wait_for_workers=False, multi_tenant=True)
     name = f"hpcrl-transfer/{host}:{port}" + (f"/g{generation}" if generation else "")
     return store, dist.PrefixStore(name, store)
+
+
+def store_digests(prefix: dist.Store, *, rank: int, world_size: int, digest: str, describe, timeout_s: float,
+                  transport: str) -> None:
+    """Publish this rank's plan digest in the formation's store prefix, read every rank's, compare.
+
+    Also the group's barrier: it returns once every rank published (a TransferError naming the rank
+    that did not join within the store's timeout). For transports with no collective of their own
+    to exchange digests on (UCX, NCCL before its first round).
+    """
+    prefix.set(f"digest/{rank}", digest)
+    digests = {}
+    for r in range(world_size):
+        try:
+            digests[r] = prefix.get(f"digest/{r}").decode()
+        except Exception as err:  # noqa: BLE001 - the store's timeout, re-raised naming the rank
+            raise TransferError(f"plan digest handshake failed on {describe(rank)}: {describe(r)} did not join the "
+                                f"{transport} transfer group within {timeout_s:g} s ({err})") from err
+    compare_digests(rank=rank, digest=digest, digests=digests, describe=describe)
 
 
 def compare_digests(*, rank: int, digest: str, digests: dict[int, str], describe) -> None:

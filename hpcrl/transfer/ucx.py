@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.errors import TransferError
-from hpcrl.transfer.rendezvous import compare_digests, rendezvous_store
+from hpcrl.transfer.rendezvous import rendezvous_store, store_digests
 
 _TAG_BITS = 32
 _IDLE_SPINS = 64  # progress() calls without progress before the thread sleeps a little
@@ -68,6 +69,13 @@ class UcxGroup:
     prefix: dist.PrefixStore
     timeout_s: float
     transport = "ucx"
+    device = torch.device("cpu")
+    """Where staging buffers live: host memory (pinned when the tensors are on a GPU)."""
+
+    def round(self, timeout: timedelta) -> AbstractContextManager[None]:
+        """One round of the schedule: nothing to group (operations are posted as issued)."""
+        return nullcontext()
+
     _endpoints: dict[int, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -127,16 +135,8 @@ class UcxGroup:
         request.check_error()  # raises ucxx's error (a peer gone, a truncated message)
 
     def check_digests(self, *, rank: int, digest: str, describe) -> None:
-        """Every rank publishes its plan digest and reads all others' (also the group's barrier)."""
-        self.prefix.set(f"ucx/digest/{rank}", digest)
-        others = {}
-        for r in range(self.world_size):
-            try:
-                others[r] = self.prefix.get(f"ucx/digest/{r}").decode()
-            except Exception as err:  # noqa: BLE001 - the store's timeout, re-raised naming the rank
-                raise TransferError(f"plan digest handshake failed on {describe(rank)}: {describe(r)} did not "
-                                    f"join the UCX transfer group within {self.timeout_s:g} s ({err})") from err
-        compare_digests(rank=rank, digest=digest, digests=others, describe=describe)
+        store_digests(self.prefix, rank=rank, world_size=self.world_size, digest=digest, describe=describe,
+                      timeout_s=self.timeout_s, transport="UCX")
 
     def close(self) -> None:
         self._endpoints.clear()

@@ -34,41 +34,72 @@ def id_shards(p, shape, rank: int) -> dict:
     return out
 
 
+def transport(spec: dict) -> str:
+    """The transport to open; "nccl-fake" is NCCL's transport over the strict fake (fake_pynccl.py)."""
+    name = spec.get("transport", "gloo")
+    if name.startswith("nccl-"):
+        import fake_pynccl
+
+        from hpcrl.transfer import nccl
+        nccl.use_runtime({"nccl-fake": fake_pynccl.RUNTIME, "nccl-disabled": fake_pynccl.DISABLED_RUNTIME}[name])
+        return "nccl"
+    return name
+
+
 def trainer(spec: dict, rank: int, port: int, results) -> None:
-    try:
-        from hpcrl.transfer.trainer import TrainerSender
-        p, shape = _plan(spec)
-        sender = TrainerSender.connect(p, rank=rank, host="127.0.0.1", port=port, timeout_s=spec.get("timeout", 60),
-                                       external_store=True, transport=spec.get("transport", "gloo"))
-        if spec.get("die_before_send") == rank:
-            import os
-            os._exit(3)
-        sent = sender.send(id_shards(p, shape, rank))
-        results.put(("trainer", rank, "ok", sent))
-    except BaseException as err:  # noqa: BLE001 - reported to the test
-        results.put(("trainer", rank, type(err).__name__, f"{err}\n{traceback.format_exc()[-600:]}"))
+    import time
+
+    from hpcrl.transfer.trainer import TrainerSender
+    for generation in range(2 if "stall" in spec else 1):
+        t0 = time.monotonic()
+        try:
+            p, shape = _plan(spec)
+            sender = TrainerSender.connect(p, rank=rank, host="127.0.0.1", port=port, timeout_s=60,
+                                           external_store=True, transport=transport(spec), generation=generation)
+            sender.timeout_s = spec.get("timeout", 60)  # the transfer's deadline (forming may take longer)
+            if spec.get("die_before_send") == rank:
+                import os
+                os._exit(3)
+            if generation == 0 and spec.get("stall") == rank:  # alive, but not sending until the others gave up
+                time.sleep(spec["timeout"] + 2)
+                sender.close()
+                continue
+            sent = sender.send(id_shards(p, shape, rank))
+            sender.close()
+            results.put(("trainer", rank, "ok", sent, generation))
+        except BaseException as err:  # noqa: BLE001 - reported to the test
+            results.put(("trainer", rank, type(err).__name__, f"{err}\n{traceback.format_exc()[-600:]}", generation,
+                         time.monotonic() - t0))
 
 
 def receiver(spec: dict, replica: int, tp_rank: int, port: int, results) -> None:
-    try:
-        import torch
+    import time
+    for generation in range(2 if "stall" in spec else 1):
+        t0 = time.monotonic()
+        try:
+            import torch
 
-        from hpcrl.plan.transfer_check import _hf_ids, _vllm_expected
-        from hpcrl.transfer import execute
-        from hpcrl.transfer.registry import open_group
-        spec_here = dict(spec, **spec.get("receiver_override", {}))
-        p, shape = _plan(spec_here)
-        rank = execute.inference_group_rank(p, replica, tp_rank)
-        world = p.trainer.world_size + p.inference.replicas * p.inference.tensor_parallel
-        group = open_group(spec.get("transport", "gloo"), host="127.0.0.1", port=port, rank=rank, world_size=world,
-                           timeout_s=spec.get("timeout", 60), external_store=True)
-        group.check_digests(rank=rank, digest=p.digest, describe=lambda r: execute.describe_group_rank(p, r))
-        dests = {d.name: torch.full(d.local_shape, -1.0) for d in p.dests}
-        got = execute.receive(group, p, replica, tp_rank, execute.check_dests(p, replica, tp_rank, dests),
-                              timeout_s=spec.get("timeout", 60))
-        expected = _vllm_expected(p, shape, _hf_ids(shape), tp_rank)
-        wrong = [d.name for d in p.dests
-                 if not np.array_equal(dests[d.name].numpy(), expected[d.name].astype(np.float32).reshape(d.local_shape))]
-        results.put(("receiver", (replica, tp_rank), "ok" if not wrong else "wrong", wrong or got))
-    except BaseException as err:  # noqa: BLE001 - reported to the test
-        results.put(("receiver", (replica, tp_rank), type(err).__name__, f"{err}"))
+            from hpcrl.plan.transfer_check import _hf_ids, _vllm_expected
+            from hpcrl.transfer import execute
+            from hpcrl.transfer.registry import open_group
+            spec_here = dict(spec, **spec.get("receiver_override", {}))
+            p, shape = _plan(spec_here)
+            rank = execute.inference_group_rank(p, replica, tp_rank)
+            world = p.trainer.world_size + p.inference.replicas * p.inference.tensor_parallel
+            group = open_group(transport(spec), host="127.0.0.1", port=port, rank=rank, world_size=world,
+                               timeout_s=60, external_store=True, generation=generation)
+            group.check_digests(rank=rank, digest=p.digest, describe=lambda r: execute.describe_group_rank(p, r))
+            dests = {d.name: torch.full(d.local_shape, -1.0) for d in p.dests}
+            t0 = time.monotonic()
+            try:
+                got = execute.receive(group, p, replica, tp_rank, execute.check_dests(p, replica, tp_rank, dests),
+                                      timeout_s=spec.get("timeout", 60))
+            finally:
+                group.close()
+            expected = _vllm_expected(p, shape, _hf_ids(shape), tp_rank)
+            wrong = [d.name for d in p.dests if not np.array_equal(
+                dests[d.name].numpy(), expected[d.name].astype(np.float32).reshape(d.local_shape))]
+            results.put(("receiver", (replica, tp_rank), "ok" if not wrong else "wrong", wrong or got, generation))
+        except BaseException as err:  # noqa: BLE001 - reported to the test
+            results.put(("receiver", (replica, tp_rank), type(err).__name__, f"{err}", generation,
+                         time.monotonic() - t0))

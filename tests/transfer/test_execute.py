@@ -1,5 +1,6 @@
-"""Executing plans over a real transfer group between spawned processes (no vLLM), over gloo and
-over UCX: element-exact, digest mismatches and dead peers become errors naming ranks and
+"""Executing plans over a real transfer group between spawned processes (no vLLM), over gloo, over
+UCX and over the NCCL transport driven by a strict fake PyNccl (fake_pynccl.py, gloo underneath):
+element-exact, digest mismatches and dead or stalled peers become errors naming ranks and
 parameters, never hangs."""
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def run(spec: dict, *, deadline: float = 90.0) -> list[tuple]:
     out = []
     try:
         expected = len(children) - (1 if "die_before_send" in spec else 0)
+        if "stall" in spec:  # every process forms the group twice; the stalled rank reports the second only
+            expected = 2 * len(children) - 1
         while len(out) < expected:
             out.append(results.get(timeout=deadline))
     except queue.Empty:
@@ -49,17 +52,20 @@ def needs(transport: str) -> str:
     return transport
 
 
+TRANSPORTS = ["gloo", "ucx", "nccl-fake"]
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("transport", ["gloo", "ucx"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("round_bytes", [1 << 28, 20000], ids=["one-round", "many-rounds"])
 def test_three_fsdp_ranks_feed_two_replicas_at_tp2_element_exact(transport, round_bytes):
     spec = {"preset": "tiny-qwen2", "trainer": {"dp_shard": 3}, "inference": {"replicas": 2, "tensor_parallel": 2},
             "bucket": 8192, "transport": needs(transport), "round_bytes": round_bytes}
     out = run(spec)
     assert len(out) == 7, out
-    assert all(status == "ok" for _, _, status, _ in out), out
-    sent = sum(n for role, _, _, n in out if role == "trainer")
-    received = sum(n for role, _, _, n in out if role == "receiver")
+    assert all(r[2] == "ok" for r in out), out
+    sent = sum(r[3] for r in out if r[0] == "trainer")
+    received = sum(r[3] for r in out if r[0] == "receiver")
     assert sent == received > 0
 
 
@@ -68,31 +74,50 @@ def test_hsdp_torchtitan_fused_qkv_trainer_feeds_tp2_element_exact():
     spec = {"preset": "tiny-llama", "trainer": {"dp_replicate": 2, "dp_shard": 2, "naming": "torchtitan"},
             "inference": {"replicas": 1, "tensor_parallel": 2}}
     out = run(spec)
-    assert len(out) == 6 and all(status == "ok" for _, _, status, _ in out), out
+    assert len(out) == 6 and all(r[2] == "ok" for r in out), out
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("transport", ["gloo", "ucx"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_different_plans_fail_the_handshake_on_every_rank_naming_the_ranks(transport):
     spec = {"preset": "tiny-llama", "trainer": {"dp_shard": 2}, "inference": {"replicas": 1, "tensor_parallel": 1},
             "receiver_override": {"bucket": 4096}, "transport": needs(transport)}
     out = run(spec)
     assert len(out) == 3
-    for _, _, status, message in out:
-        assert status == "TransferError" and "transfer plans differ" in message
-    assert any("replica 0 TP rank 0 has" in m or "trainer rank 0 has" in m for *_, m in out)
+    for r in out:
+        assert r[2] == "TransferError" and "transfer plans differ" in r[3]
+    assert any("replica 0 TP rank 0 has" in r[3] or "trainer rank 0 has" in r[3] for r in out)
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("transport", ["gloo", "ucx"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_trainer_dying_mid_transfer_is_a_timeout_error_naming_parameter_and_ranks(transport):
     spec = {"preset": "tiny-llama", "trainer": {"dp_shard": 2}, "inference": {"replicas": 1, "tensor_parallel": 1},
             "die_before_send": 1, "timeout": 10, "transport": needs(transport)}
     out = run(spec, deadline=60)
     receivers = [r for r in out if r[0] == "receiver"]
     assert receivers and receivers[0][2] == "TransferError", out
-    assert "from trainer rank 1 to replica 0 TP rank 0" in receivers[0][3]
+    # gloo and UCX name the message that failed; NCCL fails a round as one and names its peers
+    assert "to replica 0 TP rank 0" in receivers[0][3] and "trainer rank 1" in receivers[0][3], receivers
     assert "model." in receivers[0][3]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", ["gloo", "nccl-fake"])
+def test_a_stalled_trainer_is_a_transfer_error_within_the_deadline_and_the_group_then_forms_again(transport):
+    """Trainer rank 1 joins but sends nothing (a hung rank): its receivers fail within the
+    deadline naming the ranks, every rank forms the group again (generation 1, as ports.py does
+    after a failure) and that transfer is element-exact."""
+    timeout = 8
+    spec = {"preset": "tiny-qwen2", "trainer": {"dp_shard": 3}, "inference": {"replicas": 2, "tensor_parallel": 2},
+            "bucket": 8192, "round_bytes": 20000, "stall": 1, "timeout": timeout, "transport": needs(transport)}
+    out = run(spec, deadline=120)
+    first = [r for r in out if r[0] == "receiver" and r[4] == 0]
+    assert len(first) == 4 and all(r[2] == "TransferError" for r in first), out
+    assert all("trainer rank 1" in r[3] for r in first), first
+    assert all(r[5] < timeout + 5 for r in first), [r[5] for r in first]
+    second = [r for r in out if r[4] == 1]
+    assert len(second) == 7 and all(r[2] == "ok" for r in second), out
 
 
 def test_a_missing_or_misshaped_local_shard_is_named_before_anything_is_sent():
@@ -113,3 +138,30 @@ def test_a_destination_of_the_wrong_dtype_is_named_with_its_ranks():
     dests["model.layers.0.self_attn.qkv_proj.weight"] = torch.zeros(128, 128, dtype=torch.bfloat16)
     with pytest.raises(TransferError, match="replica 0 TP rank 1: model.layers.0.self_attn.qkv_proj.weight is torch.bfloat16"):
         execute.check_dests(p, 0, 1, dests)
+
+
+def test_a_disabled_pynccl_is_refused_before_anything_is_sent():
+    """PyNccl without a loadable libnccl (this machine) makes every send a silent no-op: opening
+    the NCCL transport over it is an error naming the cause, and so is the real communicator here."""
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    from hpcrl.transfer.nccl import check_communicator
+
+    store = host_store(timeout_s=10)
+    group = StatelessProcessGroup(rank=0, world_size=2, store=torch.distributed.PrefixStore("t", store))
+    real = PyNcclCommunicator(group, device=0)
+    assert real.disabled  # no CUDA NCCL here: the condition the guard exists for
+    with pytest.raises(TransferError, match="reports itself unavailable or disabled"):
+        check_communicator(real, rank=0)
+    out = run({"preset": "tiny-llama", "trainer": {"dp_shard": 1}, "inference": {"replicas": 1, "tensor_parallel": 1},
+               "transport": "nccl-disabled", "timeout": 10}, deadline=60)
+    assert len(out) == 2 and all(r[2] == "TransferError" and "unavailable or disabled" in r[3] for r in out), out
+
+
+def test_the_nccl_transport_refuses_to_open_without_a_cuda_device():
+    from hpcrl.transfer.registry import open_group
+
+    store = host_store(timeout_s=10)
+    with pytest.raises(TransferError, match="needs a CUDA device"):
+        open_group("nccl", host="127.0.0.1", port=store.port, rank=0, world_size=2, timeout_s=5, external_store=True)
