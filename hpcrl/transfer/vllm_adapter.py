@@ -56,6 +56,32 @@ from hpcrl.transfer.registry import TransferLink, open_group
 
 ENGINE_NAME = "hpcrl"
 
+#: Parameter dtypes a transfer writes (the plan's wire dtypes); an fp8 or integer one holds quantized weights.
+UNQUANTIZED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_unquantized(model: torch.nn.Module, quantization: str | None, *, where: str) -> None:
+    """TransferError unless `model` (a vLLM model's module tree) computes from plain float weights.
+
+    The plan writes each parameter as the trainer holds it; a quantized layer computes from packed
+    integers or fp8 plus scales that only its quant_method's loader can make. So until quantized
+    serving is supported: `quantization` (vLLM's model_config.quantization) must be unset, every
+    module's `quant_method` one of vLLM's Unquantized*Method (or a subclass), and every parameter a
+    float of 16 or 32 bits."""
+    fix = ("serve the unquantized checkpoint (bf16, fp16 or fp32; no quantization_config in its config.json) "
+           "without LLM(quantization=...): hpcrl's weight transfer cannot write quantized weights yet")
+    if quantization:
+        raise TransferError(f"{where}: the served model is quantized ({quantization!r}). Fix: {fix}")
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and not any(c.__name__.startswith("Unquantized") for c in type(method).__mro__):
+            raise TransferError(f"{where}: layer {name!r} ({type(module).__name__}) computes with the quantized "
+                                f"method {type(method).__name__}. Fix: {fix}")
+    for name, param in model.named_parameters():
+        if param.dtype not in UNQUANTIZED_DTYPES:
+            raise TransferError(f"{where}: parameter {name!r} is {param.dtype}, a quantized dtype (transfers write "
+                                f"float32, bfloat16 or float16). Fix: {fix}")
+
 
 def init_info(*, host: str, port: int, replica: int, trainer: TrainerLayout, inference: InferenceLayout,
               wire_dtype: str, bucket_bytes: int, timeout_s: float = 120.0, external_store: bool = False,
@@ -116,6 +142,8 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
 
         if self.group is not None:  # a new plan (e.g. the trainer was resized): leave the old group
             self.shutdown()
+        check_unquantized(self.model, self.model_config.quantization,
+                          where=f"replica {info.replica} TP rank {get_tensor_model_parallel_rank()}")
         shape = from_hf_config(self.model_config.hf_config.to_dict(), where="the served model's config")
         inference = InferenceLayout(**info.inference)
         if inference.tensor_parallel != self.parallel_config.tensor_parallel_size:
@@ -154,6 +182,18 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
             param = params.get(d.name)
             if param is None:
                 raise TransferError(f"{where}: the served model has no parameter {d.name!r}")
+            # Received in place: on CUDA, unquantized layers keep computing from this very tensor, so
+            # addresses captured in CUDA graphs stay valid and nothing has to run after writing it.
+            # vLLM 0.32.0, model_executor/layers/linear.py: UnquantizedLinearMethod
+            # .process_weights_after_loading (206-227) only acts when is_cpu() (repack, 207-216) or
+            # is_xpu() (opt-in relayout, 217-227); apply (229-240) calls the _gemm_impl picked in
+            # __init__ (175) by layers/utils.py dispatch_unquantized_gemm (620-652), which on CUDA is
+            # default_unquantized_gemm (83-89: F.linear(x, layer.weight)) or, only with an opt-in
+            # FlashInfer linear_backend, cuda_flashinfer_bf16_gemm (202-217: also layer.weight, read per
+            # call). layers/vocab_parallel_embedding.py: UnquantizedEmbeddingMethod
+            # .process_weights_after_loading (67-71) is CPU-only too; embedding (85-86) is
+            # F.embedding(x, layer.weight). On CPU, dispatch_cpu_unquantized_gemm (utils.py 470-608)
+            # packs a copy and empties the weight: handled below and in finish_weight_update.
             target = param.data
             if target.numel() == 0 and d.local_shape[0] * d.local_shape[1]:
                 # Repacked for oneDNN on CPU: receive into a fresh unpacked tensor, repack at finish.

