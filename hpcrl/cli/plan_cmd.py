@@ -1,7 +1,8 @@
 """`hpcrl plan CONFIG`: print the resource plan without touching Slurm.
 
-`hpcrl plan --transfer CONFIG [--link-gbps G]`: the weight-transfer plan instead (bytes per
-trainer and inference rank, versus the minimum and vLLM's own engines, predicted sync time).
+`hpcrl plan --transfer CONFIG [--link-gbps G] [--tcp-gbps G]`: the weight-transfer plan instead
+(bytes per trainer and inference rank, versus the minimum and vLLM's own engines, and the predicted
+sync time per transport at stated bandwidths).
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ def add_parser(subparsers: argparse._SubParsersAction, common: argparse.Argument
     parser.add_argument("--transfer", action="store_true",
                         help="print the weight-transfer plan (trainer FSDP shards -> vLLM TP shards)")
     parser.add_argument("--link-gbps", type=float, default=400.0, metavar="G",
-                        help="with --transfer: link bandwidth per GPU in Gbit/s for the predicted sync "
-                             "time (default 400, one NDR InfiniBand port)")
+                        help="with --transfer: InfiniBand bandwidth per GPU in Gbit/s for the predicted sync "
+                             "over NCCL (and UCX's RDMA) (default 400, one NDR port = 50 GB/s)")
+    parser.add_argument("--tcp-gbps", type=float, default=25.0, metavar="G",
+                        help="with --transfer: a node's Ethernet in Gbit/s, shared by its ranks, for the predicted "
+                             "sync over gloo (default 25)")
     parser.add_argument("--bucket-mib", type=float, default=64.0, metavar="M",
                         help="with --transfer: message size in MiB (default 64)")
     parser.set_defaults(func=run)
@@ -67,9 +71,9 @@ def render_text(plan: ResourcePlan) -> str:
         lines.append("")
         lines.append(f"{title} memory per {est.device}: {_size(est.total)}{cap}: {verdict}")
         lines += [f"  {name:<20}{_size(size):>12}" for name, size in est.parts.items() if size]
-    if plan.notes:
+    if plan.notes or plan.warnings:
         lines.append("")
-        lines += [f"note: {n}" for n in plan.notes]
+        lines += [f"warning: {w}" for w in plan.warnings] + [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 
 
@@ -78,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     if args.transfer:
         from hpcrl.cli.transfer_view import run_transfer
         return run_transfer(config, shape, link_gbps=args.link_gbps, bucket_mib=args.bucket_mib,
-                            as_json=args.json)
+                            tcp_gbps=args.tcp_gbps, as_json=args.json)
     plan = plan_resources(config, shape)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))

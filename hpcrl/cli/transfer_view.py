@@ -1,13 +1,16 @@
 """`hpcrl plan --transfer`: make, check and summarise the weight-transfer plan of a config.
 
 The trainer layout comes from [trainer] (dp_replicate x dp_shard, FSDP2 Shard(0)), the inference
-layout from [inference] (replicas x tensor_parallel), the wire dtype from [model].dtype.
+layout from [inference] (replicas x tensor_parallel), the wire dtype from [model].dtype. The
+predicted sync per transport, per trainer rank and per inference GPU, is
+hpcrl.plan.transfer_speed's, at the bandwidths it states (--link-gbps and --tcp-gbps set two).
 """
 
 from __future__ import annotations
 
 import json
 
+from hpcrl.config.components import make_components
 from hpcrl.config.model_shapes import DTYPE_BYTES, ModelShape
 from hpcrl.config.schema import Config
 from hpcrl.errors import ConfigError
@@ -15,6 +18,7 @@ from hpcrl.plan.transfer_baselines import baseline_bytes_per_rank
 from hpcrl.plan.transfer_check import check_plan
 from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
 from hpcrl.plan.transfer_planner import plan as plan_transfer
+from hpcrl.plan.transfer_speed import Bandwidths, SyncPrediction, host_round_trip_warning, predict_sync
 
 
 def _size(n: float) -> str:
@@ -24,10 +28,28 @@ def _size(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def transfer_summary(config: Config, shape: ModelShape, *, link_gbps: float, bucket_mib: float) -> dict:
+def _sec(s: float) -> str:
+    """Seconds in s, ms below 0.1 s, us below 0.1 ms."""
+    if s >= 0.1 or s == 0:
+        return f"{s:.4g} s"
+    return f"{s * 1e3:.4g} ms" if s >= 1e-4 else f"{s * 1e6:.4g} us"
+
+
+def _predictions(config: Config, sent: list[int], received: list[int], bandwidths: Bandwidths) -> list[SyncPrediction]:
+    inference = next(c for c in make_components(config) if c.name == "inference")
+    return predict_sync(sent_per_trainer_rank=sent, received_per_inference_rank=received,
+                        trainer_ranks_per_node=config.trainer.ranks_on_each_node,
+                        inference_ranks_per_node=inference.tasks_per_node * config.inference.tensor_parallel,
+                        trainer_on_gpus=config.trainer.gpus_per_node > 0,
+                        inference_on_gpus=config.inference.gpus_per_node > 0, bandwidths=bandwidths)
+
+
+def transfer_summary(config: Config, shape: ModelShape, *, link_gbps: float, bucket_mib: float,
+                     tcp_gbps: float = 25.0) -> dict:
     """The checked plan of `config`, as a JSON-able summary."""
-    if link_gbps <= 0:
-        raise ConfigError(key="--link-gbps", problem=f"must be positive, got {link_gbps}", fix="e.g. --link-gbps 400")
+    for flag, value, example in (("--link-gbps", link_gbps, 400), ("--tcp-gbps", tcp_gbps, 25)):
+        if value <= 0:
+            raise ConfigError(key=flag, problem=f"must be positive, got {value}", fix=f"e.g. {flag} {example}")
     t, inf = config.trainer, config.inference
     shard = t.world_size // t.dp_replicate if t.dp_shard == -1 else t.dp_shard
     trainer = TrainerLayout(dp_replicate=t.dp_replicate, dp_shard=shard)
@@ -39,6 +61,8 @@ def transfer_summary(config: Config, shape: ModelShape, *, link_gbps: float, buc
     minimum = max(stats.minimum_per_tp_rank)
     baselines = baseline_bytes_per_rank(shape, inf.tensor_parallel, DTYPE_BYTES[config.model.dtype])
     link = link_gbps * 1e9 / 8
+    bandwidths = Bandwidths(infiniband_per_gpu=link, ethernet_per_node=tcp_gbps * 1e9 / 8)
+    predictions = _predictions(config, stats.sent_per_trainer_rank, stats.received_per_inference_rank, bandwidths)
     return {
         "digest": plan.digest, "wire_dtype": plan.wire_dtype, "blocks": stats.blocks, "messages": stats.messages,
         "bucket_bytes": plan.bucket_bytes,
@@ -53,7 +77,51 @@ def transfer_summary(config: Config, shape: ModelShape, *, link_gbps: float, buc
         "link_gbps": link_gbps,
         "predicted_sync_s": stats.sync_seconds(link),
         "baselines_sync_s": {k: v / link for k, v in baselines.items()},
+        "weight_transport": {"configured": inf.weight_transport, "resolved": config.weight_transport},
+        "warning": host_round_trip_warning(config),
+        "on_gpus": {"trainer": t.gpus_per_node > 0, "inference": inf.gpus_per_node > 0},
+        "bandwidths": {"bytes_per_s": {"infiniband_per_gpu": bandwidths.infiniband_per_gpu,
+                                       "nvlink_per_gpu": bandwidths.nvlink_per_gpu, "pcie": bandwidths.pcie,
+                                       "ethernet_per_node": bandwidths.ethernet_per_node}},
+        "transports": {p.label: {"transport": p.transport, "path": p.path, "trainer_rank_s": list(p.trainer_rank_s),
+                                 "inference_rank_s": list(p.inference_rank_s), "sync_s": p.sync_s,
+                                 "same_node_only": p.same_node_only} for p in predictions},
     }
+
+
+def _transport_table(s: dict) -> list[str]:
+    """Per trainer rank and per inference GPU: bytes and seconds over each transport; then the figures used."""
+    sent, recv = s["trainer"]["sent_bytes"], s["inference"]["received_bytes"]
+    preds = s["transports"]
+    inference_unit = "GPU" if s["on_gpus"]["inference"] else "rank"
+    cpu = {side: "" if s["on_gpus"][side] else ", CPU" for side in ("trainer", "inference")}
+
+    def size(values: list[int]) -> str:
+        return _size(max(values)) if min(values) == max(values) else f"<= {_size(max(values))}"
+
+    rows = [(f"per trainer rank (x{len(sent)}{cpu['trainer']})", size(sent), "trainer_rank_s"),
+            (f"per inference {inference_unit} (x{len(recv)}{cpu['inference']})", size(recv), "inference_rank_s"),
+            ("sync", "", "sync_s")]
+    first = max(len(r[0]) for r in rows)
+    cols = {label: [_sec(max(p[key]) if isinstance(p[key], list) else p[key]) for _, _, key in rows]
+            for label, p in preds.items()}
+    width = {label: max(len(label), *(len(v) for v in values)) for label, values in cols.items()}
+    lines = ["  predicted sync per transport (every rank at once, at the bandwidths below; the slowest sets the sync):",
+             f"    {'':<{first}}  {'bytes':>10}  " + "  ".join(f"{label:>{width[label]}}" for label in cols)]
+    for i, (name, nbytes, _) in enumerate(rows):
+        lines.append(f"    {name:<{first}}  {nbytes:>10}  " + "  ".join(f"{v[i]:>{width[label]}}"
+                                                                    for label, v in cols.items()))
+    key_width = max(len(label) for label in preds)
+    lines += [f"    {label:<{key_width}}  {p['path']}" for label, p in preds.items()]
+    if "nccl-nvlink" in preds:
+        lines.append("  trainer and inference run on nodes of their own in the hetjob: NCCL goes over InfiniBand; "
+                     "NVLink only joins GPUs of one node")
+    wt = s["weight_transport"]
+    lines.append(f"  this run: {wt['resolved']} (inference.weight_transport = \"{wt['configured']}\"), "
+                 f"predicted {_sec(preds[wt['resolved']]['sync_s'])}")
+    if s["warning"]:
+        lines.append(f"  warning: {s['warning']}")
+    return lines
 
 
 def render_transfer(s: dict) -> str:
@@ -73,10 +141,11 @@ def render_transfer(s: dict) -> str:
         f"(vLLM NCCL {s['baselines_sync_s']['vllm-nccl']:.4g} s, M2N {s['baselines_sync_s']['vllm-m2n']:.4g} s, "
         "receive side)",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + _transport_table(s))
 
 
-def run_transfer(config: Config, shape: ModelShape, *, link_gbps: float, bucket_mib: float, as_json: bool) -> int:
-    summary = transfer_summary(config, shape, link_gbps=link_gbps, bucket_mib=bucket_mib)
+def run_transfer(config: Config, shape: ModelShape, *, link_gbps: float, bucket_mib: float, as_json: bool,
+                 tcp_gbps: float = 25.0) -> int:
+    summary = transfer_summary(config, shape, link_gbps=link_gbps, bucket_mib=bucket_mib, tcp_gbps=tcp_gbps)
     print(json.dumps(summary, indent=2) if as_json else render_transfer(summary))
     return 0

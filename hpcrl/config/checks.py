@@ -32,6 +32,7 @@ def check_config(config: Config) -> ModelShape:
     _check_groups_against_roles(config)
     _check_cluster(config)
     make_components(config)  # what each task gets of its node: raises when a node cannot hold it
+    _check_weight_transport(config)
     _check_reward(config)
     _check_data(config)
     return shape
@@ -163,6 +164,20 @@ def _check_cluster(config: Config) -> None:
         if gpus > cluster.gpus_per_node:
             _fail(key, f"asks for {gpus} GPUs per node, but {cluster.name!r} nodes have {cluster.gpus_per_node}",
                   f"set {key} to at most {cluster.gpus_per_node}")
+
+
+def _check_weight_transport(config: Config) -> None:
+    """NCCL moves GPU tensors between GPUs: both ends need them. (Gloo or UCX on GPUs is allowed when written;
+    `hpcrl plan` warns of the host round trip, hpcrl.plan.transfer_speed.host_round_trip_warning.)"""
+    if config.inference.weight_transport != "nccl":
+        return
+    on_cpu = [f"{key} = 0" for key, gpus in (("trainer.gpus_per_node", config.trainer.gpus_per_node),
+                                             ("inference.gpus_per_node", config.inference.gpus_per_node)) if gpus == 0]
+    if on_cpu:
+        _fail("inference.weight_transport",
+              f'weight_transport = "nccl" sends from GPU to GPU, but {" and ".join(on_cpu)} (on CPU)',
+              'set weight_transport = "gloo" for CPU groups, or remove it ("auto": nccl when both groups have GPUs, '
+              "else gloo)")
 
 
 def _check_reward(config: Config) -> None:

@@ -191,9 +191,10 @@ class InferenceConfig:
     transfer_round_mib: int = 256
     """Staging memory per rank and round of a weight update, in MiB: the update runs in rounds that keep each
     sender's and receiver's buffers under this (one parameter block larger than it goes alone)."""
-    weight_transport: Literal["gloo", "ucx"] = "gloo"
-    """How trainer shards reach vLLM workers: "gloo" (TCP), or "ucx" (shared memory / TCP / RDMA through ucxx,
-    `pip install ucxx-cu12`). NCCL is not built yet."""
+    weight_transport: Literal["auto", "nccl", "gloo", "ucx"] = "auto"
+    """How trainer shards reach vLLM workers: "nccl" (GPU to GPU, needs GPUs in both groups), "gloo" (TCP from host
+    memory), "ucx" (host memory over shared memory / TCP / RDMA through ucxx, `pip install ucxx-cu12`); "auto" =
+    nccl when the trainer and inference both have GPUs, else gloo (resolved by Config.weight_transport)."""
 
     def __post_init__(self) -> None:
         for key in ("replicas", "tensor_parallel", "max_tokens", "transfer_round_mib"):
@@ -427,6 +428,15 @@ class Config:
     @property
     def run_dir(self) -> str:
         return self.run.run_dir or f"runs/{self.run.name}"
+
+    @property
+    def weight_transport(self) -> Literal["nccl", "gloo", "ucx"]:
+        """The transport of the weight transfer: inference.weight_transport, "auto" resolved to "nccl" when the
+        trainer and inference both run on GPUs (gpus_per_node > 0), else "gloo". Every reader asks this."""
+        chosen = self.inference.weight_transport
+        if chosen != "auto":
+            return chosen
+        return "nccl" if self.trainer.gpus_per_node > 0 and self.inference.gpus_per_node > 0 else "gloo"
 
     @property
     def max_model_len(self) -> int:

@@ -34,6 +34,7 @@ from typing import TypedDict
 from hpcrl.config.components import Component, make_components
 from hpcrl.config.model_shapes import DTYPE_BYTES, ModelShape
 from hpcrl.config.schema import Config
+from hpcrl.plan.transfer_speed import host_round_trip_warning
 
 GIB = 1024**3
 #: CUDA context, NCCL buffers, allocator slack per GPU.
@@ -92,6 +93,8 @@ class ResourcePlan:
     kv_cache_tokens: int
     """Tokens the KV cache of one replica holds (all its TP ranks together)."""
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    """What the config chose that costs the run (a weight transport that stages through the host)."""
 
     @property
     def fits(self) -> bool:
@@ -202,4 +205,5 @@ def plan_resources(config: Config, shape: ModelShape) -> ResourcePlan:
         inference_memory=inference_memory,
         kv_cache_tokens=kv_tokens,
         notes=notes,
+        warnings=[w for w in (host_round_trip_warning(config),) if w],
     )

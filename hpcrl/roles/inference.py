@@ -59,7 +59,7 @@ class InferenceRole(Role):
                          inference=self.plan.inference, wire_dtype=self.plan.wire_dtype,
                          bucket_bytes=self.plan.bucket_bytes, timeout_s=float(args["timeout_s"]),
                          external_store=True, digest=self.plan.digest, generation=int(args.get("generation", 0)),
-                         transport=self.config.inference.weight_transport)
+                         transport=self.config.weight_transport)
         await self.on_engine(self.engine.llm.init_weight_transfer_engine, {"init_info": info})
         return {"replica": self.replica}
 

@@ -124,7 +124,7 @@ class TrainerRole(Role):
             self.sender = TrainerSender.connect(self.plan, rank=self.rank, host=args["host"], port=int(args["port"]),
                                                 timeout_s=float(args["timeout_s"]), external_store=True,
                                                 generation=int(args.get("generation", 0)),
-                                                transport=self.config.inference.weight_transport)
+                                                transport=self.config.weight_transport)
         await self.on_engine(connect)
         return {"rank": self.rank}
 

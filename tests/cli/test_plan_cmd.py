@@ -36,6 +36,24 @@ def test_plan_of_the_70b_config_prints_every_component_with_its_gpus_cpus_and_me
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport, path", [("gloo", "GPU -> host -> TCP -> host -> GPU"),
+                                             ("ucx", "GPU -> host -> UCX (it moves CPU tensors only) -> host -> GPU")])
+def test_plan_warns_of_the_host_round_trip_when_gloo_or_ucx_is_written_for_gpu_groups(transport, path):
+    done = hpcrl("plan", "configs/llama8b_grpo.toml", "--set", f'inference.weight_transport="{transport}"')
+    assert done.returncode == 0, done.stderr
+    warning = next(line for line in done.stdout.splitlines() if line.startswith("warning: "))
+    assert f'inference.weight_transport = "{transport}"' in warning and path in warning
+    assert "unpinned host memory" in warning and 'set weight_transport = "nccl"' in warning
+
+
+@pytest.mark.timeout(60)
+def test_plan_of_a_gpu_config_left_on_auto_warns_of_nothing():
+    done = hpcrl("plan", "configs/llama8b_grpo.toml", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["warnings"] == []
+
+
+@pytest.mark.timeout(60)
 def test_plan_json_is_machine_readable():
     done = hpcrl("plan", "configs/llama70b_grpo.toml", "--json")
     assert done.returncode == 0, done.stderr

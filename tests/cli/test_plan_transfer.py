@@ -1,4 +1,4 @@
-"""`hpcrl plan --transfer`: bytes per rank, 1.00x the minimum for every shipped config, sync time."""
+"""`hpcrl plan --transfer`: bytes per rank, 1.00x the minimum for every shipped config, sync time per transport."""
 
 from __future__ import annotations
 
@@ -53,7 +53,64 @@ def test_transfer_json_scales_sync_time_with_the_link_and_shows_hsdp_share():
 
 
 @pytest.mark.timeout(60)
-def test_a_non_positive_link_speed_is_a_one_line_error():
-    done = hpcrl("plan", "--transfer", "configs/tiny_grpo.toml", "--link-gbps", "0")
+def test_the_70b_plan_shows_bytes_and_nccl_sync_per_trainer_rank_and_per_inference_gpu():
+    done = hpcrl("plan", "--transfer", "configs/llama70b_grpo.toml")
+    assert done.returncode == 0, done.stderr
+    rows = {line.split(")")[0].strip() + ")": line.split(")", 1)[1].split() for line in done.stdout.splitlines()
+            if line.strip().startswith(("per trainer rank (", "per inference GPU ("))}
+    # 8.82e9 bytes per trainer rank, 17.64e9 per inference GPU, at 50 GB/s: 0.1764 s and 0.3528 s
+    assert rows["per trainer rank (x64)"][:4] == ["8.215", "GiB", "0.1764", "s"]
+    assert rows["per inference GPU (x32)"][:4] == ["16.429", "GiB", "0.3528", "s"]
+    out = done.stdout
+    assert "nccl         NCCL over InfiniBand NDR, 50 GB/s per GPU (400 Gbit/s, a port per GPU)" in out
+    assert "450 GB/s per H100 and direction (within a node only)" in out
+    assert "nodes of their own in the hetjob: NCCL goes over InfiniBand" in out
+    assert "TCP 25 Gbit/s per node shared by its ranks" in out
+    assert 'this run: nccl (inference.weight_transport = "auto"), predicted 0.3528 s' in out
+    assert "warning" not in out
+
+
+@pytest.mark.timeout(60)
+def test_the_transfer_view_predicts_every_transport_and_warns_of_gloo_written_on_gpus():
+    done = hpcrl("plan", "--transfer", "--json", "configs/llama70b_grpo.toml", "--set",
+                 'inference.weight_transport="gloo"')
+    assert done.returncode == 0, done.stderr
+    s = json.loads(done.stdout)
+    assert s["weight_transport"] == {"configured": "gloo", "resolved": "gloo"}
+    assert "GPU -> host -> TCP -> host -> GPU" in s["warning"]
+    t = s["transports"]
+    assert list(t) == ["nccl", "nccl-nvlink", "gloo", "ucx"]
+    assert t["nccl"]["sync_s"] == pytest.approx(s["predicted_sync_s"])
+    assert len(t["gloo"]["trainer_rank_s"]) == 64 and len(t["gloo"]["inference_rank_s"]) == 32
+    # gloo: 17.64 GB per inference GPU copied out at 25 GB/s, 8 GPUs a node through 25 Gbit/s of Ethernet, copied in
+    assert t["gloo"]["sync_s"] == pytest.approx(8.82e9 / 25e9 + 8 * 17.64e9 / 3.125e9 + 17.64e9 / 25e9, rel=1e-3)
+    text = hpcrl("plan", "--transfer", "configs/llama70b_grpo.toml", "--set", 'inference.weight_transport="gloo"')
+    assert 'this run: gloo (inference.weight_transport = "gloo"), predicted 46.22 s' in text.stdout
+    assert '  warning: inference.weight_transport = "gloo"' in text.stdout
+
+
+@pytest.mark.timeout(60)
+def test_the_tcp_speed_scales_gloos_network_time_and_no_other():
+    slow, fast = (json.loads(hpcrl("plan", "--transfer", "--json", "configs/llama8b_grpo.toml", "--tcp-gbps",
+                                   gbps).stdout)["transports"] for gbps in ("25", "100"))
+    assert fast["nccl"] == slow["nccl"] and fast["ucx"] == slow["ucx"]
+    copies = 2 * 8.03e9 / 25e9  # one trainer node -> one inference node, 8 ranks each: copy out, copy in
+    assert slow["gloo"]["sync_s"] - copies == pytest.approx(4 * (fast["gloo"]["sync_s"] - copies), rel=1e-3)
+
+
+@pytest.mark.timeout(60)
+def test_cpu_groups_are_predicted_over_gloo_and_ucx_without_copies():
+    done = hpcrl("plan", "--transfer", "configs/tiny_grpo.toml")
+    assert done.returncode == 0, done.stderr
+    assert "per trainer rank (x1, CPU)" in done.stdout and "per inference rank (x1, CPU)" in done.stdout
+    assert "nccl" not in done.stdout.split("predicted sync per transport")[1]
+    assert "gloo  TCP 25 Gbit/s per node shared by its ranks" in done.stdout
+    assert 'this run: gloo (inference.weight_transport = "auto")' in done.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flag", ["--link-gbps", "--tcp-gbps"])
+def test_a_non_positive_link_speed_is_a_one_line_error(flag):
+    done = hpcrl("plan", "--transfer", "configs/tiny_grpo.toml", flag, "0")
     assert done.returncode == 2
-    assert "--link-gbps" in done.stderr and "Traceback" not in done.stderr
+    assert flag in done.stderr and "Traceback" not in done.stderr

@@ -152,6 +152,9 @@ CASES = [
     ("empty file", "", None, [], "run", ["required key 'run' is missing"], None),
     ("negative start timeout", edit(BASE, 'name = "t"', 'name = "t"\nstart_timeout_s = -5'), None, [],
      "run.start_timeout_s", ["must be 0 (derived from the model's size) or more seconds", "remove start_timeout_s"], 3),
+    ("NCCL weight transport on CPU groups", edit(BASE, "max_tokens = 8", 'max_tokens = 8\nweight_transport = "nccl"'),
+     None, [], "inference.weight_transport",
+     ['"nccl" sends from GPU to GPU', "trainer.gpus_per_node = 0", 'set weight_transport = "gloo"'], 22),
     ("relative cluster.python", BASE + '\n[cluster]\npython = "venv/bin/python"\n', None, [],
      "cluster.python", ["'venv/bin/python' is not an absolute path", "absolute path on the compute nodes"], 34),
 ]
