@@ -438,6 +438,17 @@ class Config:
             return chosen
         return "nccl" if self.trainer.gpus_per_node > 0 and self.inference.gpus_per_node > 0 else "gloo"
 
+    def one_process_weight_transport(self) -> Literal["gloo", "ucx"]:
+        """The transport of `hpcrl run`, where the trainer and vLLM share this machine's GPU: "auto" is gloo,
+        because NCCL refuses two ranks of one communicator on one GPU; a written "nccl" is a ConfigError."""
+        chosen = self.inference.weight_transport
+        if chosen == "nccl":
+            raise ConfigError(key="inference.weight_transport",
+                              problem="hpcrl run puts the trainer and vLLM on one GPU, and NCCL cannot join two ranks "
+                                      "on one GPU",
+                              fix='remove the key (hpcrl run then uses gloo), or run the config as a job: hpcrl submit')
+        return "gloo" if chosen == "auto" else chosen
+
     @property
     def max_model_len(self) -> int:
         """Longest sequence (prompt + completion) vLLM serves: inference.max_model_len, or the data's."""

@@ -93,6 +93,7 @@ class InProcessPorts:
                              f"{config.trainer.world_size} and {config.inference.replicas}. Fix: --set "
                              "trainer.nodes=1 --set trainer.ranks_per_node=1 --set inference.replicas=1, or submit "
                              "the run as a job (hpcrl submit)")
+        transport = config.one_process_weight_transport()  # before anything loads
         self.config = config
         started = time.monotonic()
         self._trainer = OneProcessTrainer(config)
@@ -109,17 +110,17 @@ class InProcessPorts:
         info = init_info(host="127.0.0.1", port=self._store.port, replica=0, trainer=self.plan.trainer,
                          inference=self.plan.inference, wire_dtype=self.plan.wire_dtype,
                          bucket_bytes=self.plan.bucket_bytes, timeout_s=120, external_store=True, digest=self.plan.digest,
-                         transport=config.weight_transport)
+                         transport=transport)
         # Both ends must join the transfer group at once: vLLM's side blocks in its workers.
         with ThreadPoolExecutor(1) as pool:
             joined = pool.submit(llm.init_weight_transfer_engine, {"init_info": info})
             self.sender = self.on_trainer.call(
                 lambda: TrainerSender.connect(self.plan, rank=0, host="127.0.0.1", port=self._store.port,
                                               timeout_s=120, external_store=True,
-                                              transport=config.weight_transport))
+                                              transport=transport))
             joined.result()
         log.info(f"vLLM engine and reward pool up, weight transfer joined in {time.monotonic() - started:.1f} s "
-                 f"({config.weight_transport}); training")
+                 f"({transport}); training")
 
     # -- Ports ---------------------------------------------------------------------------------
     async def generate(self, prompts: list[Prompt], *, n: int, seed: int) -> list[list[Completion]]:

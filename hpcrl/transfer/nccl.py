@@ -247,9 +247,9 @@ def open_nccl_group(*, host: str, port: int, rank: int, world_size: int, timeout
                             f"{timeout_s:g} s (a rank missing, or NCCL cannot reach a peer: check NCCL_SOCKET_IFNAME "
                             "and NCCL_DEBUG=INFO)")
     if "error" in holder:
-        err = holder["error"]
+        failure = holder["error"]
         raise TransferError(f"transfer group rank {rank}/{world_size}: the NCCL communicator failed to form: "
-                            f"{err}") from err
+                            f"{failure}") from failure
     comm = check_communicator(holder["comm"], rank=rank)
     return NcclGroup(rank=rank, world_size=world_size, comm=comm, store=store, prefix=prefix, timeout_s=timeout_s,
                      runtime=runtime)

@@ -1,6 +1,6 @@
 """The transports of the transfer group, by name: `open_group("gloo" | "ucx" | "nccl", ...)`.
 
-    group = open_group(config.inference.weight_transport, host=..., port=..., rank=r, world_size=w,
+    group = open_group(config.weight_transport, host=..., port=..., rank=r, world_size=w,
                        timeout_s=120, external_store=True)
     group.check_digests(rank=r, digest=plan.digest, describe=...)      # then execute.py drives it
 
@@ -32,8 +32,10 @@ class TransferLink(Protocol):
     """What execute.py needs of an open transfer group (ranks numbered as in execute.inference_group_rank)."""
 
     transport: str
-    device: torch.device
-    """Where the transport reads and writes buffers (staging lives there)."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the transport reads and writes buffers (staging lives there)."""
 
     def round(self, timeout: timedelta) -> AbstractContextManager[None]:
         """The operations of one round of the schedule are issued inside it (NCCL: one group)."""

@@ -117,3 +117,13 @@ def test_only_the_config_package_reads_the_unresolved_weight_transport():
     readers = {str(p.relative_to(REPO)): lines for p in sorted((REPO / "hpcrl").rglob("*.py"))
                if (lines := _reads_of_the_written_transport(p))}
     assert set(readers) == {"hpcrl/config/schema.py", "hpcrl/config/checks.py"}, readers
+
+
+@pytest.mark.parametrize("written, used", [("auto", "gloo"), ("gloo", "gloo"), ("ucx", "ucx")])
+def test_hpcrl_run_on_one_gpu_uses_gloo_for_auto_and_keeps_a_written_host_transport(written, used):
+    assert config_with(8, 8, written).one_process_weight_transport() == used
+
+
+def test_hpcrl_run_refuses_a_written_nccl_because_its_two_ranks_would_share_one_gpu():
+    with pytest.raises(ConfigError, match="NCCL cannot join two ranks on one GPU"):
+        config_with(8, 8, "nccl").one_process_weight_transport()

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import timedelta

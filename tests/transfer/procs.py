@@ -88,7 +88,7 @@ def receiver(spec: dict, replica: int, tp_rank: int, port: int, results) -> None
             world = p.trainer.world_size + p.inference.replicas * p.inference.tensor_parallel
             group = open_group(transport(spec), host="127.0.0.1", port=port, rank=rank, world_size=world,
                                timeout_s=60, external_store=True, generation=generation)
-            group.check_digests(rank=rank, digest=p.digest, describe=lambda r: execute.describe_group_rank(p, r))
+            group.check_digests(rank=rank, digest=p.digest, describe=lambda r, p=p: execute.describe_group_rank(p, r))
             dests = {d.name: torch.full(d.local_shape, -1.0) for d in p.dests}
             t0 = time.monotonic()
             try:
