@@ -7,8 +7,9 @@ the figures are one way, in bytes per second (Bandwidths):
     nccl-nvlink   GPU -> GPU inside one node: NVLink 4, 450 GB/s per H100 and direction. Only for
                   a sender and a receiver on one node, which hpcrl's hetjob never has (trainer and
                   inference are components on nodes of their own): shown for scale, never chosen
-    gloo          GPU -> host over PCIe (Gen5 x16 from pageable memory, 25 GB/s), TCP on the
-                  node's Ethernet (25 Gbit/s, shared by every rank of the node), host -> GPU (25 GB/s)
+    gloo          GPU -> pinned host staging over PCIe (Gen5 x16, 50 GB/s; 55 GB/s measured on an
+                  H100 node, docs/FACTS.md), TCP on the node's Ethernet (25 Gbit/s, shared by every
+                  rank of the node), host -> GPU (50 GB/s)
     ucx           GPU -> host, RDMA from host memory at the InfiniBand rate per rank, host -> GPU
                   (hpcrl's UCX transport moves CPU tensors only)
 
@@ -42,8 +43,9 @@ class Bandwidths:
     """InfiniBand NDR: one 400 Gbit/s port per GPU (H100 nodes with a NIC per GPU); UCX's RDMA per rank too."""
     nvlink_per_gpu: float = 450 * GB
     """NVLink 4 of an H100: 18 links, 450 GB/s each direction (within a node only)."""
-    pcie: float = 25 * GB
-    """A copy between GPU and pageable host memory over PCIe Gen5 x16 (64 GB/s raw; pinned copies reach ~50)."""
+    pcie: float = 50 * GB
+    """A copy between GPU and pinned host memory over PCIe Gen5 x16 (64 GB/s raw; 55 GB/s measured on an H100).
+    execute.py stages host transports in pinned memory."""
     ethernet_per_node: float = 25e9 / 8
     """The node's Ethernet for TCP, 25 Gbit/s, shared by every rank on the node."""
 
@@ -82,7 +84,7 @@ def _host_path(label: str, network: str, sent: Sequence[int], received: Sequence
     out = [n / copy_out if copy_out else 0.0 for n in sent]
     back = [n / copy_in if copy_in else 0.0 for n in received]
     sync = max(out) + max(max(trainer_net), max(inference_net)) + max(back)
-    path = ", ".join(([f"GPU -> host {copy_out / GB:g} GB/s (PCIe Gen5 x16, pageable)"] if copy_out else [])
+    path = ", ".join(([f"GPU -> host {copy_out / GB:g} GB/s (PCIe Gen5 x16, pinned)"] if copy_out else [])
                      + [network] + ([f"host -> GPU {copy_in / GB:g} GB/s"] if copy_in else []))
     return SyncPrediction(label=label, transport=label, path=path, sync_s=sync,
                           trainer_rank_s=tuple(a + b for a, b in zip(out, trainer_net, strict=True)),
@@ -124,6 +126,6 @@ def host_round_trip_warning(config: Config) -> str:
         return ""
     path = "TCP" if chosen == "gloo" else "UCX (it moves CPU tensors only)"
     return (f'inference.weight_transport = "{chosen}" with GPUs in the trainer and inference groups: every weight '
-            f"goes GPU -> host -> {path} -> host -> GPU, copied through unpinned host memory on both ends, each "
+            f"goes GPU -> host -> {path} -> host -> GPU, staged in pinned host memory on both ends, each "
             'update (`hpcrl plan --transfer` predicts the time); set weight_transport = "nccl", or remove it '
             '("auto" picks nccl when both groups have GPUs)')

@@ -43,7 +43,7 @@ def test_plan_warns_of_the_host_round_trip_when_gloo_or_ucx_is_written_for_gpu_g
     assert done.returncode == 0, done.stderr
     warning = next(line for line in done.stdout.splitlines() if line.startswith("warning: "))
     assert f'inference.weight_transport = "{transport}"' in warning and path in warning
-    assert "unpinned host memory" in warning and 'set weight_transport = "nccl"' in warning
+    assert "pinned host memory" in warning and 'set weight_transport = "nccl"' in warning
 
 
 @pytest.mark.timeout(60)

@@ -82,10 +82,10 @@ def test_the_transfer_view_predicts_every_transport_and_warns_of_gloo_written_on
     assert list(t) == ["nccl", "nccl-nvlink", "gloo", "ucx"]
     assert t["nccl"]["sync_s"] == pytest.approx(s["predicted_sync_s"])
     assert len(t["gloo"]["trainer_rank_s"]) == 64 and len(t["gloo"]["inference_rank_s"]) == 32
-    # gloo: 17.64 GB per inference GPU copied out at 25 GB/s, 8 GPUs a node through 25 Gbit/s of Ethernet, copied in
-    assert t["gloo"]["sync_s"] == pytest.approx(8.82e9 / 25e9 + 8 * 17.64e9 / 3.125e9 + 17.64e9 / 25e9, rel=1e-3)
+    # gloo: 17.64 GB per inference GPU copied out at 50 GB/s (pinned), 8 GPUs a node through 25 Gbit/s of Ethernet, copied in
+    assert t["gloo"]["sync_s"] == pytest.approx(8.82e9 / 50e9 + 8 * 17.64e9 / 3.125e9 + 17.64e9 / 50e9, rel=1e-3)
     text = hpcrl("plan", "--transfer", "configs/llama70b_grpo.toml", "--set", 'inference.weight_transport="gloo"')
-    assert 'this run: gloo (inference.weight_transport = "gloo"), predicted 46.22 s' in text.stdout
+    assert 'this run: gloo (inference.weight_transport = "gloo"), predicted 45.69 s' in text.stdout
     assert '  warning: inference.weight_transport = "gloo"' in text.stdout
 
 
@@ -94,7 +94,7 @@ def test_the_tcp_speed_scales_gloos_network_time_and_no_other():
     slow, fast = (json.loads(hpcrl("plan", "--transfer", "--json", "configs/llama8b_grpo.toml", "--tcp-gbps",
                                    gbps).stdout)["transports"] for gbps in ("25", "100"))
     assert fast["nccl"] == slow["nccl"] and fast["ucx"] == slow["ucx"]
-    copies = 2 * 8.03e9 / 25e9  # one trainer node -> one inference node, 8 ranks each: copy out, copy in
+    copies = 2 * 8.03e9 / 50e9  # one trainer node -> one inference node, 8 ranks each: copy out, copy in
     assert slow["gloo"]["sync_s"] - copies == pytest.approx(4 * (fast["gloo"]["sync_s"] - copies), rel=1e-3)
 
 

@@ -72,9 +72,9 @@ def test_each_prediction_states_its_bandwidths():
         inference_ranks_per_node=1, trainer_on_gpus=True, inference_on_gpus=True)}
     assert paths["nccl"] == "NCCL over InfiniBand NDR, 50 GB/s per GPU (400 Gbit/s, a port per GPU)"
     assert paths["nccl-nvlink"] == "NCCL over NVLink, 450 GB/s per H100 and direction (within a node only)"
-    assert paths["gloo"] == ("GPU -> host 25 GB/s (PCIe Gen5 x16, pageable), TCP 25 Gbit/s per node shared by its "
-                             "ranks, host -> GPU 25 GB/s")
-    assert paths["ucx"].startswith("GPU -> host 25 GB/s") and "RDMA from host memory 50 GB/s per rank" in paths["ucx"]
+    assert paths["gloo"] == ("GPU -> host 50 GB/s (PCIe Gen5 x16, pinned), TCP 25 Gbit/s per node shared by its "
+                             "ranks, host -> GPU 50 GB/s")
+    assert paths["ucx"].startswith("GPU -> host 50 GB/s") and "RDMA from host memory 50 GB/s per rank" in paths["ucx"]
 
 
 def test_a_prediction_without_ranks_is_a_plan_error():
@@ -90,7 +90,7 @@ def config_with(trainer_gpus: int, inference_gpus: int, written: str) -> Config:
 
 
 @pytest.mark.parametrize("trainer_gpus, inference_gpus, written, words", [
-    (8, 8, "gloo", ["GPU -> host -> TCP -> host -> GPU", "unpinned", 'set weight_transport = "nccl"']),
+    (8, 8, "gloo", ["GPU -> host -> TCP -> host -> GPU", "pinned host memory", 'set weight_transport = "nccl"']),
     (8, 8, "ucx", ["GPU -> host -> UCX (it moves CPU tensors only) -> host -> GPU", 'set weight_transport = "nccl"']),
     (8, 8, "auto", []),
     (8, 8, "nccl", []),
