@@ -23,7 +23,8 @@ the message, its parameters and both ranks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -49,6 +50,19 @@ def schedule(plan: TransferPlan) -> list[list[Message]]:
 
 def inference_group_rank(plan: TransferPlan, replica: int, tp_rank: int) -> int:
     return plan.trainer.world_size + replica * plan.inference.tensor_parallel + tp_rank
+
+
+@contextmanager
+def _issuing(plan: TransferPlan, batch: list[Message], side: str) -> Iterator[None]:
+    """Issuing a round's operations: a failure (NCCL's group_end after an abort) names the round's messages."""
+    try:
+        yield
+    except TransferError:
+        raise
+    except Exception as err:  # noqa: BLE001 - re-raised naming the round
+        verb = "sending" if side == "source" else "receiving"
+        more = f" and {len(batch) - 1} more in its round" if len(batch) > 1 else ""
+        raise TransferError(f"{verb} {_what(plan, batch[0], side)}{more} could not be issued: {err}") from err
 
 
 def _wait(link, plan: TransferPlan, m: Message, work, timeout: timedelta, side: str, batch: list[Message]) -> None:
@@ -210,7 +224,7 @@ def send(link, plan: TransferPlan, rank: int, sources: list[torch.Tensor | None]
         for m, buf in zip(batch, staging.slices(staging.work, sizes)):
             pack(plan, m, sources, buf)
         staging.to_link(sum(sizes))
-        with link.round(timeout):
+        with _issuing(plan, batch, "source"), link.round(timeout):
             posted = [(m, link.isend(buf, inference_group_rank(plan, m.replica, m.tp_rank), m.id))
                       for m, buf in zip(batch, staging.slices(staging.link, sizes))]
         for m, work in posted:
@@ -235,7 +249,7 @@ def receive(link, plan: TransferPlan, replica: int, tp_rank: int, dests: list[to
     received = 0
     for batch in mine:
         sizes = [m.numel for m in batch]
-        with link.round(timeout):
+        with _issuing(plan, batch, "dest"), link.round(timeout):
             posted = [(m, link.irecv(buf, m.src_rank, m.id))
                       for m, buf in zip(batch, staging.slices(staging.link, sizes))]
         for m, work in posted:

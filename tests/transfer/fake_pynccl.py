@@ -65,7 +65,7 @@ class _Stream:
         # gloo completes a send or receive only inside wait(): block (bounded by the group's timeout).
         if self.comm.aborted:
             raise FakeNcclError("communicator aborted with operations in flight")
-        work.wait(OP_TIMEOUT)
+        work.wait(self.comm.op_timeout)
         if self.comm.aborted:
             raise FakeNcclError("communicator aborted with operations in flight")
 
@@ -106,7 +106,7 @@ class _Stream:
 class StrictFakePyNccl:
     """PyNcclCommunicator's surface on CPU (see the module docstring)."""
 
-    def __init__(self, group, device: torch.device) -> None:
+    def __init__(self, group, device: torch.device, *, op_timeout: timedelta = OP_TIMEOUT) -> None:
         from vllm.distributed.utils import StatelessProcessGroup
 
         if not isinstance(group, StatelessProcessGroup) or not isinstance(group.store, dist.PrefixStore):
@@ -120,6 +120,7 @@ class StrictFakePyNccl:
         unique_id = group.broadcast_obj(os.urandom(16).hex() if group.rank == 0 else None, src=0)
         self.pg = ProcessGroupGloo(dist.PrefixStore(f"fake-nccl/{unique_id}", group.store), self.rank,
                                    self.world_size, OP_TIMEOUT)
+        self.op_timeout = op_timeout
         self.available, self.disabled, self.aborted = True, False, False
         self._depth, self._ops = 0, []
         self._sends: dict[int, int] = defaultdict(int)
@@ -169,6 +170,11 @@ class StrictFakePyNccl:
 
     def destroy(self) -> None:
         self.aborted, self.available, self.disabled = True, False, True
+
+    def join(self) -> None:
+        """Wait until the group in flight ended (an aborted one's gloo waits end within op_timeout)."""
+        if self._stream is not None:
+            self._stream.thread.join()
 
 
 class DisabledPyNccl:

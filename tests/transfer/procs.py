@@ -103,3 +103,42 @@ def receiver(spec: dict, replica: int, tp_rank: int, port: int, results) -> None
         except BaseException as err:  # noqa: BLE001 - reported to the test
             results.put(("receiver", (replica, tp_rank), type(err).__name__, f"{err}", generation,
                          time.monotonic() - t0))
+
+
+def fake_scenario(scenario: str, rank: int, port: int, results) -> None:
+    """One rank of a two-rank exchange over the strict fake PyNccl (test_fake_pynccl.py)."""
+    try:
+        import time
+        from datetime import timedelta
+
+        import fake_pynccl
+        import torch
+        import torch.distributed as dist
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        from hpcrl.transfer.rendezvous import rendezvous_store
+        store, prefix = rendezvous_store(host="127.0.0.1", port=port, rank=rank, world_size=2, timeout_s=60,
+                                         external_store=True, generation=0)
+        comm = fake_pynccl.StrictFakePyNccl(StatelessProcessGroup(rank=rank, world_size=2, store=prefix),
+                                            torch.device("cpu"), op_timeout=timedelta(seconds=3))
+        assert isinstance(prefix, dist.PrefixStore)
+        sends = {"in-order": [torch.arange(3.0), torch.arange(5.0) + 10], "swapped": [torch.zeros(3), torch.zeros(5)],
+                 "dtype": [torch.zeros(4, dtype=torch.bfloat16)]}[scenario]
+        recvs = {"in-order": [torch.empty(3), torch.empty(5)], "swapped": [torch.empty(5), torch.empty(3)],
+                 "dtype": [torch.empty(4)]}[scenario]
+        comm.group_start()
+        for t in sends if rank == 0 else recvs:
+            (comm.send if rank == 0 else comm.recv)(t, 1 - rank)
+        comm.group_end()
+        done, end = comm.completion(), time.monotonic() + 20
+        try:
+            while not done():
+                if time.monotonic() > end:
+                    raise TimeoutError("the group did not finish within 20 s")
+                time.sleep(0.001)
+        finally:
+            comm.destroy()
+            comm.join()
+        results.put((rank, "ok", [t.tolist() for t in recvs] if rank == 1 else None))
+    except BaseException as err:  # noqa: BLE001 - reported to the test
+        results.put((rank, type(err).__name__, str(err)))
