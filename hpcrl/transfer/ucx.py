@@ -14,8 +14,9 @@ Requests are driven by this thread (`worker.progress_once()` until done or the d
 progress thread and no event loop, so the caller's thread (a trainer rank, a vLLM worker inside
 collective_rpc) sees a plain blocking call with a timeout. Endpoints are made with UCX's error
 handling on: a peer that dies fails the sender's request with an error instead of killing the
-process; a receiver waiting for a dead sender runs into its timeout. Only CPU tensors are moved
-(GPU buffers through ucxx's CUDA support are not built: untested here).
+process; a receiver waiting for a dead sender runs into its timeout. Only host memory is moved:
+with tensors on a GPU, execute.py stages them in pinned host buffers (GPU buffers through ucxx's
+CUDA support are not built: untested here; NCCL is the GPU transport).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class UcxGroup:
     def _bytes(self, buf: torch.Tensor):
         if buf.device.type != "cpu":
             raise TransferError(f"the UCX weight transport moves CPU tensors; this buffer is on {buf.device} "
-                                "(use the gloo transport, or NCCL once it is built)")
+                                "(execute.py stages GPU tensors in host memory for it; NCCL is the GPU transport)")
         if not buf.is_contiguous():
             raise TransferError("the UCX weight transport needs contiguous buffers")
         flat = buf.reshape(-1).view(torch.uint8)  # any dtype (bfloat16 has no numpy type)
