@@ -189,8 +189,9 @@ class Staging:
             _synchronize(self.work.device)
 
     def to_work(self, numel: int) -> None:
-        if self.hop:
+        if self.hop:  # synchronised: the next round receives into the same host buffer
             self.work[:numel].copy_(self.link[:numel], non_blocking=True)
+            _synchronize(self.work.device)
 
 
 def _synchronize(device: torch.device) -> None:
