@@ -158,37 +158,12 @@ class BudgetSpent(BaseException):
     """The overall time budget ran out (SIGALRM): stop wherever the run is."""
 
 
-def _session_pids(sid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getsid(int(entry)) == sid:
-                    pids.append(int(entry))
-            except OSError:
-                pass
-    return pids
-
-
-def _shared_memory(pids: list[int]) -> set[str]:
-    """/dev/shm files the processes hold (vLLM's message queues; left behind when it is killed)."""
-    found = set()
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-                if "/dev/shm/" in line:
-                    found.add(line.split(None, 5)[-1].replace(" (deleted)", ""))
-        except OSError:
-            pass
-    return found
-
-
 def end_sessions(sids: list[int], grace_s: float) -> None:
     """SIGTERM every process of these sessions (vLLM cleans up on TERM), SIGKILL what is left after `grace_s`."""
-    from hpcrl.roles.reaper import live
+    from hpcrl.roles.reaper import live, session_pids
 
     def members() -> list[int]:
-        return live([pid for sid in sids for pid in _session_pids(sid)])
+        return live([pid for sid in sids for pid in session_pids(sid)])
 
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         for pid in members():
@@ -555,8 +530,10 @@ class Run:
     def teardown(self) -> None:
         """Ask every process to exit (vLLM shuts its engine down), then end what is left of each session
         and remove the shared memory its processes held (vLLM on CPU leaves some even when it exits)."""
+        from hpcrl.roles.reaper import session_pids, shared_memory_of
+
         sids = [child.proc.pid for child in self.children.values()]
-        shm = _shared_memory([pid for sid in sids for pid in _session_pids(sid)])
+        shm = shared_memory_of([pid for sid in sids for pid in session_pids(sid)])
         try:
             self.ask({child: ("exit", {}) for child in self.children.values()
                       if child.proc.poll() is None}, time.monotonic() + TEARDOWN_S / 2)

@@ -92,6 +92,36 @@ def live(pids) -> list[int]:
     return [pid for pid in pids if pid in table]
 
 
+def session_pids(sid: int) -> list[int]:
+    """The live processes of session `sid` (a process started with start_new_session and all it spawned)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def shared_memory_of(pids) -> set[str]:
+    """/dev/shm files the processes map or hold open (vLLM's message queues: left behind when it is killed)."""
+    found = set()
+    for pid in pids:
+        try:
+            for line in open(f"/proc/{pid}/maps").read().splitlines():
+                if "/dev/shm/" in line:
+                    found.add(line.split(None, 5)[-1].replace(" (deleted)", ""))
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    found.add(target.replace(" (deleted)", ""))
+        except OSError:
+            pass
+    return found
+
+
 def _reap() -> None:
     """Collect every ended child (re-parented ones included) without blocking."""
     while True:

@@ -23,40 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.roles.reaper import live
+from hpcrl.roles.reaper import live, session_pids, shared_memory_of
 
 pytest.importorskip("vllm")
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tests" / "transfer" / "oracle_driver.py"
 pytestmark = [pytest.mark.slow]
-
-
-def _session_pids(sid: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getsid(int(entry.name)) == sid:
-                    pids.append(int(entry.name))
-            except OSError:
-                pass
-    return pids
-
-
-def _shm_of(pids: list[int]) -> set[str]:
-    found = set()
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-                if "/dev/shm/" in line:
-                    found.add(line.split(None, 5)[-1].replace(" (deleted)", ""))
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("/dev/shm/"):
-                    found.add(target.replace(" (deleted)", ""))
-        except OSError:
-            pass
-    return found
 
 
 def run_driver(args: list[str], timeout: float) -> list[dict]:
@@ -66,8 +38,8 @@ def run_driver(args: list[str], timeout: float) -> list[dict]:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        pids = _session_pids(proc.pid)
-        shm = _shm_of(pids)
+        pids = session_pids(proc.pid)
+        shm = shared_memory_of(pids)
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         for pid in pids:  # engine processes may have left the process group but not the session
@@ -82,7 +54,7 @@ def run_driver(args: list[str], timeout: float) -> list[dict]:
             Path(path).unlink(missing_ok=True)
         pytest.fail(f"oracle driver timed out after {timeout} s; killed session {proc.pid}\n{err[-3000:]}")
     finally:
-        for pid in _session_pids(proc.pid):  # stragglers after a normal exit
+        for pid in session_pids(proc.pid):  # stragglers after a normal exit
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
