@@ -110,7 +110,9 @@ def shared_memory_of(pids) -> set[str]:
     found = set()
     for pid in pids:
         try:
-            for line in open(f"/proc/{pid}/maps").read().splitlines():
+            with open(f"/proc/{pid}/maps") as maps:
+                lines = maps.read().splitlines()
+            for line in lines:
                 if "/dev/shm/" in line:
                     found.add(line.split(None, 5)[-1].replace(" (deleted)", ""))
             for fd in os.listdir(f"/proc/{pid}/fd"):

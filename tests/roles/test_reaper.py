@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.roles.reaper import descendants, live
+from hpcrl.roles.reaper import descendants, live, session_pids, shared_memory_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -132,3 +132,24 @@ def test_the_supervisor_hands_on_exit_the_status_of_a_task_killed_with_9_and_of_
         else:
             out, _ = sup.communicate(f"{how}\n", timeout=30)
         assert out.strip() == expected
+
+
+@pytest.mark.timeout(30)
+def test_a_sessions_processes_and_the_shared_memory_they_hold_are_found():
+    name = f"/dev/shm/hpcrl-test-{os.getpid()}"
+    code = textwrap.dedent(f"""
+        import subprocess, sys, time
+        held = open({name!r}, "w")
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        print(child.pid, flush=True)
+        time.sleep(30)
+    """)
+    leader = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        child = int(leader.stdout.readline())
+        assert set(session_pids(leader.pid)) == {leader.pid, child}
+        assert shared_memory_of(session_pids(leader.pid)) == {name}
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()
+        Path(name).unlink(missing_ok=True)
