@@ -32,7 +32,7 @@ import torch
 from hpcrl.errors import TransferError
 from hpcrl.plan.transfer_layout import chunk_rows
 from hpcrl.plan.transfer_plan import TransferPlan
-from hpcrl.plan.transfer_rounds import Message, rounds
+from hpcrl.plan.transfer_rounds import Message, receiver_rank, rounds
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,6 +50,11 @@ def schedule(plan: TransferPlan) -> list[list[Message]]:
 
 def inference_group_rank(plan: TransferPlan, replica: int, tp_rank: int) -> int:
     return plan.trainer.world_size + replica * plan.inference.tensor_parallel + tp_rank
+
+
+def _peer(plan: TransferPlan, m: Message, side: str) -> str:
+    """The other end of `m`, seen from `side` ("source": its receiver; "dest": its sender)."""
+    return describe_group_rank(plan, receiver_rank(plan, m) if side == "source" else m.src_rank)
 
 
 @contextmanager
@@ -71,10 +76,7 @@ def _wait(link, plan: TransferPlan, m: Message, work, timeout: timedelta, side: 
     except Exception as err:  # noqa: BLE001 - re-raised naming the message and ranks
         verb = "sending" if side == "source" else "receiving"
         # NCCL completes a round as a whole: name every peer this rank waited on in it.
-        peers = {describe_group_rank(plan, inference_group_rank(plan, o.replica, o.tp_rank) if side == "source"
-                                     else o.src_rank) for o in batch if o is not m}
-        peers.discard(describe_group_rank(plan, inference_group_rank(plan, m.replica, m.tp_rank) if side == "source"
-                                          else m.src_rank))
+        peers = {_peer(plan, o, side) for o in batch} - {_peer(plan, m, side)}
         also = f" (in a round also waiting on {', '.join(sorted(peers))})" if peers else ""
         raise TransferError(f"{verb} {_what(plan, m, side)} failed{also}: {err}") from err
 
@@ -176,12 +178,10 @@ class Staging:
         self.link = torch.empty(numel, dtype=dtype, device=link_device, pin_memory=pinned)
         self.work = torch.empty(numel, dtype=dtype, device=tensor_device) if self.hop else self.link
 
-    def slices(self, buf: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-        out, pos = [], 0
-        for n in sizes:
-            out.append(buf[pos:pos + n])
-            pos += n
-        return out
+    @staticmethod
+    def slices(buf: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+        """Consecutive views of `buf`, one per message of the round."""
+        return buf[:sum(sizes)].split(sizes)
 
     def to_link(self, numel: int) -> None:
         if self.hop:
