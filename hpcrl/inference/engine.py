@@ -17,6 +17,7 @@ OpenMP thread group per rank (VLLM_CPU_OMP_THREADS_BIND, set here unless the cal
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -24,6 +25,8 @@ from hpcrl.config.schema import Config
 from hpcrl.data.prompts import Prompt
 from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
+
+log = logging.getLogger(__name__)
 
 #: The vLLM worker extension that registers hpcrl's weight-transfer engine in every worker.
 WORKER_EXTENSION = "hpcrl.transfer.vllm_adapter.HpcrlWorkerExtension"
@@ -153,12 +156,37 @@ class VllmEngine:
         return result
 
     def close(self) -> None:
-        """Stop the engine and its worker processes."""
+        """Stop the engine, its worker processes and its client's thread (shut_down_llm)."""
         llm, self.llm = self.llm, None  # type: ignore[assignment]  # None marks it closed; close() may run twice
         if llm is not None:
-            engine = getattr(llm, "llm_engine", None)
-            shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None),
-                                                                    "shutdown", None)
-            if shutdown is not None:
-                shutdown()
+            shut_down_llm(llm)
             del llm
+
+
+#: Seconds to wait for a vLLM client's output thread to end once its engine is shut down.
+OUTPUT_THREAD_JOIN_S = 10.0
+
+
+def shut_down_llm(llm: Any) -> None:
+    """Stop a vLLM `LLM`: its engine processes, then its client's output thread and ZMQ context.
+
+    vLLM's shutdown ends the engine processes and tells the client's output thread (a daemon) to
+    stop, but waits for neither that thread nor its ZMQ context: whichever thread drops the last
+    reference ends the context later, possibly that daemon thread while the interpreter is tearing
+    down, where a thread still in native code aborts the process (docs/FACTS.md, "Teardown"). Both
+    are ended here, while the interpreter is whole."""
+    engine = getattr(llm, "llm_engine", None)
+    client = getattr(engine, "engine_core", None)
+    shutdown = getattr(engine, "shutdown", None) or getattr(client, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    thread = getattr(client, "output_queue_thread", None)  # vllm/v1/engine/core_client.py, SyncMPClient
+    if thread is not None:
+        thread.join(OUTPUT_THREAD_JOIN_S)
+        if thread.is_alive():  # it still uses the context: leave both
+            log.warning(f"vLLM's client thread {thread.name} did not end within {OUTPUT_THREAD_JOIN_S:g} s of its "
+                        "engine's shutdown")
+            return
+    ctx = getattr(client, "ctx", None)
+    if ctx is not None:
+        ctx.destroy(linger=0)  # closes what sockets are left; its I/O threads end

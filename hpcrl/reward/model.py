@@ -102,12 +102,12 @@ class _VllmModel:
         return [float(o.outputs.probs[0]) for o in outputs]
 
     def close(self) -> None:
-        """Stop the engine and its processes (as hpcrl.inference.engine.VllmEngine.close)."""
+        """Stop the engine, its processes and its client's thread (hpcrl.inference.engine.shut_down_llm)."""
+        from hpcrl.inference.engine import shut_down_llm
+
         llm, self.llm = self.llm, None
-        engine = getattr(llm, "llm_engine", None)
-        shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        if llm is not None:
+            shut_down_llm(llm)
 
 
 def _kv_cache_bytes(config: Any, dtype: str, max_model_len: int) -> int:

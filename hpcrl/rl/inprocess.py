@@ -21,6 +21,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,8 @@ from hpcrl.roles.base import DeviceTable, EngineThread
 from hpcrl.trainer.types import TrainBatch
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+
     from hpcrl.trainer import TrainerEngine
 
 log = logging.getLogger(__name__)
@@ -82,12 +85,6 @@ class InProcessPorts:
     """The `Ports` of hpcrl.rl.controller, served by engines living in this process."""
 
     def __init__(self, config: Config) -> None:
-        from hpcrl.inference.engine import VllmEngine
-        from hpcrl.transfer.for_config import plan_for_config
-        from hpcrl.transfer.rendezvous import host_store
-        from hpcrl.transfer.trainer import TrainerSender
-        from hpcrl.transfer.vllm_adapter import init_info
-
         if config.trainer.world_size != 1 or config.inference.replicas != 1:
             raise HpcrlError(f"running in one process needs 1 trainer rank and 1 inference replica, the config has "
                              f"{config.trainer.world_size} and {config.inference.replicas}. Fix: --set "
@@ -95,29 +92,50 @@ class InProcessPorts:
                              "the run as a job (hpcrl submit)")
         transport = config.one_process_weight_transport()  # before anything loads
         self.config = config
+        # Everything below is ended by close() in the reverse order of its making (see close()),
+        # and by this stack at once when making the next part fails.
+        self._closing = ExitStack()
+        try:
+            self._start(config, transport)
+        except BaseException:
+            self._closing.close()
+            raise
+
+    def _start(self, config: Config, transport: str) -> None:
+        from hpcrl.inference.engine import VllmEngine
+        from hpcrl.transfer.for_config import plan_for_config
+        from hpcrl.transfer.rendezvous import host_store
+        from hpcrl.transfer.trainer import TrainerSender
+        from hpcrl.transfer.vllm_adapter import init_info
+
         started = time.monotonic()
         self._trainer = OneProcessTrainer(config)
+        self._closing.callback(self._trainer.close)
         self.trainer = self._trainer.engine
         self.on_trainer = self._trainer.thread
+        # The transfer group's rendezvous store (its serving thread is a C++ std::thread): it outlives
+        # every client of it, the trainer's end of the group and vLLM's workers.
+        self._store: dist.TCPStore | None = host_store()
+        self._closing.callback(self._release_store)
+        port = self._store.port
         log.info(f"trainer: {config.model.path} loaded in {time.monotonic() - started:.1f} s; starting vLLM")
         started = time.monotonic()
         self.inference = VllmEngine.from_config(config, weight_transfer=True)
+        self._closing.callback(self.inference.close)
         self.rewards = make_scorer(config.reward, dtype=config.model.dtype, device=reward_device(
             config.group("reward").gpus_per_node, os.environ.get("CUDA_VISIBLE_DEVICES")))
-        self.plan = plan_for_config(config)
-        self._store = host_store()
-        llm = self.inference.llm
-        info = init_info(host="127.0.0.1", port=self._store.port, replica=0, trainer=self.plan.trainer,
-                         inference=self.plan.inference, wire_dtype=self.plan.wire_dtype,
-                         bucket_bytes=self.plan.bucket_bytes, timeout_s=120, external_store=True, digest=self.plan.digest,
-                         transport=transport)
+        self._closing.callback(self.rewards.close)
+        self.plan = plan = plan_for_config(config)
+        info = init_info(host="127.0.0.1", port=port, replica=0, trainer=plan.trainer, inference=plan.inference,
+                         wire_dtype=plan.wire_dtype, bucket_bytes=plan.bucket_bytes, timeout_s=120,
+                         external_store=True, digest=plan.digest, transport=transport)
         # Both ends must join the transfer group at once: vLLM's side blocks in its workers.
         with ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(llm.init_weight_transfer_engine, {"init_info": info})
+            joined = pool.submit(self.inference.llm.init_weight_transfer_engine, {"init_info": info})
             self.sender = self.on_trainer.call(
-                lambda: TrainerSender.connect(self.plan, rank=0, host="127.0.0.1", port=self._store.port,
-                                              timeout_s=120, external_store=True,
-                                              transport=transport))
+                lambda: TrainerSender.connect(plan, rank=0, host="127.0.0.1", port=port, timeout_s=120,
+                                              external_store=True, transport=transport))
+            self._closing.callback(self.sender.close)
             joined.result()
         log.info(f"vLLM engine and reward pool up, weight transfer joined in {time.monotonic() - started:.1f} s "
                  f"({transport}); training")
@@ -161,11 +179,19 @@ class InProcessPorts:
     async def load_trainer(self, directory: Path) -> None:
         await self.on_trainer.run(self.trainer.load_checkpoint, directory)
 
+    def _release_store(self) -> None:
+        self._store = None  # the last reference: its serving thread is stopped and joined here
+
     def close(self) -> None:
-        self.sender.close()
-        self.rewards.close()
-        self.inference.close()
-        self._trainer.close()
+        """End every part, each once, in the reverse order of its making: the trainer's end of the
+        transfer group, the reward pool, vLLM (its workers hold the group's other end and are
+        clients of the store), the rendezvous store, the trainer's thread and process group.
+
+        Explicitly, before `hpcrl run` returns: a thread or C++ object left to the interpreter's
+        teardown can abort the process after a successful run, and a dropped reference does not
+        end this object's parts, since vLLM keeps an import-time exception whose traceback holds
+        this object until that teardown (docs/FACTS.md, "Teardown")."""
+        self._closing.close()
 
 
 async def run(config: Config, *, steps: int | None = None) -> Controller:

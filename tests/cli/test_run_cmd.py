@@ -38,3 +38,16 @@ def test_hpcrl_run_prints_no_vllm_info_line_while_its_log_file_keeps_vllms_whole
     assert "run: INFO vllm." in log  # vLLM's own lines, at INFO
     assert re.search(r"run: INFO vllm\.\S+ \(EngineCore\S* pid \d+\): ", log), log[-3000:]  # and its engine process's
     assert "run: step    3/200" in log and "run: done in" in log
+
+
+@pytest.mark.timeout(420)
+def test_hpcrl_run_exits_0_five_times_in_a_row_and_never_aborts_at_exit(tiny_model, tmp_path: Path):
+    """Issue #19: a run printed "done in", then died of SIGABRT in the interpreter's teardown (exit code 134,
+    "terminate called without an active exception"; docs/FACTS.md, "Teardown"). One step is the cheapest
+    run that makes and closes every part (about 35 s here)."""
+    for attempt in range(5):
+        done = hpcrl_run("--steps", "1", "--set", f"run.run_dir={tmp_path / f'run{attempt}'}",
+                         "--set", f"model.path={tiny_model}", "--set", "trainer.checkpoint_interval=0")
+        assert "terminate called" not in done.stdout, f"run {attempt + 1}:\n{done.stdout[-3000:]}"
+        assert done.returncode == 0, f"run {attempt + 1} exited {done.returncode}:\n{done.stdout[-3000:]}"
+        assert "done in" in done.stdout

@@ -61,3 +61,15 @@ def test_token_logprobs_of_a_sampled_completion_equal_its_sampling_logprobs(engi
         assert len(logprobs) == len(completion.prompt_token_ids) + len(completion.token_ids) - 1
         tail = logprobs[-len(completion.token_ids):]
         assert max(abs(a - b) for a, b in zip(tail, completion.logprobs)) < 1e-4
+
+
+@pytest.mark.timeout(120)
+def test_close_ends_vllms_client_thread_and_zmq_context_before_returning(engine):
+    """Runs last: it closes the module's engine. vLLM's own shutdown leaves both to whichever thread
+    drops them last, which can be the interpreter's teardown (docs/FACTS.md, "Teardown")."""
+    client = engine.llm.llm_engine.engine_core
+    thread, ctx = client.output_queue_thread, client.ctx
+    assert thread.is_alive() and not ctx.closed
+    engine.close()
+    assert not thread.is_alive() and ctx.closed
+    engine.close()  # a second close does nothing
