@@ -92,13 +92,15 @@ class FakeTrainer:
         if step < self.version:
             raise FakeGroupError(f"train step {step} asked of a trainer that already made weight version "
                                  f"{self.version}")
-        grad, loss, tokens, ratio_max = [0.0, 0.0, 0.0], 0.0, 0, 0.0
+        grad, loss, tokens, ratio_max, diff = [0.0, 0.0, 0.0], 0.0, 0, 0.0, 0.0
         low, high = 1 - self.clip[0], 1 + self.clip[1]
         for ids, start, old, adv in zip(batch["input_ids"], batch["prompt_lengths"], batch["old_logprobs"],
                                         batch["advantages"]):
             for j in range(start, len(ids)):
                 context, token = ids[:j], ids[j]
-                ratio = math.exp(token_logprob(self.weights, context, token) - old[j - start])
+                logprob = token_logprob(self.weights, context, token)
+                diff += abs(logprob - old[j - start])
+                ratio = math.exp(logprob - old[j - start])
                 ratio_max = max(ratio_max, ratio)
                 loss -= min(ratio * adv, min(max(ratio, low), high) * adv)
                 tokens += 1
@@ -116,7 +118,7 @@ class FakeTrainer:
         self.version = step + 1
         self.trained[step] = list(batch["prompt_ids"])
         return {"loss": loss / max(tokens, 1), "grad_norm": math.sqrt(sum(g * g for g in grad)) / max(tokens, 1),
-                "ratio_max": ratio_max}
+                "ratio_max": ratio_max, "sampling_logprob_diff": diff / max(tokens, 1)}
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         return [sequence_logprobs(self.weights, s) for s in sequences]
