@@ -11,8 +11,11 @@ Nothing is canned. The "model" is a policy over the ten digits with three weight
                 so the numbers depend on which weights generated each batch; a version counter
                 (steps made); save/load of both through the checkpoint directory
     inference   FakeEngine: serves the weights it last received, samples every completion from them
-                seeded by (seed, the prompt's place in the batch, sample) as vLLM does (the controller's
-                seed already holds the batch index), and tags it with the weight version it holds
+                seeded by (seed, the prompt's place in the batch, sample) (the controller's seed already
+                holds the batch index), and tags it with the weight version it holds. So its tokens do
+                not depend on how a batch is cut into chunks, and runs over 1 and 2 replicas compare
+                equal; hpcrl.inference.engine seeds vLLM per chunk instead, so real runs compare equal
+                only with the same number of replicas
     reward      FakeReward: the builtin exact match, except for the sample ids it is told are broken
                 (those come back as errors, as from a verifier that raised)
 
@@ -159,7 +162,7 @@ class FakeEngine:
             probs = _probabilities(self.weights, _target(context))
             group = []
             for s in range(n):
-                rng = random.Random((seed * 1_000_003 + offset + k) * 1009 + s)  # as hpcrl.inference.engine
+                rng = random.Random((seed * 1_000_003 + offset + k) * 1009 + s)  # chunk-invariant (docstring)
                 u, digit = rng.random(), 0
                 while digit < 9 and u >= probs[digit]:
                     u -= probs[digit]
