@@ -67,6 +67,24 @@ def test_a_chunk_generated_again_draws_the_same_tokens_and_another_chunk_seed_ot
 
 
 @pytest.mark.timeout(300)
+def test_a_chunk_draws_the_same_tokens_on_a_fresh_engine_as_on_one_that_served_others_before(engine, tiny_model):
+    """What a resumed run and a chunk failed over to another replica rely on."""
+    from hpcrl.inference.engine import VllmEngine
+
+    engine.generate(PROMPTS[::-1], n=6, seed=11, offset=3)
+    engine.token_logprobs([[1, 5, 6, 7]])
+    served = engine.generate(PROMPTS, n=8, seed=7, offset=2)
+    config = load_config(REPO / "configs" / "tiny_grpo.toml", overrides=[f"model.path={tiny_model}"])
+    fresh = VllmEngine.from_config(config)
+    try:
+        again = fresh.generate(PROMPTS, n=8, seed=7, offset=2)
+    finally:
+        fresh.close()
+    assert [[(c.token_ids, c.logprobs) for c in g] for g in served] == \
+        [[(c.token_ids, c.logprobs) for c in g] for g in again]
+
+
+@pytest.mark.timeout(300)
 def test_generate_sends_one_unseeded_request_per_prompt_with_n_the_group_size(engine, monkeypatch):
     sent = []
     enqueue = engine.llm.enqueue
