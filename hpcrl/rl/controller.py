@@ -18,9 +18,12 @@ equals an uninterrupted one:
 A checkpoint after step s holds the trainer state (version s + 1), the prompt cursor and the
 scored batches s + 1 .. s + lag already in the buffer; resuming re-pushes version s + 1 and goes on.
 
-After each weight sync a probe (the first group of the step's batch) is scored by both sides:
-`logprob_mismatch` = mean |logprob_vllm - logprob_trainer| over its completion tokens, under the
-same weights — the check that the sync delivered exactly the trainer's weights.
+`logprob_mismatch` = mean |logprob_vllm - logprob_trainer| over completion tokens, under the same
+weights: the check that the syncs deliver exactly the trainer's weights. At lag 0 the step's batch
+was sampled with the weights the trainer holds when the step starts, so the train step's own forward
+measures it over the whole batch (`sampling_logprob_diff`), at no cost. At lag > 0 (or on a step
+with nothing to train) a probe does, every `algorithm.mismatch_every` steps: the first group of the
+step's batch, scored by both sides after the weight sync (one more trainer forward, one vLLM call).
 
 The controller talks to the groups only through `Ports`; `hpcrl.rl.ports` binds them to the bus.
 """
@@ -156,7 +159,7 @@ class Controller:
             sync_started = time.monotonic()
             await self.ports.sync_weights(step + 1)
             sync_done = time.monotonic()
-            mismatch = await self._probe_mismatch(groups)
+            mismatch = await self._mismatch(step, groups, train_metrics)
             self.state.step = step + 1
             rollout = self.state.rollout_metrics.pop(str(step), {})
             elapsed = time.monotonic() - started
@@ -180,6 +183,14 @@ class Controller:
             metrics["train_tokens_per_s"] = metrics["train_tokens"] / max(metrics["time_train_s"], 1e-9)
             if self.on_step is not None:
                 await self.on_step(self, metrics)
+
+    async def _mismatch(self, step: int, groups: list, train_metrics: dict) -> float | None:
+        """`logprob_mismatch` of step `step` (module docstring); None on a step that measures none."""
+        if self.lag == 0 and "sampling_logprob_diff" in train_metrics:
+            return train_metrics["sampling_logprob_diff"]
+        if (step + 1) % self.config.algorithm.mismatch_every:
+            return None
+        return await self._probe_mismatch(groups)
 
     async def _probe_mismatch(self, groups: list) -> float | None:
         """Mean |logprob_vllm - logprob_trainer| over the completion tokens of the step's first group

@@ -7,8 +7,9 @@
   generate        the batch's prompts split in contiguous chunks, each to the least busy replica that
                   is in the weight-transfer group and on the current weights; a chunk whose replica
                   dies goes to another, or waits until the head has started the lost one again and
-                  it was caught up (group formed again, current weights pushed); sampling seeds
-                  depend on each prompt's place in the batch, so where it runs changes nothing
+                  it was caught up (group formed again, current weights pushed); a chunk's tokens
+                  depend on its prompts, its place in the batch and the seed, so where it runs
+                  changes nothing (with the same number of replicas: hpcrl.inference.engine)
   score           the reward group (route)
   train_step      every trainer rank (call_all), each takes its share of the batch
   sync_weights    trainer ranks send, every inference replica receives (point to point, the transfer plan)

@@ -7,7 +7,8 @@
     status {}                             weight version and replica
 
 generate and logprobs are idempotent: if this replica dies mid-call, the head retries them on
-another one, and the seeds depend on the prompt's place in the batch, not on the replica.
+another one, and a chunk's sampling seed depends on its place in the batch, not on the replica
+(hpcrl.inference.engine: the chunk draws the same tokens wherever it runs).
 """
 
 from __future__ import annotations

@@ -142,6 +142,10 @@ class StepMetrics:
     tokens_per_s: float
     """(prompt + completion) tokens of the step / wall time of the step."""
     step_time_s: float
+    sampling_logprob_diff: float = 0.0
+    """Token-mean |trainer logprob - vLLM's sampling logprob| of the batch's completion tokens, from the
+    step's own forward (before the update). At policy lag 0 the batch was sampled with exactly these
+    weights, so this is the train-inference mismatch; at lag > 0 it adds the policy's drift since."""
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -269,8 +273,9 @@ class TrainerEngine:
         lr = self.lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        # loss, policy, kl, clipped low, clipped high, entropy sum: kept on the device (no sync per micro-batch)
-        sums = torch.zeros(6, dtype=torch.float64, device=self.device)
+        # loss, policy, kl, clipped low, clipped high, entropy sum, |logp - old logp| sum: kept on the
+        # device (no sync per micro-batch)
+        sums = torch.zeros(7, dtype=torch.float64, device=self.device)
         for mb in self._micro_batches(batch):
             ref = mb.ref_logprobs
             if o.loss.kl_coef > 0 and ref is None:
@@ -278,7 +283,8 @@ class TrainerEngine:
                     ref = self._forward_logprobs(self.reference, mb)[1]
             logits, logp = self._forward_logprobs(self.model, mb)
             mask = mb.completion_mask.to(self.device)
-            share = grpo_loss(logprobs=logp, old_logprobs=mb.old_logprobs.to(self.device),
+            old_logprobs = mb.old_logprobs.to(self.device)
+            share = grpo_loss(logprobs=logp, old_logprobs=old_logprobs,
                               advantages=mb.advantages.to(self.device), mask=mask, settings=o.loss,
                               norm=norm, ref_logprobs=None if ref is None else ref.to(self.device))
             share.loss.backward()
@@ -286,6 +292,7 @@ class TrainerEngine:
                 completion_logits = logits[mask[:, 1:]]
                 for piece in completion_logits.split(_ENTROPY_SLICE):
                     sums[5] += entropy_from_logits(piece).sum().double()
+                sums[6] += (logp.float() - old_logprobs.float()).abs()[mask.bool()].sum().double()
                 sums[:5] += torch.stack([share.loss.detach().double(), share.policy_loss, share.kl,
                                          share.clipped_low, share.clipped_high])
             del logits, logp, share
@@ -303,7 +310,8 @@ class TrainerEngine:
             entropy=float(totals[5]) / tokens, clip_fraction=float(totals[3] + totals[4]) / tokens,
             clip_fraction_low=float(totals[3]) / tokens, clip_fraction_high=float(totals[4]) / tokens,
             grad_norm=grad_norm, lr=lr, completion_tokens=int(norm.tokens), sequences=int(norm.sequences),
-            tokens_per_s=float(counts[2]) / elapsed, step_time_s=elapsed)
+            tokens_per_s=float(counts[2]) / elapsed, step_time_s=elapsed,
+            sampling_logprob_diff=float(totals[6]) / tokens)
 
     def _clip_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -309,6 +309,12 @@ class HpcrlWorkerExtension:
                 out[f"{name}.weight@kernel"] = _sha(kernel(eye, module.weight, None).t().contiguous())
         return out
 
+    def hpcrl_seed_sampling(self, seed: int) -> None:
+        """Seed this rank's default torch generators (CPU and every accelerator): the randomness vLLM's
+        sampler draws for requests without a seed of their own (forward_cpu's Gumbel seeds, the
+        native path's exponential noise, FlashInfer's seed and offset). Every TP rank gets the same."""
+        torch.manual_seed(seed)
+
     def hpcrl_last_update(self) -> dict:
         """Bytes and seconds of this rank's last received update."""
         engine = getattr(self, "weight_transfer_engine", None)

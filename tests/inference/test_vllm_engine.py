@@ -1,4 +1,4 @@
-"""The vLLM adapter on CPU: n seeded completions per prompt with one logprob per sampled token."""
+"""The vLLM adapter on CPU: n completions per prompt, seeded per chunk, with one logprob per sampled token."""
 
 from __future__ import annotations
 
@@ -50,6 +50,56 @@ def test_the_same_seed_draws_the_same_tokens_and_another_seed_others(engine):
     tokens = lambda groups: [[c.token_ids for c in g] for g in groups]  # noqa: E731
     assert tokens(first) == tokens(again)
     assert tokens(first) != tokens(other)
+
+
+@pytest.mark.timeout(300)
+def test_a_chunk_generated_again_draws_the_same_tokens_and_another_chunk_seed_others(engine):
+    tokens = lambda groups: [[c.token_ids for c in g] for g in groups]  # noqa: E731
+    first = engine.generate(PROMPTS, n=8, seed=7, offset=2)
+    between = engine.generate(PROMPTS[::-1], n=3, seed=9, offset=0)  # other requests, other cache contents
+    again = engine.generate(PROMPTS, n=8, seed=7, offset=2)
+    other_chunk = engine.generate(PROMPTS, n=8, seed=7, offset=4)
+    other_step = engine.generate(PROMPTS, n=8, seed=8, offset=2)
+    assert tokens(first) == tokens(again)
+    assert [[c.logprobs for c in g] for g in first] == [[c.logprobs for c in g] for g in again]
+    assert tokens(first) != tokens(other_chunk) and tokens(first) != tokens(other_step)
+    assert tokens(between) and all(len(g) == 3 for g in between)
+
+
+@pytest.mark.timeout(300)
+def test_a_chunk_draws_the_same_tokens_on_a_fresh_engine_as_on_one_that_served_others_before(engine, tiny_model):
+    """What a resumed run and a chunk failed over to another replica rely on."""
+    from hpcrl.inference.engine import VllmEngine
+
+    engine.generate(PROMPTS[::-1], n=6, seed=11, offset=3)
+    engine.token_logprobs([[1, 5, 6, 7]])
+    served = engine.generate(PROMPTS, n=8, seed=7, offset=2)
+    config = load_config(REPO / "configs" / "tiny_grpo.toml", overrides=[f"model.path={tiny_model}"])
+    fresh = VllmEngine.from_config(config)
+    try:
+        again = fresh.generate(PROMPTS, n=8, seed=7, offset=2)
+    finally:
+        fresh.close()
+    assert [[(c.token_ids, c.logprobs) for c in g] for g in served] == \
+        [[(c.token_ids, c.logprobs) for c in g] for g in again]
+
+
+@pytest.mark.timeout(300)
+def test_generate_sends_one_unseeded_request_per_prompt_with_n_the_group_size(engine, monkeypatch):
+    sent = []
+    enqueue = engine.llm.enqueue
+
+    def spy(prompts, params, **kwargs):
+        sent.append((list(prompts), params))
+        return enqueue(prompts, params, **kwargs)
+
+    monkeypatch.setattr(engine.llm, "enqueue", spy)
+    groups = engine.generate(PROMPTS, n=5, seed=1)
+    assert len(sent) == 1  # one batch: the scheduler sees the whole chunk at its first step
+    prompts, params = sent[0]
+    assert prompts == [p.text for p in PROMPTS]
+    assert params.n == 5 and params.seed is None  # vLLM's batched sampler, not one generator per request
+    assert [[c.index for c in g] for g in groups] == [list(range(5))] * 2
 
 
 @pytest.mark.timeout(300)

@@ -11,8 +11,11 @@ Nothing is canned. The "model" is a policy over the ten digits with three weight
                 so the numbers depend on which weights generated each batch; a version counter
                 (steps made); save/load of both through the checkpoint directory
     inference   FakeEngine: serves the weights it last received, samples every completion from them
-                seeded by (seed, the prompt's place in the batch, sample) as vLLM does (the controller's
-                seed already holds the batch index), and tags it with the weight version it holds
+                seeded by (seed, the prompt's place in the batch, sample) (the controller's seed already
+                holds the batch index), and tags it with the weight version it holds. So its tokens do
+                not depend on how a batch is cut into chunks, and runs over 1 and 2 replicas compare
+                equal; hpcrl.inference.engine seeds vLLM per chunk instead, so real runs compare equal
+                only with the same number of replicas
     reward      FakeReward: the builtin exact match, except for the sample ids it is told are broken
                 (those come back as errors, as from a verifier that raised)
 
@@ -92,13 +95,15 @@ class FakeTrainer:
         if step < self.version:
             raise FakeGroupError(f"train step {step} asked of a trainer that already made weight version "
                                  f"{self.version}")
-        grad, loss, tokens, ratio_max = [0.0, 0.0, 0.0], 0.0, 0, 0.0
+        grad, loss, tokens, ratio_max, diff = [0.0, 0.0, 0.0], 0.0, 0, 0.0, 0.0
         low, high = 1 - self.clip[0], 1 + self.clip[1]
         for ids, start, old, adv in zip(batch["input_ids"], batch["prompt_lengths"], batch["old_logprobs"],
                                         batch["advantages"]):
             for j in range(start, len(ids)):
                 context, token = ids[:j], ids[j]
-                ratio = math.exp(token_logprob(self.weights, context, token) - old[j - start])
+                logprob = token_logprob(self.weights, context, token)
+                diff += abs(logprob - old[j - start])
+                ratio = math.exp(logprob - old[j - start])
                 ratio_max = max(ratio_max, ratio)
                 loss -= min(ratio * adv, min(max(ratio, low), high) * adv)
                 tokens += 1
@@ -116,7 +121,7 @@ class FakeTrainer:
         self.version = step + 1
         self.trained[step] = list(batch["prompt_ids"])
         return {"loss": loss / max(tokens, 1), "grad_norm": math.sqrt(sum(g * g for g in grad)) / max(tokens, 1),
-                "ratio_max": ratio_max}
+                "ratio_max": ratio_max, "sampling_logprob_diff": diff / max(tokens, 1)}
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         return [sequence_logprobs(self.weights, s) for s in sequences]
@@ -157,7 +162,7 @@ class FakeEngine:
             probs = _probabilities(self.weights, _target(context))
             group = []
             for s in range(n):
-                rng = random.Random((seed * 1_000_003 + offset + k) * 1009 + s)  # as hpcrl.inference.engine
+                rng = random.Random((seed * 1_000_003 + offset + k) * 1009 + s)  # chunk-invariant (docstring)
                 u, digit = rng.random(), 0
                 while digit < 9 and u >= probs[digit]:
                     u -= probs[digit]

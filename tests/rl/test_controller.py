@@ -32,6 +32,7 @@ from hpcrl.config.schema import (
     TrainerConfig,
 )
 from hpcrl.data.prompts import Prompt
+from hpcrl.errors import ConfigError
 from hpcrl.rl.controller import ControllerError
 from hpcrl.rl.loop import Preempted, run_loop
 from hpcrl.rl.metrics import read_metrics
@@ -157,6 +158,40 @@ def test_each_step_trains_on_rollouts_of_weight_version_step_minus_lag(uninterru
     assert [r["weight_version"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["policy_lag"] == lag and r["logprob_mismatch"] == 0.0 for r in rows)
     assert any(r["ratio_max"] != 1.0 for r in rows) == (lag > 0)  # off-policy batches show in the ratio
+
+
+class ProbeCounting(FakePorts):
+    """FakePorts that count the mismatch probe's trainer forwards."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.probes = 0
+
+    async def trainer_logprobs(self, sequences):
+        self.probes += 1
+        return await super().trainer_logprobs(sequences)
+
+
+@pytest.mark.timeout(30)
+def test_at_lag_0_the_train_step_measures_the_mismatch_and_no_probe_runs(runs):
+    ports = ProbeCounting(reward=FakeReward(broken_sample))
+    loop_once(config_for(runs / "lag0", lag=0), ports)
+    rows = read_metrics(runs / "lag0")
+    assert ports.probes == 0
+    assert [r["logprob_mismatch"] for r in rows] == [r["sampling_logprob_diff"] for r in rows] == [0.0] * STEPS
+
+
+@pytest.mark.timeout(30)
+def test_at_lag_1_the_mismatch_is_probed_every_mismatch_every_steps(runs):
+    ports = ProbeCounting(reward=FakeReward(broken_sample))
+    config = config_for(runs / "lag1", lag=1)
+    config = dataclasses.replace(config, algorithm=dataclasses.replace(config.algorithm, mismatch_every=2))
+    loop_once(config, ports)
+    rows = read_metrics(runs / "lag1")
+    assert ports.probes == STEPS // 2
+    assert [r["logprob_mismatch"] is not None for r in rows] == [step % 2 == 0 for step in range(1, STEPS + 1)]
+    with pytest.raises(ConfigError, match="at least 1"):
+        AlgorithmConfig(group_size=GROUP_SIZE, mismatch_every=0)
 
 
 @pytest.mark.parametrize("lag", [1, 2])
