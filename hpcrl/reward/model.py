@@ -102,8 +102,8 @@ class _VllmModel:
         return [float(o.outputs.probs[0]) for o in outputs]
 
     def close(self) -> None:
-        """Stop the engine, its processes and its client's thread (hpcrl.inference.engine.shut_down_llm)."""
-        from hpcrl.inference.engine import shut_down_llm
+        """Stop the engine, its processes and its client's thread (hpcrl.transfer.vllm_adapter.shut_down_llm)."""
+        from hpcrl.transfer.vllm_adapter import shut_down_llm
 
         llm, self.llm = self.llm, None
         if llm is not None:

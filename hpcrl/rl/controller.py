@@ -42,6 +42,7 @@ from hpcrl.inference.types import Completion
 from hpcrl.reward.types import RewardResult, Sample
 from hpcrl.rl.buffer import ReplayBuffer
 from hpcrl.rl.rollouts import build_batch, samples_for, score_groups
+from hpcrl.rl.startup import StartupClock
 from hpcrl.trainer.types import TrainBatch
 
 
@@ -80,7 +81,7 @@ class LoopState:
 
 
 class Controller:
-    def __init__(self, config: Config, ports: Ports, *, on_step=None) -> None:
+    def __init__(self, config: Config, ports: Ports, *, on_step=None, startup: StartupClock | None = None) -> None:
         self.config = config
         self.ports = ports
         self.lag = config.algorithm.max_policy_lag
@@ -89,6 +90,8 @@ class Controller:
         self.buffer = ReplayBuffer(max_policy_lag=self.lag)
         self.state = LoopState()
         self.on_step = on_step  # called with (state, metrics) after each step: checkpoints, metrics
+        self.startup = startup
+        """The ports' start-up clock: the first sync is timed into it, and its figures join the first step's metrics."""
 
     # -- state ---------------------------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -134,10 +137,18 @@ class Controller:
         """Train from the current state to trainer.steps."""
         steps = self.config.trainer.steps
         # Every replica starts from the trainer's weights: the initial ones, or a resumed step's.
+        synced = time.monotonic()
         await self.ports.sync_weights(self.state.step)
+        clock = self.startup or StartupClock()
+        clock.record("first_sync", time.monotonic() - synced)
         # Batches generated with version 0 before step 0: 0 .. lag - 1.
+        generating = time.monotonic()
         while self.state.generated < min(self.lag, steps):
             await self._generate_batch(self.state.generated, 0)
+        if self.state.generated and self.lag:
+            clock.record("first_generate", time.monotonic() - generating)
+        # The start-up's figures go with the first step this process runs (startup_total_s: launch -> here).
+        startup: dict[str, float] = clock.metrics() if self.startup is not None else {}
         while self.state.step < steps:
             step = self.state.step
             started = time.monotonic()
@@ -173,8 +184,9 @@ class Controller:
                 "groups_held_out_total": self.state.held_out_groups, "logprob_mismatch": mismatch,
                 "time_train_s": train_done - train_started, "time_weight_sync_s": sync_done - sync_started,
                 "time_step_s": elapsed, "train_tokens": sum(len(s) for s in batch.input_ids),
-                **train_metrics, **rollout,
+                **train_metrics, **rollout, **startup,
             }
+            startup = {}
             generate_time = metrics.get("time_generate_s", 0.0) + metrics.get("time_reward_s", 0.0)
             # Idle: wall time on the step's critical path not spent training, syncing or (serially) generating.
             metrics["time_idle_s"] = max(0.0, elapsed - busy - (generate_time if self.lag == 0 else 0.0))

@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from hpcrl.config.schema import Config
 from hpcrl.data.prompts import Prompt
@@ -33,6 +34,7 @@ from hpcrl.reward.model import make_scorer, reward_device
 from hpcrl.reward.types import RewardResult, Sample
 from hpcrl.rl.controller import Controller
 from hpcrl.rl.loop import run_loop
+from hpcrl.rl.startup import StartupClock
 from hpcrl.roles.base import DeviceTable, EngineThread
 from hpcrl.trainer.types import TrainBatch
 
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from hpcrl.trainer import TrainerEngine
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class OneProcessTrainer:
@@ -81,6 +84,20 @@ class OneProcessTrainer:
         group.leave()
 
 
+@dataclass
+class _Outcome(Generic[T]):
+    value: T | None = None
+    error: BaseException | None = None
+
+
+def _outcome(fn: Callable[..., T], *args: Any, **kwargs: Any) -> _Outcome[T]:
+    """fn's value, or the error it raised: a part that failed must not hide the parts that started."""
+    try:
+        return _Outcome(value=fn(*args, **kwargs))
+    except BaseException as err:  # noqa: BLE001 - raised again once every started part is registered for closing
+        return _Outcome(error=err)
+
+
 class InProcessPorts:
     """The `Ports` of hpcrl.rl.controller, served by engines living in this process."""
 
@@ -92,6 +109,8 @@ class InProcessPorts:
                              "the run as a job (hpcrl submit)")
         transport = config.one_process_weight_transport()  # before anything loads
         self.config = config
+        self.startup = StartupClock()
+        """Seconds of each part of the start-up (hpcrl.rl.startup): the run log and the first step's metrics."""
         # Everything below is ended by close() in the reverse order of its making (see close()),
         # and by this stack at once when making the next part fails.
         self._closing = ExitStack()
@@ -102,30 +121,58 @@ class InProcessPorts:
             raise
 
     def _start(self, config: Config, transport: str) -> None:
+        """Start the parts at once: vLLM here (its engine processes do the work, this thread mostly
+        waits), the trainer and a reward function's pool on threads of their own; then join both
+        ends of the weight-transfer group. Each part's seconds go to self.startup."""
+        import torch  # noqa: F401 - once, here: the parts' threads import what they need of it at once
+
         from hpcrl.inference.engine import VllmEngine
         from hpcrl.transfer.for_config import plan_for_config
         from hpcrl.transfer.rendezvous import host_store
+
+        # The transfer group's rendezvous store (its serving thread is a C++ std::thread): made first, so
+        # that it outlives every client of it, the trainer's end of the group and vLLM's workers.
+        self._store: dist.TCPStore | None = host_store()
+        self._closing.callback(self._release_store)
+        clock = self.startup
+        scorer = lambda: make_scorer(config.reward, dtype=config.model.dtype, device=reward_device(  # noqa: E731
+            config.group("reward").gpus_per_node, os.environ.get("CUDA_VISIBLE_DEVICES")))
+        log.info(f"starting vLLM, the trainer ({config.model.path}) and the reward "
+                 f"{'pool' if config.reward.kind == 'function' else 'model'} in parallel")
+        with ThreadPoolExecutor(2, thread_name_prefix="hpcrl-start") as pool:
+            trainer = pool.submit(clock.timed, "trainer", OneProcessTrainer, config)
+            # A reward model is a vLLM engine of its own: two vLLM engines are not started at once.
+            rewards = pool.submit(clock.timed, "reward", scorer) if config.reward.kind == "function" else None
+            inference = _outcome(clock.timed, "inference", VllmEngine.from_config, config, weight_transfer=True)
+            if rewards is None and inference.value is not None:
+                rewards = pool.submit(clock.timed, "reward", scorer)
+            built, scoring = _outcome(trainer.result), _outcome(rewards.result) if rewards is not None else None
+        # Closed in the reverse order (see close()): whatever started is ended, also when another part failed.
+        if built.value is not None:
+            self._trainer = built.value
+            self._closing.callback(self._trainer.close)
+            self.trainer = self._trainer.engine
+            self.on_trainer = self._trainer.thread
+        if inference.value is not None:
+            self.inference = inference.value
+            self._closing.callback(self.inference.close)
+        if scoring is not None and scoring.value is not None:
+            self.rewards = scoring.value
+            self._closing.callback(self.rewards.close)
+        for failed in (built.error, inference.error, scoring.error if scoring is not None else None):
+            if failed is not None:
+                raise failed
+        self.plan = plan_for_config(config)
+        clock.timed("weights", self._join_transfer, transport)
+        log.info(f"vLLM engine, trainer and reward {config.reward.kind} up, weight transfer joined ({transport}): "
+                 + ", ".join(f"{part} {s:.1f} s" for part, s in clock.parts().items()))
+
+    def _join_transfer(self, transport: str) -> None:
         from hpcrl.transfer.trainer import TrainerSender
         from hpcrl.transfer.vllm_adapter import init_info
 
-        started = time.monotonic()
-        self._trainer = OneProcessTrainer(config)
-        self._closing.callback(self._trainer.close)
-        self.trainer = self._trainer.engine
-        self.on_trainer = self._trainer.thread
-        # The transfer group's rendezvous store (its serving thread is a C++ std::thread): it outlives
-        # every client of it, the trainer's end of the group and vLLM's workers.
-        self._store: dist.TCPStore | None = host_store()
-        self._closing.callback(self._release_store)
-        port = self._store.port
-        log.info(f"trainer: {config.model.path} loaded in {time.monotonic() - started:.1f} s; starting vLLM")
-        started = time.monotonic()
-        self.inference = VllmEngine.from_config(config, weight_transfer=True)
-        self._closing.callback(self.inference.close)
-        self.rewards = make_scorer(config.reward, dtype=config.model.dtype, device=reward_device(
-            config.group("reward").gpus_per_node, os.environ.get("CUDA_VISIBLE_DEVICES")))
-        self._closing.callback(self.rewards.close)
-        self.plan = plan = plan_for_config(config)
+        assert self._store is not None
+        port, plan = self._store.port, self.plan
         info = init_info(host="127.0.0.1", port=port, replica=0, trainer=plan.trainer, inference=plan.inference,
                          wire_dtype=plan.wire_dtype, bucket_bytes=plan.bucket_bytes, timeout_s=120,
                          external_store=True, digest=plan.digest, transport=transport)
@@ -137,8 +184,6 @@ class InProcessPorts:
                                               external_store=True, transport=transport))
             self._closing.callback(self.sender.close)
             joined.result()
-        log.info(f"vLLM engine and reward pool up, weight transfer joined in {time.monotonic() - started:.1f} s "
-                 f"({transport}); training")
 
     # -- Ports ---------------------------------------------------------------------------------
     async def generate(self, prompts: list[Prompt], *, n: int, seed: int) -> list[list[Completion]]:
@@ -185,7 +230,7 @@ class InProcessPorts:
     def close(self) -> None:
         """End every part, each once, in the reverse order of its making: the trainer's end of the
         transfer group, the reward pool, vLLM (its workers hold the group's other end and are
-        clients of the store), the rendezvous store, the trainer's thread and process group.
+        clients of the store), the trainer's thread and process group, the rendezvous store.
 
         Explicitly, before `hpcrl run` returns: a thread or C++ object left to the interpreter's
         teardown can abort the process after a successful run, and a dropped reference does not

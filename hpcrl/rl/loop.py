@@ -27,6 +27,7 @@ from hpcrl.rl.checkpointing import (
 )
 from hpcrl.rl.controller import Controller
 from hpcrl.rl.metrics import MetricsLog, WandbTarget, read_metrics, reward_curve
+from hpcrl.rl.startup import startup_summary
 
 log = logging.getLogger(__name__)
 progress = logging.getLogger(PROGRESS)
@@ -74,7 +75,7 @@ async def run_loop(config: Config, ports, *, steps: int | None = None,
                    stop_requested=None) -> Controller:
     """See the module docstring. `stop_requested()`, checked after every step, makes the loop
     checkpoint at once and raise Preempted (the head's answer to Slurm's pre-timeout signal)."""
-    controller = Controller(config, ports)
+    controller = Controller(config, ports, startup=getattr(ports, "startup", None))
     store = store_for(config)
     found = newest_checkpoint(config)
     if found is not None:
@@ -92,6 +93,8 @@ async def run_loop(config: Config, ports, *, steps: int | None = None,
         nonlocal shown
         metrics_log.write(metrics)
         step = metrics["step"]
+        if "startup_total_s" in metrics:
+            log.info(startup_summary(metrics))
         stopping = stop_requested is not None and stop_requested()
         # On a terminal the line stays for this process's first step (the warm-up), every tenth of
         # the run, and a stop; the others are rewritten by the next.

@@ -34,6 +34,7 @@ collective_rpc, so no half-written fused module is ever used (reset the prefix c
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -55,6 +56,7 @@ from hpcrl.transfer import execute
 from hpcrl.transfer.registry import TransferLink, open_group
 
 ENGINE_NAME = "hpcrl"
+log = logging.getLogger(__name__)
 
 #: Parameter dtypes a transfer writes (the plan's wire dtypes); an fp8 or integer one holds quantized weights.
 UNQUANTIZED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -315,7 +317,44 @@ class HpcrlWorkerExtension:
         native path's exponential noise, FlashInfer's seed and offset). Every TP rank gets the same."""
         torch.manual_seed(seed)
 
+    def hpcrl_eager_helpers(self) -> None:
+        """Run this worker's torch.compile'd functions eagerly (CPU with enforce_eager, where the model
+        itself is eager): what is left compiled there is the sampler's helpers (vLLM 0.32:
+        batched_count_greater_than in v1/sample/ops/logprobs.py, the top-k/top-p mask in
+        topk_topp_sampler.py), whose inductor build made the first request with logprobs take 2.4 s
+        instead of 0.06 s on a 2-core VM, and each new batch shape recompiled."""
+        torch._dynamo.config.disable = True
+
     def hpcrl_last_update(self) -> dict:
         """Bytes and seconds of this rank's last received update."""
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "last", {}) or {})
+
+
+#: Seconds to wait for a vLLM client's output thread to end once its engine is shut down.
+OUTPUT_THREAD_JOIN_S = 10.0
+
+
+def shut_down_llm(llm: Any) -> None:
+    """Stop a vLLM `LLM`: its engine processes, then its client's output thread and ZMQ context.
+
+    vLLM's shutdown ends the engine processes and tells the client's output thread (a daemon) to
+    stop, but waits for neither that thread nor its ZMQ context: whichever thread drops the last
+    reference ends the context later, possibly that daemon thread while the interpreter is tearing
+    down, where a thread still in native code aborts the process (docs/FACTS.md, "Teardown"). Both
+    are ended here, while the interpreter is whole."""
+    engine = getattr(llm, "llm_engine", None)
+    client = getattr(engine, "engine_core", None)
+    shutdown = getattr(engine, "shutdown", None) or getattr(client, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    thread = getattr(client, "output_queue_thread", None)  # vllm/v1/engine/core_client.py, SyncMPClient
+    if thread is not None:
+        thread.join(OUTPUT_THREAD_JOIN_S)
+        if thread.is_alive():  # it still uses the context: leave both
+            log.warning(f"vLLM's client thread {thread.name} did not end within {OUTPUT_THREAD_JOIN_S:g} s of its "
+                        "engine's shutdown")
+            return
+    ctx = getattr(client, "ctx", None)
+    if ctx is not None:
+        ctx.destroy(linger=0)  # closes what sockets are left; its I/O threads end

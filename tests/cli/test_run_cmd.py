@@ -6,6 +6,7 @@ so every step gets its own line.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -38,6 +39,26 @@ def test_hpcrl_run_prints_no_vllm_info_line_while_its_log_file_keeps_vllms_whole
     assert "run: INFO vllm." in log  # vLLM's own lines, at INFO
     assert re.search(r"run: INFO vllm\.\S+ \(EngineCore\S* pid \d+\): ", log), log[-3000:]  # and its engine process's
     assert "run: step    3/200" in log and "run: done in" in log
+
+
+def test_hpcrl_run_reports_its_start_up_parts_in_the_log_and_the_first_steps_metrics(tiny_model, tmp_path: Path):
+    """Issue #19: vLLM, the trainer and the reward pool start at once; each part's seconds, the weight-transfer
+    group's and the first sync's go with the first step, and startup_total_s is the launch -> first step."""
+    run_dir = tmp_path / "run"
+    done = hpcrl_run("--steps", "2", "--set", f"run.run_dir={run_dir}", "--set", f"model.path={tiny_model}",
+                     "--set", "trainer.checkpoint_interval=0")
+    assert done.returncode == 0, done.stdout[-3000:]
+    first, second = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    parts = ["inference", "trainer", "reward", "weights", "first_sync", "first_generate"]
+    assert sorted(k for k in first if k.startswith("startup_")) == sorted([f"startup_{p}_s" for p in parts]
+                                                                         + ["startup_total_s"])
+    assert not any(k.startswith("startup_") for k in second)
+    assert all(first[f"startup_{p}_s"] > 0 for p in parts), first
+    assert first["startup_total_s"] > max(first[f"startup_{p}_s"] for p in parts)  # that they overlap: test_inprocess
+    line = re.search(r"start-up: ([\d.]+) s from launch to the first step \(([^)]*)\)", done.stdout)
+    assert line is not None, done.stdout[-3000:]
+    assert float(line.group(1)) == pytest.approx(first["startup_total_s"], abs=0.05)
+    assert "inference" in line.group(2) and "first sync" in line.group(2)
 
 
 @pytest.mark.timeout(420)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from hpcrl.config.load import load_config_and_shape
+from hpcrl.errors import ConfigError
 from hpcrl.config.model_shapes import PRESETS
 from hpcrl.plan import plan_resources
 from hpcrl.plan.resources import GIB
@@ -164,3 +165,19 @@ def test_the_reference_and_gathered_roots_are_estimated_as_a_measured_cpu_step_h
     parts = plan_resources(config, shape).trainer_memory.parts
     measured = _bytes_a_step_holds(shape, dtype, tmp_path / "store")
     assert measured == {"reference_model": parts["reference_model"], "gathered_roots": parts["gathered_roots"]}
+
+
+def test_a_set_kv_cache_size_replaces_what_gpu_memory_utilization_leaves_on_gpus_and_on_cpu():
+    tiny = plan_of("tiny_grpo.toml")  # 64 MiB of 1 KiB tokens (2 layers x K and V x 2 heads x 32 x fp32)
+    assert tiny.kv_cache_tokens == 65_536
+    assert plan_of("tiny_grpo.toml", "inference.kv_cache_gib=0.125").kv_cache_tokens == 131_072
+    big = plan_of("llama70b_grpo.toml", "inference.kv_cache_gib=1")
+    assert big.kv_cache_tokens == 2**30 // (2 * 80 * 8 * 128 * 2 // 8)  # TP 8: one KV head per GPU
+    tight = plan_of("tiny_grpo.toml", "inference.kv_cache_gib=0.00001")
+    assert tight.kv_cache_tokens == 10 and any("inference does NOT fit" in n and "kv_cache_gib" in n
+                                                for n in tight.notes)
+
+
+def test_a_negative_kv_cache_size_is_refused_with_the_key_and_a_fix():
+    with pytest.raises(ConfigError, match=r"inference.kv_cache_gib: must be zero or more, got -1.0.*Fix: set"):
+        plan_of("tiny_grpo.toml", "inference.kv_cache_gib=-1")
