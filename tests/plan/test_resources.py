@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from hpcrl.config.load import load_config_and_shape
-from hpcrl.errors import ConfigError
 from hpcrl.config.model_shapes import PRESETS
+from hpcrl.errors import ConfigError
 from hpcrl.plan import plan_resources
 from hpcrl.plan.resources import GIB
 
