@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import asdict
 
 from hpcrl.bus.errors import DeadlineExceeded
@@ -31,6 +32,7 @@ from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
 from hpcrl.reward.types import RewardResult, Sample
 from hpcrl.rl.deadline import StepDeadline
+from hpcrl.rl.startup import StartupClock, process_age_s
 from hpcrl.trainer.types import TrainBatch
 
 #: Seconds a call may take before the head gives up on it (a CPU step or a first vLLM call can be slow).
@@ -68,6 +70,8 @@ class BusPorts:
         self.inference = Service(head, "inference")
         self.reward = Service(head, "reward")
         self.plan = plan_for_config(config)
+        self.startup = StartupClock()
+        """The start-up (hpcrl.rl.startup): when each group was ready, seconds from the head's launch."""
         self.rejoin_timeout_s = _rejoin_timeout_s(config)
         """Seconds a lost inference replica has to come back (started again by the head) and register."""
         self.replicas = config.inference.replicas
@@ -86,10 +90,13 @@ class BusPorts:
             self.local_scorer = make_scorer(config.reward)
 
     async def connect(self, *, timeout: float) -> None:
-        """Wait for every group, then form the weight-transfer group (trainer ranks + every vLLM worker)."""
+        """Wait for every group, then form the weight-transfer group (trainer ranks + every vLLM worker).
+        self.startup gets when each group was ready, counted from the head's launch (they start at once)."""
         await self.head.wait_for_peers("trainer", 1, timeout=timeout)
+        self.startup.record("trainer", process_age_s())
         if self.local_scorer is None:
             await self.head.wait_for_peers("reward", 1, timeout=timeout)
+            self.startup.record("reward", process_age_s())
         log.info(f"groups ready: trainer ({self.plan.trainer.world_size} rank(s)), reward "
                  f"({'in the head' if self.local_scorer is not None else 'its own group'})")
         async with self._trainer_turn:
@@ -113,6 +120,9 @@ class BusPorts:
     async def _form_group(self, timeout: float) -> None:
         """(Re)form the weight-transfer group once every replica is registered (a lost one started again)."""
         await self.head.wait_for_peers("inference", self.replicas, timeout=timeout)
+        if self.generation < 0:
+            self.startup.record("inference", process_age_s())
+        forming = time.monotonic()
         self.generation += 1
         self.current = False
         args = {"host": self.store_host, "port": self.store_port, "timeout_s": timeout, "digest": self.plan.digest,
@@ -121,6 +131,8 @@ class BusPorts:
         await asyncio.gather(self.trainer.call_all(0, "connect_transfer", args, timeout=timeout),
                              self.inference.fanout("connect_transfer", args, timeout=timeout))
         self.members = members
+        if self.generation == 0:
+            self.startup.record("weights", time.monotonic() - forming)
         log.info(f"weight-transfer group formed (generation {self.generation}): {self.plan.trainer.world_size} "
                  f"trainer rank(s) -> {self.replicas} replica(s) x TP {self.config.inference.tensor_parallel} "
                  f"(plan {self.plan.digest[:12]})")

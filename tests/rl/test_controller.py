@@ -125,7 +125,7 @@ def logged():
 
 def outcome(run_dir: Path) -> list[dict]:
     """Every step's metrics, without wall times (which differ between any two runs)."""
-    return [{k: v for k, v in row.items() if not (k.startswith("time_") or k.endswith("_per_s"))}
+    return [{k: v for k, v in row.items() if not (k.startswith(("time_", "startup_")) or k.endswith("_per_s"))}
             for row in read_metrics(run_dir)]
 
 
@@ -451,6 +451,11 @@ def test_the_loop_over_bus_ports_makes_the_same_steps_as_over_the_in_memory_port
     job = run(bus_run(bus_config(runs)))
     assert outcome(runs) == outcome(uninterrupted(1)[1])
     assert {process.replica for process in job.processes if process.engine.generated} == {0, 1}  # both served
+    first, *later = read_metrics(runs)
+    # When each group was ready (from the head's launch), the transfer group, the first sync: with the first step.
+    parts = {f"startup_{p}_s" for p in ("trainer", "reward", "inference", "weights", "first_sync", "total")}
+    assert parts <= set(first) and not any(k.startswith("startup_") for row in later for k in row)
+    assert first["startup_trainer_s"] <= first["startup_inference_s"] <= first["startup_total_s"]
 
 
 def test_the_loop_goes_on_unchanged_when_a_replica_is_lost_during_a_push(uninterrupted, runs, no_retry_pause,
