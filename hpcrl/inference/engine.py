@@ -40,13 +40,16 @@ forward pass before it serves; `inference.kv_cache_gib` sizes the cache instead 
 kv_cache_memory_bytes), which with enforce_eager also skips that warm-up. With enforce_eager the
 workers run the sampler's torch.compile'd helpers eagerly (HpcrlWorkerExtension.hpcrl_eager_helpers):
 compiling them made the first request 2.4 s. Tensor parallelism uses the "mp" executor with one
-OpenMP thread group per rank (VLLM_CPU_OMP_THREADS_BIND, set here unless the caller did).
+OpenMP thread group per rank (VLLM_CPU_OMP_THREADS_BIND while the engine starts, unless the caller
+set it; `cpu_binding` chooses other CPUs, as `hpcrl run` does to keep a core for its trainer).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from hpcrl.config.schema import Config
@@ -70,6 +73,21 @@ def _cpu_thread_binding(tensor_parallel: int) -> str:
     return "|".join(",".join(map(str, g)) for g in groups)
 
 
+@contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    """os.environ[name] = value inside the block (nothing when value is None), as it was after."""
+    before = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 def chunk_seed(seed: int, offset: int) -> int:
     """The sampling seed of the chunk that starts at prompt `offset` of a batch generated with `seed`
     (63 bits of sha256: chunks of one batch and batches of one run never share a stream)."""
@@ -88,9 +106,11 @@ class VllmEngine:
     def __init__(self, *, model_path: str, tensor_parallel: int, on_cpu: bool, dtype: str, seed: int,
                  max_model_len: int, gpu_memory_utilization: float, enforce_eager: bool,
                  temperature: float, top_p: float, top_k: int, max_tokens: int,
-                 kv_cache_gib: float = 0.0, weight_transfer: bool = False) -> None:
-        if on_cpu and tensor_parallel > 1:
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_thread_binding(tensor_parallel))
+                 kv_cache_gib: float = 0.0, weight_transfer: bool = False, cpu_binding: str | None = None) -> None:
+        # The CPUs of the workers' OpenMP threads ("0|1": rank 0 on CPU 0, rank 1 on CPU 1): the caller's
+        # environment, else `cpu_binding`, else one group per TP rank (vLLM's own choice with TP 1).
+        binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or cpu_binding or (
+            _cpu_thread_binding(tensor_parallel) if tensor_parallel > 1 else None)
         try:
             from vllm import LLM
         except ImportError as err:
@@ -110,7 +130,8 @@ class VllmEngine:
         if weight_transfer:
             # hpcrl's weight-transfer engine, registered inside each vLLM worker (hpcrl.transfer.vllm_adapter).
             kwargs["weight_transfer_config"] = {"backend": "hpcrl"}
-        self.llm = LLM(**kwargs)
+        with _environment("VLLM_CPU_OMP_THREADS_BIND", binding if on_cpu else None):  # read by the workers it starts
+            self.llm = LLM(**kwargs)
         if on_cpu and enforce_eager:  # the first request would compile vLLM's sampler helpers (2.4 s)
             self.llm.collective_rpc("hpcrl_eager_helpers")
         self.prefix_caching: bool = kwargs["enable_prefix_caching"]
@@ -119,8 +140,8 @@ class VllmEngine:
         self.weight_version = 0
 
     @classmethod
-    def from_config(cls, config: Config, *, model_path: str | None = None,
-                    weight_transfer: bool = False) -> VllmEngine:
+    def from_config(cls, config: Config, *, model_path: str | None = None, weight_transfer: bool = False,
+                    cpu_binding: str | None = None) -> VllmEngine:
         inf = config.inference
         on_cpu = inf.gpus_per_node == 0
         return cls(model_path=model_path or config.model.path, tensor_parallel=inf.tensor_parallel,
@@ -128,7 +149,7 @@ class VllmEngine:
                    max_model_len=config.max_model_len,
                    gpu_memory_utilization=inf.gpu_memory_utilization, enforce_eager=inf.enforce_eager,
                    temperature=inf.temperature, top_p=inf.top_p, top_k=inf.top_k, max_tokens=inf.max_tokens,
-                   kv_cache_gib=inf.kv_cache_gib, weight_transfer=weight_transfer)
+                   kv_cache_gib=inf.kv_cache_gib, weight_transfer=weight_transfer, cpu_binding=cpu_binding)
 
     def generate(self, prompts: list[Prompt], *, n: int, seed: int, offset: int = 0) -> list[list[Completion]]:
         """`n` completions of every prompt, as one list per prompt, in prompt order.

@@ -71,3 +71,13 @@ def test_a_part_that_fails_to_start_is_raised_after_every_part_that_started_is_e
     with pytest.raises(RuntimeError, match=f"{failing} failed to start"):
         inprocess.InProcessPorts(tiny_config())
     assert sorted(closed) == sorted({"trainer", "inference", "reward"} - {failing})
+
+
+@pytest.mark.parametrize(("cpus", "tp", "binding", "trainer"), [
+    ([0, 1], 1, "0", [1]),                 # this VM: vLLM's worker on one core, the trainer on the other
+    ([3], 1, "3", [3]),                    # one CPU: shared
+    ([0, 1, 2, 3], 2, "0|1", [2, 3]),      # TP 2: a core per rank
+    ([5, 4, 7, 6, 8], 1, "4,5,6", [7, 8]),
+])
+def test_hpcrl_run_gives_vllms_workers_and_the_trainer_cpus_of_their_own(cpus, tp, binding, trainer):
+    assert inprocess.split_cpus(cpus, tp) == (binding, trainer)
