@@ -69,32 +69,38 @@ def timed_parts(engine, batch) -> dict[str, float]:
     """hpcrl's train_step, part by part (the same calls in the same order as TrainerEngine.train_step)."""
     from hpcrl.trainer.loss import Normaliser, entropy_from_logits, grpo_loss, local_counts
 
-    parts: dict[str, float] = {}
+    parts = dict.fromkeys(("setup", "forward", "loss", "backward", "metrics", "clip", "optimizer"), 0.0)
+    last = time.perf_counter()
 
-    def clock(name: str, fn):
-        started = time.perf_counter()
-        out = fn()
-        parts[name] = parts.get(name, 0.0) + time.perf_counter() - started
-        return out
+    def lap(name: str) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        parts[name] += now - last
+        last = now
 
     o = engine.options
-    counts = clock("setup", lambda: engine._all_reduce(torch.cat([local_counts(batch.completion_mask),
-                                                                    batch.lengths.sum().double().view(1)])))
+    counts = engine._all_reduce(torch.cat([local_counts(batch.completion_mask), batch.lengths.sum().double().view(1)]))
     norm = Normaliser(tokens=float(counts[0]), sequences=float(counts[1]))
-    for mb in clock("setup", lambda: engine._micro_batches(batch)):
-        logits, logp = clock("forward", lambda: engine._forward_logprobs(engine.model, mb))
+    micro_batches = engine._micro_batches(batch)
+    lap("setup")
+    for mb in micro_batches:
+        logits, logp = engine._forward_logprobs(engine.model, mb)
+        lap("forward")
         mask = mb.completion_mask
-        share = clock("loss", lambda: grpo_loss(logprobs=logp, old_logprobs=mb.old_logprobs, advantages=mb.advantages,
-                                                mask=mask, settings=o.loss, norm=norm))
-        clock("backward", lambda: share.loss.backward())
-
-        def metrics():
-            with torch.no_grad():
-                entropy_from_logits(logits[mask[:, 1:]]).sum()
-                (logp - mb.old_logprobs).abs()[mask.bool()].sum()
-        clock("metrics", metrics)
-    clock("clip", engine._clip_gradients)
-    clock("optimizer", lambda: (engine.optimizer.step(), engine.optimizer.zero_grad(set_to_none=True)))
+        share = grpo_loss(logprobs=logp, old_logprobs=mb.old_logprobs, advantages=mb.advantages, mask=mask,
+                          settings=o.loss, norm=norm)
+        lap("loss")
+        share.loss.backward()
+        lap("backward")
+        with torch.no_grad():
+            entropy_from_logits(logits[mask[:, 1:]]).sum()
+            (logp - mb.old_logprobs).abs()[mask.bool()].sum()
+        lap("metrics")
+    engine._clip_gradients()
+    lap("clip")
+    engine.optimizer.step()
+    engine.optimizer.zero_grad(set_to_none=True)
+    lap("optimizer")
     return parts
 
 
