@@ -42,7 +42,8 @@ def resolve(function: str) -> Callable[[str, str, str], float]:
 
 
 def _worker_main(function: str, conn: Connection) -> None:
-    """Worker loop: JSON sample in, JSON {"reward"} or {"error"} out, until the pipe closes."""
+    """Worker loop: a JSON list of samples in, one JSON {"reward"} or {"error"} out per sample as each
+    is scored, in order, until the pipe closes."""
     try:
         fn = resolve(function)
     except RewardError as err:
@@ -51,20 +52,22 @@ def _worker_main(function: str, conn: Connection) -> None:
     conn.send_bytes(b'{"ready": true}')
     while True:
         try:
-            request = json.loads(conn.recv_bytes())
+            requests = json.loads(conn.recv_bytes())
         except EOFError:
             return
-        reply: dict[str, str | float]
-        try:
-            value = fn(request["prompt"], request["completion"], request["answer"])
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                reply = {"error": f"returned {value!r}, not a finite number"}
-            else:
-                reply = {"reward": float(value)}
-        except Exception as err:  # noqa: BLE001 - the verifier's own failure is the result, reported with the sample
-            frame = traceback.extract_tb(err.__traceback__)[-1]
-            reply = {"error": f"{type(err).__name__}: {err} ({os.path.basename(frame.filename)}:{frame.lineno})"}
-        conn.send_bytes(json.dumps(reply).encode())
+        for request in requests:
+            conn.send_bytes(json.dumps(_score_one(fn, request)).encode())
+
+
+def _score_one(fn: Callable[[str, str, str], float], request: dict) -> dict[str, str | float]:
+    try:
+        value = fn(request["prompt"], request["completion"], request["answer"])
+    except Exception as err:  # noqa: BLE001 - the verifier's own failure is the result, reported with the sample
+        frame = traceback.extract_tb(err.__traceback__)[-1]
+        return {"error": f"{type(err).__name__}: {err} ({os.path.basename(frame.filename)}:{frame.lineno})"}
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return {"error": f"returned {value!r}, not a finite number"}
+    return {"reward": float(value)}
 
 
 class _Worker:
@@ -74,8 +77,10 @@ class _Worker:
                                    name="hpcrl-reward-worker")
         self.process.start()
         child.close()
-        self.sample: Sample | None = None
+        self.queue: deque[Sample] = deque()
+        """Samples sent and not answered yet, in the order the worker scores them."""
         self.started = 0.0
+        """When the worker began the first sample of its queue (its deadline counts from here)."""
 
     def wait_ready(self, timeout: float) -> None:
         if not self.conn.poll(timeout):
@@ -89,9 +94,11 @@ class _Worker:
             self.kill()
             raise RewardError(hello["fatal"])
 
-    def send(self, sample: Sample) -> None:
-        self.sample, self.started = sample, time.monotonic()
-        self.conn.send_bytes(json.dumps(asdict(sample)).encode())
+    def send(self, samples: list[Sample]) -> None:
+        """Queue `samples` on the worker (an idle one: its first one starts now), in one message."""
+        self.queue.extend(samples)
+        self.started = time.monotonic()
+        self.conn.send_bytes(json.dumps([asdict(s) for s in samples]).encode())
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -120,45 +127,55 @@ class RewardPool:
         return fresh
 
     def score(self, samples: list[Sample]) -> list[RewardResult]:
-        """Score every sample; results in the order of `samples` (whose ids must be distinct)."""
+        """Score every sample; results in the order of `samples` (whose ids must be distinct).
+
+        Each idle worker gets an even share of what is left in one message and answers sample by
+        sample, so a batch costs a round trip per worker, not per sample; each sample's deadline
+        counts from the previous answer. A sample that times out or takes its worker down is
+        recorded as an error; the worker is replaced and the rest of its share is handed out again."""
         if len({s.id for s in samples}) != len(samples):
             raise RewardError("samples to score have repeated ids; give every completion its own id")
         pending = deque(samples)
         results: dict[str, RewardResult] = {}
         idle = list(self._workers)
         busy: dict[Connection, _Worker] = {}
+
+        def finish(worker: _Worker, error: str | None, reward: float | None, now: float) -> None:
+            sample = worker.queue.popleft()
+            results[sample.id] = RewardResult(id=sample.id, prompt_id=sample.prompt_id, reward=reward, error=error,
+                                              seconds=now - worker.started)
+            worker.started = now
+
+        def lost(worker: _Worker, error: str, now: float) -> None:
+            """The worker's current sample failed with its process: the rest of its share goes back."""
+            del busy[worker.conn]
+            finish(worker, error, None, now)
+            pending.extendleft(reversed(worker.queue))
+            idle.append(self._replace(worker))
+
         while pending or busy:
             while pending and idle:
+                share = -(-len(pending) // len(idle))  # ceil: every idle worker gets some
                 worker = idle.pop()
-                worker.send(pending.popleft())
+                worker.send([pending.popleft() for _ in range(share)])
                 busy[worker.conn] = worker
-            now = time.monotonic()
             next_deadline = min(w.started + self.timeout_s for w in busy.values())
-            for ready in wait(list(busy), timeout=max(0.0, next_deadline - now)):
-                conn = cast(Connection, ready)  # wait() returns some of the connections it was given
-                worker = busy.pop(conn)
-                sample, spent = worker.sample, time.monotonic() - worker.started
-                assert sample is not None
+            for ready in wait(list(busy), timeout=max(0.0, next_deadline - time.monotonic())):
+                worker = busy[cast(Connection, ready)]  # wait() returns some of the connections it was given
                 try:
-                    reply = json.loads(conn.recv_bytes())
+                    reply = json.loads(worker.conn.recv_bytes())
                 except EOFError:  # the verifier took its process down with it
                     worker.process.join(5)
-                    reply = {"error": f"worker process died (exit code {worker.process.exitcode})"}
-                    worker = self._replace(worker)
-                results[sample.id] = RewardResult(id=sample.id, prompt_id=sample.prompt_id,
-                                                  reward=reply.get("reward"), error=reply.get("error"),
-                                                  seconds=spent)
-                idle.append(worker)
+                    lost(worker, f"worker process died (exit code {worker.process.exitcode})", time.monotonic())
+                    continue
+                finish(worker, reply.get("error"), reply.get("reward"), time.monotonic())
+                if not worker.queue:
+                    del busy[worker.conn]
+                    idle.append(worker)
             now = time.monotonic()
-            for conn, worker in list(busy.items()):
+            for worker in list(busy.values()):
                 if now - worker.started >= self.timeout_s:
-                    sample = worker.sample
-                    assert sample is not None
-                    del busy[conn]
-                    results[sample.id] = RewardResult(
-                        id=sample.id, prompt_id=sample.prompt_id, reward=None,
-                        error=f"timed out after {self.timeout_s:g} s", seconds=now - worker.started)
-                    idle.append(self._replace(worker))
+                    lost(worker, f"timed out after {self.timeout_s:g} s", now)
         return [results[s.id] for s in samples]
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import hpcrl.reward.pool as pool_module
 from hpcrl.reward.pool import RewardPool
 from hpcrl.reward.types import RewardError, Sample
 
@@ -48,6 +49,22 @@ def test_a_raising_hanging_or_dying_verifier_is_reported_with_its_prompt_and_the
     assert results["p5"].reward is None and "not a finite number" in results["p5"].error
     # The pool is whole again: the next batch is scored normally.
     assert [r.reward for r in pool.score([sample(7, "ok"), sample(8, "ok")])] == [1.0, 1.0]
+
+
+@pytest.mark.timeout(60)
+def test_a_workers_share_is_sent_at_once_yet_each_sample_has_the_whole_timeout_from_the_previous_answer(
+        monkeypatch):
+    monkeypatch.syspath_prepend(str(HERE))
+    sent: list[int] = []
+    send = pool_module._Worker.send
+    monkeypatch.setattr(pool_module._Worker, "send", lambda self, samples: (sent.append(len(samples)),
+                                                                             send(self, samples)))
+    with RewardPool("verifiers_for_tests:by_prompt", workers=1, timeout_s=1.5) as one:
+        results = one.score([sample(i, "slow") for i in range(4)] + [sample(4, "hang"), sample(5, "ok")])
+    assert sent == [6, 1]  # all at once; after the hang, what was left to the worker started in its place
+    assert [r.reward for r in results] == [1.0] * 4 + [None, 1.0]  # 2.4 s of slow samples, then a hang
+    assert "timed out after 1.5 s" in results[4].error
+    assert all(0.5 < r.seconds < 1.5 for r in results[:4]), [r.seconds for r in results]
 
 
 @pytest.mark.timeout(60)
