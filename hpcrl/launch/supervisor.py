@@ -37,6 +37,9 @@ from hpcrl.slurm.spec import GroupSlot
 
 #: Times one lost inference replica is started again before the run gives up.
 MAX_RELAUNCHES = 3
+#: Most seconds a failed step's tasks get for their exit codes to arrive on the bus (their supervisors
+#: send them as they end, but the step's own end can be seen first); they are waited for, not slept on.
+EXIT_CODES_WAIT_S = 3.0
 
 log = logging.getLogger(__name__)
 
@@ -230,8 +233,7 @@ class Supervisor:
         codes = [(step, code) for step, code in codes if id(step) not in self.retired]
         failed = [(step, code) for step, code in codes if code not in (None, 0)]
         if failed:
-            await asyncio.sleep(0.3)  # exit codes still in flight on the bus
-            self.handle_events()
+            await self._exit_codes_of([step for step, _ in failed])
             for step, code in [(step, code) for step, code in failed if self._replaced(step)]:
                 self.retired.add(id(step))  # its non-zero code is a task already started again elsewhere
                 failed.remove((step, code))
@@ -252,6 +254,17 @@ class Supervisor:
             raise GroupFailed("tasks never registered within start_timeout_s: "
                               + ", ".join(f"{g} rank {r}" for g, r in unregistered))
         return all(code == 0 for _, code in codes)
+
+    async def _exit_codes_of(self, steps: list[Step], timeout_s: float = EXIT_CODES_WAIT_S) -> None:
+        """Take in the bus's events until every registered task of `steps` has its exit code or was
+        declared lost (a task whose node lost power sends none), at most `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.handle_events()
+            tasks = [self.tasks.get((step.slot.name, rank)) for step in steps for rank in step.ranks]
+            if all(t is None or t.code is not None or t.lost for t in tasks) or time.monotonic() >= deadline:
+                return
+            await asyncio.sleep(0.02)
 
     def _replaced(self, step: Step) -> bool:
         """True when the ranks of `step` that failed all run in another step now (started again), and the
