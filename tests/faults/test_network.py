@@ -52,7 +52,7 @@ def test_cutting_the_inference_node_off_for_10_s_loses_no_rollout_and_the_run_co
     queued = subprocess.run(
         [sys.executable, "-m", "hpcrl", "submit", "configs/tiny_grpo.toml", "--cluster", "local",
          "--set", f"run.run_dir={run_dir}", "--set", f"model.path={tiny_model}", "--set", "trainer.steps=60",
-         "--set", "trainer.checkpoint_interval=0"],
+         "--set", "trainer.checkpoint_interval=0", "--set", "algorithm.mismatch_every=1"],
         cwd=REPO, env={**namespaced, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
     assert queued.returncode == 0, queued.stderr
     node = ""

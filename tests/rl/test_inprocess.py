@@ -25,7 +25,8 @@ def test_embedded_default_learns_and_inference_matches_the_trainer_after_every_s
     run_dir = tmp_path / "run"
     done = subprocess.run(
         [sys.executable, "-m", "hpcrl", "run", "configs/tiny_grpo.toml", "--set", f"run.run_dir={run_dir}",
-         "--set", f"model.path={tiny_model}", "--set", "trainer.checkpoint_interval=0"],
+         "--set", f"model.path={tiny_model}", "--set", "trainer.checkpoint_interval=0",
+         "--set", "algorithm.mismatch_every=1"],  # the weights checked after every sync
         cwd=REPO, capture_output=True, text=True, timeout=880)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = read_metrics(run_dir)

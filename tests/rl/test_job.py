@@ -28,11 +28,13 @@ pytestmark = [pytest.mark.slow]
 
 def submit(run_dir: Path, model: Path, *args: str, env: dict[str, str] | None = None,
            timeout: float = 600, wait: bool = True) -> subprocess.CompletedProcess:
-    """`hpcrl submit` of the embedded default; with wait=False it returns once the job is queued."""
+    """`hpcrl submit` of the embedded default; with wait=False it returns once the job is queued. The
+    mismatch is probed at every step: these tests check the inference weights after every recovery."""
     env = {**(env or os.environ), "PYTHONPATH": str(REPO)}
     return subprocess.run(
         [sys.executable, "-m", "hpcrl", "submit", "configs/tiny_grpo.toml", "--set", f"run.run_dir={run_dir}",
-         "--set", f"model.path={model}", *args, *(["--wait"] if wait else [])],
+         "--set", f"model.path={model}", "--set", "algorithm.mismatch_every=1", *args,
+         *(["--wait"] if wait else [])],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
