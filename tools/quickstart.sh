@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's first command: set up .venv, make the tiny model, train the embedded default.
 #
-#   tools/quickstart.sh            # about 3 minutes on a 2-core laptop CPU (2 of them setting up)
+#   tools/quickstart.sh            # under a minute on a 2-core CPU once set up (setting up: a few minutes)
 #
 # Runs configs/tiny_grpo.toml with `hpcrl run` (every group in this one process: the trainer
 # engine, a vLLM engine, the reward pool, real weight transfer), shows a progress line per step (on
