@@ -142,10 +142,10 @@ class Controller:
         clock = self.startup or StartupClock()
         clock.record("first_sync", time.monotonic() - synced)
         # Batches generated with version 0 before step 0: 0 .. lag - 1.
-        generating = time.monotonic()
+        generating, before = time.monotonic(), self.state.generated
         while self.state.generated < min(self.lag, steps):
             await self._generate_batch(self.state.generated, 0)
-        if self.state.generated and self.lag:
+        if self.state.generated > before:  # not on a resume, whose checkpoint holds those batches
             clock.record("first_generate", time.monotonic() - generating)
         # The start-up's figures go with the first step this process runs (startup_total_s: launch -> here).
         startup: dict[str, float] = clock.metrics() if self.startup is not None else {}
