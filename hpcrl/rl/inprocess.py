@@ -149,7 +149,7 @@ class InProcessPorts:
         """Start the parts at once: vLLM here (its engine processes do the work, this thread mostly
         waits), the trainer and a reward function's pool on threads of their own; then join both
         ends of the weight-transfer group. Each part's seconds go to self.startup."""
-        import torch  # noqa: F401 - once, here: the parts' threads import what they need of it at once
+        import torch  # noqa: F401 - here, before the parts' threads import their libraries on top of it at once
 
         from hpcrl.inference.engine import VllmEngine
         from hpcrl.transfer.for_config import plan_for_config
