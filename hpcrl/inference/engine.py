@@ -41,7 +41,10 @@ kv_cache_memory_bytes), which with enforce_eager also skips that warm-up. With e
 workers run the sampler's torch.compile'd helpers eagerly (HpcrlWorkerExtension.hpcrl_eager_helpers):
 compiling them made the first request 2.4 s. Tensor parallelism uses the "mp" executor with one
 OpenMP thread group per rank (VLLM_CPU_OMP_THREADS_BIND while the engine starts, unless the caller
-set it; `cpu_binding` chooses other CPUs, as `hpcrl run` does to keep a core for its trainer).
+set it; `cpu_binding` chooses other CPUs, as `hpcrl run` does to keep a core for its trainer). With
+one rank the worker runs inside vLLM's engine-core process (UniProcExecutor), bound to the same CPUs
+through the OpenMP environment that process starts with: vLLM's CPU platform would start a worker
+process of its own, a third interpreter importing torch and vLLM, 7-8 s of a 2-core machine's start.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from hpcrl.config.schema import Config
@@ -86,6 +89,35 @@ def _environment(name: str, value: str | None) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = before
+
+
+@contextmanager
+def _environments(values: dict[str, str]) -> Iterator[None]:
+    """_environment for every name of `values`."""
+    with ExitStack() as stack:
+        for name, value in values.items():
+            stack.enter_context(_environment(name, value))
+        yield
+
+
+def _omp_environment(binding: str) -> dict[str, str]:
+    """The OpenMP environment vLLM's mp executor gives a CPU worker bound to one rank's `binding` ("0",
+    "0,1", "0-3"; vllm/utils/ompmultiprocessing.py, GNU OpenMP not preloaded): one thread per CPU, each
+    bound to its CPU. "nobind" (vLLM's word for none) gives none; "auto" binds this process's CPUs."""
+    if binding == "nobind":
+        return {}
+    if binding == "auto":
+        cpus = sorted(os.sched_getaffinity(0))
+    else:
+        cpus = []
+        for part in binding.split(","):
+            first, _, last = part.partition("-")
+            if not first.strip().isdigit() or (last and not last.strip().isdigit()):
+                raise InferenceError(f"VLLM_CPU_OMP_THREADS_BIND {binding!r} is not a CPU list of one tensor-parallel "
+                                     "rank. Fix: CPU ids and ranges, e.g. 0,1 or 0-3, or auto or nobind")
+            cpus.extend(range(int(first), int(last or first) + 1))
+    return {"OMP_NUM_THREADS": str(len(cpus)), "OMP_PLACES": "{" + ",".join(map(str, cpus)) + "}",
+            "OMP_PROC_BIND": "true"}
 
 
 def chunk_seed(seed: int, offset: int) -> int:
@@ -125,12 +157,22 @@ class VllmEngine:
             worker_extension_cls=WORKER_EXTENSION)
         if kv_cache_gib:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        omp: dict[str, str] = {}
         if tensor_parallel > 1:
             kwargs["distributed_executor_backend"] = "mp"
+        elif on_cpu:
+            # The worker inside the engine-core process: no third interpreter importing torch and vLLM
+            # (7 s of the start-up on 2 cores). The CPU platform turns "uni" into "mp" only to set each
+            # worker's OpenMP environment before it starts; the engine core gets that environment here.
+            from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+            kwargs["distributed_executor_backend"] = UniProcExecutor
+            omp = _omp_environment(binding or "auto")
         if weight_transfer:
             # hpcrl's weight-transfer engine, registered inside each vLLM worker (hpcrl.transfer.vllm_adapter).
             kwargs["weight_transfer_config"] = {"backend": "hpcrl"}
-        with _environment("VLLM_CPU_OMP_THREADS_BIND", binding if on_cpu else None):  # read by the workers it starts
+        with _environment("VLLM_CPU_OMP_THREADS_BIND", binding if on_cpu else None), \
+                _environments(omp):  # read by the processes it starts
             self.llm = LLM(**kwargs)
         if on_cpu and enforce_eager:  # the first request would compile vLLM's sampler helpers (2.4 s)
             self.llm.collective_rpc("hpcrl_eager_helpers")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,30 @@ def test_token_logprobs_of_a_sampled_completion_equal_its_sampling_logprobs(engi
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.timeout(60)
+def test_a_one_rank_engine_on_cpu_runs_its_worker_inside_the_engine_core_bound_to_its_cpus(engine):
+    """No worker process of its own: that third interpreter importing torch and vLLM was 7-8 s of the start."""
+    from hpcrl.roles.reaper import descendants
+
+    vllm = {pid: name for pid, name in descendants(os.getpid()).items() if name.startswith("VLLM::")}
+    assert len(vllm) == 1, vllm  # before: VLLM::EngineCore and VLLM::Worker_TP0
+    (core, name), = vllm.items()
+    assert name.startswith("VLLM::EngineCor"), vllm  # the kernel keeps 15 characters of a title
+    assert os.sched_getaffinity(core) == os.sched_getaffinity(0)
+
+
+def test_the_openmp_environment_of_a_worker_binds_one_thread_to_each_cpu_of_its_binding():
+    from hpcrl.inference.engine import InferenceError, _omp_environment
+
+    assert _omp_environment("1") == {"OMP_NUM_THREADS": "1", "OMP_PLACES": "{1}", "OMP_PROC_BIND": "true"}
+    assert _omp_environment("0-2,5")["OMP_PLACES"] == "{0,1,2,5}"
+    assert _omp_environment("0-2,5")["OMP_NUM_THREADS"] == "4"
+    assert _omp_environment("auto")["OMP_NUM_THREADS"] == str(len(os.sched_getaffinity(0)))
+    assert _omp_environment("nobind") == {}
+    with pytest.raises(InferenceError, match=r"'0\|1' is not a CPU list of one tensor-parallel rank"):
+        _omp_environment("0|1")
+
+
 def test_close_ends_vllms_client_thread_and_zmq_context_before_returning(engine):
     """Runs last: it closes the module's engine. vLLM's own shutdown leaves both to whichever thread
     drops them last, which can be the interpreter's teardown (docs/FACTS.md, "Teardown")."""
