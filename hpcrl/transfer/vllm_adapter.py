@@ -18,7 +18,9 @@ busy-loops (sched_yield) for a second after every message it reads from its engi
 worker that the head calls every step spins a core for good. On a GPU node that core is the
 inference node's own; on CPUs it is the trainer's: a tiny-model train step went from 0.03 s to
 0.8-1.1 s beside a spinning worker in the local Slurm hetjob. `quiet_idle_workers` cuts the
-spin to 5 ms (then the worker sleeps on its notify socket, woken within microseconds).
+spin to 5 ms (then the worker sleeps on its notify socket, woken within microseconds). A
+one-rank engine on CPU has no such queue: hpcrl runs its worker inside the engine core
+(hpcrl.inference.engine).
 
 Receiving: every worker computes the plan itself from the layouts in the init info and the
 model's HF config, compares digests with every trainer rank and worker, then receives its
