@@ -114,7 +114,6 @@ def test_token_logprobs_of_a_sampled_completion_equal_its_sampling_logprobs(engi
         assert max(abs(a - b) for a, b in zip(tail, completion.logprobs)) < 1e-4
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.timeout(60)
 def test_a_one_rank_engine_on_cpu_runs_its_worker_inside_the_engine_core_bound_to_its_cpus(engine):
     """No worker process of its own: that third interpreter importing torch and vLLM was 7-8 s of the start."""
@@ -139,6 +138,7 @@ def test_the_openmp_environment_of_a_worker_binds_one_thread_to_each_cpu_of_its_
         _omp_environment("0|1")
 
 
+@pytest.mark.timeout(120)
 def test_close_ends_vllms_client_thread_and_zmq_context_before_returning(engine):
     """Runs last: it closes the module's engine. vLLM's own shutdown leaves both to whichever thread
     drops them last, which can be the interpreter's teardown (docs/FACTS.md, "Teardown")."""

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.rl import inprocess
 from hpcrl.rl.metrics import read_metrics
 from hpcrl.roles.reaper import descendants, live
 
@@ -55,7 +56,11 @@ def test_killing_hpcrl_run_leaves_no_vllm_engine_process_behind(tiny_model, tmp_
         children = [int(p) for p in Path(f"/proc/{run.pid}/task/{run.pid}/children").read_text().split()]
         assert len(children) == 1, f"hpcrl run is not one supervised task: its children are {children}"
         task = children[0]  # the run's own work, below its supervisor
-        assert any(name.startswith("VLLM::") for name in below.values()), below
+        engines = [pid for pid, name in below.items() if name.startswith("VLLM::")]
+        assert engines, below
+        # vLLM's engine core, its worker inside, runs on vLLM's share of the CPUs (inprocess.split_cpus)
+        share, _ = inprocess.split_cpus(sorted(os.sched_getaffinity(0)), 1)
+        assert [os.sched_getaffinity(pid) for pid in engines] == [{int(c) for c in share.split(",")}], below
         os.kill(task, signal.SIGKILL)
         assert run.wait(timeout=60) == -signal.SIGKILL
         left = live(below)
