@@ -13,7 +13,8 @@ equals an uninterrupted one:
     batch b is generated with weight version max(0, b - lag)
     step  s trains on batch s and makes weight version s + 1
     while step s trains, batch s + lag is generated (with version s): generation overlaps training
-    version s + 1 goes to the inference group once both are done
+    version s + 1 goes to the inference group once both are done; the batch's scoring goes on
+    meanwhile (the reward group is not the inference group) and ends before step s does
 
 A checkpoint after step s holds the trainer state (version s + 1), the prompt cursor and the
 scored batches s + 1 .. s + lag already in the buffer; resuming re-pushes version s + 1 and goes on.
@@ -105,13 +106,19 @@ class Controller:
         self.buffer.load_state_dict(state["buffer"])
 
     # -- one batch of rollouts -----------------------------------------------------------------
-    async def _generate_batch(self, index: int, version: int) -> None:
+    async def _generate_batch(self, index: int, version: int, generated: asyncio.Event | None = None) -> None:
+        """Generate and score batch `index` with weight version `version` into the buffer; `generated`
+        is set once the inference group is done with it (or failed), while scoring may go on."""
         if index != self.state.generated:
             raise ControllerError(f"schedule broken: asked for batch {index}, next is {self.state.generated}")
         prompts = self.stream.next_batch(self.prompts_per_step)
         started = time.monotonic()
         seed = self.config.run.seed * 1_000_003 + index
-        completions = await self.ports.generate(prompts, n=self.config.algorithm.group_size, seed=seed)
+        try:
+            completions = await self.ports.generate(prompts, n=self.config.algorithm.group_size, seed=seed)
+        finally:
+            if generated is not None:
+                generated.set()
         # Normally every completion is of `version`; a replica started again after a loss is caught up
         # to the trainer's newest weights, so a batch it finishes may be fresher (a smaller policy lag).
         versions = {c.weight_version for g in completions for c in g}
@@ -153,9 +160,9 @@ class Controller:
             step = self.state.step
             started = time.monotonic()
             ahead = step + self.lag
-            generation = None
+            generation, generated = None, asyncio.Event()
             if ahead < steps and self.state.generated == ahead:
-                generation = asyncio.create_task(self._generate_batch(ahead, step))
+                generation = asyncio.create_task(self._generate_batch(ahead, step, generated))
             if self.lag == 0 and generation is not None:
                 await generation  # on-policy: the batch first
                 generation = None
@@ -166,11 +173,20 @@ class Controller:
             train_metrics = await self.ports.train_step(batch, step=step) if len(batch) else {}
             train_done = time.monotonic()
             if generation is not None:
-                await generation
+                await generated.wait()  # the inference group is free for the weights; scoring goes on
+                if generation.done():
+                    await generation  # raises what generating raised
             sync_started = time.monotonic()
-            await self.ports.sync_weights(step + 1)
-            sync_done = time.monotonic()
-            mismatch = await self._mismatch(step, groups, train_metrics)
+            try:
+                await self.ports.sync_weights(step + 1)
+                sync_done = time.monotonic()
+                mismatch = await self._mismatch(step, groups, train_metrics)
+            except BaseException:
+                if generation is not None:
+                    generation.cancel()  # the step failed: its scoring is not waited for
+                raise
+            if generation is not None:
+                await generation  # batch step + lag scored and in the buffer: what a checkpoint of this step holds
             self.state.step = step + 1
             rollout = self.state.rollout_metrics.pop(str(step), {})
             elapsed = time.monotonic() - started
