@@ -106,8 +106,8 @@ class Controller:
         self.buffer.load_state_dict(state["buffer"])
 
     # -- one batch of rollouts -----------------------------------------------------------------
-    async def _generate_batch(self, index: int, version: int, generated: asyncio.Event | None = None) -> None:
-        """Generate and score batch `index` with weight version `version` into the buffer; `generated`
+    async def _generate_batch(self, index: int, version: int, inference_done: asyncio.Event | None = None) -> None:
+        """Generate and score batch `index` with weight version `version` into the buffer; `inference_done`
         is set once the inference group is done with it (or failed), while scoring may go on."""
         if index != self.state.generated:
             raise ControllerError(f"schedule broken: asked for batch {index}, next is {self.state.generated}")
@@ -117,8 +117,8 @@ class Controller:
         try:
             completions = await self.ports.generate(prompts, n=self.config.algorithm.group_size, seed=seed)
         finally:
-            if generated is not None:
-                generated.set()
+            if inference_done is not None:
+                inference_done.set()
         # Normally every completion is of `version`; a replica started again after a loss is caught up
         # to the trainer's newest weights, so a batch it finishes may be fresher (a smaller policy lag).
         versions = {c.weight_version for g in completions for c in g}
@@ -160,9 +160,9 @@ class Controller:
             step = self.state.step
             started = time.monotonic()
             ahead = step + self.lag
-            generation, generated = None, asyncio.Event()
+            generation, inference_done = None, asyncio.Event()
             if ahead < steps and self.state.generated == ahead:
-                generation = asyncio.create_task(self._generate_batch(ahead, step, generated))
+                generation = asyncio.create_task(self._generate_batch(ahead, step, inference_done))
             if self.lag == 0 and generation is not None:
                 await generation  # on-policy: the batch first
                 generation = None
@@ -173,7 +173,7 @@ class Controller:
             train_metrics = await self.ports.train_step(batch, step=step) if len(batch) else {}
             train_done = time.monotonic()
             if generation is not None:
-                await generated.wait()  # the inference group is free for the weights; scoring goes on
+                await inference_done.wait()  # the inference group is free for the weights; scoring goes on
                 if generation.done():
                     await generation  # raises what generating raised
             sync_started = time.monotonic()
