@@ -52,7 +52,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any
 
 from hpcrl.config.schema import Config
@@ -77,27 +77,18 @@ def _cpu_thread_binding(tensor_parallel: int) -> str:
 
 
 @contextmanager
-def _environment(name: str, value: str | None) -> Iterator[None]:
-    """os.environ[name] = value inside the block (nothing when value is None), as it was after."""
-    before = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
+def _environment(values: dict[str, str | None]) -> Iterator[None]:
+    """os.environ[name] = value inside the block for each of `values` (nothing for None), as it was after."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update({name: value for name, value in values.items() if value is not None})
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
-
-
-@contextmanager
-def _environments(values: dict[str, str]) -> Iterator[None]:
-    """_environment for every name of `values`."""
-    with ExitStack() as stack:
-        for name, value in values.items():
-            stack.enter_context(_environment(name, value))
-        yield
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _omp_environment(binding: str) -> dict[str, str]:
@@ -157,7 +148,8 @@ class VllmEngine:
             worker_extension_cls=WORKER_EXTENSION)
         if kv_cache_gib:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
-        omp: dict[str, str] = {}
+        # Read by the processes LLM() starts: vLLM's mp workers, or its engine core with the worker inside.
+        environment: dict[str, str | None] = {"VLLM_CPU_OMP_THREADS_BIND": binding if on_cpu else None}
         if tensor_parallel > 1:
             kwargs["distributed_executor_backend"] = "mp"
         elif on_cpu:
@@ -167,12 +159,11 @@ class VllmEngine:
             from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
             kwargs["distributed_executor_backend"] = UniProcExecutor
-            omp = _omp_environment(binding or "auto")
+            environment.update(_omp_environment(binding or "auto"))
         if weight_transfer:
             # hpcrl's weight-transfer engine, registered inside each vLLM worker (hpcrl.transfer.vllm_adapter).
             kwargs["weight_transfer_config"] = {"backend": "hpcrl"}
-        with _environment("VLLM_CPU_OMP_THREADS_BIND", binding if on_cpu else None), \
-                _environments(omp):  # read by the processes it starts
+        with _environment(environment):
             self.llm = LLM(**kwargs)
         if on_cpu and enforce_eager:  # the first request would compile vLLM's sampler helpers (2.4 s)
             self.llm.collective_rpc("hpcrl_eager_helpers")
