@@ -229,9 +229,9 @@ class VllmEngine:
         """Take one weight update from the trainer ranks (hpcrl's weight-transfer engine, which must
         be initialised) and serve it as `version`. Blocks until every worker has received its share."""
         llm = self.llm
-        llm.start_weight_update()
-        llm.update_weights({"update_info": {"version": version}})
-        llm.finish_weight_update(weight_version=str(version))
+        # LLM's start_weight_update, update_weights and finish_weight_update in one round trip.
+        llm.collective_rpc("hpcrl_receive_weights", args=(version,))
+        llm.update_weight_version(str(version))  # vLLM's own record (RequestOutput.weight_version)
         # The prefix cache, stale now, is not reset here: generate empties it before every chunk,
         # and scoring never reads it (module docstring).
         self.weight_version = version

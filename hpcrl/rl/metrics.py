@@ -99,11 +99,24 @@ class MetricsLog:
         scalars = {key: value for key, value in clean.items()
                    if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
         if self._tb is not None:
-            for key, value in scalars.items():
-                self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+            self._tb_write(scalars, step)
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
+
+    def _tb_write(self, scalars: dict[str, float], step: int) -> None:
+        """The step's scalars as one TensorBoard event (a Summary of one value per tag), then flushed.
+
+        The head writes these between a weight sync and the next batch's generation, on the loop's
+        critical path. SummaryWriter.add_scalar makes an event per tag, each put on its writer thread's
+        queue of 10, which blocks once full: 33 scalars cost 1.4 ms a step, one event 0.25 ms.
+        TensorBoard reads both alike (tag, step, value)."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from torch.utils.tensorboard.summary import scalar
+
+        assert self._tb is not None
+        summary = Summary(value=[value for tag, number in scalars.items() for value in scalar(tag, number).value])
+        self._tb._get_file_writer().add_summary(summary, step)  # what add_scalar writes through
+        self._tb.flush()
 
     def truncate_after(self, step: int) -> None:
         """Keep only rows with row["step"] <= step (atomically: temp file, fsync, rename)."""

@@ -7,6 +7,7 @@ The only hpcrl module that imports vLLM's worker internals. Use vLLM's own entry
     llm.init_weight_transfer_engine({"init_info": init_info(...)})   # once: joins the group, digests
     llm.start_weight_update(); llm.update_weights({"update_info": {"version": 3}})
     llm.finish_weight_update(weight_version="3"); llm.reset_prefix_cache()
+    llm.collective_rpc("hpcrl_receive_weights", args=(3,))   # or the three in one call (one round trip)
 
 Registration: vLLM creates the engine inside each worker process (Worker.load_model ->
 WeightTransferEngineFactory.create_engine), and CPU workers are spawned, so the engine must be
@@ -138,7 +139,11 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         self.replica = self.tp_rank = 0
         self._targets: dict[str, torch.Tensor] = {}
         self._reprocess: list[tuple[torch.nn.Module, Any]] = []  # (layer, its vLLM quant_method)
+        # Found at the first update of a plan, kept for the next (start_weight_update).
+        self._slots: list[tuple[str, torch.nn.Module, str, tuple[int, ...]]] | None = None
+        self._repacking: list[tuple[torch.nn.Module, Any]] | None = None
         self.last: dict[str, Any] = {}
+        self._start_s = 0.0
 
     # -- set-up ---------------------------------------------------------------------------
     def init_transfer_engine(self, info: HpcrlInitInfo) -> None:
@@ -153,6 +158,7 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         if inference.tensor_parallel != self.parallel_config.tensor_parallel_size:
             raise TransferError(f"the plan has TP {inference.tensor_parallel}, this engine runs TP "
                                 f"{self.parallel_config.tensor_parallel_size}")
+        self._slots = self._repacking = None  # found again for this plan at its first update
         self.plan = plan = plan_transfer(TrainerLayout(**info.trainer), inference, shape, wire_dtype=info.wire_dtype,
                                          bucket_bytes=info.bucket_bytes)
         self.replica, self.tp_rank = info.replica, get_tensor_model_parallel_rank()
@@ -171,21 +177,37 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
     # -- one update -----------------------------------------------------------------------
     def start_weight_update(self) -> None:
         """Find the live tensor of every planned parameter; on CPU, unpacked tensors to receive into."""
-        from vllm.platforms import current_platform
-
         if self.plan is None:
             raise TransferError("start_weight_update before init_weight_transfer_engine")
+        t0 = time.perf_counter()
+        if self._slots is None:
+            self._slots = self._find_slots(self.plan)
+        self._targets, written = {}, set()
+        for name, module, attr, shape in self._slots:
+            param = getattr(module, attr)
+            target = param.data
+            if target.numel() == 0 and shape[0] * shape[1]:
+                # Repacked for oneDNN on CPU: receive into a fresh unpacked tensor, repack at finish.
+                target = torch.empty(shape, dtype=param.dtype, device=param.device)
+                param = torch.nn.Parameter(target, requires_grad=False)
+                setattr(module, attr, param)
+            written.add(id(param))
+            self._targets[name] = target
+        if self._repacking is None:
+            self._repacking = self._find_repacking(written)
+        self._reprocess = list(self._repacking)
+        self._start_s = time.perf_counter() - t0
+
+    def _find_slots(self, plan: TransferPlan) -> list[tuple[str, torch.nn.Module, str, tuple[int, ...]]]:
+        """(parameter name, its module, its attribute, its local shape) of every planned parameter: found
+        once per plan, since the modules stay (a push replaces only their parameters, on CPU)."""
         params = dict(self.model.named_parameters())
-        on_cpu = current_platform.is_cpu()
-        self._targets, self._reprocess = {}, []
         where = f"replica {self.replica} TP rank {self.tp_rank}"
-        written = set()
-        for d in self.plan.dests:
-            module_name, _, attr = d.name.rpartition(".")
-            module = self.model.get_submodule(module_name)
-            param = params.get(d.name)
-            if param is None:
+        slots = []
+        for d in plan.dests:
+            if d.name not in params:
                 raise TransferError(f"{where}: the served model has no parameter {d.name!r}")
+            module_name, _, attr = d.name.rpartition(".")
             # Received in place: on CUDA, unquantized layers keep computing from this very tensor, so
             # addresses captured in CUDA graphs stay valid and nothing has to run after writing it.
             # vLLM 0.32.0, model_executor/layers/linear.py: UnquantizedLinearMethod
@@ -197,22 +219,21 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
             # call). layers/vocab_parallel_embedding.py: UnquantizedEmbeddingMethod
             # .process_weights_after_loading (67-71) is CPU-only too; embedding (85-86) is
             # F.embedding(x, layer.weight). On CPU, dispatch_cpu_unquantized_gemm (utils.py 470-608)
-            # packs a copy and empties the weight: handled below and in finish_weight_update.
-            target = param.data
-            if target.numel() == 0 and d.local_shape[0] * d.local_shape[1]:
-                # Repacked for oneDNN on CPU: receive into a fresh unpacked tensor, repack at finish.
-                target = torch.empty(d.local_shape, dtype=param.dtype, device=param.device)
-                setattr(module, attr, torch.nn.Parameter(target, requires_grad=False))
-            written.add(id(getattr(module, attr)))
-            self._targets[d.name] = target
-        if on_cpu:
-            # Every module computing from a written parameter repacks it, including a tied lm_head
-            # (its `weight` *is* embed_tokens.weight, but its packed copy is its own).
-            for module in self.model.modules():
-                quant_method = getattr(module, "quant_method", None)
-                if (hasattr(quant_method, "process_weights_after_loading")
-                        and any(id(p) in written for p in module.parameters(recurse=False))):
-                    self._reprocess.append((module, quant_method))
+            # packs a copy and empties the weight: handled in start_weight_update and finish_weight_update.
+            slots.append((d.name, self.model.get_submodule(module_name), attr, tuple(d.local_shape)))
+        return slots
+
+    def _find_repacking(self, written: set[int]) -> list[tuple[torch.nn.Module, Any]]:
+        """On CPU, every module computing from a written parameter (ids in `written`), with the
+        quant_method that repacks it, including a tied lm_head (its `weight` *is* embed_tokens.weight,
+        but its packed copy is its own); nothing elsewhere."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return []
+        return [(module, module.quant_method) for module in self.model.modules()
+                if hasattr(getattr(module, "quant_method", None), "process_weights_after_loading")
+                and any(id(p) in written for p in module.parameters(recurse=False))]
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class calls torch.accelerator.synchronize(), which raises on CPU.
@@ -230,7 +251,8 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         dests = execute.check_dests(plan, self.replica, self.tp_rank, self._targets)
         with torch.no_grad():
             received = execute.receive(group, plan, self.replica, self.tp_rank, dests, timeout_s=self.timeout_s)
-        self.last = {"version": update_info.version, "bytes": received, "receive_s": time.perf_counter() - t0}
+        self.last = {"version": update_info.version, "bytes": received, "start_s": self._start_s,
+                     "receive_s": time.perf_counter() - t0}
 
     def finish_weight_update(self) -> None:
         t0 = time.perf_counter()
@@ -291,10 +313,28 @@ class _ModelRunner(Protocol):
     def get_model(self) -> torch.nn.Module: ...
 
 
+class _WeightUpdates(Protocol):
+    """vLLM's Worker methods of one weight update (vllm/v1/worker/gpu_worker.py; the CPU worker inherits them)."""
+
+    def start_weight_update(self) -> None: ...
+    def update_weights(self, update_info: dict) -> None: ...
+    def finish_weight_update(self) -> None: ...
+
+
 class HpcrlWorkerExtension:
     """Methods vLLM mixes into its Worker (`worker_extension_cls`), called with `collective_rpc`."""
 
     model_runner: _ModelRunner  # the Worker's (an annotation only: vLLM refuses extension names the Worker has)
+
+    def hpcrl_receive_weights(self, version: int) -> None:
+        """One whole update in one call: the Worker's own start_weight_update, update_weights and
+        finish_weight_update, in turn, with their bookkeeping (a failed update ends the session, as
+        there). LLM's three calls are three round trips to the engine core, each about 0.4 ms on CPU,
+        on the critical path of every step."""
+        worker: _WeightUpdates = self  # type: ignore[assignment]  # mixed into vLLM's Worker, which has them
+        worker.start_weight_update()
+        worker.update_weights({"version": version})
+        worker.finish_weight_update()
 
     def hpcrl_weight_digests(self) -> dict[str, str]:
         """sha256 of every weight this rank computes with: non-empty parameters, and for layers whose
@@ -328,7 +368,7 @@ class HpcrlWorkerExtension:
         torch._dynamo.config.disable = True
 
     def hpcrl_last_update(self) -> dict:
-        """Bytes and seconds of this rank's last received update."""
+        """Bytes and seconds (start_s, receive_s, finish_s) of this rank's last received update."""
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "last", {}) or {})
 

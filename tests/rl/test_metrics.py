@@ -32,11 +32,19 @@ def test_truncate_after_forgets_steps_past_the_checkpoint(tmp_path: Path):
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
 
 
-def test_tensorboard_events_are_written_when_available(tmp_path: Path):
+def test_tensorboard_shows_every_numeric_metric_of_every_step(tmp_path: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     log = MetricsLog(tmp_path)
-    log.write({"step": 1, "loss": 0.25})
+    log.write({"step": 1, "loss": 0.25, "groups": 8, "reward_mean": None, "note": "x", "stale": True})
+    log.write({"step": 2, "loss": -0.5, "groups": 7, "reward_mean": 0.75})
     log.close()
-    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["groups", "loss", "reward_mean"]
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 0.25), (2, -0.5)]
+    assert [(e.step, e.value) for e in events.Scalars("groups")] == [(1, 8.0), (2, 7.0)]
+    assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [(2, 0.75)]
 
 
 def test_the_reward_curve_shows_moving_means_and_the_best_step():
