@@ -43,7 +43,7 @@ def test_embedded_default_learns_and_inference_matches_the_trainer_after_every_s
 
 
 @pytest.mark.timeout(300)
-def test_killing_hpcrl_run_leaves_no_vllm_engine_process_behind(tiny_model, tmp_path: Path):
+def test_hpcrl_run_leaves_vllms_cpus_to_vllm_and_no_engine_process_behind_when_killed(tiny_model, tmp_path: Path):
     run = subprocess.Popen(
         [sys.executable, "-m", "hpcrl", "run", "configs/tiny_grpo.toml", "--set", f"run.run_dir={tmp_path / 'run'}",
          "--set", f"model.path={tiny_model}", "--set", "trainer.checkpoint_interval=0"],
@@ -59,8 +59,18 @@ def test_killing_hpcrl_run_leaves_no_vllm_engine_process_behind(tiny_model, tmp_
         engines = [pid for pid, name in below.items() if name.startswith("VLLM::")]
         assert engines, below
         # vLLM's engine core, its worker inside, runs on vLLM's share of the CPUs (inprocess.split_cpus)
-        share, _ = inprocess.split_cpus(sorted(os.sched_getaffinity(0)), 1)
+        share, trainer = inprocess.split_cpus(sorted(os.sched_getaffinity(0)), 1)
         assert [os.sched_getaffinity(pid) for pid in engines] == [{int(c) for c in share.split(",")}], below
+        # and every thread of hpcrl run itself (trainer, controller, vLLM's client) on the trainer's share
+        elsewhere = {}
+        for t in os.listdir(f"/proc/{task}/task"):
+            try:
+                name, cpus = Path(f"/proc/{task}/task/{t}/comm").read_text().strip(), os.sched_getaffinity(int(t))
+            except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+                continue
+            if cpus != set(trainer):
+                elsewhere[f"{name} ({t})"] = cpus
+        assert elsewhere == {}, f"threads of hpcrl run off the trainer's CPUs {trainer}"
         os.kill(task, signal.SIGKILL)
         assert run.wait(timeout=60) == -signal.SIGKILL
         left = live(below)
