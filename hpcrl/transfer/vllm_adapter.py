@@ -138,12 +138,10 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         self.group: TransferLink | None = None
         self.replica = self.tp_rank = 0
         self._targets: dict[str, torch.Tensor] = {}
-        self._reprocess: list[tuple[torch.nn.Module, Any]] = []  # (layer, its vLLM quant_method)
         # Found at the first update of a plan, kept for the next (start_weight_update).
         self._slots: list[tuple[str, torch.nn.Module, str, tuple[int, ...]]] | None = None
-        self._repacking: list[tuple[torch.nn.Module, Any]] | None = None
+        self._repacking: list[tuple[torch.nn.Module, Any]] | None = None  # (layer, its vLLM quant_method)
         self.last: dict[str, Any] = {}
-        self._start_s = 0.0
 
     # -- set-up ---------------------------------------------------------------------------
     def init_transfer_engine(self, info: HpcrlInitInfo) -> None:
@@ -195,8 +193,7 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
             self._targets[name] = target
         if self._repacking is None:
             self._repacking = self._find_repacking(written)
-        self._reprocess = list(self._repacking)
-        self._start_s = time.perf_counter() - t0
+        self.last = {"start_s": time.perf_counter() - t0}
 
     def _find_slots(self, plan: TransferPlan) -> list[tuple[str, torch.nn.Module, str, tuple[int, ...]]]:
         """(parameter name, its module, its attribute, its local shape) of every planned parameter: found
@@ -251,14 +248,13 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         dests = execute.check_dests(plan, self.replica, self.tp_rank, self._targets)
         with torch.no_grad():
             received = execute.receive(group, plan, self.replica, self.tp_rank, dests, timeout_s=self.timeout_s)
-        self.last = {"version": update_info.version, "bytes": received, "start_s": self._start_s,
-                     "receive_s": time.perf_counter() - t0}
+        self.last.update(version=update_info.version, bytes=received, receive_s=time.perf_counter() - t0)
 
     def finish_weight_update(self) -> None:
         t0 = time.perf_counter()
-        for module, quant_method in self._reprocess:
+        for module, quant_method in self._repacking or ():
             quant_method.process_weights_after_loading(module)
-        self._targets, self._reprocess = {}, []
+        self._targets = {}
         self.last["finish_s"] = time.perf_counter() - t0
 
     def shutdown(self) -> None:
