@@ -92,11 +92,6 @@ class HetJobExecutor(SlurmExecutor):
         return core.PicklingExecutor._internal_process_submissions(self, delayed_submissions)
 
 
-def slurm_job(folder: Path | str, job_id: str) -> HetJob:
-    """The submitit job of an earlier submission (for waiting on its result)."""
-    return HetJob(folder=folder, job_id=job_id, tasks=(0,))
-
-
 class DetachedLocalExecutor(LocalExecutor):
     """submitit's LocalExecutor whose controller outlives the caller and keeps off its terminal."""
 
@@ -120,4 +115,4 @@ def local_executor(folder: Path | str, *, timeout_min: float) -> DetachedLocalEx
     return executor
 
 
-__all__ = ["DetachedLocalExecutor", "HetJob", "HetJobExecutor", "local_executor", "slurm_job"]
+__all__ = ["DetachedLocalExecutor", "HetJob", "HetJobExecutor", "local_executor"]
