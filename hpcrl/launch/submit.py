@@ -25,7 +25,7 @@ from hpcrl.config.dump import dump_toml
 from hpcrl.config.schema import Config
 from hpcrl.errors import ConfigError, SlurmError
 from hpcrl.fsio import write_atomic
-from hpcrl.launch.job import HeadJob
+from hpcrl.launch.head import HeadJob
 from hpcrl.rundir import (
     CONFIG_FILE,
     EXIT_FILE,
@@ -108,7 +108,7 @@ def refuse_live_run(run_dir: Path) -> None:
     """A run directory holds one job at a time: refuse to overwrite one whose job still runs."""
     if not (run_dir / JOB_FILE).is_file():
         return
-    from hpcrl.launch.jobs import status
+    from hpcrl.launch.follow import status
     current = status(run_dir)
     if not current.done:
         raise SlurmError(f"{run_dir} belongs to {current.executor} job {current.job_id}, still {current.state}; "

@@ -3,7 +3,7 @@
 HetJobExecutor is submitit's SlurmExecutor with our batch script: `_make_submission_file_text`
 returns render_script(spec, ...) - one #SBATCH block per component - instead of submitit's
 single block, and everything else (pickling the callable, sbatch, job ids, result pickles,
-requeue on USR2) stays submitit's. The callable (hpcrl.launch.job.Head) runs in the batch step
+requeue on USR2) stays submitit's. The callable (hpcrl.launch.head.HeadJob) runs in the batch step
 of component 0, not under srun, so it sees the whole hetjob's SLURM_*_HET_GROUP_i variables.
 
 HetJob replaces submitit's sacct-only watcher with hpcrl.slurm.tracking, which falls back to

@@ -185,7 +185,7 @@ def log_files(run_dir: str | Path, *, group: str | None = None, rank: int | None
     return files
 
 
-def follow(run_dir: str | Path, *, group: str | None = None, rank: int | None = None,
+def tail_logs(run_dir: str | Path, *, group: str | None = None, rank: int | None = None,
            poll_s: float = 0.5) -> Iterator[tuple[Path, str]]:
     """Yield (file, line) as logs appear and grow, until the run has ended and all are drained."""
     offsets: dict[Path, int] = {}

@@ -1,7 +1,7 @@
 """The job's entry: the head, in component 0 (the batch step). Starts every group, runs the run's
 program, records how the run ended, and requeues it after a lost task.
 
-    python -m hpcrl.launch.job RUN_DIR       (the sbatch/ templates; submitit calls HeadJob(run_dir))
+    python -m hpcrl.launch.head RUN_DIR       (the sbatch/ templates; submitit calls HeadJob(run_dir))
 
   1. reads RUN_DIR/launch.json (hpcrl.slurm.record), checks that its interpreter (cluster.python, or
      the one that ran hpcrl submit) exists and is executable on this node, and binds the control
@@ -276,7 +276,7 @@ class HeadJob:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m hpcrl.launch.job RUN_DIR", file=sys.stderr)
+        print("usage: python -m hpcrl.launch.head RUN_DIR", file=sys.stderr)
         return 2
     try:
         run_head(args[0])
