@@ -19,7 +19,6 @@ non-zero code, fails the run naming group, rank and node.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -31,6 +30,7 @@ from hpcrl.bus.router import PeerEvent, Router
 from hpcrl.errors import HpcrlError
 from hpcrl.launch.steps import Step, local_gpu_blocks, start_local_step, start_replacement, start_slurm_step
 from hpcrl.rundir import log_path
+from hpcrl.slurm.identity import layout_env
 from hpcrl.slurm.nodelist import expand_nodelist
 from hpcrl.slurm.record import LaunchRecord
 from hpcrl.slurm.spec import GroupSlot
@@ -69,7 +69,7 @@ class Supervisor:
         self.launch = launch
         self.run_dir = run_dir
         self.router = router
-        self.expected = {(g.name, r) for g in launch.groups if g.module for r in range(g.tasks)}
+        self.expected = {(g.name, r) for g in launch.groups if g.module for r in range(g.component.tasks)}
         self.tasks: dict[tuple[str, int], Task] = {}
         self.steps: list[Step] = []
         self.problems: list[str] = []
@@ -95,11 +95,10 @@ class Supervisor:
 
     def start(self, extra_env: dict[str, str] | None = None) -> None:
         """Start one step per group; every task gets the bus address and the layout in its environment."""
-        layout = {"groups": self.launch.to_json()["groups"]}
         # cluster.env is exported by the batch script too; the local executor has only this.
         self.env = {**os.environ, **self.launch.env, "HPCRL_RUN_DIR": str(self.run_dir),
                     "HPCRL_BUS_ADDR": self.bus_address or self.router.address,
-                    "HPCRL_LAYOUT": json.dumps(layout, separators=(",", ":")), **(extra_env or {})}
+                    "HPCRL_LAYOUT": layout_env(self.launch.groups), **(extra_env or {})}
         self._deadline = time.monotonic() + self.launch.start_timeout_s
         self.local_gpus = local_gpu_blocks(self.launch.groups, os.environ) if self.launch.executor == "local" else {}
         for slot in self.launch.groups:
@@ -115,7 +114,8 @@ class Supervisor:
             self.steps.append(step)
             for rank in step.ranks:
                 self.live_step[(slot.name, rank)] = step
-            log.info(f"started group {slot.name}: {slot.nodes} node(s) x {slot.tasks_per_node} task(s)")
+            log.info(f"started group {slot.name}: {slot.component.nodes} node(s) x {slot.component.tasks_per_node} "
+                     "task(s)")
 
     def revive(self, group: str, rank: int, why: str) -> None:
         """Start a lost task of a revivable group again (it registers anew, on the same node)."""
@@ -139,13 +139,14 @@ class Supervisor:
         """The nodes of group `slot` in the job: its component's (hetjob), or its range of the allocation
         (split); [] without Slurm."""
         if self.launch.layout == "hetjob":
-            return expand_nodelist(os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{slot.component}", ""))
-        return expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", ""))[slot.first_node:slot.first_node + slot.nodes]
+            return expand_nodelist(os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{slot.component.index}", ""))
+        return expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", ""))[
+            slot.first_node:slot.first_node + slot.component.nodes]
 
     def node_of(self, group: str, rank: int) -> str | None:
         """The node rank `rank` of `group` was started on (srun lays ranks out node by node); None without Slurm."""
         slot = self.launch.group(group)
-        nodes, index = self.nodes_of(slot), rank // slot.tasks_per_node
+        nodes, index = self.nodes_of(slot), rank // slot.component.tasks_per_node
         return nodes[index] if index < len(nodes) else None
 
     # ---------------------------------------------------------------- the bus's word

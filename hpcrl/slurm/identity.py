@@ -1,7 +1,7 @@
 """Which group, replica and rank a task is, read from its environment (pure).
 
-The head starts every group process with HPCRL_LAYOUT (JSON: each group's name, component,
-tasks and ranks_per_replica). The rest comes from where the task runs:
+The head starts every group process with HPCRL_LAYOUT (`layout_env`: each group's name, component
+index, tasks and ranks_per_replica). The rest comes from where the task runs:
 
   hetjob step   SLURM_HET_SIZE is set. A step started with `srun --het-group=i[,j...]` has no
                 variable naming its component (measured on Slurm 22.05), so the component is
@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import json
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from hpcrl.errors import SlurmError
 from hpcrl.slurm.nodelist import expand_nodelist
+from hpcrl.slurm.spec import GroupSlot
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +45,12 @@ class TaskIdentity:
 
     def to_dict(self) -> dict:
         return dict(vars(self))
+
+
+def layout_env(groups: Iterable[GroupSlot]) -> str:
+    """The value of HPCRL_LAYOUT the head gives every task: what `identify_task` needs of each group."""
+    return json.dumps({"groups": [{"name": g.name, "component": g.component.index, "tasks": g.component.tasks,
+                                   "ranks_per_replica": g.ranks_per_replica} for g in groups]}, separators=(",", ":"))
 
 
 def _layout(env: Mapping[str, str]) -> list[dict]:
