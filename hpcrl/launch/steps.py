@@ -2,7 +2,7 @@
 
     hetjob  srun --het-group=i --nodes=N --ntasks=T --ntasks-per-node=K [resources] --output=.../rank%t.log
     split   srun --nodes=N --ntasks=T --nodelist=<the group's node range> [resources] --output=...
-    local   T processes on this machine, each the leader of its own process group
+    local   T processes on this machine, each the leader of its own POSIX process group (os.killpg)
 
 [resources] are the component's, as in its #SBATCH block (hpcrl.config.components): --cpus-per-task
 (srun does not inherit sbatch's since Slurm 22.05), --mem of each node, and --gres=gpu:N, all of
@@ -101,10 +101,10 @@ class Step:
         return self.returncode
 
     def terminate(self) -> None:
-        """SIGTERM every process (local: its whole process group)."""
+        """SIGTERM every process (local: its whole POSIX process group)."""
         for proc in self.procs:
             try:
-                if self.local:  # the whole process group: children outlive a task killed by SIGKILL
+                if self.local:  # the whole POSIX process group: children outlive a task killed by SIGKILL
                     os.killpg(proc.pid, signal.SIGTERM)
                 elif proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
@@ -112,7 +112,7 @@ class Step:
                 pass  # ended between poll() and the signal
 
     def kill(self) -> None:
-        """SIGKILL what is left (local: the whole process group)."""
+        """SIGKILL what is left (local: the whole POSIX process group)."""
         for proc in self.procs:
             try:
                 if self.local:
@@ -127,7 +127,7 @@ def start_slurm_step(slot: GroupSlot, *, layout: str, run_dir: Path, python: str
                      env: Mapping[str, str], nodelist: list[str] | None = None) -> Step:
     step_env = task_env(slot, env)
     if layout == "hetjob":
-        step_env["HPCRL_STEP_GROUPS"] = str(slot.component.index)
+        step_env["HPCRL_STEP_COMPONENTS"] = str(slot.component.index)
     else:
         step_env["HPCRL_GROUP"] = slot.name
     argv = srun_argv(slot, layout=layout, run_dir=run_dir, python=python, nodelist=nodelist)

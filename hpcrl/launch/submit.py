@@ -62,7 +62,6 @@ def choose_executor(config: Config) -> tuple[str, str]:
     return wanted, ""
 
 
-#: What the head runs once the groups started: the GRPO loop, or only the start-up check.
 def launch_record(config: Config, spec: JobSpec, *, executor: str, python: str, hold_s: float = 0.0,
                   exit_codes: dict[str, int] | None = None, start_timeout_s: float | None = None,
                   program: str = "rl", stop_after: int | None = None, verbose: bool = False) -> LaunchRecord:
@@ -120,7 +119,7 @@ def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
                program: str = "rl", stop_after: int | None = None, verbose: bool = False) -> Submission:
     """Check, write the run directory, render, and (unless dry_run) submit; see the module docstring.
 
-    program "rl" trains (the head runs the GRPO loop over the bus); "check" only starts every
+    program "rl" trains (the head runs the RL loop over the bus); "check" only starts every
     task, has it register, and ends it (with `exit_codes`, after `hold_s`): the allocation's smoke test."""
     executor, note = choose_executor(config)
     spec = job_spec(config)

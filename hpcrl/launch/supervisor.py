@@ -285,7 +285,7 @@ class Supervisor:
         """End every step still running: SIGTERM, then SIGKILL after 10 s."""
         for step in self.steps:
             if step.local and step.poll() is not None:
-                step.kill()  # what a dead task left in its process group (e.g. vLLM's engine processes)
+                step.kill()  # what a dead task left in its POSIX process group (e.g. vLLM's engine processes)
         running = [s for s in self.steps if s.poll() is None]
         for step in running:
             step.terminate()

@@ -5,7 +5,7 @@ index, tasks and ranks_per_replica). The rest comes from where the task runs:
 
   hetjob step   SLURM_HET_SIZE is set. A step started with `srun --het-group=i[,j...]` has no
                 variable naming its component (measured on Slurm 22.05), so the component is
-                derived: the step's het groups (HPCRL_STEP_GROUPS, or the components whose
+                derived: the step's components (HPCRL_STEP_COMPONENTS, or the components whose
                 SLURM_JOB_NODELIST_HET_GROUP_i lies inside SLURM_STEP_NODELIST - components
                 never share nodes) laid end to end by SLURM_NTASKS_HET_GROUP_i, then SLURM_PROCID
                 picks the component and the rank within it.
@@ -77,7 +77,7 @@ def _by_component(layout: list[dict], component: int) -> dict:
     for group in layout:
         if group["component"] == component:
             return group
-    raise SlurmError(f"het group {component} is not in HPCRL_LAYOUT (components: "
+    raise SlurmError(f"component {component} (het group) is not in HPCRL_LAYOUT (components: "
                      f"{', '.join(str(g['component']) for g in layout)})")
 
 
@@ -89,9 +89,9 @@ def _by_name(layout: list[dict], name: str) -> dict:
 
 
 def step_components(env: Mapping[str, str]) -> list[int]:
-    """The het groups of this task's step, in task order."""
-    if env.get("HPCRL_STEP_GROUPS"):
-        return [int(i) for i in env["HPCRL_STEP_GROUPS"].split(",")]
+    """The components (het-group indices) of this task's step, in task order."""
+    if env.get("HPCRL_STEP_COMPONENTS"):
+        return [int(i) for i in env["HPCRL_STEP_COMPONENTS"].split(",")]
     step_nodes = set(expand_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")))
     found = []
     for i in range(_int(env, "SLURM_HET_SIZE")):
@@ -100,7 +100,7 @@ def step_components(env: Mapping[str, str]) -> list[int]:
             found.append(i)
     if not found:
         raise SlurmError("no het group's nodes lie inside this step's nodes (SLURM_STEP_NODELIST="
-                         f"{env.get('SLURM_STEP_NODELIST')!r}); set HPCRL_STEP_GROUPS")
+                         f"{env.get('SLURM_STEP_NODELIST')!r}); set HPCRL_STEP_COMPONENTS")
     return found
 
 
@@ -134,7 +134,7 @@ def identify_task(env: Mapping[str, str]) -> TaskIdentity:
                 break
             offset += tasks
         else:
-            raise SlurmError(f"SLURM_PROCID={procid} is beyond the {offset} tasks of this step's het groups")
+            raise SlurmError(f"SLURM_PROCID={procid} is beyond the {offset} tasks of this step's components")
         group = _by_component(layout, component)
         rank = procid - offset
         node = env.get("SLURMD_NODENAME") or socket.gethostname()

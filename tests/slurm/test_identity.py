@@ -45,8 +45,8 @@ def test_a_single_group_step_is_recognised_from_its_nodes_alone(name, group, ran
 
 
 def test_the_step_groups_set_by_the_head_win_over_node_matching():
-    assert step_components(recorded("hetjob_g2_0", HPCRL_STEP_GROUPS="2")) == [2]
-    assert identify_task(recorded("hetjob_g1_1", HPCRL_STEP_GROUPS="1")).rank == 1
+    assert step_components(recorded("hetjob_g2_0", HPCRL_STEP_COMPONENTS="2")) == [2]
+    assert identify_task(recorded("hetjob_g1_1", HPCRL_STEP_COMPONENTS="1")).rank == 1
 
 
 @pytest.mark.parametrize("name, group, rank, node", [
