@@ -18,7 +18,7 @@ from typing import Any
 from hpcrl.config.components import Component
 from hpcrl.errors import SlurmError
 from hpcrl.rundir import LAUNCH_FILE, read_json, write_json
-from hpcrl.slurm.spec import GroupSlot
+from hpcrl.slurm.spec import GroupSlot, slot_named
 
 VERSION = 2
 #: What the head runs: "rl" trains; "check" starts every task, has each register, and ends them.
@@ -60,7 +60,7 @@ class LaunchRecord:
             raise SlurmError(f"{LAUNCH_FILE}: program {self.program!r} is not one of {PROGRAMS}")
 
     def group(self, name: str) -> GroupSlot:
-        return next(g for g in self.groups if g.name == name)
+        return slot_named(self.groups, name)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -73,10 +73,15 @@ class JobSpec:
     notes: tuple[str, ...] = field(default=())
 
     def group(self, name: str) -> GroupSlot:
-        for slot in self.groups:
-            if slot.name == name:
-                return slot
-        raise KeyError(name)
+        return slot_named(self.groups, name)
+
+
+def slot_named(slots: tuple[GroupSlot, ...], name: str) -> GroupSlot:
+    """The slot of group `name` (a JobSpec's or a launch record's); KeyError naming the groups there are."""
+    for slot in slots:
+        if slot.name == name:
+            return slot
+    raise KeyError(f"no group {name!r} in this run (its groups: {', '.join(s.name for s in slots)})")
 
 
 def _ranks_per_replica(config: Config, name: str, tasks: int) -> int:
