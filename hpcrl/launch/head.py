@@ -85,7 +85,7 @@ async def _check(sup: Supervisor) -> None:
     sup.revivable = {"inference"}
     sup.start()
     started, registered_at = time.monotonic(), None
-    while not await sup.check():
+    while not await sup.poll():
         if registered_at is None and sup.all_registered:
             registered_at = time.monotonic()
             log.info(f"all {len(sup.expected)} tasks registered in {registered_at - started:.1f} s")
@@ -118,7 +118,7 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, on_usr2)
 
     async def watch() -> None:
-        while not await sup.check():
+        while not await sup.poll():
             await asyncio.sleep(0.2)
 
     loop_task = asyncio.create_task(run_program(

@@ -3,7 +3,7 @@ bus's peer events, starts a lost task of a revivable group again, and names what
 
     sup = Supervisor(launch, run_dir, router)          # router: the head's hpcrl.bus.Router
     sup.start({"HPCRL_STORE_ADDR": ...})                 # one step per group (srun, or local processes)
-    while not await sup.check(): await asyncio.sleep(0.2)   # raises GroupFailed naming ranks
+    while not await sup.poll(): await asyncio.sleep(0.2)   # raises GroupFailed naming ranks
     sup.release()                                        # every task: a BYE with its exit code
     await sup.wait_ended()
 
@@ -209,7 +209,7 @@ class Supervisor:
         return found or [{"group": step.slot.name, "rank": None, "node": None, "code": code,
                           "why": f"its step exited with code {code}"}]
 
-    async def check(self) -> bool:
+    async def poll(self) -> bool:
         """One look at the bus's events and the steps: raise GroupFailed naming what failed; True once
         every step ended with 0 (before release(), a step that ends at all is a failure)."""
         released = self.released
@@ -278,7 +278,7 @@ class Supervisor:
 
     async def wait_ended(self) -> None:
         """After release(): wait until every step has ended with 0 (GroupFailed otherwise)."""
-        while not await self.check():
+        while not await self.poll():
             await asyncio.sleep(0.2)
 
     def stop_steps(self) -> None:
