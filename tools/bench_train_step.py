@@ -118,7 +118,7 @@ def main() -> int:
     from hpcrl.trainer import TrainerEngine
 
     config = load_config(args.config)
-    engine = TrainerEngine.from_config(config, max_seq_len=config.max_model_len + 1)
+    engine = TrainerEngine.from_config(config)
     t = config.trainer
     reference = ReferenceStep(REPO / config.model.path, lr=t.lr, betas=tuple(t.betas),
                               clip=(config.algorithm.clip_eps_low, config.algorithm.clip_eps_high))

@@ -8,7 +8,7 @@
     worker.py   Worker (a task's end): endpoints, registration, READY, heartbeats, exit when the
                 head is gone or says so
     farewell.py a task's exit code, sent by its supervisor process after the task ended
-    service.py  Service: route / fanout / session / call_all over a group's replicas, with retries
+    service.py  Service: route / fanout / call_all over a group's replicas, with retries
     peer.py     PeerInfo (run, group, replica, rank, task, host, pid, GPU)
     config.py   BusConfig
     errors.py   typed errors naming the peer

@@ -1,7 +1,7 @@
 """Who a bus peer is: `PeerInfo`, sent by a worker when it registers, and its name.
 
 A peer's name is "group/replica/rank" (e.g. "inference/3/0"); errors and logs use it. Rank 0
-of a replica is the one that route(), fanout() and session() talk to; call_all() talks to
+of a replica is the one that route() and fanout() talk to; call_all() talks to
 every rank of one replica.
 """
 
@@ -22,7 +22,7 @@ class PeerInfo:
     replica: int
     """Index of the replica within its group."""
     rank: int = 0
-    """Rank within the replica (TP / FSDP rank); rank 0 answers route/fanout/session."""
+    """Rank within the replica (TP / FSDP rank); rank 0 answers route/fanout."""
     replica_ranks: int = 1
     """How many ranks this replica has, so the head knows when it is complete."""
     task: int = 0

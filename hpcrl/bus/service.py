@@ -3,25 +3,21 @@
     svc = Service(head, "inference")
     out = await svc.route("generate", args, timeout=30)        # one healthy replica, least busy
     outs = await svc.fanout("load_weights", {"version": 7})    # every healthy replica, in order
-    out = await svc.session(prompt_id, "generate", args)       # same replica for the same key
     per_rank = await svc.call_all(0, "report")                 # every rank of replica 0
 
-route(), fanout() and session() talk to rank 0 of each replica. An idempotent endpoint (as
-the worker declared it) whose replica dies during the call is retried on another healthy
-replica within the call's original deadline; a non-idempotent one raises PeerDeadError.
-Sessions pinned to a replica that dies are re-pinned (eagerly, through the head's unhealthy
-hook, and again on use).
+route() and fanout() talk to rank 0 of each replica. An idempotent endpoint (as the worker
+declared it) whose replica dies during the call is retried on another healthy replica within
+the call's original deadline; a non-idempotent one raises PeerDeadError.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from hpcrl.bus.errors import DeadlineExceeded, NoHealthyReplicaError, PeerDeadError
-from hpcrl.bus.peer import PeerInfo
 from hpcrl.bus.router import Router
 
 
@@ -31,11 +27,9 @@ class Service:
     def __init__(self, head: Router, group: str) -> None:
         self.head = head
         self.group = group
-        self._pins: dict[Hashable, str] = {}
         self._turn = itertools.count()
         self._leaders_at = -1
         self._leaders_cache: list[str] = []
-        head.subscribe(self._on_unhealthy)
 
     def __repr__(self) -> str:
         return f"Service({self.group!r}, healthy replicas={self.replicas()})"
@@ -44,21 +38,12 @@ class Service:
         """Indices of the replicas whose rank 0 is healthy."""
         return sorted(p.replica for p in self.head.peers(self.group) if p.rank == 0)
 
-    def pinned(self, key: Hashable) -> str | None:
-        """The peer a session key is pinned to, if any."""
-        return self._pins.get(key)
-
     # ---------------------------------------------------------------- adverbs
 
     async def route(self, endpoint: str, args: Any = None, *, buffers: Iterable[Any] = (),
                     timeout: float | None = None) -> Any:
         """Call `endpoint` on one healthy replica, the one with the fewest outstanding calls."""
-        return await self._call_retrying(endpoint, args, tuple(buffers), timeout, pin_key=None)
-
-    async def session(self, key: Hashable, endpoint: str, args: Any = None, *, buffers: Iterable[Any] = (),
-                      timeout: float | None = None) -> Any:
-        """Like route(), but every call with the same `key` goes to the same replica while it lives."""
-        return await self._call_retrying(endpoint, args, tuple(buffers), timeout, pin_key=key)
+        return await self._call_retrying(endpoint, args, tuple(buffers), timeout)
 
     async def fanout(self, endpoint: str, args: Any = None, *, buffers: Iterable[Any] = (),
                      timeout: float | None = None) -> list[Any]:
@@ -104,22 +89,17 @@ class Service:
         rotated = leaders[turn:] + leaders[:turn]
         return min(rotated, key=self.head.outstanding)
 
-    async def _call_retrying(self, endpoint: str, args: Any, buffers: tuple, timeout: float | None,
-                             pin_key: Hashable | None) -> Any:
+    async def _call_retrying(self, endpoint: str, args: Any, buffers: tuple, timeout: float | None) -> Any:
         loop = asyncio.get_running_loop()
         timeout = self.head.config.default_deadline if timeout is None else timeout
         deadline = loop.time() + timeout
         tried: set[str] = set()
         last_death: PeerDeadError | None = None
         while True:
-            name = self._pins.get(pin_key) if pin_key is not None else None
-            if name is None or not self.head.is_healthy(name):
-                try:
-                    name = self._pick(tried)
-                except NoHealthyReplicaError as none_left:
-                    raise none_left from last_death
-                if pin_key is not None:
-                    self._pins[pin_key] = name
+            try:
+                name = self._pick(tried)
+            except NoHealthyReplicaError as none_left:
+                raise none_left from last_death
             try:
                 return await self.head.request(name, endpoint, args, buffers=buffers,
                                                timeout=deadline - loop.time())
@@ -130,14 +110,7 @@ class Service:
                 tried.add(name)
                 if loop.time() >= deadline:
                     raise DeadlineExceeded(name, endpoint, timeout) from dead
-                if pin_key is not None and self._pins.get(pin_key) == name:
-                    del self._pins[pin_key]
 
     async def _gather(self, peers: list[str], endpoint: str, args: Any, buffers: tuple,
                       timeout: float | None) -> list[Any]:
         return await self.head.start_fanout(peers, endpoint, args, buffers=buffers, timeout=timeout)
-
-    def _on_unhealthy(self, peer: PeerInfo) -> None:
-        if peer.group == self.group:
-            for key in [k for k, name in self._pins.items() if name == peer.name]:
-                del self._pins[key]

@@ -29,20 +29,20 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from hpcrl.launch.jobs import status
+    from hpcrl.launch.follow import status
     print(status(args.target).render())
     return 0
 
 
 def run_logs(args: argparse.Namespace) -> int:
-    from hpcrl.launch.jobs import follow, log_files
+    from hpcrl.launch.follow import log_files, tail_logs
     if args.rank is not None and args.group is None:
         print("hpcrl: error: --rank needs --group", file=sys.stderr)
         return 2
     if args.follow:
         log_files(args.run_dir, group=args.group, rank=args.rank, must_exist=False)  # checks the group
         prefix = args.rank is None
-        for path, line in follow(args.run_dir, group=args.group, rank=args.rank):
+        for path, line in tail_logs(args.run_dir, group=args.group, rank=args.rank):
             print(f"[{path.parent.name}/{path.stem[4:]}] {line}" if prefix else line, flush=True)
         return 0
     files = log_files(args.run_dir, group=args.group, rank=args.rank)
@@ -54,7 +54,7 @@ def run_logs(args: argparse.Namespace) -> int:
 
 
 def run_cancel(args: argparse.Namespace) -> int:
-    from hpcrl.launch.jobs import cancel, wait
+    from hpcrl.launch.follow import cancel, wait
     run = cancel(args.run_dir)
     print(f"cancelled {run.executor} job {run.job_id}")
     if args.wait > 0:

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
 def report_submission(config, done, *, wait_for_end: bool) -> int:
     """Say where the job went; with `wait_for_end`, wait for it and exit 1 unless it COMPLETED."""
-    from hpcrl.launch.jobs import wait
+    from hpcrl.launch.follow import wait
 
     if done.note:
         print(f"hpcrl: {done.note}", file=sys.stderr)

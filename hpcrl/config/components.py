@@ -39,6 +39,8 @@ class Component:
 
     name: str
     index: int
+    """Het-group index (hetjob: srun --het-group, SLURM_*_HET_GROUP_<index>); in a split job its place
+    among the groups. Head 0, then trainer, inference, reward."""
     nodes: int
     tasks_per_node: int
     gpus_per_node: int

@@ -1,11 +1,11 @@
 """Launching a run: submit it, start and watch its groups from the head, follow it.
 
     submit.py      config -> run directory -> rendered script -> submitted job (slurm or local)
-    job.py         the job's entry, the head (component 0): binds the bus, runs the program (check,
+    head.py        the job's entry, the head (component 0): binds the bus, runs the program (check,
                    or rl: hpcrl.rl.program), records the end (exit.json), requeues after a loss
     supervisor.py  the head's process supervisor: one step per group, the task table from the
                    bus's peer events, lost inference replicas started again, failures named
     steps.py       starting a group: `srun --het-group=i`, an srun on a node range (split), or
                    local process trees
-    jobs.py        status, logs and cancel of a submitted run
+    follow.py      a submitted run from the login node: status, logs, cancel, wait
 """

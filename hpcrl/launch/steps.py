@@ -2,7 +2,7 @@
 
     hetjob  srun --het-group=i --nodes=N --ntasks=T --ntasks-per-node=K [resources] --output=.../rank%t.log
     split   srun --nodes=N --ntasks=T --nodelist=<the group's node range> [resources] --output=...
-    local   T processes on this machine, each the leader of its own process group
+    local   T processes on this machine, each the leader of its own POSIX process group (os.killpg)
 
 [resources] are the component's, as in its #SBATCH block (hpcrl.config.components): --cpus-per-task
 (srun does not inherit sbatch's since Slurm 22.05), --mem of each node, and --gres=gpu:N, all of
@@ -21,7 +21,7 @@ import os
 import signal
 import subprocess
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcrl.config.components import mem_gib
@@ -33,35 +33,37 @@ from hpcrl.slurm.spec import GroupSlot
 def resource_args(slot: GroupSlot, *, tasks: int | None = None) -> list[str]:
     """srun options giving a step of `slot` its CPUs, memory and GPUs; `tasks` on one node (a task started
     again alone) asks that node's share of the memory instead of the whole node's."""
-    args = [f"--cpus-per-task={slot.cpus_per_task}"] if slot.cpus_per_task else []
-    if slot.mem and slot.mem != "0":
+    c = slot.component
+    args = [f"--cpus-per-task={c.cpus_per_task}"] if c.cpus_per_task else []
+    if c.mem and c.mem != "0":
         if tasks is None:
-            args.append(f"--mem={slot.mem}")
+            args.append(f"--mem={c.mem}")
         else:
-            args.append(f"--mem={max(1, int(mem_gib(slot.mem) * 1024 * tasks / slot.tasks_per_node))}M")
-    if slot.gpus_per_node:
-        args.append(f"--gres=gpu:{slot.gpus_per_node}")
+            args.append(f"--mem={max(1, int(mem_gib(c.mem) * 1024 * tasks / c.tasks_per_node))}M")
+    if c.gpus_per_node:
+        args.append(f"--gres=gpu:{c.gpus_per_node}")
     return args
 
 
 def task_env(slot: GroupSlot, env: Mapping[str, str]) -> dict[str, str]:
     """The environment of a step of `slot`: `env`, with OMP_NUM_THREADS = its CPUs per task (when known)."""
     out = dict(env)
-    if slot.cpus_per_task:
-        out["OMP_NUM_THREADS"] = str(slot.cpus_per_task)
+    if slot.component.cpus_per_task:
+        out["OMP_NUM_THREADS"] = str(slot.component.cpus_per_task)
     return out
 
 
 def srun_argv(slot: GroupSlot, *, layout: str, run_dir: Path, python: str,
               nodelist: list[str] | None = None) -> list[str]:
     """The srun command line starting every task of `slot` (pure)."""
+    c = slot.component
     argv = ["srun", "--unbuffered", "--kill-on-bad-exit=0", f"--job-name={slot.name}"]
     if layout == "hetjob":
-        argv.append(f"--het-group={slot.component}")
+        argv.append(f"--het-group={c.index}")
     else:
         assert nodelist is not None, "a split step needs the group's nodes"
         argv.append(f"--nodelist={','.join(nodelist)}")
-    argv += [f"--nodes={slot.nodes}", f"--ntasks={slot.tasks}", f"--ntasks-per-node={slot.tasks_per_node}",
+    argv += [f"--nodes={c.nodes}", f"--ntasks={c.tasks}", f"--ntasks-per-node={c.tasks_per_node}",
              *resource_args(slot), f"--output={Path(run_dir) / LOGS_DIR / slot.name / 'rank%t.log'}",
              python, "-u", "-m", slot.module, slot.name]
     return argv
@@ -71,7 +73,7 @@ def replacement_argv(slot: GroupSlot, rank: int, *, layout: str, run_dir: Path, 
                      node: str | None) -> list[str]:
     """The srun command line starting rank `rank` of `slot` again, alone, on `node` (pure)."""
     argv = ["srun", "--unbuffered", "--overlap", f"--job-name={slot.name}-{rank}", "--nodes=1", "--ntasks=1"]
-    argv += [f"--het-group={slot.component}"] if layout == "hetjob" else []
+    argv += [f"--het-group={slot.component.index}"] if layout == "hetjob" else []
     argv += [f"--nodelist={node}"] if node else []
     argv += [*resource_args(slot, tasks=1), "--open-mode=append", f"--output={log_path(run_dir, slot.name, rank)}",
              python, "-u", "-m", slot.module, slot.name]
@@ -85,13 +87,9 @@ class Step:
     slot: GroupSlot
     procs: list[subprocess.Popen]
     local: bool
+    ranks: range
+    """Group ranks of the step's tasks: all of the group's, or the one task started again."""
     returncode: int | None = field(default=None)
-    first_rank: int = 0
-    """Group rank of the step's first task (not 0 for one task started again)."""
-
-    @property
-    def ranks(self) -> range:
-        return range(self.first_rank, self.first_rank + self.slot.tasks)
 
     def poll(self) -> int | None:
         """None while any process runs; then the largest exit code (a signal counts as 128+N)."""
@@ -103,10 +101,10 @@ class Step:
         return self.returncode
 
     def terminate(self) -> None:
-        """SIGTERM every process (local: its whole process group)."""
+        """SIGTERM every process (local: its whole POSIX process group)."""
         for proc in self.procs:
             try:
-                if self.local:  # the whole process group: children outlive a task killed by SIGKILL
+                if self.local:  # the whole POSIX process group: children outlive a task killed by SIGKILL
                     os.killpg(proc.pid, signal.SIGTERM)
                 elif proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
@@ -114,7 +112,7 @@ class Step:
                 pass  # ended between poll() and the signal
 
     def kill(self) -> None:
-        """SIGKILL what is left (local: the whole process group)."""
+        """SIGKILL what is left (local: the whole POSIX process group)."""
         for proc in self.procs:
             try:
                 if self.local:
@@ -129,12 +127,12 @@ def start_slurm_step(slot: GroupSlot, *, layout: str, run_dir: Path, python: str
                      env: Mapping[str, str], nodelist: list[str] | None = None) -> Step:
     step_env = task_env(slot, env)
     if layout == "hetjob":
-        step_env["HPCRL_STEP_GROUPS"] = str(slot.component)
+        step_env["HPCRL_STEP_COMPONENTS"] = str(slot.component.index)
     else:
         step_env["HPCRL_GROUP"] = slot.name
     argv = srun_argv(slot, layout=layout, run_dir=run_dir, python=python, nodelist=nodelist)
     proc = subprocess.Popen(argv, env=step_env, stdin=subprocess.DEVNULL)
-    return Step(slot=slot, procs=[proc], local=False)
+    return Step(slot=slot, procs=[proc], local=False, ranks=range(slot.component.tasks))
 
 
 def start_replacement(slot: GroupSlot, rank: int, *, executor: str, layout: str, run_dir: Path, python: str,
@@ -145,28 +143,28 @@ def start_replacement(slot: GroupSlot, rank: int, *, executor: str, layout: str,
     Under Slurm: an srun step of one task in the group's component (hetjob) on `node`, the node the
     rank ran on, sharing the allocation with whatever the old step left (--overlap). The task keeps
     its local rank (HPCRL_LOCAL_RANK: ranks are laid out node by node), so it takes the same GPUs."""
-    one = replace(slot, nodes=1, tasks_per_node=1)
+    per_node = slot.component.tasks_per_node
     env_one = {**task_env(slot, env), "HPCRL_GROUP": slot.name, "HPCRL_RELAUNCH_RANK": str(rank),
-               "HPCRL_LOCAL_RANK": str(rank % slot.tasks_per_node)}
+               "HPCRL_LOCAL_RANK": str(rank % per_node)}
     log = log_path(run_dir, slot.name, rank)
     if executor == "local":
-        env_one["HPCRL_NODE_INDEX"] = str(rank // slot.tasks_per_node)
+        env_one["HPCRL_NODE_INDEX"] = str(rank // per_node)
         if gpus and (slot.name, rank) in gpus:
             env_one["CUDA_VISIBLE_DEVICES"] = gpus[(slot.name, rank)]
         with open(log, "ab") as out:
             proc = subprocess.Popen([python, "-u", "-m", slot.module, slot.name], env=env_one, stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        return Step(slot=one, procs=[proc], local=True, first_rank=rank)
+        return Step(slot=slot, procs=[proc], local=True, ranks=range(rank, rank + 1))
     argv = replacement_argv(slot, rank, layout=layout, run_dir=run_dir, python=python, node=node)
     proc = subprocess.Popen(argv, env=env_one, stdin=subprocess.DEVNULL)
-    return Step(slot=one, procs=[proc], local=False, first_rank=rank)
+    return Step(slot=slot, procs=[proc], local=False, ranks=range(rank, rank + 1))
 
 
 def local_gpu_blocks(groups: Sequence[GroupSlot], env: Mapping[str, str]) -> dict[tuple[str, int], str]:
     """The local executor's GPUs (every group on this one machine): each GPU task its own block, group after
     group, of this process's CUDA_VISIBLE_DEVICES (or 0, 1, ... when it is unset)."""
     visible, _ = step_gpus(env)
-    needed = sum(slot.tasks * slot.gpus_per_task for slot in groups if slot.module)
+    needed = sum(slot.component.tasks * slot.component.gpus_per_task for slot in groups if slot.module)
     if not needed:
         return {}
     pool = list(visible) if visible else [str(index) for index in range(needed)]
@@ -177,24 +175,24 @@ def local_gpu_blocks(groups: Sequence[GroupSlot], env: Mapping[str, str]) -> dic
     for slot in groups:
         if not slot.module:
             continue
-        for rank in range(slot.tasks):
-            if slot.gpus_per_task:
-                blocks[(slot.name, rank)] = ",".join(pool[start:start + slot.gpus_per_task])
-                start += slot.gpus_per_task
+        per_task = slot.component.gpus_per_task
+        for rank in range(slot.component.tasks):
+            if per_task:
+                blocks[(slot.name, rank)] = ",".join(pool[start:start + per_task])
+                start += per_task
     return blocks
 
 
 def start_local_step(slot: GroupSlot, *, run_dir: Path, python: str, env: Mapping[str, str],
                      gpus: Mapping[tuple[str, int], str] | None = None) -> Step:
-    procs = []
-    for rank in range(slot.tasks):
+    procs, per_node = [], slot.component.tasks_per_node
+    for rank in range(slot.component.tasks):
         one_env = {**task_env(slot, env), "HPCRL_GROUP": slot.name, "HPCRL_RANK": str(rank),
-                   "HPCRL_NODE_INDEX": str(rank // slot.tasks_per_node),
-                   "HPCRL_LOCAL_RANK": str(rank % slot.tasks_per_node)}
+                   "HPCRL_NODE_INDEX": str(rank // per_node), "HPCRL_LOCAL_RANK": str(rank % per_node)}
         if gpus and (slot.name, rank) in gpus:
             one_env["CUDA_VISIBLE_DEVICES"] = gpus[(slot.name, rank)]
         with open(log_path(run_dir, slot.name, rank), "ab") as log:
             procs.append(subprocess.Popen([python, "-u", "-m", slot.module, slot.name], env=one_env,
                                           stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True))
-    return Step(slot=slot, procs=procs, local=True)
+    return Step(slot=slot, procs=procs, local=True, ranks=range(slot.component.tasks))

@@ -25,7 +25,7 @@ from hpcrl.config.dump import dump_toml
 from hpcrl.config.schema import Config
 from hpcrl.errors import ConfigError, SlurmError
 from hpcrl.fsio import write_atomic
-from hpcrl.launch.job import HeadJob
+from hpcrl.launch.head import HeadJob
 from hpcrl.rundir import (
     CONFIG_FILE,
     EXIT_FILE,
@@ -62,7 +62,6 @@ def choose_executor(config: Config) -> tuple[str, str]:
     return wanted, ""
 
 
-#: What the head runs once the groups started: the GRPO loop, or only the start-up check.
 def launch_record(config: Config, spec: JobSpec, *, executor: str, python: str, hold_s: float = 0.0,
                   exit_codes: dict[str, int] | None = None, start_timeout_s: float | None = None,
                   program: str = "rl", stop_after: int | None = None, verbose: bool = False) -> LaunchRecord:
@@ -108,7 +107,7 @@ def refuse_live_run(run_dir: Path) -> None:
     """A run directory holds one job at a time: refuse to overwrite one whose job still runs."""
     if not (run_dir / JOB_FILE).is_file():
         return
-    from hpcrl.launch.jobs import status
+    from hpcrl.launch.follow import status
     current = status(run_dir)
     if not current.done:
         raise SlurmError(f"{run_dir} belongs to {current.executor} job {current.job_id}, still {current.state}; "
@@ -120,7 +119,7 @@ def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
                program: str = "rl", stop_after: int | None = None, verbose: bool = False) -> Submission:
     """Check, write the run directory, render, and (unless dry_run) submit; see the module docstring.
 
-    program "rl" trains (the head runs the GRPO loop over the bus); "check" only starts every
+    program "rl" trains (the head runs the RL loop over the bus); "check" only starts every
     task, has it register, and ends it (with `exit_codes`, after `hold_s`): the allocation's smoke test."""
     executor, note = choose_executor(config)
     spec = job_spec(config)

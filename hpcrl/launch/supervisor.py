@@ -3,7 +3,7 @@ bus's peer events, starts a lost task of a revivable group again, and names what
 
     sup = Supervisor(launch, run_dir, router)          # router: the head's hpcrl.bus.Router
     sup.start({"HPCRL_STORE_ADDR": ...})                 # one step per group (srun, or local processes)
-    while not await sup.check(): await asyncio.sleep(0.2)   # raises GroupFailed naming ranks
+    while not await sup.poll(): await asyncio.sleep(0.2)   # raises GroupFailed naming ranks
     sup.release()                                        # every task: a BYE with its exit code
     await sup.wait_ended()
 
@@ -19,7 +19,6 @@ non-zero code, fails the run naming group, rank and node.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -31,6 +30,7 @@ from hpcrl.bus.router import PeerEvent, Router
 from hpcrl.errors import HpcrlError
 from hpcrl.launch.steps import Step, local_gpu_blocks, start_local_step, start_replacement, start_slurm_step
 from hpcrl.rundir import log_path
+from hpcrl.slurm.identity import layout_env
 from hpcrl.slurm.nodelist import expand_nodelist
 from hpcrl.slurm.record import LaunchRecord
 from hpcrl.slurm.spec import GroupSlot
@@ -69,7 +69,7 @@ class Supervisor:
         self.launch = launch
         self.run_dir = run_dir
         self.router = router
-        self.expected = {(g.name, r) for g in launch.groups if g.module for r in range(g.tasks)}
+        self.expected = {(g.name, r) for g in launch.groups if g.module for r in range(g.component.tasks)}
         self.tasks: dict[tuple[str, int], Task] = {}
         self.steps: list[Step] = []
         self.problems: list[str] = []
@@ -95,11 +95,10 @@ class Supervisor:
 
     def start(self, extra_env: dict[str, str] | None = None) -> None:
         """Start one step per group; every task gets the bus address and the layout in its environment."""
-        layout = {"groups": self.launch.to_json()["groups"]}
         # cluster.env is exported by the batch script too; the local executor has only this.
         self.env = {**os.environ, **self.launch.env, "HPCRL_RUN_DIR": str(self.run_dir),
                     "HPCRL_BUS_ADDR": self.bus_address or self.router.address,
-                    "HPCRL_LAYOUT": json.dumps(layout, separators=(",", ":")), **(extra_env or {})}
+                    "HPCRL_LAYOUT": layout_env(self.launch.groups), **(extra_env or {})}
         self._deadline = time.monotonic() + self.launch.start_timeout_s
         self.local_gpus = local_gpu_blocks(self.launch.groups, os.environ) if self.launch.executor == "local" else {}
         for slot in self.launch.groups:
@@ -115,7 +114,8 @@ class Supervisor:
             self.steps.append(step)
             for rank in step.ranks:
                 self.live_step[(slot.name, rank)] = step
-            log.info(f"started group {slot.name}: {slot.nodes} node(s) x {slot.tasks_per_node} task(s)")
+            log.info(f"started group {slot.name}: {slot.component.nodes} node(s) x {slot.component.tasks_per_node} "
+                     "task(s)")
 
     def revive(self, group: str, rank: int, why: str) -> None:
         """Start a lost task of a revivable group again (it registers anew, on the same node)."""
@@ -139,13 +139,14 @@ class Supervisor:
         """The nodes of group `slot` in the job: its component's (hetjob), or its range of the allocation
         (split); [] without Slurm."""
         if self.launch.layout == "hetjob":
-            return expand_nodelist(os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{slot.component}", ""))
-        return expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", ""))[slot.first_node:slot.first_node + slot.nodes]
+            return expand_nodelist(os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{slot.component.index}", ""))
+        return expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", ""))[
+            slot.first_node:slot.first_node + slot.component.nodes]
 
     def node_of(self, group: str, rank: int) -> str | None:
         """The node rank `rank` of `group` was started on (srun lays ranks out node by node); None without Slurm."""
         slot = self.launch.group(group)
-        nodes, index = self.nodes_of(slot), rank // slot.tasks_per_node
+        nodes, index = self.nodes_of(slot), rank // slot.component.tasks_per_node
         return nodes[index] if index < len(nodes) else None
 
     # ---------------------------------------------------------------- the bus's word
@@ -208,7 +209,7 @@ class Supervisor:
         return found or [{"group": step.slot.name, "rank": None, "node": None, "code": code,
                           "why": f"its step exited with code {code}"}]
 
-    async def check(self) -> bool:
+    async def poll(self) -> bool:
         """One look at the bus's events and the steps: raise GroupFailed naming what failed; True once
         every step ended with 0 (before release(), a step that ends at all is a failure)."""
         released = self.released
@@ -277,14 +278,14 @@ class Supervisor:
 
     async def wait_ended(self) -> None:
         """After release(): wait until every step has ended with 0 (GroupFailed otherwise)."""
-        while not await self.check():
+        while not await self.poll():
             await asyncio.sleep(0.2)
 
     def stop_steps(self) -> None:
         """End every step still running: SIGTERM, then SIGKILL after 10 s."""
         for step in self.steps:
             if step.local and step.poll() is not None:
-                step.kill()  # what a dead task left in its process group (e.g. vLLM's engine processes)
+                step.kill()  # what a dead task left in its POSIX process group (e.g. vLLM's engine processes)
         running = [s for s in self.steps if s.poll() is None]
         for step in running:
             step.terminate()

@@ -16,7 +16,6 @@ from __future__ import annotations
 from hpcrl.config.model_shapes import ModelShape
 
 _ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
-_NORMS = ("layernorm.weight", "norm.weight", "q_norm.weight", "k_norm.weight")
 
 
 def baseline_bytes_per_rank(shape: ModelShape, tensor_parallel: int, dtype_bytes: int) -> dict[str, int]:

@@ -87,16 +87,6 @@ class TransferPlan:
         mask = (b["src_rank"] == src_rank) & (b["replica"] == replica) & (b["tp_rank"] == tp_rank)
         return {k: v[mask] for k, v in b.items()}
 
-    def routes(self) -> list[tuple[int, int, int]]:
-        """(src_rank, replica, tp_rank) of every route with at least one block, in plan order."""
-        b = self.blocks
-        keys = np.stack([b["src_rank"], b["replica"], b["tp_rank"]], axis=1)
-        if not len(keys):
-            return []
-        first = np.ones(len(keys), bool)
-        first[1:] = np.any(keys[1:] != keys[:-1], axis=1)
-        return [(int(s), int(r), int(t)) for s, r, t in keys[first]]
-
     def stats(self) -> TransferStats:
         t, inf = self.trainer, self.inference
         nbytes = self.elements() * self.itemsize

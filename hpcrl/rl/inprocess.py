@@ -41,7 +41,7 @@ from hpcrl.trainer.types import TrainBatch
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from hpcrl.trainer import TrainerEngine
+    from hpcrl.trainer import EngineOptions, TrainerEngine
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,26 +71,26 @@ class OneProcessTrainer:
 
     def __init__(self, config: Config, *, devices: DeviceTable | None = None, cpus: list[int] | None = None,
                  **overrides: Any) -> None:
-        gpus = config.trainer.gpus_per_node > 0
-        dtype = overrides.get("dtype", config.model.dtype if gpus else "float32")
-        self.thread = EngineThread("hpcrl-trainer", device=0 if gpus else None, devices=devices)
+        from hpcrl.trainer import EngineOptions
+
+        options = EngineOptions.from_config(config, **overrides)
+        self.thread = EngineThread("hpcrl-trainer", device=0 if options.device == "cuda" else None, devices=devices)
         try:
             if cpus:  # its thread on these CPUs, and torch's intra-op threads (this process's) one per CPU
                 self.thread.call(_use_cpus, cpus)
-            self.engine: TrainerEngine = self.thread.call(self._start, config, "cuda" if gpus else "cpu",
-                                                          dtype != "float32", overrides)
+            self.engine: TrainerEngine = self.thread.call(self._start, options)
         except BaseException:
             self.thread.close()
             raise
 
     @staticmethod
-    def _start(config: Config, device: str, mixed: bool, overrides: dict[str, Any]) -> TrainerEngine:
+    def _start(options: EngineOptions) -> TrainerEngine:
         from hpcrl.trainer import TrainerEngine, group
 
-        if mixed:
-            group.join_alone(device=device)
+        if options.dtype != "float32":  # mixed precision is FSDP2's: a group of one
+            group.join_alone(device=options.device)
         try:
-            return TrainerEngine.from_config(config, max_seq_len=config.max_model_len + 1, **overrides)
+            return TrainerEngine(options)
         except BaseException:
             group.leave()
             raise

@@ -3,7 +3,7 @@
     preempted = await run_program(config, router, store_host=..., store_port=..., steps=None,
                                   stop_requested=event.is_set, connect_timeout=600)
 
-The head's job entry (hpcrl.launch.job) starts the groups and watches their steps; this is the
+The head's job entry (hpcrl.launch.head) starts the groups and watches their steps; this is the
 part that trains: wait for every group's tasks to be ready on the bus, form the weight-transfer
 group (hpcrl.rl.ports.BusPorts over the rendezvous store), and run the loop (hpcrl.rl.loop) until
 the last step, or until `stop_requested()` after a step (Slurm's pre-timeout signal: the loop

@@ -61,11 +61,11 @@ def task_cpus(env: dict[str, str] | os._Environ[str]) -> int:
 def take_gpus(launch: LaunchRecord, identity: TaskIdentity) -> None:
     """Narrow CUDA_VISIBLE_DEVICES to this task's own GPUs (hpcrl.plan.placement), before anything
     imports torch; a GPU inference task also has vLLM spawn its workers (this process has threads)."""
-    slot = launch.group(identity.group)
-    if not slot.gpus_per_task:
+    component = launch.group(identity.group).component
+    if not component.gpus_per_task:
         return
-    placement = place_gpus(os.environ, gpus_per_task=slot.gpus_per_task, local_rank=identity.local_rank,
-                           tasks_on_node=slot.tasks_per_node, what=f"{identity.group} rank {identity.rank}")
+    placement = place_gpus(os.environ, gpus_per_task=component.gpus_per_task, local_rank=identity.local_rank,
+                           tasks_on_node=component.tasks_per_node, what=f"{identity.group} rank {identity.rank}")
     os.environ["CUDA_VISIBLE_DEVICES"] = placement.cuda_visible_devices
     if identity.group == "inference":
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")

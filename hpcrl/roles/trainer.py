@@ -102,7 +102,7 @@ class TrainerRole(Role):
                        device=device, timeout_s=timeout.total_seconds())
         else:
             group.join_alone(device=device)
-        return TrainerEngine.from_config(self.config, max_seq_len=self.config.max_model_len + 1)
+        return TrainerEngine.from_config(self.config)
 
     def endpoints(self) -> dict[str, Endpoint]:
         return {"connect_transfer": (self.connect_transfer, False), "train_step": (self.train_step, False),

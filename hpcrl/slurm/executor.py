@@ -3,7 +3,7 @@
 HetJobExecutor is submitit's SlurmExecutor with our batch script: `_make_submission_file_text`
 returns render_script(spec, ...) - one #SBATCH block per component - instead of submitit's
 single block, and everything else (pickling the callable, sbatch, job ids, result pickles,
-requeue on USR2) stays submitit's. The callable (hpcrl.launch.job.Head) runs in the batch step
+requeue on USR2) stays submitit's. The callable (hpcrl.launch.head.HeadJob) runs in the batch step
 of component 0, not under srun, so it sees the whole hetjob's SLURM_*_HET_GROUP_i variables.
 
 HetJob replaces submitit's sacct-only watcher with hpcrl.slurm.tracking, which falls back to
@@ -92,11 +92,6 @@ class HetJobExecutor(SlurmExecutor):
         return core.PicklingExecutor._internal_process_submissions(self, delayed_submissions)
 
 
-def slurm_job(folder: Path | str, job_id: str) -> HetJob:
-    """The submitit job of an earlier submission (for waiting on its result)."""
-    return HetJob(folder=folder, job_id=job_id, tasks=(0,))
-
-
 class DetachedLocalExecutor(LocalExecutor):
     """submitit's LocalExecutor whose controller outlives the caller and keeps off its terminal."""
 
@@ -120,4 +115,4 @@ def local_executor(folder: Path | str, *, timeout_min: float) -> DetachedLocalEx
     return executor
 
 
-__all__ = ["DetachedLocalExecutor", "HetJob", "HetJobExecutor", "local_executor", "slurm_job"]
+__all__ = ["DetachedLocalExecutor", "HetJob", "HetJobExecutor", "local_executor"]

@@ -1,11 +1,11 @@
 """Which group, replica and rank a task is, read from its environment (pure).
 
-The head starts every group process with HPCRL_LAYOUT (JSON: each group's name, component,
-tasks and ranks_per_replica). The rest comes from where the task runs:
+The head starts every group process with HPCRL_LAYOUT (`layout_env`: each group's name, component
+index, tasks and ranks_per_replica). The rest comes from where the task runs:
 
   hetjob step   SLURM_HET_SIZE is set. A step started with `srun --het-group=i[,j...]` has no
                 variable naming its component (measured on Slurm 22.05), so the component is
-                derived: the step's het groups (HPCRL_STEP_GROUPS, or the components whose
+                derived: the step's components (HPCRL_STEP_COMPONENTS, or the components whose
                 SLURM_JOB_NODELIST_HET_GROUP_i lies inside SLURM_STEP_NODELIST - components
                 never share nodes) laid end to end by SLURM_NTASKS_HET_GROUP_i, then SLURM_PROCID
                 picks the component and the rank within it.
@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import json
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from hpcrl.errors import SlurmError
 from hpcrl.slurm.nodelist import expand_nodelist
+from hpcrl.slurm.spec import GroupSlot
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +45,12 @@ class TaskIdentity:
 
     def to_dict(self) -> dict:
         return dict(vars(self))
+
+
+def layout_env(groups: Iterable[GroupSlot]) -> str:
+    """The value of HPCRL_LAYOUT the head gives every task: what `identify_task` needs of each group."""
+    return json.dumps({"groups": [{"name": g.name, "component": g.component.index, "tasks": g.component.tasks,
+                                   "ranks_per_replica": g.ranks_per_replica} for g in groups]}, separators=(",", ":"))
 
 
 def _layout(env: Mapping[str, str]) -> list[dict]:
@@ -70,7 +77,7 @@ def _by_component(layout: list[dict], component: int) -> dict:
     for group in layout:
         if group["component"] == component:
             return group
-    raise SlurmError(f"het group {component} is not in HPCRL_LAYOUT (components: "
+    raise SlurmError(f"component {component} (het group) is not in HPCRL_LAYOUT (components: "
                      f"{', '.join(str(g['component']) for g in layout)})")
 
 
@@ -82,9 +89,9 @@ def _by_name(layout: list[dict], name: str) -> dict:
 
 
 def step_components(env: Mapping[str, str]) -> list[int]:
-    """The het groups of this task's step, in task order."""
-    if env.get("HPCRL_STEP_GROUPS"):
-        return [int(i) for i in env["HPCRL_STEP_GROUPS"].split(",")]
+    """The components (het-group indices) of this task's step, in task order."""
+    if env.get("HPCRL_STEP_COMPONENTS"):
+        return [int(i) for i in env["HPCRL_STEP_COMPONENTS"].split(",")]
     step_nodes = set(expand_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")))
     found = []
     for i in range(_int(env, "SLURM_HET_SIZE")):
@@ -93,7 +100,7 @@ def step_components(env: Mapping[str, str]) -> list[int]:
             found.append(i)
     if not found:
         raise SlurmError("no het group's nodes lie inside this step's nodes (SLURM_STEP_NODELIST="
-                         f"{env.get('SLURM_STEP_NODELIST')!r}); set HPCRL_STEP_GROUPS")
+                         f"{env.get('SLURM_STEP_NODELIST')!r}); set HPCRL_STEP_COMPONENTS")
     return found
 
 
@@ -127,7 +134,7 @@ def identify_task(env: Mapping[str, str]) -> TaskIdentity:
                 break
             offset += tasks
         else:
-            raise SlurmError(f"SLURM_PROCID={procid} is beyond the {offset} tasks of this step's het groups")
+            raise SlurmError(f"SLURM_PROCID={procid} is beyond the {offset} tasks of this step's components")
         group = _by_component(layout, component)
         rank = procid - offset
         node = env.get("SLURMD_NODENAME") or socket.gethostname()

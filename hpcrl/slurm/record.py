@@ -2,7 +2,10 @@
 
 `hpcrl submit` writes it into the run directory before submitting (hpcrl.launch.submit); the head
 and every group task read it back (`read_launch`). A file that does not parse as this record is a
-SlurmError naming the file and the field, never a KeyError deep inside the head.
+SlurmError naming the file and the field, never a KeyError deep inside the head. Each group is
+stored as its GroupSlot is built: {"component": {...the Component...}, "ranks_per_replica", "module",
+"first_node"}. Version 1 stored the component's fields flat beside the slot's; such a file is
+refused with the fix (`hpcrl resume` or `hpcrl submit` writes it again).
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpcrl.config.components import Component
 from hpcrl.errors import SlurmError
 from hpcrl.rundir import LAUNCH_FILE, read_json, write_json
-from hpcrl.slurm.spec import GroupSlot
+from hpcrl.slurm.spec import GroupSlot, slot_named
 
-VERSION = 1
+VERSION = 2
 #: What the head runs: "rl" trains; "check" starts every task, has each register, and ends them.
 PROGRAMS = ("rl", "check")
 #: Seconds every task has to register after its step started (the default of start_timeout_s).
@@ -56,19 +60,20 @@ class LaunchRecord:
             raise SlurmError(f"{LAUNCH_FILE}: program {self.program!r} is not one of {PROGRAMS}")
 
     def group(self, name: str) -> GroupSlot:
-        return next(g for g in self.groups if g.name == name)
+        return slot_named(self.groups, name)
 
     def to_json(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["groups"] = [{**vars(g), "tasks": g.tasks} for g in self.groups]
-        return data
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, data: Any, where: str = LAUNCH_FILE) -> LaunchRecord:
-        if not isinstance(data, dict) or data.get("version") != VERSION:
-            raise SlurmError(f"{where} is not a launch record of version {VERSION}: write it again with hpcrl submit")
+        version = data.get("version") if isinstance(data, dict) else None
+        if version != VERSION:
+            raise SlurmError(f"{where} is not a launch record of version {VERSION} (it says {version!r}; another "
+                             "hpcrl wrote it): write it again with `hpcrl resume RUN_DIR` (a stopped run) or "
+                             "hpcrl submit")
         try:
-            groups = tuple(GroupSlot(**{k: v for k, v in g.items() if k != "tasks"}) for g in data["groups"])
+            groups = tuple(GroupSlot(**{**g, "component": Component(**g["component"])}) for g in data["groups"])
             return cls(**{**data, "groups": groups})
         except (KeyError, TypeError) as err:
             raise SlurmError(f"{where} does not hold what the head needs ({err}): write it again with "

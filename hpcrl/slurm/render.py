@@ -11,7 +11,7 @@
     exec <command>               <- the head, in the batch step of component 0
 
 The command is the submitit runner (`python -u -m submitit.core._submit FOLDER`) when submitted
-through hpcrl.slurm.executor, or `python -m hpcrl.launch.job RUN_DIR` in the hand-usable
+through hpcrl.slurm.executor, or `python -m hpcrl.launch.head RUN_DIR` in the hand-usable
 templates of sbatch/. Golden files in sbatch/golden/ pin the output for the shipped configs.
 Submitting is elsewhere (executor.py): rendering never touches Slurm.
 """
@@ -28,7 +28,7 @@ def _flag(option: str, value: str) -> str:
 
 
 #: The head's command in the hand-usable templates of sbatch/ (see render_template).
-TEMPLATE_COMMAND = '"${HPCRL_PYTHON:-python3}" -u -m hpcrl.launch.job "$HPCRL_RUN_DIR"'
+TEMPLATE_COMMAND = '"${HPCRL_PYTHON:-python3}" -u -m hpcrl.launch.head "$HPCRL_RUN_DIR"'
 
 
 def render_script(spec: JobSpec, *, run_dir: str | None, command: str, stdout: str, stderr: str,

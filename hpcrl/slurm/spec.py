@@ -17,31 +17,23 @@ how many tasks, how ranks form replicas) so the same data drives rendering and l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hpcrl.config.components import Component, make_components, mem_gib
 from hpcrl.config.schema import Config, GroupConfig
 from hpcrl.errors import ConfigError
 
-#: Module run by `python -m` for each group; the head runs in the batch step itself.
-#: The `python -m` module every group task runs, with the group's name as its argument.
+#: The `python -m` module every group task runs, with the group's name as its argument; the head
+#: runs in the batch step itself.
 GROUP_MODULES = {"trainer": "hpcrl.roles", "inference": "hpcrl.roles", "reward": "hpcrl.roles"}
 
 
 @dataclass(frozen=True, kw_only=True)
 class GroupSlot:
-    """One group of the run as the launcher sees it: its component's shape and share of each node
-    (nodes, tasks, GPUs, CPUs, memory: hpcrl.config.components.Component), and how to start it."""
+    """One group of the run as the launcher sees it: its component (what each node and each task
+    gets: hpcrl.config.components.Component) and what the launcher adds to start and place it."""
 
-    name: str
-    component: int
-    """Het-group index (hetjob); in a split job the index among groups, the head 0."""
-    nodes: int
-    tasks_per_node: int
-    gpus_per_node: int
-    gpus_per_task: int
-    cpus_per_task: int
-    mem: str
+    component: Component
     ranks_per_replica: int
     """Consecutive ranks forming one replica (trainer: an HSDP replica; others: 1)."""
     module: str
@@ -50,8 +42,8 @@ class GroupSlot:
     """Split layout: index of the group's first node in the allocation."""
 
     @property
-    def tasks(self) -> int:
-        return self.nodes * self.tasks_per_node
+    def name(self) -> str:
+        return self.component.name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,10 +73,15 @@ class JobSpec:
     notes: tuple[str, ...] = field(default=())
 
     def group(self, name: str) -> GroupSlot:
-        for slot in self.groups:
-            if slot.name == name:
-                return slot
-        raise KeyError(name)
+        return slot_named(self.groups, name)
+
+
+def slot_named(slots: tuple[GroupSlot, ...], name: str) -> GroupSlot:
+    """The slot of group `name` (a JobSpec's or a launch record's); KeyError naming the groups there are."""
+    for slot in slots:
+        if slot.name == name:
+            return slot
+    raise KeyError(f"no group {name!r} in this run (its groups: {', '.join(s.name for s in slots)})")
 
 
 def _ranks_per_replica(config: Config, name: str, tasks: int) -> int:
@@ -96,25 +93,21 @@ def _ranks_per_replica(config: Config, name: str, tasks: int) -> int:
 
 
 def _slots(config: Config, components: list[Component]) -> list[GroupSlot]:
-    return [GroupSlot(name=c.name, component=c.index, nodes=c.nodes, tasks_per_node=c.tasks_per_node,
-                      gpus_per_node=c.gpus_per_node, gpus_per_task=c.gpus_per_task,
-                      cpus_per_task=c.cpus_per_task, mem=c.mem,
-                      ranks_per_replica=_ranks_per_replica(config, c.name, c.tasks),
+    return [GroupSlot(component=c, ranks_per_replica=_ranks_per_replica(config, c.name, c.tasks),
                       module=GROUP_MODULES.get(c.name, ""))
             for c in components]
 
 
 def _check_slots(config: Config, slots: list[GroupSlot]) -> None:
     cpu_only = config.cluster.gpus_per_node == 0
-    for slot in slots:
-        if slot.nodes < 1 or slot.tasks_per_node < 1:
-            raise ConfigError(key=f"groups.{slot.name}.nodes",
-                              problem=f"component {slot.name!r} would get {slot.nodes} nodes x "
-                                      f"{slot.tasks_per_node} tasks",
-                              fix=f"give [groups.{slot.name}] at least 1 node (or remove nodes to derive it)")
-        if cpu_only and slot.gpus_per_node > 0:
-            raise ConfigError(key=f"groups.{slot.name}.gpus_per_node",
-                              problem=f"component {slot.name!r} asks for {slot.gpus_per_node} GPUs per node, "
+    for c in (slot.component for slot in slots):
+        if c.nodes < 1 or c.tasks_per_node < 1:
+            raise ConfigError(key=f"groups.{c.name}.nodes",
+                              problem=f"component {c.name!r} would get {c.nodes} nodes x {c.tasks_per_node} tasks",
+                              fix=f"give [groups.{c.name}] at least 1 node (or remove nodes to derive it)")
+        if cpu_only and c.gpus_per_node > 0:
+            raise ConfigError(key=f"groups.{c.name}.gpus_per_node",
+                              problem=f"component {c.name!r} asks for {c.gpus_per_node} GPUs per node, "
                                       f"but cluster profile {config.cluster.name!r} has no GPUs",
                               fix="set the role's gpus_per_node = 0, or use a cluster profile with GPUs")
 
@@ -146,13 +139,12 @@ def _resource_options(config: Config, group: GroupConfig, *, nodes: int, tasks_p
     return options
 
 
-def _hetjob_blocks(config: Config, slots: list[GroupSlot]) -> list[SbatchBlock]:
+def _hetjob_blocks(config: Config, components: list[Component]) -> list[SbatchBlock]:
     blocks = []
-    for slot in slots:
-        options = _resource_options(config, config.group(slot.name), nodes=slot.nodes,
-                                    tasks_per_node=slot.tasks_per_node, cpus_per_task=slot.cpus_per_task,
-                                    gpus_per_node=slot.gpus_per_node, mem=slot.mem)
-        blocks.append(SbatchBlock(title=f"component {slot.component}: {slot.name}", options=tuple(options)))
+    for c in components:
+        options = _resource_options(config, config.group(c.name), nodes=c.nodes, tasks_per_node=c.tasks_per_node,
+                                    cpus_per_task=c.cpus_per_task, gpus_per_node=c.gpus_per_node, mem=c.mem)
+        blocks.append(SbatchBlock(title=f"component {c.index}: {c.name}", options=tuple(options)))
     return blocks
 
 
@@ -180,19 +172,19 @@ def _split_layout(config: Config, slots: list[GroupSlot]) -> tuple[list[GroupSlo
                         f"{first_value!r} and groups.{other}.{key} = {other_value!r} differ",
                 fix=f'give every group the same {key} (or none), or use layout = "hetjob"')
     placed, first_node = [], 0
-    for index, slot in enumerate(slots):
+    for slot in slots:
         if slot.name == "head":
-            placed.append(GroupSlot(**{**vars(slot), "component": 0, "first_node": 0}))
+            placed.append(slot)
             continue
-        placed.append(GroupSlot(**{**vars(slot), "component": index, "first_node": first_node}))
-        first_node += slot.nodes
-    lead = config.group(workers[0].name)
+        placed.append(replace(slot, first_node=first_node))
+        first_node += slot.component.nodes
+    parts = [s.component for s in workers]
     options = _resource_options(
-        config, lead, nodes=first_node,
-        tasks_per_node=max(s.tasks_per_node for s in workers),
-        cpus_per_task=max(s.cpus_per_task for s in workers),
-        gpus_per_node=max(s.gpus_per_node for s in workers),
-        mem=max((s.mem for s in workers), key=lambda m: mem_gib(m) if m and m != "0" else (1e18 if m else 0)))
+        config, config.group(parts[0].name), nodes=first_node,
+        tasks_per_node=max(c.tasks_per_node for c in parts),
+        cpus_per_task=max(c.cpus_per_task for c in parts),
+        gpus_per_node=max(c.gpus_per_node for c in parts),
+        mem=max((c.mem for c in parts), key=lambda m: mem_gib(m) if m and m != "0" else (1e18 if m else 0)))
     return placed, SbatchBlock(title="one job for every group (layout split)", options=tuple(options))
 
 
@@ -208,7 +200,7 @@ def job_spec(config: Config) -> JobSpec:
         if any(getattr(config.group("head"), k) for k in ("partition", "account", "qos", "mem", "constraint")):
             notes.append('layout = "split": the head runs in the batch step, so [groups.head] Slurm settings are unused')
     else:
-        blocks = _hetjob_blocks(config, slots)
+        blocks = _hetjob_blocks(config, [slot.component for slot in slots])
     times = [config.group(s.name).time for s in slots if config.group(s.name).time]
     return JobSpec(
         job_name=config.run.name, layout=cluster.layout, cluster=cluster.name,

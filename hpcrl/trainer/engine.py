@@ -104,11 +104,16 @@ class EngineOptions:
 
     @classmethod
     def from_config(cls, config, *, device: str | None = None, **overrides) -> EngineOptions:
-        """Options from an `hpcrl.config.Config` (device: cuda when the trainer has GPUs)."""
+        """The options of a run's trainer, from an `hpcrl.config.Config`: the one place that maps the
+        config ([trainer], [model], [algorithm]) to the engine, for the trainer role and `hpcrl run`
+        alike. Device: cuda when the trainer has GPUs, where the model's dtype applies (CPU: float32);
+        rows of up to config.max_model_len tokens (the RoPE cache gets one position to spare).
+        `overrides` replace fields (tests, benchmarks)."""
         t, m = config.trainer, config.model
         device = device or ("cuda" if t.gpus_per_node > 0 else "cpu")
         values = dict(
             shape=load_shape(preset_name=m.preset, path=m.path), weights_path=m.path,
+            max_seq_len=config.max_model_len + 1,
             dtype=m.dtype if device == "cuda" else "float32", device=device, seed=config.run.seed,
             temperature=config.inference.temperature or 1.0, lr=t.lr, betas=tuple(t.betas), eps=t.eps,
             weight_decay=t.weight_decay, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,

@@ -1,5 +1,5 @@
 """Router and workers on real ZeroMQ sockets (tcp on 127.0.0.1 and ipc), in one process:
-registration, route / fanout / session / call_all, deadlines, typed errors, buffers."""
+registration, route / fanout / call_all, deadlines, typed errors, buffers."""
 
 from __future__ import annotations
 
@@ -94,16 +94,6 @@ def test_calls_waiting_when_the_head_closes_and_calls_after_it_fail_as_closed_no
                 await svc.route("echo", 1)
             with pytest.raises(HeadClosedError):
                 await svc.fanout("echo", 1)
-    run(go())
-
-
-def test_session_keeps_a_key_on_one_replica_and_spreads_keys(secret, address):
-    async def go():
-        async with echo_group(secret, address, 3) as (head, svc):
-            for key in ("a", "b", "c"):
-                peers = {(await svc.session(key, "echo", i))["peer"] for i in range(5)}
-                assert peers == {svc.pinned(key)}
-            assert len({svc.pinned(k) for k in "abc"}) == 3
     run(go())
 
 

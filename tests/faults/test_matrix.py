@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from run_helpers import head_log, wait_for
 
-from hpcrl.launch import jobs
+from hpcrl.launch import follow
 from hpcrl.rl.metrics import read_metrics
 from hpcrl.rundir import EXIT_FILE, read_json
 
@@ -155,7 +155,7 @@ def test_the_run_survives_the_fault_and_ends_bitwise_equal(case: Case, namespace
         if case.bound_s is not None:
             wait_for(lambda: any("resumed from" in line for line in lines_after(run_dir, t0)), "resuming",
                      case.bound_s + 60)
-        final = jobs.wait(run_dir, timeout_s=600)
+        final = follow.wait(run_dir, timeout_s=600)
     finally:
         for step in undo:
             step()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from run_helpers import head_log, wait_for
 
-from hpcrl.launch import jobs
+from hpcrl.launch import follow
 from hpcrl.rl.metrics import read_metrics
 from hpcrl.rundir import EXIT_FILE, read_json
 
@@ -65,11 +65,11 @@ def test_cutting_the_inference_node_off_for_10_s_loses_no_rollout_and_the_run_co
         cluster_tool(namespaced, "mend", node)
         mended_at = time.time()
         node = ""
-        final = jobs.wait(run_dir, timeout_s=400)
+        final = follow.wait(run_dir, timeout_s=400)
     finally:
         if node:
             cluster_tool(namespaced, "mend", node)
-        if not jobs.status(run_dir).done:
+        if not follow.status(run_dir).done:
             subprocess.run([sys.executable, "-m", "hpcrl", "cancel", str(run_dir)], cwd=REPO, timeout=60,
                            env={**namespaced, "PYTHONPATH": str(REPO)}, capture_output=True)
     log = head_log(run_dir)

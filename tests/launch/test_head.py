@@ -12,7 +12,7 @@ import pytest
 
 from hpcrl.config import load_config
 from hpcrl.errors import SlurmError
-from hpcrl.launch.job import GroupFailed, InterpreterMissing, check_interpreter, run_head
+from hpcrl.launch.head import GroupFailed, InterpreterMissing, check_interpreter, run_head
 from hpcrl.launch.submit import launch_record, prepare_run_dir, refuse_live_run
 from hpcrl.rundir import EXIT_FILE, JOB_FILE, read_json, write_json
 from hpcrl.slurm.spec import job_spec
@@ -88,7 +88,7 @@ def test_a_run_directory_with_a_live_job_is_not_overwritten(tmp_path: Path):
 
 
 def test_planning_and_the_cli_modules_do_not_import_submitit():
-    code = ("import sys, hpcrl.cli.main, hpcrl.launch.submit, hpcrl.launch.jobs, hpcrl.slurm.render; "
+    code = ("import sys, hpcrl.cli.main, hpcrl.launch.submit, hpcrl.launch.follow, hpcrl.slurm.render; "
             "hpcrl.cli.main.build_parser(); assert 'submitit' not in sys.modules, 'submitit imported'")
     done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True, timeout=30)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.launch import jobs
+from hpcrl.launch import follow
 from hpcrl.rundir import EXIT_FILE, log_path, read_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,16 +56,16 @@ def test_cancelling_a_local_run_stops_every_process_within_15_s(tmp_path: Path):
         while "tasks registered" not in (head_log.read_text() if head_log.exists() else ""):
             assert time.monotonic() < deadline, "the groups never registered"
             time.sleep(0.2)
-        assert jobs.status(tmp_path).state == "RUNNING"
+        assert follow.status(tmp_path).state == "RUNNING"
         started = time.monotonic()
         cancelled = hpcrl("cancel", str(tmp_path), "--wait", "15")
         assert cancelled.returncode == 0, cancelled.stderr
-        assert jobs.status(tmp_path).state == "CANCELLED" and time.monotonic() - started < 15
+        assert follow.status(tmp_path).state == "CANCELLED" and time.monotonic() - started < 15
         pids = [r["pid"] for r in read_json(tmp_path / EXIT_FILE)["tasks"]]
-        assert len(pids) == 4 and not any(jobs._local_alive(pid) for pid in pids)
+        assert len(pids) == 4 and not any(follow._local_alive(pid) for pid in pids)
     finally:
         job = read_json(tmp_path / "job.json")
-        if jobs._local_alive(int(job["job_id"])):
+        if follow._local_alive(int(job["job_id"])):
             os.kill(int(job["job_id"]), 9)
 
 

@@ -11,7 +11,7 @@ from hpcrl.config.dump import dump_toml
 from hpcrl.errors import SlurmError
 from hpcrl.launch.submit import launch_record, prepare_run_dir, submit_run
 from hpcrl.rundir import CONFIG_FILE, LAUNCH_FILE, SCRIPT_FILE, write_json
-from hpcrl.slurm.record import read_launch
+from hpcrl.slurm.record import VERSION, read_launch
 from hpcrl.slurm.spec import job_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,8 +38,20 @@ def test_prepare_run_dir_writes_config_launch_and_one_log_folder_per_group(tmp_p
 
 
 def test_a_launch_file_that_is_not_the_record_is_an_error_naming_the_file(tmp_path: Path):
-    write_json(tmp_path / LAUNCH_FILE, {"version": 1, "program": "rl"})
+    write_json(tmp_path / LAUNCH_FILE, {"version": VERSION, "program": "rl"})
     with pytest.raises(SlurmError, match=f"{tmp_path / LAUNCH_FILE} does not hold what the head needs"):
+        read_launch(tmp_path)
+
+
+def test_a_launch_file_of_an_earlier_version_is_refused_with_the_command_that_writes_it_again(tmp_path: Path):
+    config = load_config(REPO / "configs" / "tiny_grpo.toml", overrides=[f"run.run_dir={tmp_path}"])
+    current = launch_record(config, job_spec(config), executor="local", python="/usr/bin/python3").to_json()
+    # version 1 kept each component's fields flat beside the slot's, its index under "component"
+    flat = [{**g["component"], **{k: v for k, v in g.items() if k != "component"}, "component": g["component"]["index"]}
+            for g in current["groups"]]
+    write_json(tmp_path / LAUNCH_FILE, {**current, "version": 1, "groups": flat})
+    with pytest.raises(SlurmError, match=f"{tmp_path / LAUNCH_FILE} is not a launch record of version {VERSION} "
+                                         r"\(it says 1; .*`hpcrl resume RUN_DIR`"):
         read_launch(tmp_path)
 
 

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hpcrl.config.components import Component
 from hpcrl.launch.steps import local_gpu_blocks, replacement_argv, srun_argv, task_env
 from hpcrl.slurm.spec import GroupSlot
 
-TRAINER = GroupSlot(name="trainer", component=1, nodes=2, tasks_per_node=4, gpus_per_node=4, gpus_per_task=1,
-                    cpus_per_task=8, mem="120G", ranks_per_replica=8, module="hpcrl.roles", first_node=0)
-INFERENCE = GroupSlot(name="inference", component=2, nodes=1, tasks_per_node=2, gpus_per_node=4, gpus_per_task=2,
-                      cpus_per_task=4, mem="8G", ranks_per_replica=1, module="hpcrl.roles")
-REWARD = GroupSlot(name="reward", component=3, nodes=1, tasks_per_node=1, gpus_per_node=0, gpus_per_task=0,
-                   cpus_per_task=0, mem="", ranks_per_replica=1, module="hpcrl.roles")
+
+def _slot(name: str, index: int, *, nodes: int, tasks_per_node: int, gpus_per_task: int, cpus_per_task: int, mem: str,
+          ranks_per_replica: int = 1) -> GroupSlot:
+    component = Component(name=name, index=index, nodes=nodes, tasks_per_node=tasks_per_node,
+                          gpus_per_node=4 if gpus_per_task else 0, gpus_per_task=gpus_per_task,
+                          cpus_per_task=cpus_per_task, mem=mem, role="")
+    return GroupSlot(component=component, ranks_per_replica=ranks_per_replica, module="hpcrl.roles")
+
+
+TRAINER = _slot("trainer", 1, nodes=2, tasks_per_node=4, gpus_per_task=1, cpus_per_task=8, mem="120G",
+                ranks_per_replica=8)
+INFERENCE = _slot("inference", 2, nodes=1, tasks_per_node=2, gpus_per_task=2, cpus_per_task=4, mem="8G")
+REWARD = _slot("reward", 3, nodes=1, tasks_per_node=1, gpus_per_task=0, cpus_per_task=0, mem="")
 
 
 def test_a_hetjob_group_is_one_step_on_its_own_het_group_with_one_log_per_rank():

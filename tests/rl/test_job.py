@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from run_helpers import head_log, wait_for
 
-from hpcrl.launch import jobs
+from hpcrl.launch import follow as jobs
 from hpcrl.rl.metrics import read_metrics
 from hpcrl.roles.reaper import descendants, live
 from hpcrl.rundir import EXIT_FILE, read_json

@@ -13,10 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.config import load_config
 from hpcrl.errors import SlurmError
-from hpcrl.slurm.identity import identify_task, step_components
+from hpcrl.slurm.identity import identify_task, layout_env, step_components
 from hpcrl.slurm.nodelist import expand_nodelist
+from hpcrl.slurm.spec import job_spec
 
+REPO = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parent / "data" / "env"
 LAYOUT = json.dumps({"groups": [
     {"name": "head", "component": 0, "tasks": 1, "ranks_per_replica": 1},
@@ -42,8 +45,8 @@ def test_a_single_group_step_is_recognised_from_its_nodes_alone(name, group, ran
 
 
 def test_the_step_groups_set_by_the_head_win_over_node_matching():
-    assert step_components(recorded("hetjob_g2_0", HPCRL_STEP_GROUPS="2")) == [2]
-    assert identify_task(recorded("hetjob_g1_1", HPCRL_STEP_GROUPS="1")).rank == 1
+    assert step_components(recorded("hetjob_g2_0", HPCRL_STEP_COMPONENTS="2")) == [2]
+    assert identify_task(recorded("hetjob_g1_1", HPCRL_STEP_COMPONENTS="1")).rank == 1
 
 
 @pytest.mark.parametrize("name, group, rank, node", [
@@ -71,6 +74,15 @@ def test_a_split_job_task_takes_its_group_from_the_head_and_its_rank_from_slurm(
            "SLURMD_NODENAME": "n3", "SLURM_LOCALID": "0"}
     who = identify_task(env)
     assert (who.group, who.rank, who.node, who.node_index, who.group_size) == ("trainer", 1, "n3", 1, 2)
+
+
+def test_the_layout_the_head_writes_names_each_groups_component_and_size():
+    spec = job_spec(load_config(REPO / "configs" / "tiny_grpo.toml", overrides=["run.run_dir=/runs/t", "trainer.nodes=2"]))
+    env = {"HPCRL_LAYOUT": layout_env(spec.groups), "HPCRL_GROUP": "trainer", "HPCRL_RANK": "1", "HPCRL_NODE": "box"}
+    who = identify_task(env)
+    trainer = spec.group("trainer")
+    assert (who.component, who.group_size, who.replica) == (trainer.component.index, trainer.component.tasks,
+                                                            1 // trainer.ranks_per_replica)
 
 
 def test_a_local_task_reads_the_variables_of_the_local_launcher():

@@ -21,7 +21,7 @@ import pytest
 from hpcrl.cli.main import main as cli
 from hpcrl.config import load_config
 from hpcrl.errors import ConfigError
-from hpcrl.launch import jobs
+from hpcrl.launch import follow
 from hpcrl.launch.submit import submit_run
 from hpcrl.rundir import EXIT_FILE, JOB_FILE, SCRIPT_FILE, log_path, read_json
 from hpcrl.slurm import tracking
@@ -95,7 +95,7 @@ def test_every_task_of_every_group_registers_with_the_head_and_the_submitit_resu
     assert result["state"] == "COMPLETED"
     assert sorted((r["group"], r["rank"], r["node"]) for r in result["tasks"]) == expected
     assert {r["group"]: r["replica"] for r in result["tasks"]} == {"head": 0, "trainer": 0, "inference": 0, "reward": 0}
-    final = jobs.wait(done.run_dir, timeout_s=30)
+    final = follow.wait(done.run_dir, timeout_s=30)
     recorded = settled(done.job_id, any_cluster)
     assert final.state == "COMPLETED" and recorded.state == "COMPLETED"
     assert len(final.rows) == (4 if layout == "hetjob" else 1)
@@ -108,7 +108,7 @@ def test_a_task_exiting_3_fails_the_run_naming_its_group_and_rank(any_cluster, t
     done = submit_run(tiny(tmp_path, "fail", any_cluster), exit_codes={"trainer/1": 3}, program="check")
     with pytest.raises(Exception, match="group trainer rank 1 on node n3 exited with code 3"):
         done.job.result()
-    final = jobs.wait(done.run_dir, timeout_s=30)
+    final = follow.wait(done.run_dir, timeout_s=30)
     assert final.state == "FAILED" and settled(done.job_id, any_cluster).state == "FAILED"
     assert final.failures == ("group trainer rank 1 on node n3: exited with code 3",)
     assert "run FAILED: group trainer rank 1" in log_path(done.run_dir, "head", 0).read_text()
@@ -122,11 +122,11 @@ def test_hpcrl_cancel_ends_every_component_and_status_says_cancelled_within_15_s
     while "tasks registered" not in (head_log.read_text() if head_log.exists() else ""):
         assert time.monotonic() < deadline, "the groups never registered"
         time.sleep(0.2)
-    assert jobs.status(done.run_dir).state == "RUNNING"
+    assert follow.status(done.run_dir).state == "RUNNING"
     started = time.monotonic()
     assert cli(["cancel", str(done.run_dir), "--wait", "15"]) == 0
     elapsed = time.monotonic() - started
-    final = jobs.status(done.run_dir)
+    final = follow.status(done.run_dir)
     assert final.state == "CANCELLED" and elapsed < 15
     recorded = settled(done.job_id, any_cluster)
     assert recorded.state == "CANCELLED"
@@ -157,7 +157,7 @@ def test_the_hetjob_template_runs_by_hand_with_plain_sbatch(cluster, tmp_path):
     out = subprocess.run(["sbatch", "--parsable", str(REPO / "sbatch" / "hetjob.sbatch")], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=30, check=True).stdout.strip()
     (run_dir / JOB_FILE).write_text(f'{{"executor": "slurm", "job_id": "{out}", "groups": []}}')
-    assert jobs.wait(run_dir, timeout_s=40).state == "COMPLETED"
+    assert follow.wait(run_dir, timeout_s=40).state == "COMPLETED"
     assert [g for g, _, _ in reported(run_dir)] == ["head", "inference", "reward", "trainer"]
 
 
@@ -174,7 +174,7 @@ def test_a_partition_the_cluster_lacks_is_refused_before_sbatch(cluster, tmp_pat
 def test_status_by_job_id_and_logs_of_one_rank_from_the_command_line(cluster, tmp_path, capsys):
     done = submit_run(tiny(tmp_path, "cli", cluster), program="check")
     done.job.result()
-    jobs.wait(done.run_dir, timeout_s=30)
+    follow.wait(done.run_dir, timeout_s=30)
     capsys.readouterr()
     assert cli(["status", done.job_id]) == 0
     out = capsys.readouterr().out
@@ -193,5 +193,5 @@ def test_a_job_the_controller_has_forgotten_is_ended_and_the_head_record_says_ho
     (run_dir / JOB_FILE).write_text('{"executor": "slurm", "job_id": "987654", "groups": ["head"]}')
     (run_dir / EXIT_FILE).write_text('{"state": "FAILED", "error": "x", "failures": '
                                      '[{"group": "trainer", "rank": 0, "node": "n2", "why": "exited with code 3"}]}')
-    final = jobs.wait(run_dir, timeout_s=10)
+    final = follow.wait(run_dir, timeout_s=10)
     assert final.state == "FAILED" and final.failures == ("group trainer rank 0 on node n2: exited with code 3",)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from hpcrl.config import load_config
+from hpcrl.config.components import make_components
 from hpcrl.errors import ConfigError
 from hpcrl.slurm.spec import job_spec, time_limit_seconds
 
@@ -56,7 +57,7 @@ def test_split_layout_refuses_groups_in_different_partitions():
 
 def test_split_layout_lays_groups_end_to_end_and_keeps_the_head_off_its_own_node():
     spec = _spec('cluster.layout="split"', "trainer.nodes=2")
-    assert [(g.name, g.first_node, g.nodes) for g in spec.groups] == [
+    assert [(g.name, g.first_node, g.component.nodes) for g in spec.groups] == [
         ("head", 0, 1), ("trainer", 0, 2), ("inference", 2, 1), ("reward", 3, 1)]
     assert dict(spec.blocks[0].options)["nodes"] == "4"
 
@@ -67,6 +68,11 @@ def test_hetjob_groups_take_cluster_defaults_and_their_own_settings():
     assert trainer["partition"] == "debug" and trainer["time"] == "01:00:00"
     assert trainer["exclusive"] == "" and trainer["reservation"] == "rl"
     assert time_limit_seconds(spec) == 3600
+
+
+def test_every_group_slot_holds_its_component_as_the_planner_made_it():
+    config = load_config(TINY, cluster=LOCAL, overrides=["run.run_dir=/runs/t", 'cluster.layout="split"'])
+    assert [g.component for g in job_spec(config).groups] == make_components(config)
 
 
 def test_trainer_replicas_follow_the_hsdp_layout():

@@ -67,6 +67,7 @@ def test_engine_options_come_from_the_embedded_default_config(repo, tiny_model):
     assert (options.lr, options.betas, options.warmup_steps, options.micro_batch_size) == (1e-3, (0.9, 0.99), 2, 16)
     assert options.loss.clip_eps_high == 0.28 and options.loss.aggregation == "token_mean"
     assert options.weights_path.endswith("models/tiny-llama")
+    assert options.max_seq_len == config.max_model_len + 1  # the role and hpcrl run no longer pass it
     engine = TrainerEngine.from_config(config, max_seq_len=64)
     assert engine.reference is None and engine.lr(0) == pytest.approx(5e-4)
 

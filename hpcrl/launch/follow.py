@@ -8,7 +8,6 @@ ends: a job the controller has forgotten is ENDED, and exit.json says how.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -186,7 +185,7 @@ def log_files(run_dir: str | Path, *, group: str | None = None, rank: int | None
     return files
 
 
-def follow(run_dir: str | Path, *, group: str | None = None, rank: int | None = None,
+def tail_logs(run_dir: str | Path, *, group: str | None = None, rank: int | None = None,
            poll_s: float = 0.5) -> Iterator[tuple[Path, str]]:
     """Yield (file, line) as logs appear and grow, until the run has ended and all are drained."""
     offsets: dict[Path, int] = {}
@@ -204,8 +203,3 @@ def follow(run_dir: str | Path, *, group: str | None = None, rank: int | None = 
             return
         time.sleep(poll_s)
 
-
-def describe_exit(run_dir: str | Path) -> str:
-    """One line from exit.json, for the CLI."""
-    record = Run.open(run_dir).exit_record()
-    return json.dumps({k: record[k] for k in ("state", "error")}) if record else "no exit record yet"

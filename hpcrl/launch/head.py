@@ -1,18 +1,19 @@
 """The job's entry: the head, in component 0 (the batch step). Starts every group, runs the run's
 program, records how the run ended, and requeues it after a lost task.
 
-    python -m hpcrl.launch.job RUN_DIR       (the sbatch/ templates; submitit calls HeadJob(run_dir))
+    python -m hpcrl.launch.head RUN_DIR       (the sbatch/ templates; submitit calls HeadJob(run_dir))
 
   1. reads RUN_DIR/launch.json (hpcrl.slurm.record), checks that its interpreter (cluster.python, or
      the one that ran hpcrl submit) exists and is executable on this node, and binds the control
      bus (hpcrl.bus.Router, the run's secret): the head's one control port. Program "rl" also
-     serves a rendezvous store (torch's TCPStore: trainer process group, weight-transfer group).
+     serves a rendezvous store (torch's TCPStore) for the trainer ranks' torch.distributed process
+     group and for the weight-transfer group (trainer ranks + inference engines).
   2. starts one step per group (hpcrl.launch.supervisor): `srun --het-group=i` (hetjob), srun on the
      group's node range (split), or local process trees (local executor). Every task registers
      on the bus, says READY when it serves, and its exit code comes back as a BYE.
   3. program "check": waits until every task has registered, holds them for launch.json's hold_s,
      then dismisses each with its exit code (0, or launch.json's exit_codes, to test failures).
-     program "rl": the GRPO loop over the bus (hpcrl.rl.program) while the supervisor watches
+     program "rl": the RL loop over the bus (hpcrl.rl.program) while the supervisor watches
      every step; then dismisses every task with 0.
   4. writes exit.json: COMPLETED; FAILED naming group, rank and node; CANCELLED (SIGTERM: scancel,
      hpcrl cancel); REQUEUED (a lost task under Slurm with requeues left, or SIGUSR2 before the time
@@ -84,7 +85,7 @@ async def _check(sup: Supervisor) -> None:
     sup.revivable = {"inference"}
     sup.start()
     started, registered_at = time.monotonic(), None
-    while not await sup.check():
+    while not await sup.poll():
         if registered_at is None and sup.all_registered:
             registered_at = time.monotonic()
             log.info(f"all {len(sup.expected)} tasks registered in {registered_at - started:.1f} s")
@@ -95,7 +96,7 @@ async def _check(sup: Supervisor) -> None:
 
 
 async def _train(sup: Supervisor, advertise: str) -> bool:
-    """Program "rl": rendezvous store, the groups, the GRPO loop while the steps are watched.
+    """Program "rl": rendezvous store, the groups, the RL loop while the steps are watched.
 
     Returns True when the run was preempted (SIGUSR2, Slurm's pre-timeout signal): it checkpointed
     after the step in progress and stopped; False when it trained to the end."""
@@ -117,7 +118,7 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, on_usr2)
 
     async def watch() -> None:
-        while not await sup.check():
+        while not await sup.poll():
             await asyncio.sleep(0.2)
 
     loop_task = asyncio.create_task(run_program(
@@ -133,8 +134,8 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
         except GroupFailed:
             raise
         except Exception as err:  # noqa: BLE001 - the loop's error ends the run FAILED, with its message
-            log.exception("the GRPO loop failed")
-            raise GroupFailed(f"the GRPO loop failed: {type(err).__name__}: {err}") from None
+            log.exception("the RL loop failed")
+            raise GroupFailed(f"the RL loop failed: {type(err).__name__}: {err}") from None
         sup.revivable = set()
         sup.release()  # every task: exit 0
         await sup.wait_ended()
@@ -276,7 +277,7 @@ class HeadJob:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m hpcrl.launch.job RUN_DIR", file=sys.stderr)
+        print("usage: python -m hpcrl.launch.head RUN_DIR", file=sys.stderr)
         return 2
     try:
         run_head(args[0])
