@@ -4,8 +4,9 @@
 and every group task read it back (`read_launch`). A file that does not parse as this record is a
 SlurmError naming the file and the field, never a KeyError deep inside the head. Each group is
 stored as its GroupSlot is built: {"component": {...the Component...}, "ranks_per_replica", "module",
-"first_node"}. Version 1 stored the component's fields flat beside the slot's; such a file is
-refused with the fix (`hpcrl resume` or `hpcrl submit` writes it again).
+"first_node"}. Version 1 stored the component's fields flat beside the slot's, its het index under
+"component": it is still read (a job requeued by Slurm after hpcrl was upgraded in its venv resumes
+by itself), and written back as version 2 by the next `hpcrl resume` or `hpcrl submit`.
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ class LaunchRecord:
     @classmethod
     def from_json(cls, data: Any, where: str = LAUNCH_FILE) -> LaunchRecord:
         version = data.get("version") if isinstance(data, dict) else None
-        if version != VERSION:
+        if version == 1 and isinstance(data.get("groups"), list):
+            data = {**data, "version": VERSION, "groups": [_slot_v1(g) for g in data["groups"]]}
+        elif version != VERSION:
             raise SlurmError(f"{where} is not a launch record of version {VERSION} (it says {version!r}; another "
                              "hpcrl wrote it): write it again with `hpcrl resume RUN_DIR` (a stopped run) or "
                              "hpcrl submit")
@@ -78,6 +81,19 @@ class LaunchRecord:
         except (KeyError, TypeError) as err:
             raise SlurmError(f"{where} does not hold what the head needs ({err}): write it again with "
                              "hpcrl submit") from None
+
+
+#: Version 1's flat group entries: these keys were the Component's; "component" held its index.
+_V1_COMPONENT_KEYS = ("name", "nodes", "tasks_per_node", "gpus_per_node", "gpus_per_task", "cpus_per_task", "mem")
+
+
+def _slot_v1(group: Any) -> Any:
+    """A version 1 group entry as version 2 stores it (anything malformed is left for from_json to refuse)."""
+    if not isinstance(group, dict) or not all(k in group for k in (*_V1_COMPONENT_KEYS, "component")):
+        return group
+    component = {k: group[k] for k in _V1_COMPONENT_KEYS} | {"index": group["component"], "role": ""}
+    rest = {k: v for k, v in group.items() if k not in (*_V1_COMPONENT_KEYS, "component", "tasks")}
+    return {**rest, "component": component}
 
 
 def read_launch(run_dir: Path | str) -> LaunchRecord:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -43,15 +44,29 @@ def test_a_launch_file_that_is_not_the_record_is_an_error_naming_the_file(tmp_pa
         read_launch(tmp_path)
 
 
-def test_a_launch_file_of_an_earlier_version_is_refused_with_the_command_that_writes_it_again(tmp_path: Path):
+def test_a_launch_file_of_version_1_is_read_as_the_same_record(tmp_path: Path):
+    """A job requeued by Slurm after hpcrl was upgraded in its venv reads the launch.json its submit wrote."""
     config = load_config(REPO / "configs" / "tiny_grpo.toml", overrides=[f"run.run_dir={tmp_path}"])
-    current = launch_record(config, job_spec(config), executor="local", python="/usr/bin/python3").to_json()
-    # version 1 kept each component's fields flat beside the slot's, its index under "component"
-    flat = [{**g["component"], **{k: v for k, v in g.items() if k != "component"}, "component": g["component"]["index"]}
+    record = launch_record(config, job_spec(config), executor="local", python="/usr/bin/python3")
+    current = record.to_json()
+    # version 1 kept each component's fields flat beside the slot's, its index under "component", no role
+    flat = [{**{k: v for k, v in g["component"].items() if k not in ("index", "role")},
+             **{k: v for k, v in g.items() if k != "component"}, "component": g["component"]["index"],
+             "tasks": g["component"]["nodes"] * g["component"]["tasks_per_node"]}
             for g in current["groups"]]
     write_json(tmp_path / LAUNCH_FILE, {**current, "version": 1, "groups": flat})
+    read = read_launch(tmp_path)
+    unroled = tuple(dataclasses.replace(g, component=dataclasses.replace(g.component, role=""))
+                    for g in record.groups)
+    assert read == dataclasses.replace(record, groups=unroled)
+
+
+def test_a_launch_file_of_an_unknown_version_is_refused_with_the_command_that_writes_it_again(tmp_path: Path):
+    config = load_config(REPO / "configs" / "tiny_grpo.toml", overrides=[f"run.run_dir={tmp_path}"])
+    current = launch_record(config, job_spec(config), executor="local", python="/usr/bin/python3").to_json()
+    write_json(tmp_path / LAUNCH_FILE, {**current, "version": 99})
     with pytest.raises(SlurmError, match=f"{tmp_path / LAUNCH_FILE} is not a launch record of version {VERSION} "
-                                         r"\(it says 1; .*`hpcrl resume RUN_DIR`"):
+                                         r"\(it says 99; .*`hpcrl resume RUN_DIR`"):
         read_launch(tmp_path)
 
 
