@@ -35,8 +35,8 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
-from hpcrl.models import ModelShape
 from hpcrl.errors import TrainerError
+from hpcrl.models import ModelShape
 
 #: Inserted into parameter names by torch's activation-checkpoint wrapper.
 _AC_PREFIX = "_checkpoint_wrapped_module."
