@@ -15,12 +15,12 @@ Choices that differ from torchtitan's own recipes, and why:
   transfer send FSDP dim-0 shards as HF row ranges (see `hpcrl.trainer.weights.local_shards`).
   The names still come from torchtitan's adapters (`from_hf_map`).
 
-Families (hpcrl.models) name their torchtitan classes by dotted path (`Family.titan`), imported
-here: Llama 3 (`Llama3Model`), Qwen3 (`Qwen3Model`, q/k norms), and Qwen2 built from Qwen3's
-blocks with q/k/v biases and no q/k norm (torchtitan 0.3.0 has no Qwen2 model). q/k/v biases and
-q/k norms come from the shape, for any family. Llama 3.1+
-"llama3" RoPE frequency scaling (`RopeScaling`, read from config.json) is applied to the
-rotate-half cache the way transformers computes it (torchtitan's CosSinRoPE refuses it).
+Model families (hpcrl.models) name their torchtitan classes by dotted path (`Family.titan`),
+imported here: Llama 3 (`Llama3Model`), Qwen3 (`Qwen3Model`, q/k norms), and Qwen2 built from
+Qwen3's blocks with q/k/v biases and no q/k norm (torchtitan 0.3.0 has no Qwen2 model); q/k/v
+biases and q/k norms follow the shape, whatever the family. Llama 3.1+ "llama3" RoPE frequency
+scaling (`RopeScaling`, read from config.json) is applied to the rotate-half cache the way
+transformers computes it (torchtitan's CosSinRoPE refuses it).
 """
 
 from __future__ import annotations

@@ -3,13 +3,15 @@ config reader, the transfer planner and the torchtitan trainer without a line of
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from toy_family import TOY
 
 import hpcrl.models
 from hpcrl.config.model_shapes import PRESETS, from_hf_config
-from hpcrl.errors import ConfigError, PlanError
-from hpcrl.models import ModelShape, architectures, register
+from hpcrl.errors import ConfigError, PlanError, TrainerError
+from hpcrl.models import Family, ModelShape, architectures, register
 from hpcrl.plan.transfer_check import check_plan, verify_elements
 from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
 from hpcrl.plan.transfer_planner import plan
@@ -18,11 +20,16 @@ TOY_CONFIG = {"architectures": ["ToyForCausalLM"], "model_type": "toy", "n_embd"
               "n_layer": 2, "n_head": 4, "n_kv_head": 2, "vocab_size": 90, "n_positions": 256}
 
 
+def register_for_this_test(monkeypatch, family: Family) -> None:
+    """`register(family)` in a copy of the registry that the test's end puts back."""
+    monkeypatch.setattr(hpcrl.models, "_FAMILIES", dict(hpcrl.models._FAMILIES))
+    register(family)
+
+
 @pytest.fixture
 def toy(monkeypatch) -> ModelShape:
     """The toy family registered (for this test only) and the shape of TOY_CONFIG."""
-    monkeypatch.setattr(hpcrl.models, "_FAMILIES", dict(hpcrl.models._FAMILIES))
-    register(TOY)
+    register_for_this_test(monkeypatch, TOY)
     return from_hf_config(TOY_CONFIG)
 
 
@@ -87,3 +94,15 @@ def test_two_families_cannot_claim_one_architecture(toy: ModelShape):
     register(TOY)  # the same family again: no change
     with pytest.raises(ConfigError, match="two model families claim architecture 'ToyForCausalLM'"):
         register(type(TOY)())
+
+
+def test_a_family_naming_a_torchtitan_class_that_does_not_exist_is_a_trainer_error(monkeypatch):
+    pytest.importorskip("torchtitan")
+    from hpcrl.trainer import titan
+
+    class Misnamed(type(TOY)):
+        titan = replace(TOY.titan, block="torchtitan.models.qwen3.model.Qwen4TransformerBlock")
+
+    register_for_this_test(monkeypatch, Misnamed())
+    with pytest.raises(TrainerError, match="'torchtitan.models.qwen3.model.Qwen4TransformerBlock'"):
+        titan.build_model(from_hf_config(TOY_CONFIG), max_seq_len=32)
