@@ -13,8 +13,9 @@ Memory estimates (per GPU, or per node on CPU) are deliberately simple and on th
               of the policy and, when kl_coef > 0, of the reference: a root is not resharded
               after forward, and the reference's stays gathered until the step's backward is done
               (FSDP2 gathers into tensors of its own, even in fp32 on one rank: on CPU too)
-            + activations: per token per block ~ (7h + 2kv + 4f) x dtype bytes, or only the
-              block inputs with activation checkpointing (plus one block recomputed)
+            + activations: per token per block ~ (7h + 2kv + 4f) x dtype bytes for a dense decoder
+              (the model family's `activation_values_per_token`), or only the block inputs with
+              activation checkpointing (plus one block recomputed)
             + fp32 logits and their log-softmax for one micro-batch
             + a fixed runtime overhead (CUDA context, NCCL buffers)
   inference weights / TP (embedding and head vocab-split), then the KV-cache budget
@@ -116,14 +117,12 @@ def _trainer_memory(config: Config, shape: ModelShape) -> MemoryEstimate:
     compute = DTYPE_BYTES[config.model.dtype] if t.gpus_per_node else 4
     shard = t.world_size // t.dp_replicate if t.dp_shard == -1 else t.dp_shard
     params = shape.num_parameters
-    h, f = shape.hidden_size, shape.intermediate_size
-    kv = shape.num_kv_heads * shape.head_dim
     tokens = t.micro_batch_size * (config.data.max_prompt_tokens + config.inference.max_tokens)
     roots = 2 if alg.kl_coef > 0 else 1
     root_params = params - shape.num_layers * shape.layer_parameters
-    block_per_token = (7 * h + 2 * kv + 4 * f) * compute
+    block_per_token = shape.family.activation_values_per_token(shape) * compute
     if t.activation_checkpointing:
-        activations = tokens * (h * compute * shape.num_layers + block_per_token)
+        activations = tokens * (shape.hidden_size * compute * shape.num_layers + block_per_token)
     else:
         activations = tokens * block_per_token * shape.num_layers
     parts = {

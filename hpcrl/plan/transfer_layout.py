@@ -1,5 +1,8 @@
 """Where every element of every weight lives, on the trainer and in vLLM: pure layout rules.
 
+The model's family says which vLLM parameters exist and which vLLM layer shards each
+(`Family.vllm_parameters`, hpcrl/models/); the rules of those layers are here.
+
 Both sides are described in rows of the Hugging Face tensors (a 1-D weight is one column):
 
   trainer  FSDP2 `fully_shard` places each trainer tensor Shard(0) over the dp_shard axis with
@@ -20,6 +23,7 @@ Both sides are described in rows of the Hugging Face tensors (a 1-D weight is on
              never written by a transfer. Tied embeddings: lm_head *is* embed_tokens
              (`ParallelLMHead.tie_weights`), one destination.
            - Norms (input/post-attention/final, Qwen3 q_norm/k_norm) replicated on every rank.
+           (Which of these layers holds which parameter: the family's `vllm_parameters`.)
 
 A `Segment` says: HF rows [hf_row0, hf_row1) x columns [col0, col1) of one HF tensor land in
 rows starting at dst_row0 of one vLLM parameter on one TP rank.
@@ -29,8 +33,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcrl.config.model_shapes import ModelShape
 from hpcrl.errors import PlanError
+from hpcrl.models import ModelShape
+from hpcrl.models.layout import VllmParam, as2d
 
 #: vllm/model_executor/layers/vocab_parallel_embedding.py: DEFAULT_VOCAB_PADDING_SIZE.
 VOCAB_PADDING = 64
@@ -128,74 +133,90 @@ def _divide(n: int, d: int, what: str, fix: str) -> int:
     return n // d
 
 
+_FIX = "pick a tensor_parallel that divides the number of heads and the intermediate size"
+#: The order a layout's divisibility is checked in, so the error names the likeliest cause (heads first).
+_CHECK_ORDER = {"qkv": 0, "merged_column": 1, "row": 1, "vocab": 2, "replicated": 3}
+
+
+def _heads_per_rank(shape: ModelShape, tp: int) -> tuple[int, int, int]:
+    """(q heads, KV heads, replicas of each KV head) per TP rank, as QKVParallelLinear splits them."""
+    nh = _divide(shape.num_heads, tp, "num_heads", _FIX)
+    if tp >= shape.num_kv_heads:
+        _divide(tp, shape.num_kv_heads, "tensor_parallel (>= num_kv_heads)", _FIX)
+        return nh, 1, tp // shape.num_kv_heads
+    return nh, _divide(shape.num_kv_heads, tp, "num_kv_heads", _FIX), 1
+
+
+def _check(param: VllmParam, dims: dict[str, tuple[int, int]], shape: ModelShape, tp: int, padding: int) -> None:
+    """PlanError unless vLLM can shard `param` over `tp` ranks."""
+    rows, cols = dims[param.hf[0]]
+    if param.layer == "qkv":
+        _heads_per_rank(shape, tp)
+    elif param.layer == "merged_column":
+        for hf in param.hf:
+            _divide(dims[hf][0], tp, f"rows of {hf}", _FIX)
+    elif param.layer == "row":
+        _divide(cols, tp, f"columns of {param.hf[0]}", _FIX)
+    elif param.layer == "vocab":
+        _divide(pad_vocab_size(rows, padding), tp, f"padded vocab (pad_vocab_size({rows}, {padding}))",
+                "pick a tensor_parallel that divides the padded vocabulary")
+
+
 def vllm_layout(shape: ModelShape, tp: int, padding: int = VOCAB_PADDING
                 ) -> tuple[list[DestTensor], dict[int, list[Segment]]]:
-    """vLLM's parameters at tensor parallelism `tp` and, per TP rank, the segments that fill them."""
-    h, d, f = shape.hidden_size, shape.head_dim, shape.intermediate_size
-    fix = "pick a tensor_parallel that divides the number of heads and the intermediate size"
-    nh = _divide(shape.num_heads, tp, "num_heads", fix)
-    if tp >= shape.num_kv_heads:
-        _divide(tp, shape.num_kv_heads, "tensor_parallel (>= num_kv_heads)", fix)
-        nkv, kv_replicas = 1, tp // shape.num_kv_heads
-    else:
-        nkv, kv_replicas = _divide(shape.num_kv_heads, tp, "num_kv_heads", fix), 1
-    fl = _divide(f, tp, "intermediate_size", fix)
-    ql = nh * d  # o_proj input columns per rank
-    vocab_padded = pad_vocab_size(shape.vocab_size, padding)
-    vl = _divide(vocab_padded, tp, f"padded vocab (pad_vocab_size({shape.vocab_size}, {padding}))",
-                 "pick a tensor_parallel that divides the padded vocabulary")
-    vocab_real = tuple(max(0, min(vl, shape.vocab_size - r * vl)) for r in range(tp))
+    """vLLM's parameters at tensor parallelism `tp` and, per TP rank, the segments that fill them.
+
+    The model's family lists vLLM's parameters and the layer class of each
+    (`Family.vllm_parameters`); each layer's sharding rule is here, once for every family."""
+    params = list(shape.family.vllm_parameters(shape))
+    dims = {name: as2d(d) for name, d in shape.hf_parameters()}
+    for param in sorted(params, key=lambda p: _CHECK_ORDER[p.layer]):
+        _check(param, dims, shape, tp, padding)
 
     dests: list[DestTensor] = []
     segs: dict[int, list[Segment]] = {r: [] for r in range(tp)}
 
-    def dest(name: str, rows: int, cols: int, real: tuple[int, ...] | None = None) -> str:
+    def dest(name: str, rows: int, cols: int, real: tuple[int, ...] | None = None) -> None:
         dests.append(DestTensor(name=name, local_shape=(rows, cols), real_rows=real or (rows,) * tp))
-        return name
 
-    def replicated(hf: str, name: str, rows: int) -> None:
-        dest(name, rows, 1)
-        for r in range(tp):
-            segs[r].append(Segment(hf_name=hf, hf_row0=0, hf_row1=rows, col0=0, col1=1, dest=name, dst_row0=0))
+    def seg(r: int, hf: str, rows: tuple[int, int], cols: tuple[int, int], name: str, dst_row0: int) -> None:
+        segs[r].append(Segment(hf_name=hf, hf_row0=rows[0], hf_row1=rows[1], col0=cols[0], col1=cols[1],
+                               dest=name, dst_row0=dst_row0))
 
-    def vocab(hf: str, name: str) -> None:
-        dest(name, vl, h, vocab_real)
-        for r in range(tp):
-            if vocab_real[r]:
-                segs[r].append(Segment(hf_name=hf, hf_row0=r * vl, hf_row1=r * vl + vocab_real[r],
-                                       col0=0, col1=h, dest=name, dst_row0=0))
-
-    vocab("model.embed_tokens.weight", "model.embed_tokens.weight")
-    for i in range(shape.num_layers):
-        p = f"model.layers.{i}."
-        replicated(p + "input_layernorm.weight", p + "input_layernorm.weight", h)
-        suffixes = [("weight", h)] + ([("bias", 1)] if shape.qkv_bias else [])
-        for suffix, cols in suffixes:
-            name = dest(f"{p}self_attn.qkv_proj.{suffix}", (nh + 2 * nkv) * d, cols)
+    for p in params:
+        hf = p.hf[0]
+        rows, cols = dims[hf]
+        if p.layer == "replicated":
+            dest(p.name, rows, cols)
+            for r in range(tp):
+                seg(r, hf, (0, rows), (0, cols), p.name, 0)
+        elif p.layer == "vocab":
+            local = pad_vocab_size(rows, padding) // tp
+            real = tuple(max(0, min(local, rows - r * local)) for r in range(tp))
+            dest(p.name, local, cols, real)
+            for r in range(tp):
+                if real[r]:
+                    seg(r, hf, (r * local, r * local + real[r]), (0, cols), p.name, 0)
+        elif p.layer == "qkv":
+            nh, nkv, kv_replicas = _heads_per_rank(shape, tp)
+            d = shape.head_dim
+            dest(p.name, (nh + 2 * nkv) * d, cols)
             for r in range(tp):
                 kv0 = (r // kv_replicas) * nkv * d
-                for hf, row0, rows, at in (("q", r * nh * d, nh * d, 0), ("k", kv0, nkv * d, nh * d),
-                                           ("v", kv0, nkv * d, (nh + nkv) * d)):
-                    segs[r].append(Segment(hf_name=f"{p}self_attn.{hf}_proj.{suffix}", hf_row0=row0,
-                                           hf_row1=row0 + rows, col0=0, col1=cols, dest=name, dst_row0=at))
-        if shape.qk_norm:
-            replicated(p + "self_attn.q_norm.weight", p + "self_attn.q_norm.weight", d)
-            replicated(p + "self_attn.k_norm.weight", p + "self_attn.k_norm.weight", d)
-        name = dest(p + "self_attn.o_proj.weight", h, ql)
-        for r in range(tp):
-            segs[r].append(Segment(hf_name=name, hf_row0=0, hf_row1=h, col0=r * ql, col1=(r + 1) * ql,
-                                   dest=name, dst_row0=0))
-        replicated(p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight", h)
-        name = dest(p + "mlp.gate_up_proj.weight", 2 * fl, h)
-        for r in range(tp):
-            for j, hf in enumerate(("gate_proj", "up_proj")):
-                segs[r].append(Segment(hf_name=f"{p}mlp.{hf}.weight", hf_row0=r * fl, hf_row1=(r + 1) * fl,
-                                       col0=0, col1=h, dest=name, dst_row0=j * fl))
-        name = dest(p + "mlp.down_proj.weight", h, fl)
-        for r in range(tp):
-            segs[r].append(Segment(hf_name=name, hf_row0=0, hf_row1=h, col0=r * fl, col1=(r + 1) * fl,
-                                   dest=name, dst_row0=0))
-    replicated("model.norm.weight", "model.norm.weight", h)
-    if not shape.tie_embeddings:
-        vocab("lm_head.weight", "lm_head.weight")
+                for name, row0, count, at in ((p.hf[0], r * nh * d, nh * d, 0), (p.hf[1], kv0, nkv * d, nh * d),
+                                              (p.hf[2], kv0, nkv * d, (nh + nkv) * d)):
+                    seg(r, name, (row0, row0 + count), (0, cols), p.name, at)
+        elif p.layer == "merged_column":
+            local_rows = [dims[name][0] // tp for name in p.hf]
+            dest(p.name, sum(local_rows), cols)
+            for r in range(tp):
+                at = 0
+                for name, n in zip(p.hf, local_rows):
+                    seg(r, name, (r * n, (r + 1) * n), (0, cols), p.name, at)
+                    at += n
+        elif p.layer == "row":
+            local_cols = cols // tp
+            dest(p.name, rows, local_cols)
+            for r in range(tp):
+                seg(r, hf, (0, rows), (r * local_cols, (r + 1) * local_cols), p.name, 0)
     return dests, segs

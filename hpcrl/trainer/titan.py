@@ -15,14 +15,17 @@ Choices that differ from torchtitan's own recipes, and why:
   transfer send FSDP dim-0 shards as HF row ranges (see `hpcrl.trainer.weights.local_shards`).
   The names still come from torchtitan's adapters (`from_hf_map`).
 
-Families: Llama 3 (`Llama3Model`), Qwen3 (`Qwen3Model`, q/k norms), and Qwen2 built from Qwen3's
-blocks with q/k/v biases and no q/k norm (torchtitan 0.3.0 has no Qwen2 model). Llama 3.1+
-"llama3" RoPE frequency scaling (`RopeScaling`, read from config.json) is applied to the
-rotate-half cache the way transformers computes it (torchtitan's CosSinRoPE refuses it).
+Model families (hpcrl.models) name their torchtitan classes by dotted path (`Family.titan`),
+imported here: Llama 3 (`Llama3Model`), Qwen3 (`Qwen3Model`, q/k norms), and Qwen2 built from
+Qwen3's blocks with q/k/v biases and no q/k norm (torchtitan 0.3.0 has no Qwen2 model); q/k/v
+biases and q/k norms follow the shape, whatever the family. Llama 3.1+ "llama3" RoPE frequency
+scaling (`RopeScaling`, read from config.json) is applied to the rotate-half cache the way
+transformers computes it (torchtitan's CosSinRoPE refuses it).
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 from dataclasses import dataclass
@@ -32,8 +35,8 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
-from hpcrl.config.model_shapes import ModelShape
 from hpcrl.errors import TrainerError
+from hpcrl.models import ModelShape
 
 #: Inserted into parameter names by torch's activation-checkpoint wrapper.
 _AC_PREFIX = "_checkpoint_wrapped_module."
@@ -87,6 +90,16 @@ def _scaled_rope_class():
     return Llama3ScaledCosSinRoPE
 
 
+def _titan_class(path: str):
+    """The torchtitan class at dotted `path` (a model family names its classes so; hpcrl.models)."""
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise TrainerError(f"the model family names torchtitan class {path!r}, which this torchtitan "
+                           f"lacks ({err}); fix the family's `titan` paths under hpcrl/models/") from None
+
+
 def _rope_config(shape: ModelShape, *, max_seq_len: int, scaling: RopeScaling | None):
     from torchtitan.models.common.rope import CosSinRoPE
 
@@ -113,15 +126,8 @@ def model_config(shape: ModelShape, *, max_seq_len: int, rope_scaling: RopeScali
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
     from torchtitan.models.common.param_init import skip_param_init
-    if shape.architecture == "LlamaForCausalLM":
-        from torchtitan.models.llama3.model import Llama3Model as ModelCls
-        from torchtitan.models.llama3.model import Llama3TransformerBlock as BlockCls
-    elif shape.architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        from torchtitan.models.qwen3.model import Qwen3Model as ModelCls
-        from torchtitan.models.qwen3.model import Qwen3TransformerBlock as BlockCls
-    else:
-        raise TrainerError(f"architecture {shape.architecture!r} has no torchtitan model here; "
-                           "use a Llama, Qwen2 or Qwen3 checkpoint")
+    titan = shape.family.titan
+    model_cls, block_cls = _titan_class(titan.model), _titan_class(titan.block)
 
     linear, depth, norm = _inits(shape)
     dim, eps = shape.hidden_size, shape.rms_norm_eps
@@ -138,13 +144,13 @@ def model_config(shape: ModelShape, *, max_seq_len: int, rope_scaling: RopeScali
         if shape.qkv_bias:
             attention.qkv_linear.wq.bias = True
             attention.qkv_linear.wkv.bias = True
-        layers.append(BlockCls.Config(
+        layers.append(block_cls.Config(
             attention_norm=RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=norm),
             ffn_norm=RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=norm),
             attention=attention,
             feed_forward=make_ffn_config(dim=dim, hidden_dim=shape.intermediate_size,
                                          w1_param_init=linear, w2w3_param_init=depth)))
-    return ModelCls.Config(
+    return model_cls.Config(
         dim=dim, vocab_size=shape.vocab_size, enable_weight_tying=shape.tie_embeddings,
         tok_embeddings=Embedding.Config(
             num_embeddings=shape.vocab_size, embedding_dim=dim,
@@ -192,16 +198,10 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def _hf_templates(shape: ModelShape, config) -> dict[str, str | None]:
-    """HF name template -> torchtitan name template, from torchtitan's state-dict adapters."""
-    if shape.architecture == "LlamaForCausalLM":
-        from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
-        templates = dict(Llama3StateDictAdapter(config, None).from_hf_map)
-    else:
-        from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
-        templates = dict(Qwen3StateDictAdapter(config, None).from_hf_map)
-    for proj, short in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv")):
-        # Qwen2 and Llama with attention_bias: the biases sit beside the weights.
-        templates[f"model.layers.{{}}.self_attn.{proj}.bias"] = f"layers.{{}}.attention.qkv_linear.{short}.bias"
+    """HF name template -> torchtitan name template: the family's state-dict adapter's, and its extras."""
+    titan = shape.family.titan
+    templates = dict(_titan_class(titan.state_dict_adapter)(config, None).from_hf_map)
+    templates.update(titan.extra_names)
     return templates
 
 

@@ -1,0 +1,70 @@
+"""Model families: one folder per Hugging Face architecture, and the registry that finds them.
+
+    shape = from_hf_config(json.load(open("config.json")))     # asks the family of its "architectures"
+    shape.family.vllm_parameters(shape)                         # ModelShape.family == family_for(arch)
+
+The bottom layer of hpcrl (beside algorithms): pure Python, imports only hpcrl.errors. Planner,
+trainer and vLLM adapter ask a shape's family (hpcrl/models/family.py says who asks what); no
+module outside this package tests an architecture's name.
+
+To add a family: a folder here whose `FAMILY` is a `Family` (most are a `DenseDecoder` with a hook
+or two overridden, see llama/, qwen2/, qwen3/), and one `register` line below. tests/models/
+registers a toy family from outside the package the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hpcrl.errors import ConfigError
+from hpcrl.models import llama, qwen2, qwen3
+from hpcrl.models.family import Family, TitanModel
+from hpcrl.models.layout import Piece, SourceTensor, VllmParam
+from hpcrl.models.shape import ModelShape
+
+__all__ = ["Family", "ModelShape", "Piece", "SourceTensor", "TitanModel", "VllmParam", "architectures",
+           "family_for", "from_hf_config", "register"]
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Make `family` the one for its architecture (ConfigError if another family already has it)."""
+    known = _FAMILIES.get(family.architecture)
+    if known is not None and known is not family:
+        raise ConfigError(key="model", problem=f"two model families claim architecture {family.architecture!r} "
+                                               f"({type(known).__name__} and {type(family).__name__})",
+                          fix="register one family per Hugging Face architecture")
+    _FAMILIES[family.architecture] = family
+    return family
+
+
+register(llama.FAMILY)
+register(qwen2.FAMILY)
+register(qwen3.FAMILY)
+
+
+def architectures() -> tuple[str, ...]:
+    """The Hugging Face architectures hpcrl knows how to train, serve and reshard."""
+    return tuple(_FAMILIES)
+
+
+def family_for(architecture: str, *, where: str = "the model") -> Family:
+    """The family of `architecture`; ConfigError naming the known architectures if none has it."""
+    family = _FAMILIES.get(architecture)
+    if family is None:
+        raise ConfigError(key="model.path", problem=f"{where} has architecture {architecture!r}, which hpcrl cannot train",
+                          fix=f"use a checkpoint of one of: {', '.join(_FAMILIES)} (or add a model family: "
+                              "hpcrl/models/__init__.py)")
+    return family
+
+
+def from_hf_config(config: Mapping[str, Any], *, where: str = "config.json") -> ModelShape:
+    """Shape from a Hugging Face config.json dict, read by the family of its first architecture."""
+    family = family_for((config.get("architectures") or ["?"])[0], where=where)
+    try:
+        return family.shape_from_hf_config(config)
+    except KeyError as err:
+        raise ConfigError(key="model.path", problem=f"{where} lacks {err.args[0]!r}",
+                          fix="point model.path at a complete Hugging Face checkpoint") from None
