@@ -67,7 +67,9 @@ class ReferenceStep:
 
 def timed_parts(engine, batch) -> dict[str, float]:
     """hpcrl's train_step, part by part (the same calls in the same order as TrainerEngine.train_step)."""
-    from hpcrl.trainer.loss import Normaliser, entropy_from_logits, grpo_loss, local_counts
+    from hpcrl.algorithms import load_algorithm
+    from hpcrl.algorithms.terms import Normaliser, local_counts
+    from hpcrl.trainer.loss import entropy_from_logits
 
     parts = dict.fromkeys(("setup", "forward", "loss", "backward", "metrics", "clip", "optimizer"), 0.0)
     last = time.perf_counter()
@@ -87,8 +89,8 @@ def timed_parts(engine, batch) -> dict[str, float]:
         logits, logp = engine._forward_logprobs(engine.model, mb)
         lap("forward")
         mask = mb.completion_mask
-        share = grpo_loss(logprobs=logp, old_logprobs=mb.old_logprobs, advantages=mb.advantages, mask=mask,
-                          settings=o.loss, norm=norm)
+        share = load_algorithm(o.loss.algorithm).loss(logprobs=logp, old_logprobs=mb.old_logprobs, advantages=mb.advantages, mask=mask,
+                                                      settings=o.loss, norm=norm)
         lap("loss")
         share.loss.backward()
         lap("backward")

@@ -62,7 +62,7 @@ class TrainerRank:
 
         from hpcrl.config.model_shapes import load_shape
         from hpcrl.trainer import EngineOptions, TrainerEngine, group
-        from hpcrl.trainer.loss import LossSettings
+        from hpcrl.algorithms.base import LossSettings
 
         started = time.perf_counter()
         self.rank, self.device = rank, device
