@@ -3,6 +3,7 @@
     Rollout     one sample: a token sequence, which tokens the policy generated, their logprobs, a reward
     Settings    the head's knobs (group size, filtering, dynamic sampling, reward shaping)
     LossSettings the trainer's knobs (clips, KL, aggregation), carried by EngineOptions
+    LossShare   what a loss returns: a micro-batch's share of the step loss and its metrics
     Selection   what an algorithm makes of a batch's scored groups: the groups kept, their advantages
     Algorithm   the three things an algorithm module says (see hpcrl.algorithms)
 
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from hpcrl.errors import HpcrlError
 
 if TYPE_CHECKING:
-    from hpcrl.algorithms.terms import LossShare
+    from torch import Tensor
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -147,6 +148,23 @@ class LossSettings:
 
 
 # ---------------------------------------------------------------------------------- interface
+
+@dataclass(frozen=True, kw_only=True)
+class LossShare:
+    """One micro-batch's share of the step loss and of its metrics (sums over its tokens)."""
+
+    loss: Tensor
+    """Scalar to backward: policy share + kl_coef * KL share."""
+    policy_loss: Tensor
+    """Detached share of the policy (surrogate) term, aggregated like the loss."""
+    kl: Tensor
+    """Detached share of the token-mean KL to the reference (0 without one)."""
+    clipped_low: Tensor
+    """Detached count of tokens clipped below (A < 0)."""
+    clipped_high: Tensor
+    """Detached count of tokens clipped above (A > 0)."""
+
+
 
 @dataclass(frozen=True, kw_only=True)
 class Selection:

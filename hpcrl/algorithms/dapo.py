@@ -22,12 +22,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from hpcrl.algorithms.base import Algorithm, Groups, LossSettings, Rollout, Selection, Settings
+from hpcrl.algorithms.base import Algorithm, Groups, LossSettings, LossShare, Rollout, Selection, Settings
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from hpcrl.algorithms.terms import LossShare, Normaliser
+    from hpcrl.algorithms.terms import Normaliser
 
 DEFAULTS = {"clip_eps_high": 0.28, "loss_aggregation": "token_mean", "filter_zero_variance": True,
             "dynamic_sampling": True, "max_sampling_rounds": 4, "overlong_buffer_fraction": 0.2,

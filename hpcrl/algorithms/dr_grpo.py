@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hpcrl.algorithms.base import Algorithm, Groups, LossSettings, Selection, Settings
+from hpcrl.algorithms.base import Algorithm, Groups, LossSettings, LossShare, Selection, Settings
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from hpcrl.algorithms.terms import LossShare, Normaliser
+    from hpcrl.algorithms.terms import Normaliser
 
 DEFAULTS = {"advantage_norm": "mean", "loss_aggregation": "seq_mean_token_sum_norm"}
 

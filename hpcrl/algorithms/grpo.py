@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hpcrl.algorithms.base import Algorithm, Groups, LossSettings, Selection, Settings
+from hpcrl.algorithms.base import Algorithm, Groups, LossSettings, LossShare, Selection, Settings
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from hpcrl.algorithms.terms import LossShare, Normaliser
+    from hpcrl.algorithms.terms import Normaliser
 
 
 def select(groups: Groups, settings: Settings, *, wanted: int | None = None) -> Selection:

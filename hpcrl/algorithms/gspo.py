@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hpcrl.algorithms.base import Algorithm, Groups, LossSettings, Selection, Settings
+from hpcrl.algorithms.base import Algorithm, Groups, LossSettings, LossShare, Selection, Settings
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from hpcrl.algorithms.terms import LossShare, Normaliser
+    from hpcrl.algorithms.terms import Normaliser
 
 DEFAULTS = {"clip_eps_low": 3e-4, "clip_eps_high": 4e-4, "loss_aggregation": "seq_mean_token_mean"}
 

@@ -38,6 +38,7 @@ from hpcrl.algorithms.base import (
     Aggregation,
     KLEstimator,
     LossSettings,
+    LossShare,
     Selection,
 )
 from hpcrl.errors import HpcrlError
@@ -130,22 +131,6 @@ def clipped_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tens
 
 
 # ------------------------------------------------------------------------------------- loss
-
-@dataclass(frozen=True, kw_only=True)
-class LossShare:
-    """One micro-batch's share of the step loss and of its metrics (sums over its tokens)."""
-
-    loss: Tensor
-    """Scalar to backward: policy share + kl_coef * KL share."""
-    policy_loss: Tensor
-    """Detached share of the policy (surrogate) term, aggregated like the loss."""
-    kl: Tensor
-    """Detached share of the token-mean KL to the reference (0 without one)."""
-    clipped_low: Tensor
-    """Detached count of tokens clipped below (A < 0)."""
-    clipped_high: Tensor
-    """Detached count of tokens clipped above (A > 0)."""
-
 
 def finite_where_masked(mask: Tensor, logprobs: Tensor, other: Tensor) -> Tensor:
     """`other` with the policy's (detached) logprobs where `mask` is False.

@@ -56,7 +56,6 @@ from hpcrl.rl.rollouts import batch_from_groups, samples_for, score_groups
 from hpcrl.rl.startup import StartupClock
 from hpcrl.trainer.types import TrainBatch
 
-
 #: Round r > 0 of a batch samples with the batch's seed + r times this (a prime far above any batch index).
 ROUND_SEED_STRIDE = 1_000_000_007
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpcrl.errors import HpcrlError
 from hpcrl.algorithms.terms import group_advantages
+from hpcrl.errors import HpcrlError
 
 
 def test_mean_std_advantages_are_standardised_within_each_group_and_flag_equal_groups():

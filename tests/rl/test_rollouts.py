@@ -10,6 +10,7 @@ from hpcrl.reward.types import RewardResult
 from hpcrl.rl.buffer import ScoredGroup
 from hpcrl.rl.rollouts import batch_from_groups, samples_for, score_groups
 
+
 def build_batch(groups: list[ScoredGroup], *, norm, drop_zero_variance: bool):
     """GRPO's batch of `groups`, and how many zero-variance groups it dropped."""
     selection = load_algorithm("grpo").select([g.rollouts for g in groups], Settings(
