@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from hpcrl.algorithms.base import LossSettings
-from hpcrl.algorithms.terms import Normaliser, aggregate, clipped_policy_loss, kl_per_token, local_counts
-from hpcrl.algorithms.terms import token_ratio_loss as grpo_loss
+from hpcrl.algorithms.terms import (
+    Normaliser,
+    aggregate,
+    clipped_policy_loss,
+    kl_per_token,
+    local_counts,
+    token_ratio_loss,
+)
 from hpcrl.errors import HpcrlError
 
 LOG = math.log
@@ -68,11 +74,11 @@ def test_shares_of_micro_batches_add_up_to_the_full_batch_loss_and_gradient(aggr
     settings = LossSettings(clip_eps_low=0.2, clip_eps_high=0.28, aggregation=aggregation, max_tokens=5)
     counts = local_counts(mask)
     norm = Normaliser(tokens=counts[0].item(), sequences=counts[1].item())
-    full = grpo_loss(logprobs=logp, old_logprobs=old, advantages=adv, mask=mask, settings=settings, norm=norm)
+    full = token_ratio_loss(logprobs=logp, old_logprobs=old, advantages=adv, mask=mask, settings=settings, norm=norm)
     (full_grad,) = torch.autograd.grad(full.loss, logp)
     parts, grads = 0.0, torch.zeros_like(logp)
     for rows in (slice(0, 1), slice(1, 4), slice(4, 6)):
-        share = grpo_loss(logprobs=logp[rows], old_logprobs=old[rows], advantages=adv[rows],
+        share = token_ratio_loss(logprobs=logp[rows], old_logprobs=old[rows], advantages=adv[rows],
                           mask=mask[rows], settings=settings, norm=norm)
         parts += share.loss.item()
         grads += torch.autograd.grad(share.loss, logp)[0]
@@ -85,10 +91,10 @@ def test_padding_with_garbage_logprobs_changes_neither_loss_nor_gradient():
     mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
     settings = LossSettings(kl_coef=0.1)
     norm = Normaliser(tokens=2, sequences=1)
-    clean = grpo_loss(logprobs=logp, old_logprobs=torch.tensor([[-1.1, -1.9, 0.0]]),
+    clean = token_ratio_loss(logprobs=logp, old_logprobs=torch.tensor([[-1.1, -1.9, 0.0]]),
                       advantages=torch.tensor([1.0]), mask=mask, settings=settings, norm=norm,
                       ref_logprobs=torch.tensor([[-1.0, -1.5, 0.0]]))
-    dirty = grpo_loss(logprobs=logp, old_logprobs=torch.tensor([[-1.1, -1.9, -math.inf]]),
+    dirty = token_ratio_loss(logprobs=logp, old_logprobs=torch.tensor([[-1.1, -1.9, -math.inf]]),
                       advantages=torch.tensor([1.0]), mask=mask, settings=settings, norm=norm,
                       ref_logprobs=torch.tensor([[-1.0, -1.5, math.nan]]))
     assert dirty.loss.item() == clean.loss.item()
@@ -101,7 +107,7 @@ def test_loss_adds_kl_coef_times_the_k3_kl_and_reports_clip_counts():
     logp = torch.tensor([[LOG(0.5), LOG(0.5)]])
     old = torch.tensor([[LOG(0.5), LOG(0.25)]])  # ratios 1 and 2
     ref = torch.tensor([[LOG(0.25), LOG(0.5)]])  # k3: 0.193147 and 0
-    share = grpo_loss(logprobs=logp, old_logprobs=old, advantages=torch.tensor([1.0]),
+    share = token_ratio_loss(logprobs=logp, old_logprobs=old, advantages=torch.tensor([1.0]),
                       mask=torch.ones(1, 2, dtype=torch.bool), norm=Normaliser(tokens=2, sequences=1),
                       settings=LossSettings(clip_eps_high=0.28, kl_coef=0.5), ref_logprobs=ref)
     # policy: (-1 + -1.28) / 2 = -1.14; kl token mean 0.0965736; loss = -1.14 + 0.5 * 0.0965736
@@ -113,6 +119,6 @@ def test_loss_adds_kl_coef_times_the_k3_kl_and_reports_clip_counts():
 
 def test_kl_coef_without_reference_logprobs_is_an_error_that_says_how_to_fix_it():
     with pytest.raises(HpcrlError, match="kl_coef"):
-        grpo_loss(logprobs=torch.zeros(1, 2), old_logprobs=torch.zeros(1, 2), advantages=torch.ones(1),
+        token_ratio_loss(logprobs=torch.zeros(1, 2), old_logprobs=torch.zeros(1, 2), advantages=torch.ones(1),
                   mask=torch.ones(1, 2), settings=LossSettings(kl_coef=0.1),
                   norm=Normaliser(tokens=2, sequences=1))
