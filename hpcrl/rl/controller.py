@@ -51,7 +51,7 @@ from hpcrl.data.prompts import Prompt, PromptStream
 from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
 from hpcrl.reward.types import RewardResult, Sample
-from hpcrl.rl.buffer import ReplayBuffer
+from hpcrl.rl.buffer import ReplayBuffer, ScoredGroup
 from hpcrl.rl.rollouts import batch_from_groups, samples_for, score_groups
 from hpcrl.rl.startup import StartupClock
 from hpcrl.trainer.types import TrainBatch
@@ -122,13 +122,14 @@ class Controller:
 
     # -- one batch of rollouts -----------------------------------------------------------------
     async def _generate_batch(self, index: int, version: int, inference_done: asyncio.Event | None = None) -> None:
-        """Generate and score batch `index` with weight version `version` into the buffer; `inference_done`
-        is set once the inference group is done with it (or failed), while scoring may go on."""
+        """Generate and score batch `index` with weight version `version` into the buffer, in as many
+        rounds as the algorithm asks for (module docstring); `inference_done` is set once the inference
+        group is done with it (or failed), while the scoring of a one-round batch may go on."""
         if index != self.state.generated:
             raise ControllerError(f"schedule broken: asked for batch {index}, next is {self.state.generated}")
         # With dynamic sampling the inference group stays busy until the last round is scored.
         rounds_later = self.settings.dynamic_sampling
-        groups: list = []
+        groups: list[ScoredGroup] = []
         generate_s = reward_s = 0.0
         tokens = rounds = held_out = 0
         errors: list[str] = []
