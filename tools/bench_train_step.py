@@ -67,7 +67,9 @@ class ReferenceStep:
 
 def timed_parts(engine, batch) -> dict[str, float]:
     """hpcrl's train_step, part by part (the same calls in the same order as TrainerEngine.train_step)."""
-    from hpcrl.trainer.loss import Normaliser, entropy_from_logits, grpo_loss, local_counts
+    from hpcrl.algorithms import load_algorithm
+    from hpcrl.algorithms.terms import Normaliser, local_counts
+    from hpcrl.trainer.loss import entropy_from_logits
 
     parts = dict.fromkeys(("setup", "forward", "loss", "backward", "metrics", "clip", "optimizer"), 0.0)
     last = time.perf_counter()
@@ -79,6 +81,7 @@ def timed_parts(engine, batch) -> dict[str, float]:
         last = now
 
     o = engine.options
+    algorithm = load_algorithm(o.loss.algorithm)
     counts = engine._all_reduce(torch.cat([local_counts(batch.completion_mask), batch.lengths.sum().double().view(1)]))
     norm = Normaliser(tokens=float(counts[0]), sequences=float(counts[1]))
     micro_batches = engine._micro_batches(batch)
@@ -87,8 +90,8 @@ def timed_parts(engine, batch) -> dict[str, float]:
         logits, logp = engine._forward_logprobs(engine.model, mb)
         lap("forward")
         mask = mb.completion_mask
-        share = grpo_loss(logprobs=logp, old_logprobs=mb.old_logprobs, advantages=mb.advantages, mask=mask,
-                          settings=o.loss, norm=norm)
+        share = algorithm.loss(logprobs=logp, old_logprobs=mb.old_logprobs, advantages=mb.advantages, mask=mask,
+                               settings=o.loss, norm=norm)
         lap("loss")
         share.loss.backward()
         lap("backward")

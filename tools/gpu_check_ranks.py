@@ -60,9 +60,9 @@ class TrainerRank:
         import torch
         import torch.distributed as dist
 
+        from hpcrl.algorithms.base import LossSettings
         from hpcrl.config.model_shapes import load_shape
         from hpcrl.trainer import EngineOptions, TrainerEngine, group
-        from hpcrl.trainer.loss import LossSettings
 
         started = time.perf_counter()
         self.rank, self.device = rank, device

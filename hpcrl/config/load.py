@@ -6,6 +6,8 @@
 
 Tables merge key by key; the later source wins. Every error names the file that set the key
 (or "--set"), the line where the TOML gives it, the dotted key, the problem and the fix.
+Below all of them lie the defaults of the configured algorithm (algorithm.name, hpcrl.algorithms):
+e.g. `name = "dapo"` turns on dynamic sampling unless a source sets dynamic_sampling itself.
 Relative paths (model.path, data.source, run.run_dir, ...) are made absolute against the
 current directory, so the resolved config can be copied into the run directory and used from
 anywhere.
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpcrl.algorithms import load_algorithm
 from hpcrl.config.build import build
 from hpcrl.config.checks import check_config
 from hpcrl.config.model_shapes import ModelShape
@@ -159,6 +162,17 @@ def _absolute_paths(tree: dict) -> None:
             data["source"] = str(Path(os.path.expandvars(source)).expanduser().absolute())
 
 
+def _merge_algorithm_defaults(tree: dict[str, Any]) -> None:
+    """Put the configured algorithm's defaults (hpcrl.algorithms) under the [algorithm] table: each
+    applies only where no source set the key, so a key the user set always wins."""
+    table = tree.get("algorithm", {})
+    if not isinstance(table, dict):
+        return  # build() reports a non-table with its fix
+    defaults = load_algorithm(table.get("name", "grpo")).defaults
+    if defaults:
+        tree["algorithm"] = {**defaults, **table}
+
+
 def load_config(path: str | Path, *, cluster: str | None = None,
                 overrides: Iterable[str] = ()) -> Config:
     """Read, merge, type-check and cross-check one run configuration."""
@@ -205,6 +219,7 @@ def load_config_and_shape(path: str | Path, *, cluster: str | None = None,
         return err.located(file=source.name, line=source.line_of(err.key) if err.key else None)
 
     try:
+        _merge_algorithm_defaults(tree)
         config = build(Config, tree, "")
         shape = check_config(config)
     except ConfigError as err:

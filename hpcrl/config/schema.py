@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from hpcrl.algorithms import check_name as check_algorithm_name
 from hpcrl.errors import ConfigError
 
 #: The Slurm components a run is made of, in heterogeneous-job order.
@@ -245,8 +246,12 @@ class RewardConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
-    name: Literal["grpo"] = "grpo"
-    """RL algorithm."""
+    """The RL algorithm and its knobs. `name` picks a module of hpcrl.algorithms; its defaults
+    (e.g. DAPO's clip_eps_high = 0.28) replace the ones below for every key the config does not set
+    (hpcrl.config.load merges them), and keys the config sets always win."""
+
+    name: str = "grpo"
+    """RL algorithm: one of hpcrl.algorithms.ALGORITHMS (grpo, dapo, gspo, dr_grpo)."""
     group_size: int = 8
     """Completions sampled per prompt; advantages are normalised within each group."""
     clip_eps_low: float = 0.2
@@ -257,12 +262,23 @@ class AlgorithmConfig:
     """Weight of the KL penalty to the frozen reference policy; 0 = no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token KL estimator (Schulman's k1, k2, k3)."""
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
-    """How per-token losses become one number."""
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                              "seq_mean_token_sum_norm"] = "token_mean"
+    """How per-token losses become one number (seq_mean_token_sum_norm: the sum over tokens divided by
+    inference.max_tokens x sequences, Dr. GRPO's constant)."""
     advantage_norm: Literal["mean_std", "mean"] = "mean_std"
     """Group advantage: (r - mean) / std, or r - mean (Dr. GRPO)."""
     filter_zero_variance: bool = False
     """Drop groups whose rewards are all equal (they carry no gradient)."""
+    dynamic_sampling: bool = False
+    """Refill the groups that filter_zero_variance drops by generating more prompts (DAPO)."""
+    max_sampling_rounds: int = 1
+    """With dynamic_sampling: most generate rounds for one batch, the first included."""
+    overlong_buffer_fraction: float = 0.0
+    """Overlong reward shaping (DAPO): a completion reaching into the last this-share of
+    inference.max_tokens gets a penalty ramping to -overlong_penalty at max_tokens; 0 = none."""
+    overlong_penalty: float = 1.0
+    """The overlong penalty at inference.max_tokens."""
     max_policy_lag: int = 1
     """Most optimizer steps a rollout's weights may lag the trainer; 0 = fully on-policy."""
     mismatch_every: int = 1
@@ -273,6 +289,7 @@ class AlgorithmConfig:
     group's forward on each side: raise it where that forward is not small next to a step."""
 
     def __post_init__(self) -> None:
+        check_algorithm_name(self.name, key="name")
         _require(self.group_size >= 2, "group_size",
                  f"must be at least 2 (advantages compare completions), got {self.group_size}",
                  "set group_size = 8")
@@ -282,6 +299,13 @@ class AlgorithmConfig:
         _positive(self.kl_coef, "kl_coef", allow_zero=True)
         _positive(self.max_policy_lag, "max_policy_lag", allow_zero=True)
         _positive(self.mismatch_every, "mismatch_every")
+        _positive(self.max_sampling_rounds, "max_sampling_rounds")
+        _positive(self.overlong_penalty, "overlong_penalty", allow_zero=True)
+        _require(0 <= self.overlong_buffer_fraction < 1, "overlong_buffer_fraction",
+                 f"must be in [0, 1), got {self.overlong_buffer_fraction}", "set overlong_buffer_fraction = 0.2")
+        _require(self.filter_zero_variance or not self.dynamic_sampling, "dynamic_sampling",
+                 "refills the groups that filtering drops, but filter_zero_variance = false drops none",
+                 "set filter_zero_variance = true, or dynamic_sampling = false")
 
 
 @dataclass(frozen=True, kw_only=True)

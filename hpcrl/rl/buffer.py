@@ -1,6 +1,6 @@
-"""Scored GRPO groups waiting to be trained on, bounded by the policy lag.
+"""Scored groups waiting to be trained on, bounded by the policy lag.
 
-A group is the `group_size` completions of one prompt, scored, with the weight version that
+A group is the `group_size` rollouts of one prompt, scored, with the weight version that
 generated them. The trainer is at version v (v optimizer steps done); a group generated at
 version g may be trained on only while v - g <= max_policy_lag. Older groups are dropped and
 counted — with max_policy_lag >= 1, rollouts of step k+1 overlap training of step k.
@@ -9,27 +9,43 @@ counted — with max_policy_lag >= 1, rollouts of step k+1 overlap training of s
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from hpcrl.algorithms.base import Rollout
 
 
 @dataclass(frozen=True, kw_only=True)
 class ScoredGroup:
+    """The scored rollouts of one prompt (hpcrl.algorithms.base.Rollout: tokens, policy mask, logprobs, reward)."""
+
     prompt_id: str
-    prompt_token_ids: list[int]
-    completions: list[list[int]]
-    logprobs: list[list[float]]
-    rewards: list[float]
+    rollouts: list[Rollout]
     weight_version: int
     batch: int = 0
     """Index of the batch (= the training step) this group belongs to."""
-    finish_reasons: list[str] = field(default_factory=list)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r.reward for r in self.rollouts]
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {"prompt_id": self.prompt_id, "rollouts": [r.to_dict() for r in self.rollouts],
+                "weight_version": self.weight_version, "batch": self.batch}
 
     @classmethod
     def from_dict(cls, data: dict) -> ScoredGroup:
-        return cls(**data)
+        """From `to_dict`, or from a checkpoint written before rollouts had a policy mask (a prompt and
+        one completion per sample), which resumes as single-turn rollouts."""
+        if "rollouts" in data:
+            rollouts = [Rollout.from_dict(r) for r in data["rollouts"]]
+        else:
+            reasons = data.get("finish_reasons") or [""] * len(data["completions"])
+            rollouts = [Rollout.single_turn(data["prompt_token_ids"], tokens, logprobs, reward=reward,
+                                            finish_reason=reason)
+                        for tokens, logprobs, reward, reason in zip(data["completions"], data["logprobs"],
+                                                                     data["rewards"], reasons, strict=True)]
+        return cls(prompt_id=data["prompt_id"], rollouts=rollouts, weight_version=data["weight_version"],
+                   batch=data.get("batch", 0))
 
 
 class ReplayBuffer:

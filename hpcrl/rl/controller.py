@@ -1,8 +1,10 @@
-"""The head controller: the GRPO loop over the run's groups, on a fixed, replayable schedule.
+"""The head controller: the RL loop over the run's groups, on a fixed, replayable schedule.
 
     prompts --> Ports.generate (an inference replica) --> Ports.score (the reward group)
-                                                               |
-                        ReplayBuffer  <-- GRPO groups <---------+
+                     ^ more rounds (dynamic sampling)          |
+                        ReplayBuffer  <-- scored groups <------+
+                             |
+                   algorithm.select: advantages, the groups kept      (hpcrl.algorithms, algorithm.name)
                              |
     batch b --> Ports.train_step (every trainer rank, its share) --> Ports.sync_weights(b + 1)
                                                                       (trainer -> inference, point to point)
@@ -16,10 +18,16 @@ equals an uninterrupted one:
     version s + 1 goes to the inference group once both are done; the batch's scoring goes on
     meanwhile (the reward group is not the inference group) and ends before step s does
 
+A batch is one generate round of trainer.global_batch_size / group_size prompts; an algorithm with
+dynamic sampling (DAPO) asks for more rounds until enough groups carry a signal. Round r of batch b
+draws the next prompts of the stream and samples with a seed fixed by (run.seed, b, r), and every
+round ends before the batch enters the buffer, so a resumed run generates the same rounds.
+
 A checkpoint after step s holds the trainer state (version s + 1), the prompt cursor and the
 scored batches s + 1 .. s + lag already in the buffer; resuming re-pushes version s + 1 and goes on.
 
-`logprob_mismatch` = mean |logprob_vllm - logprob_trainer| over completion tokens, under the same
+`logprob_mismatch` = mean |logprob_vllm - logprob_trainer| over the tokens the policy generated (the
+rollouts' policy masks), under the same
 weights: the check that the syncs deliver exactly the trainer's weights. At lag 0 the step's batch
 was sampled with the weights the trainer holds when the step starts, so the train step's own forward
 measures it over the whole batch (`sampling_logprob_diff`), at no cost. At lag > 0 (or on a step
@@ -36,15 +44,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from hpcrl.algorithms import load_algorithm
+from hpcrl.algorithms.base import Settings
 from hpcrl.config.schema import Config
 from hpcrl.data.prompts import Prompt, PromptStream
 from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
 from hpcrl.reward.types import RewardResult, Sample
-from hpcrl.rl.buffer import ReplayBuffer
-from hpcrl.rl.rollouts import build_batch, samples_for, score_groups
+from hpcrl.rl.buffer import ReplayBuffer, ScoredGroup
+from hpcrl.rl.rollouts import batch_from_groups, samples_for, score_groups
 from hpcrl.rl.startup import StartupClock
 from hpcrl.trainer.types import TrainBatch
+
+#: Round r > 0 of a batch samples with the batch's seed + r times this (a prime far above any batch index).
+ROUND_SEED_STRIDE = 1_000_000_007
 
 
 class ControllerError(HpcrlError):
@@ -87,6 +100,8 @@ class Controller:
         self.ports = ports
         self.lag = config.algorithm.max_policy_lag
         self.prompts_per_step = config.trainer.global_batch_size // config.algorithm.group_size
+        self.algorithm = load_algorithm(config.algorithm.name)
+        self.settings = Settings.from_config(config)
         self.stream = PromptStream.from_config(config.data)
         self.buffer = ReplayBuffer(max_policy_lag=self.lag)
         self.state = LoopState()
@@ -107,37 +122,59 @@ class Controller:
 
     # -- one batch of rollouts -----------------------------------------------------------------
     async def _generate_batch(self, index: int, version: int, inference_done: asyncio.Event | None = None) -> None:
-        """Generate and score batch `index` with weight version `version` into the buffer; `inference_done`
-        is set once the inference group is done with it (or failed), while scoring may go on."""
+        """Generate and score batch `index` with weight version `version` into the buffer, in as many
+        rounds as the algorithm asks for (module docstring); `inference_done` is set once the inference
+        group is done with it (or failed), while the scoring of a one-round batch may go on."""
         if index != self.state.generated:
             raise ControllerError(f"schedule broken: asked for batch {index}, next is {self.state.generated}")
-        prompts = self.stream.next_batch(self.prompts_per_step)
-        started = time.monotonic()
-        seed = self.config.run.seed * 1_000_003 + index
+        # With dynamic sampling the inference group stays busy until the last round is scored.
+        rounds_later = self.settings.dynamic_sampling
+        groups: list[ScoredGroup] = []
+        generate_s = reward_s = 0.0
+        tokens = rounds = held_out = 0
+        errors: list[str] = []
+        count = self.prompts_per_step
         try:
-            completions = await self.ports.generate(prompts, n=self.config.algorithm.group_size, seed=seed)
+            while count:
+                prompts = self.stream.next_batch(count)
+                started = time.monotonic()
+                seed = self.config.run.seed * 1_000_003 + index + rounds * ROUND_SEED_STRIDE
+                try:
+                    completions = await self.ports.generate(prompts, n=self.config.algorithm.group_size, seed=seed)
+                finally:
+                    if inference_done is not None and not rounds_later:
+                        inference_done.set()
+                rounds += 1
+                # Normally every completion is of `version`; a replica started again after a loss is caught
+                # up to the trainer's newest weights, so a batch it finishes may be fresher (a smaller lag).
+                versions = {c.weight_version for g in completions for c in g}
+                if versions and (min(versions) < version or max(versions) > self.state.step + 1):
+                    raise ControllerError(f"batch {index} was generated with weight versions {sorted(versions)}, "
+                                          f"expected {version} (at most {self.state.step + 1}): the inference "
+                                          "group missed a weight sync")
+                generated = time.monotonic()
+                results = await self.ports.score(samples_for(prompts, completions))
+                scored, stats = score_groups(prompts, completions, results, weight_version=version, batch=index)
+                groups += scored
+                generate_s += generated - started
+                reward_s += time.monotonic() - generated
+                tokens += sum(len(c.token_ids) for g in completions for c in g)
+                held_out += stats.groups_with_errors
+                errors += stats.errors
+                count = self.algorithm.more_prompts([g.rollouts for g in groups], self.settings,
+                                                    wanted=self.prompts_per_step, rounds_done=rounds)
         finally:
             if inference_done is not None:
                 inference_done.set()
-        # Normally every completion is of `version`; a replica started again after a loss is caught up
-        # to the trainer's newest weights, so a batch it finishes may be fresher (a smaller policy lag).
-        versions = {c.weight_version for g in completions for c in g}
-        if versions and (min(versions) < version or max(versions) > self.state.step + 1):
-            raise ControllerError(f"batch {index} was generated with weight versions {sorted(versions)}, "
-                                  f"expected {version} (at most {self.state.step + 1}): the inference group "
-                                  "missed a weight sync")
-        generated = time.monotonic()
-        results = await self.ports.score(samples_for(prompts, completions))
-        groups, stats = score_groups(prompts, completions, results, weight_version=version, batch=index)
         for group in groups:
             self.buffer.put(group)
         self.state.generated += 1
-        self.state.held_out_groups += stats.groups_with_errors
-        tokens = sum(len(c.token_ids) for g in completions for c in g)
-        self.state.rollout_metrics[str(index)] = {
-            "time_generate_s": generated - started, "time_reward_s": time.monotonic() - generated,
-            "generate_tokens": tokens, "reward_errors": len(stats.errors),
-            "reward_error_example": stats.errors[0] if stats.errors else None}
+        self.state.held_out_groups += held_out
+        metrics = {"time_generate_s": generate_s, "time_reward_s": reward_s, "generate_tokens": tokens,
+                   "reward_errors": len(errors), "reward_error_example": errors[0] if errors else None}
+        if rounds_later:
+            metrics["sampling_rounds"] = rounds
+        self.state.rollout_metrics[str(index)] = metrics
 
     # -- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -167,8 +204,9 @@ class Controller:
                 await generation  # on-policy: the batch first
                 generation = None
             groups = self.buffer.take_batch(step, trainer_version=step)
-            batch, dropped = build_batch(groups, norm=self.config.algorithm.advantage_norm,
-                                         drop_zero_variance=self.config.algorithm.filter_zero_variance)
+            selection = self.algorithm.select([g.rollouts for g in groups], self.settings,
+                                              wanted=self.prompts_per_step)
+            batch, dropped = batch_from_groups(groups, selection), selection.dropped_zero_variance
             train_started = time.monotonic()
             train_metrics = await self.ports.train_step(batch, step=step) if len(batch) else {}
             train_done = time.monotonic()
@@ -191,7 +229,8 @@ class Controller:
             rollout = self.state.rollout_metrics.pop(str(step), {})
             elapsed = time.monotonic() - started
             busy = (train_done - train_started) + (sync_done - sync_started)
-            # The reward of every scored rollout, also of groups that zero-variance filtering drops.
+            # The reward of every scored rollout, also of groups that zero-variance filtering drops (and,
+            # with dynamic sampling, of every round).
             rewards = [r for g in groups for r in g.rewards]
             metrics = {
                 "step": step + 1, "weight_version": step + 1, "policy_lag": self.lag,
@@ -221,19 +260,18 @@ class Controller:
         return await self._probe_mismatch(groups)
 
     async def _probe_mismatch(self, groups: list) -> float | None:
-        """Mean |logprob_vllm - logprob_trainer| over the completion tokens of the step's first group
-        (scored under the freshly synced weights, whether or not the group was trained on)."""
+        """Mean |logprob_vllm - logprob_trainer| over the tokens the policy generated in the step's first
+        group (scored under the freshly synced weights, whether or not the group was trained on)."""
         if not groups:
             return None
-        probe = groups[0]
-        sequences = [probe.prompt_token_ids + tokens for tokens in probe.completions]
+        rollouts = groups[0].rollouts
+        sequences = [r.tokens for r in rollouts]
         trainer_lp, inference_lp = await asyncio.gather(self.ports.trainer_logprobs(sequences),
                                                         self.ports.inference_logprobs(sequences))
         diffs = []
-        for tokens, t_lp, i_lp in zip(probe.completions, trainer_lp, inference_lp):
-            completion = len(tokens)
-            if completion:
-                diffs += [abs(a - b) for a, b in zip(t_lp[-completion:], i_lp[-completion:])]
+        for rollout, t_lp, i_lp in zip(rollouts, trainer_lp, inference_lp):
+            # Both sides give the logprob of every token after the first.
+            diffs += [abs(a - b) for flag, a, b in zip(rollout.policy_mask[1:], t_lp, i_lp, strict=True) if flag]
         return sum(diffs) / len(diffs) if diffs else None
 
 

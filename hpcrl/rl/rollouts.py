@@ -1,8 +1,11 @@
-"""From generated completions and their rewards to GRPO groups and a training batch.
+"""From generated completions and their rewards to scored groups and a training batch.
 
     groups = score_groups(prompts, completions, results, weight_version=3)
-    batch, dropped = build_batch(groups, norm="mean_std", drop_zero_variance=False)
+    selection = algorithm.select([g.rollouts for g in groups], settings, wanted=8)   # hpcrl.algorithms
+    batch = batch_from_groups(groups, selection)
 
+A sample is a hpcrl.algorithms.base.Rollout (tokens, the policy's mask over them, their sampling
+logprobs, a reward); a single-turn completion fills it as prompt (mask 0) + completion (mask 1).
 A completion whose reward could not be computed (the verifier raised, hung or died) is never
 scored zero: its whole group is held out of training and counted, so a broken verifier shows up
 in the metrics instead of silently teaching the policy.
@@ -11,16 +14,13 @@ in the metrics instead of silently teaching the policy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from hpcrl.algorithms.base import Rollout, Selection
 from hpcrl.data.prompts import Prompt
 from hpcrl.inference.types import Completion
 from hpcrl.reward.types import RewardResult, Sample
 from hpcrl.rl.buffer import ScoredGroup
 from hpcrl.trainer.types import TrainBatch
-
-if TYPE_CHECKING:  # grpo imports torch: build_batch imports it when first called
-    from hpcrl.rl.grpo import AdvantageNorm
 
 
 def samples_for(prompts: list[Prompt], completions: list[list[Completion]]) -> list[Sample]:
@@ -49,42 +49,25 @@ def score_groups(prompts: list[Prompt], completions: list[list[Completion]], res
             bad += 1
             errors += [f"{r.id}: {r.error}" for r in failed]
             continue
-        groups.append(ScoredGroup(
-            prompt_id=prompt.id, prompt_token_ids=group[0].prompt_token_ids,
-            completions=[c.token_ids for c in group], logprobs=[c.logprobs for c in group],
-            rewards=[float(r.reward) for r in rewards if r.reward is not None], batch=batch,  # all scored: see above
-            weight_version=min((c.weight_version for c in group), default=weight_version),
-            finish_reasons=[c.finish_reason for c in group]))
+        rollouts = [Rollout.single_turn(c.prompt_token_ids, c.token_ids, c.logprobs, reward=float(r.reward),
+                                        finish_reason=c.finish_reason)
+                    for c, r in zip(group, rewards) if r.reward is not None]  # all scored: see above
+        groups.append(ScoredGroup(prompt_id=prompt.id, rollouts=rollouts, batch=batch,
+                                  weight_version=min((c.weight_version for c in group), default=weight_version)))
     return groups, ScoreStats(groups=len(prompts), groups_with_errors=bad, errors=errors)
 
 
-def batch_from_groups(groups: list[ScoredGroup], advantages: list[list[float]]) -> TrainBatch:
-    """One sequence per completion of `groups`, in group order, with `advantages` (one list per group)."""
-    fields: dict[str, list] = {k: [] for k in ("prompt_ids", "input_ids", "prompt_lengths", "old_logprobs",
+def batch_from_groups(groups: list[ScoredGroup], selection: Selection) -> TrainBatch:
+    """One sequence per rollout of the groups `selection` keeps, in its order, with its advantages."""
+    fields: dict[str, list] = {k: [] for k in ("prompt_ids", "input_ids", "policy_mask", "logprobs",
                                                 "advantages", "rewards")}
-    for group, group_adv in zip(groups, advantages):
-        for tokens, logprobs, adv, reward in zip(group.completions, group.logprobs, group_adv, group.rewards):
+    for index, group_adv in zip(selection.kept, selection.advantages, strict=True):
+        group = groups[index]
+        for rollout, adv in zip(group.rollouts, group_adv, strict=True):
             fields["prompt_ids"].append(group.prompt_id)
-            fields["input_ids"].append(group.prompt_token_ids + tokens)
-            fields["prompt_lengths"].append(len(group.prompt_token_ids))
-            fields["old_logprobs"].append(logprobs)
+            fields["input_ids"].append(rollout.tokens)
+            fields["policy_mask"].append(rollout.policy_mask)
+            fields["logprobs"].append(rollout.logprobs)
             fields["advantages"].append(adv)
-            fields["rewards"].append(reward)
+            fields["rewards"].append(rollout.reward)
     return TrainBatch(**fields)
-
-
-def build_batch(groups: list[ScoredGroup], *, norm: AdvantageNorm, drop_zero_variance: bool) -> tuple[TrainBatch, int]:
-    """The training batch of `groups` (advantages by `hpcrl.rl.grpo.group_advantages`) and how many
-    zero-variance groups were dropped."""
-    if not groups:
-        return batch_from_groups([], []), 0
-    import torch
-
-    from hpcrl.rl.grpo import group_advantages
-
-    rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float64)
-    result = group_advantages(rewards, group_size=len(groups[0].rewards), norm=norm)
-    per_group = result.advantages.view(len(groups), -1).tolist()
-    kept = [(g, a) for g, a, flat in zip(groups, per_group, result.zero_variance.tolist())
-            if not (drop_zero_variance and flat)]
-    return batch_from_groups([g for g, _ in kept], [a for _, a in kept]), len(groups) - len(kept)

@@ -1,4 +1,4 @@
-"""The trainer role's engine: torchtitan model + FSDP2 + GRPO loss (see engine.py).
+"""The trainer role's engine: torchtitan model + FSDP2 + the configured algorithm's loss (see engine.py).
 
 On every trainer rank, after torch.distributed is initialised (gloo on CPU, NCCL on GPUs):
 
@@ -15,7 +15,7 @@ On every trainer rank, after torch.distributed is initialised (gloo on CPU, NCCL
 
     types.py    TrainBatch: what the head sends (plain lists; no torch)
     batch.py    RolloutBatch: the padded tensors a rank trains on
-    loss.py     the GRPO loss (pure tensor functions)
+    loss.py     token logprobs and entropy (the losses are in hpcrl.algorithms)
     engine.py   TrainerEngine; titan.py, parallel.py, weights.py, checkpoint.py, schedule.py beside it
     group.py    the trainer ranks' torch.distributed group (a group of one for a single rank)
 

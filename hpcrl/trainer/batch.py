@@ -1,11 +1,11 @@
 """The trainer's batch: right-padded token ids with per-token tensors aligned to them.
 
-Layout (one row per completion; B rows, T positions):
+Layout (one row per rollout; B rows, T positions):
 
-    tokens           [B, T] int64   prompt ids, then completion ids, then padding (any id)
-    completion_mask  [B, T] bool    True on completion tokens (the ones the policy sampled)
+    tokens           [B, T] int64   the rollout's ids (prompt, the policy's turns, tool output), then padding
+    completion_mask  [B, T] bool    True on the tokens the policy sampled (a rollout's policy mask)
     old_logprobs     [B, T] float   log p_old(tokens[b, t]) from vLLM where the mask is True
-    advantages       [B]    float   one advantage per completion (GRPO), or [B, T] per token
+    advantages       [B]    float   one advantage per rollout (GRPO), or [B, T] per token
     ref_logprobs     [B, T] float   optional: reference logprobs (else the engine computes them)
 
 Position t holds the value of token t, which the model predicts from the logits at t - 1; the
@@ -106,22 +106,40 @@ def empty_batch() -> RolloutBatch:
                         old_logprobs=torch.zeros(0, 2), advantages=torch.zeros(0))
 
 
-def pad_rows(sequences: list[list[int]], prompt_lengths: list[int], old_logprobs: list[list[float]],
-             advantages: list[float], *, pad_id: int = 0) -> RolloutBatch:
-    """A batch from Python lists: each sequence is prompt + completion ids, with the completion's
-    logprobs (one per completion token). Handy for the head and for tests; no sequences: empty_batch()."""
+def pad_masked_rows(sequences: list[list[int]], policy_masks: list[list[int]], logprobs: list[list[float]],
+                    advantages: list, *, pad_id: int = 0) -> RolloutBatch:
+    """A batch from Python lists (what TrainBatch carries): each sequence with one policy-mask entry and
+    one logprob per token (the logprob counts only where the mask is 1), and one advantage per
+    sequence or a list of one per token. No sequences: empty_batch()."""
     if not sequences:
         return empty_batch()
     width = max(len(s) for s in sequences)
     tokens = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros(len(sequences), width, dtype=torch.bool)
     old = torch.zeros(len(sequences), width)
+    per_token = any(isinstance(a, list) for a in advantages)
+    adv = torch.zeros(len(sequences), width) if per_token else torch.tensor(advantages, dtype=torch.float32)
+    for i, (seq, flags, lps) in enumerate(zip(sequences, policy_masks, logprobs, strict=True)):
+        if not len(seq) == len(flags) == len(lps) or (per_token and len(advantages[i]) != len(seq)):
+            raise TrainerError(f"row {i}: {len(seq)} tokens with {len(flags)} mask entries and {len(lps)} logprobs"
+                               + (f" and {len(advantages[i])} advantages" if per_token else "")
+                               + "; give one of each per token")
+        tokens[i, :len(seq)] = torch.tensor(seq)
+        mask[i, :len(seq)] = torch.tensor(flags, dtype=torch.bool)
+        old[i, :len(seq)] = torch.tensor(lps, dtype=torch.float32)
+        if per_token:
+            adv[i, :len(seq)] = torch.tensor(advantages[i], dtype=torch.float32)
+    return RolloutBatch(tokens=tokens, completion_mask=mask, old_logprobs=old, advantages=adv)
+
+
+def pad_rows(sequences: list[list[int]], prompt_lengths: list[int], old_logprobs: list[list[float]],
+             advantages: list[float], *, pad_id: int = 0) -> RolloutBatch:
+    """A single-turn batch: each sequence is prompt + completion ids, with the completion's logprobs
+    (one per completion token). Handy for tests and the engine's scoring; no sequences: empty_batch()."""
     for i, (seq, plen, lps) in enumerate(zip(sequences, prompt_lengths, old_logprobs, strict=True)):
         if plen < 1 or len(lps) != len(seq) - plen:
             raise TrainerError(f"row {i}: prompt length {plen} and {len(lps)} logprobs do not fit "
                                f"{len(seq)} tokens (need prompt >= 1 and one logprob per completion token)")
-        tokens[i, :len(seq)] = torch.tensor(seq)
-        mask[i, plen:len(seq)] = True
-        old[i, plen:len(seq)] = torch.tensor(lps, dtype=torch.float32)
-    return RolloutBatch(tokens=tokens, completion_mask=mask, old_logprobs=old,
-                        advantages=torch.tensor(advantages, dtype=torch.float32))
+    masks = [[0] * plen + [1] * (len(seq) - plen) for seq, plen in zip(sequences, prompt_lengths)]
+    logprobs = [[0.0] * plen + list(lps) for plen, lps in zip(prompt_lengths, old_logprobs)]
+    return pad_masked_rows(sequences, masks, logprobs, advantages, pad_id=pad_id)

@@ -1,4 +1,4 @@
-"""The trainer engine: a torchtitan model under FSDP2, trained with the GRPO loss.
+"""The trainer engine: a torchtitan model under FSDP2, trained with the configured algorithm's loss.
 
 One `TrainerEngine` per trainer rank. It joins no process group itself: the role, `hpcrl run` (a
 group of one, hpcrl.trainer.group) or a test initialises torch.distributed first (gloo on CPU,
@@ -31,11 +31,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hpcrl.algorithms import load_algorithm
+from hpcrl.algorithms.base import LossSettings
+from hpcrl.algorithms.terms import Normaliser, local_counts
 from hpcrl.config.model_shapes import ModelShape, load_shape
 from hpcrl.errors import TrainerError
 from hpcrl.trainer import checkpoint, titan, weights
 from hpcrl.trainer.batch import RolloutBatch, pad_rows
-from hpcrl.trainer.loss import LossSettings, Normaliser, entropy_from_logits, grpo_loss, local_counts, token_logprobs
+from hpcrl.trainer.loss import entropy_from_logits, token_logprobs
 from hpcrl.trainer.parallel import make_dp_mesh, reshard, shard_decoder
 from hpcrl.trainer.schedule import LrSchedule, lr_at
 
@@ -89,7 +92,8 @@ class EngineOptions:
     dp_shard: int = -1
     """Ranks each replica is sharded over; -1 = world size / dp_replicate."""
     loss: LossSettings = LossSettings()
-    """GRPO loss settings (clips, KL, aggregation)."""
+    """The algorithm whose loss train_step calls (algorithm.name, hpcrl.algorithms) and its settings
+    (clips, KL, aggregation)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -120,7 +124,7 @@ class EngineOptions:
             min_lr_ratio=t.min_lr_ratio, total_steps=t.steps, micro_batch_size=t.micro_batch_size,
             grad_clip=t.grad_clip, activation_checkpointing=t.activation_checkpointing,
             dp_replicate=t.dp_replicate, dp_shard=t.dp_shard,
-            loss=LossSettings.from_config(config.algorithm))
+            loss=LossSettings.from_config(config.algorithm, max_tokens=config.inference.max_tokens))
         values.update(overrides)
         return cls(**values)
 
@@ -269,9 +273,11 @@ class TrainerEngine:
                      warmup_steps=o.warmup_steps, schedule=o.lr_schedule, min_lr_ratio=o.min_lr_ratio)
 
     def train_step(self, batch: RolloutBatch) -> StepMetrics:
-        """One optimizer step on this rank's rows of the step's batch. Collective."""
+        """One optimizer step on this rank's rows of the step's batch, minimising the configured
+        algorithm's loss (options.loss.algorithm). Collective."""
         start = time.perf_counter()
         o = self.options
+        algorithm = load_algorithm(o.loss.algorithm)
         counts = self._all_reduce(torch.cat([local_counts(batch.completion_mask),
                                              batch.lengths.sum().double().view(1)]))
         norm = Normaliser(tokens=float(counts[0]), sequences=float(counts[1]))
@@ -289,9 +295,9 @@ class TrainerEngine:
             logits, logp = self._forward_logprobs(self.model, mb)
             mask = mb.completion_mask.to(self.device)
             old_logprobs = mb.old_logprobs.to(self.device)
-            share = grpo_loss(logprobs=logp, old_logprobs=old_logprobs,
-                              advantages=mb.advantages.to(self.device), mask=mask, settings=o.loss,
-                              norm=norm, ref_logprobs=None if ref is None else ref.to(self.device))
+            share = algorithm.loss(logprobs=logp, old_logprobs=old_logprobs,
+                                   advantages=mb.advantages.to(self.device), mask=mask, settings=o.loss,
+                                   norm=norm, ref_logprobs=None if ref is None else ref.to(self.device))
             share.loss.backward()
             with torch.no_grad():  # in slices: a float32 copy of [tokens, vocab] logits is large
                 completion_logits = logits[mask[:, 1:]]

@@ -5,8 +5,8 @@ is HSDP (parameters sharded within each replica of dp_shard ranks, gradients all
 replicas). Every transformer block is one FSDP unit, the root holds embeddings, final norm and
 lm_head (tied embeddings stay in one unit).
 
-Gradient reduction is a plain sum: the GRPO loss is already normalised by the step's global
-token or sequence count (hpcrl.trainer.loss), so FSDP's default average over ranks would shrink the
+Gradient reduction is a plain sum: the loss is already normalised by the step's global
+token or sequence count (hpcrl.algorithms.terms), so FSDP's default average over ranks would shrink the
 gradient by the world size. `set_gradient_divide_factor(1.0)` turns the division off, and
 `set_force_sum_reduction_for_comms(True)` keeps the collectives to ReduceOp.SUM (gloo has no
 PREMUL_SUM). Force-sum alone still divides, only in a separate kernel: a 2-rank step then has

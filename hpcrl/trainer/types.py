@@ -1,10 +1,13 @@
 """What the trainer group takes: plain data the head can build and send without importing torch.
 
-    batch = build_batch(groups, ...)                      # hpcrl.rl.rollouts: a TrainBatch
+    batch = batch_from_groups(groups, selection)          # hpcrl.rl.rollouts: a TrainBatch
     payload = batch.to_dict()                             # crosses the bus as plain lists
     rows = TrainBatch.from_dict(payload).shard(rank, world_size).rows()   # a trainer rank's RolloutBatch
 
-`rows()` pads into the engine's tensors (hpcrl.trainer.batch), importing torch only then.
+A sequence is any token list with a per-token policy mask (hpcrl.algorithms.base.Rollout): a
+single-turn rollout is prompt (mask 0) + completion (mask 1), a multi-turn one interleaves the
+policy's turns (1) with tool output (0). `rows()` pads into the engine's tensors
+(hpcrl.trainer.batch), importing torch only then.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ class TrainBatch:
 
     prompt_ids: list[str]
     input_ids: list[list[int]]
-    """prompt + completion tokens of each sequence (unpadded)."""
-    prompt_lengths: list[int]
-    old_logprobs: list[list[float]]
-    """vLLM's logprob of each completion token (behaviour policy)."""
-    advantages: list[float]
+    """Every token of each sequence (unpadded)."""
+    policy_mask: list[list[int]]
+    """1 where the policy generated the token (trained on), 0 elsewhere; one per token."""
+    logprobs: list[list[float]]
+    """The sampler's logprob of each token where policy_mask is 1 (behaviour policy), 0.0 elsewhere."""
+    advantages: list
+    """One float per sequence, or a list of one float per token for per-token advantages."""
     rewards: list[float]
 
     def __len__(self) -> int:
@@ -43,9 +48,9 @@ class TrainBatch:
 
     def rows(self) -> RolloutBatch:
         """The trainer's padded tensors of these sequences."""
-        from hpcrl.trainer.batch import pad_rows  # torch: on the trainer side only, not in the head
+        from hpcrl.trainer.batch import pad_masked_rows  # torch: on the trainer side only, not in the head
 
-        return pad_rows(self.input_ids, self.prompt_lengths, self.old_logprobs, self.advantages)
+        return pad_masked_rows(self.input_ids, self.policy_mask, self.logprobs, self.advantages)
 
     @classmethod
     def from_dict(cls, data: dict) -> TrainBatch:

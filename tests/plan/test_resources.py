@@ -127,8 +127,8 @@ def _bytes_a_step_holds(shape, dtype: str, store: Path) -> dict[str, int]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    from hpcrl.algorithms.base import LossSettings
     from hpcrl.trainer import EngineOptions, TrainerEngine, pad_rows
-    from hpcrl.trainer.loss import LossSettings
 
     dist.init_process_group("gloo", store=dist.FileStore(str(store), 1), rank=0, world_size=1)
     try:

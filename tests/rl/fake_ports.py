@@ -97,13 +97,15 @@ class FakeTrainer:
                                  f"{self.version}")
         grad, loss, tokens, ratio_max, diff = [0.0, 0.0, 0.0], 0.0, 0, 0.0, 0.0
         low, high = 1 - self.clip[0], 1 + self.clip[1]
-        for ids, start, old, adv in zip(batch["input_ids"], batch["prompt_lengths"], batch["old_logprobs"],
+        for ids, flags, old, adv in zip(batch["input_ids"], batch["policy_mask"], batch["logprobs"],
                                         batch["advantages"]):
-            for j in range(start, len(ids)):
+            for j in range(1, len(ids)):
+                if not flags[j]:
+                    continue  # only the tokens the policy generated are trained on
                 context, token = ids[:j], ids[j]
                 logprob = token_logprob(self.weights, context, token)
-                diff += abs(logprob - old[j - start])
-                ratio = math.exp(logprob - old[j - start])
+                diff += abs(logprob - old[j])
+                ratio = math.exp(logprob - old[j])
                 ratio_max = max(ratio_max, ratio)
                 loss -= min(ratio * adv, min(max(ratio, low), high) * adv)
                 tokens += 1

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch  # noqa: F401  build_batch's advantages need it: a one-off import (~1.5 s) at collection, not in a test
+import torch  # noqa: F401  the algorithm's advantages need it: a one-off import (~1.5 s) at collection, not in a test
 from fake_head import FakeHead, FakeJob
 from fake_ports import FakeGroupError, FakePorts, FakeReward
 

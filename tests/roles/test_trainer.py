@@ -21,7 +21,8 @@ def one_rank() -> TaskIdentity:
 
 def batch() -> TrainBatch:
     return TrainBatch(prompt_ids=["a", "a", "b"], input_ids=[[1, 40, 41, 42], [1, 40, 50], [1, 60, 61, 62, 63]],
-                      prompt_lengths=[2, 2, 3], old_logprobs=[[-4.9, -5.0], [-4.8], [-4.7, -5.1]],
+                      policy_mask=[[0, 0, 1, 1], [0, 0, 1], [0, 0, 0, 1, 1]],
+                      logprobs=[[0.0, 0.0, -4.9, -5.0], [0.0, 0.0, -4.8], [0.0, 0.0, 0.0, -4.7, -5.1]],
                       advantages=[1.0, -1.0, 0.5], rewards=[1.0, 0.0, 0.5])
 
 

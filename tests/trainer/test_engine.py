@@ -8,10 +8,10 @@ import pytest
 import torch
 from trainer_workers import engine_options, toy_batch
 
+from hpcrl.algorithms.base import LossSettings
 from hpcrl.config import load_config
 from hpcrl.errors import TrainerError
 from hpcrl.trainer import EngineOptions, RolloutBatch, TrainerEngine, pad_rows
-from hpcrl.trainer.loss import LossSettings
 from hpcrl.trainer.parallel import dp_layout
 from hpcrl.trainer.schedule import lr_at
 

@@ -28,9 +28,9 @@ def toy_batch() -> RolloutBatch:
 
 
 def engine_options(model_dir: str, **overrides):
+    from hpcrl.algorithms.base import LossSettings
     from hpcrl.config.model_shapes import load_shape
     from hpcrl.trainer import EngineOptions
-    from hpcrl.trainer.loss import LossSettings
 
     # AdamW eps 1e-6, not 1e-8: Adam's first update is lr * g / (|g| + eps), which for gradient
     # entries near 1e-8 turns float rounding (different summation order across ranks) into

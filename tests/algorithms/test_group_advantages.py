@@ -1,12 +1,12 @@
-"""Group advantages against values worked out by hand (hpcrl/rl/grpo.py)."""
+"""Group advantages against values worked out by hand (hpcrl/algorithms/terms.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from hpcrl.algorithms.terms import group_advantages
 from hpcrl.errors import HpcrlError
-from hpcrl.rl.grpo import group_advantages
 
 
 def test_mean_std_advantages_are_standardised_within_each_group_and_flag_equal_groups():

@@ -1,0 +1,39 @@
+"""`hpcrl run configs/tiny_grpo.toml --set algorithm.name=X` learns the embedded default for each algorithm.
+
+GRPO's run is tests/rl/test_inprocess.py. The others run for fewer than the file's 200 steps, long
+enough (measured on a 2-core CPU: the 10-step mean reward reaches 0.8 by step 68 for dapo and 103 for
+gspo and dr_grpo; the best window is 0.98 in dapo's first 100 steps, 0.94 in the others' first 130).
+DAPO's steps cost more (its dynamic sampling generates up to 4 rounds a batch). tiny_grpo.toml sets clip_eps_low and
+clip_eps_high itself, so gspo runs with those clips here, not its own (3e-4 / 4e-4, which on this
+one-token task need about 170 steps); with one-token completions its sequence ratio is the token ratio.
+About 50 s per run on 2 cores.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcrl.rl.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.slow]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, steps", [("dapo", 100), ("gspo", 130), ("dr_grpo", 130)])
+def test_each_algorithm_learns_the_embedded_default(name: str, steps: int, tiny_model, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "hpcrl", "run", "configs/tiny_grpo.toml", "--set", f"algorithm.name={name}",
+         "--set", f"run.run_dir={run_dir}", "--set", f"model.path={tiny_model}", "--set", f"trainer.steps={steps}",
+         "--set", "trainer.checkpoint_interval=0"],
+        cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rewards = [r["reward_mean"] for r in read_metrics(run_dir)]
+    assert len(rewards) == steps
+    assert sum(rewards[:10]) / 10 < 0.1, rewards[:10]  # near chance at the start
+    assert max(sum(rewards[i:i + 10]) / 10 for i in range(len(rewards) - 9)) >= 0.8, rewards

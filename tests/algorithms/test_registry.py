@@ -1,0 +1,37 @@
+"""The registry of algorithms: one line per algorithm, loaded without torch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcrl.algorithms import ALGORITHMS, load_algorithm
+from hpcrl.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_each_registered_module_defines_the_algorithm_of_its_name(name: str):
+    algorithm = load_algorithm(name)
+    assert algorithm.name == name
+    assert callable(algorithm.select) and callable(algorithm.loss) and callable(algorithm.more_prompts)
+
+
+def test_loading_an_unknown_algorithm_is_a_config_error_naming_the_known_ones():
+    with pytest.raises(ConfigError, match="unknown algorithm 'ppo'; the known algorithms are grpo, dapo, gspo, dr_grpo"):
+        load_algorithm("ppo")
+
+
+@pytest.mark.timeout(60)
+def test_the_registry_and_every_algorithm_module_load_without_torch():
+    code = ("import sys; from hpcrl.algorithms import ALGORITHMS, load_algorithm;"
+            "[load_algorithm(n).defaults for n in ALGORITHMS];"
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
