@@ -135,7 +135,7 @@ DIGEST_CASES = [(c, ()) for c in CONFIGS] + [(REPO / "configs" / "tiny_grpo.toml
 @pytest.mark.parametrize("config,overrides", DIGEST_CASES,
                          ids=[c.stem + "".join(f"[{o}]" for o in sets) for c, sets in DIGEST_CASES])
 def test_the_cli_prints_the_plan_line_and_digest_that_the_runs_head_logs(config, overrides, caplog):
-    """The head (rl/ports.py BusPorts, made as `python -m hpcrl.launch` makes it) logs the plan it forms
+    """The head (rl/ports.py BusPorts, made as rl/program.py run_program makes it) logs the plan it forms
     the transfer group with; `hpcrl plan --transfer` must print that very line. `hpcrl run`'s log:
     tests/cli/test_run_cmd.py."""
     from hpcrl.rl.ports import BusPorts
