@@ -71,7 +71,7 @@ def bench_bytes() -> list[str]:
             "|---|---|---:|---:|---:|---:|---:|"]
     for path in sorted((REPO / "configs").glob("*.toml")):
         config, shape = load_config_and_shape(path)
-        s = transfer_summary(config, shape, link_gbps=400, bucket_mib=64)
+        s = transfer_summary(config, shape, link_gbps=400)
         t, inf = s["trainer"], s["inference"]
         rows.append(f"| {path.name} | {t['dp_replicate']} x {t['dp_shard']} -> {inf['replicas']} x TP "
                     f"{inf['tensor_parallel']} | {max(inf['received_bytes']) / 2**30:.3f} GiB | "
@@ -173,12 +173,12 @@ def bench_update(*, tp: int, fsdp: int, rounds: int, transport: str = "gloo") ->
 
     kwargs = dict(model=str(ckpt), tensor_parallel_size=tp, dtype="float32", seed=0, max_model_len=128,
                   gpu_memory_utilization=0.15, enforce_eager=True, enable_prefix_caching=False,
-                  worker_extension_cls="hpcrl.transfer.vllm_adapter.HpcrlWorkerExtension",
+                  worker_extension_cls="hpcrl.inference.vllm_worker.HpcrlWorkerExtension",
                   weight_transfer_config={"backend": "hpcrl"})
     if tp > 1:
         kwargs["distributed_executor_backend"] = "mp"
     llm = LLM(**kwargs)
-    from hpcrl.transfer.vllm_adapter import init_info
+    from hpcrl.transfer.vllm_engine import init_info
 
     plan = plan_transfer(TrainerLayout(dp_shard=fsdp), InferenceLayout(tensor_parallel=tp), shape, wire_dtype="float32")
     ctx = mp.get_context("spawn")

@@ -35,9 +35,9 @@ def gb_per_s(nbytes: float, seconds: float) -> float | None:
 
 def make_plan(shape, dtype: str):
     """The transfer plan both ends use: FSDP over TRAINER_RANKS -> one replica at TENSOR_PARALLEL, HF names."""
+    from hpcrl.plan.for_config import BUCKET_BYTES
     from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
     from hpcrl.plan.transfer_planner import plan as plan_transfer
-    from hpcrl.transfer.for_config import BUCKET_BYTES
 
     return plan_transfer(TrainerLayout(dp_shard=TRAINER_RANKS, naming="hf"),
                          InferenceLayout(replicas=1, tensor_parallel=TENSOR_PARALLEL), shape,
@@ -45,7 +45,7 @@ def make_plan(shape, dtype: str):
 
 
 def init_info_args(plan) -> dict[str, Any]:
-    """The plan's part of hpcrl.transfer.vllm_adapter.init_info (the vLLM side plans again from it)."""
+    """The plan's part of hpcrl.transfer.vllm_engine.init_info (the vLLM side plans again from it)."""
     return dict(trainer=plan.trainer, inference=plan.inference, wire_dtype=plan.wire_dtype,
                 bucket_bytes=plan.bucket_bytes, digest=plan.digest)
 
@@ -258,7 +258,7 @@ class VllmReplica:
         return {"start_s": time.perf_counter() - started, "enforce_eager": device == "cpu"}
 
     def init(self, *, transport: str, port: int, timeout_s: float) -> dict:
-        from hpcrl.transfer.vllm_adapter import init_info
+        from hpcrl.transfer.vllm_engine import init_info
 
         info = init_info(host="127.0.0.1", port=port, replica=0, timeout_s=timeout_s, external_store=True,
                          transport=transport, **init_info_args(self.plan))

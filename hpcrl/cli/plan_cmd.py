@@ -1,8 +1,9 @@
 """`hpcrl plan CONFIG`: print the resource plan without touching Slurm.
 
-`hpcrl plan --transfer CONFIG [--link-gbps G] [--tcp-gbps G]`: the weight-transfer plan instead
-(bytes per trainer and inference rank, versus the minimum and vLLM's own engines, and the predicted
-sync time per transport at stated bandwidths).
+`hpcrl plan --transfer CONFIG [--link-gbps G] [--tcp-gbps G]`: the weight-transfer plan instead, the
+very plan the run executes (its digest is the one in the run's log), with bytes per trainer and
+inference rank, versus the minimum and vLLM's own engines, and the predicted sync time per
+transport at stated bandwidths.
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ def add_parser(subparsers: argparse._SubParsersAction, common: argparse.Argument
     parser.add_argument("--tcp-gbps", type=float, default=25.0, metavar="G",
                         help="with --transfer: a node's Ethernet in Gbit/s, shared by its ranks, for the predicted "
                              "sync over gloo (default 25)")
-    parser.add_argument("--bucket-mib", type=float, default=64.0, metavar="M",
-                        help="with --transfer: message size in MiB (default 64)")
     parser.set_defaults(func=run)
 
 
@@ -81,8 +80,7 @@ def run(args: argparse.Namespace) -> int:
     config, shape = load_config_and_shape(args.config, cluster=args.cluster, overrides=args.set)
     if args.transfer:
         from hpcrl.cli.transfer_view import run_transfer
-        return run_transfer(config, shape, link_gbps=args.link_gbps, bucket_mib=args.bucket_mib,
-                            tcp_gbps=args.tcp_gbps, as_json=args.json)
+        return run_transfer(config, shape, link_gbps=args.link_gbps, tcp_gbps=args.tcp_gbps, as_json=args.json)
     plan = plan_resources(config, shape)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))

@@ -1,9 +1,11 @@
 """`hpcrl plan --transfer`: make, check and summarise the weight-transfer plan of a config.
 
-The trainer layout comes from [trainer] (dp_replicate x dp_shard, FSDP2 Shard(0)), the inference
-layout from [inference] (replicas x tensor_parallel), the wire dtype from [model].dtype. The
-predicted sync per transport, per trainer rank and per inference GPU, is
-hpcrl.plan.transfer_speed's, at the bandwidths it states (--link-gbps and --tcp-gbps set two).
+The plan is the run's own: hpcrl.plan.for_config.plan_for_config, the function every trainer rank,
+inference replica and the head call, on the same config (the wire dtype vLLM serves, float32 on
+CPU; the run's message and round sizes), so the digest printed first is the one the run logs
+("weight transfer plan <digest>: ..."). The predicted sync per transport, per trainer rank and per
+inference GPU, is hpcrl.plan.transfer_speed's, at the bandwidths it states (--link-gbps and
+--tcp-gbps set two).
 """
 
 from __future__ import annotations
@@ -14,10 +16,9 @@ from hpcrl.config.components import make_components
 from hpcrl.config.model_shapes import DTYPE_BYTES, ModelShape
 from hpcrl.config.schema import Config
 from hpcrl.errors import ConfigError
+from hpcrl.plan.for_config import describe_plan, plan_for_config
 from hpcrl.plan.transfer_baselines import baseline_bytes_per_rank
 from hpcrl.plan.transfer_check import check_plan
-from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
-from hpcrl.plan.transfer_planner import plan as plan_transfer
 from hpcrl.plan.transfer_speed import Bandwidths, SyncPrediction, host_round_trip_warning, predict_sync
 
 
@@ -44,29 +45,27 @@ def _predictions(config: Config, sent: list[int], received: list[int], bandwidth
                         inference_on_gpus=config.inference.gpus_per_node > 0, bandwidths=bandwidths)
 
 
-def transfer_summary(config: Config, shape: ModelShape, *, link_gbps: float, bucket_mib: float,
-                     tcp_gbps: float = 25.0) -> dict:
-    """The checked plan of `config`, as a JSON-able summary."""
+def transfer_summary(config: Config, shape: ModelShape, *, link_gbps: float, tcp_gbps: float = 25.0) -> dict:
+    """The checked plan of `config` (the run's: plan_for_config), as a JSON-able summary; `shape` is the
+    config's model, as load_config_and_shape read it."""
     for flag, value, example in (("--link-gbps", link_gbps, 400), ("--tcp-gbps", tcp_gbps, 25)):
         if value <= 0:
             raise ConfigError(key=flag, problem=f"must be positive, got {value}", fix=f"e.g. {flag} {example}")
     t, inf = config.trainer, config.inference
-    shard = t.world_size // t.dp_replicate if t.dp_shard == -1 else t.dp_shard
-    trainer = TrainerLayout(dp_replicate=t.dp_replicate, dp_shard=shard)
-    inference = InferenceLayout(replicas=inf.replicas, tensor_parallel=inf.tensor_parallel)
-    plan = plan_transfer(trainer, inference, shape, wire_dtype=config.model.dtype,
-                         bucket_bytes=int(bucket_mib * (1 << 20)))
+    plan = plan_for_config(config, shape)
+    trainer = plan.trainer
     check_plan(plan)
     stats = plan.stats()
     minimum = max(stats.minimum_per_tp_rank)
-    baselines = baseline_bytes_per_rank(shape, inf.tensor_parallel, DTYPE_BYTES[config.model.dtype])
+    baselines = baseline_bytes_per_rank(shape, inf.tensor_parallel, DTYPE_BYTES[plan.wire_dtype])
     link = link_gbps * 1e9 / 8
     bandwidths = Bandwidths(infiniband_per_gpu=link, ethernet_per_node=tcp_gbps * 1e9 / 8)
     predictions = _predictions(config, stats.sent_per_trainer_rank, stats.received_per_inference_rank, bandwidths)
     return {
+        "headline": describe_plan(plan),
         "digest": plan.digest, "wire_dtype": plan.wire_dtype, "blocks": stats.blocks, "messages": stats.messages,
-        "bucket_bytes": plan.bucket_bytes,
-        "trainer": {"dp_replicate": t.dp_replicate, "dp_shard": shard,
+        "bucket_bytes": plan.bucket_bytes, "round_bytes": plan.round_bytes,
+        "trainer": {"dp_replicate": trainer.dp_replicate, "dp_shard": trainer.dp_shard,
                     "sent_bytes": stats.sent_per_trainer_rank,
                     "share_bytes": sum(stats.sent_per_trainer_rank) // trainer.world_size},
         "inference": {"replicas": inf.replicas, "tensor_parallel": inf.tensor_parallel,
@@ -128,10 +127,9 @@ def render_transfer(s: dict) -> str:
     t, inf = s["trainer"], s["inference"]
     sent, recv = t["sent_bytes"], inf["received_bytes"]
     lines = [
-        f"weight transfer plan {s['digest'][:16]}: trainer {t['dp_replicate']} x {t['dp_shard']} (FSDP2 Shard(0)) "
-        f"-> {inf['replicas']} replicas x TP {inf['tensor_parallel']}, wire {s['wire_dtype']}",
-        f"  {s['blocks']:,} blocks in {s['messages']:,} messages of {_size(s['bucket_bytes'])} (+ at most one row); "
-        "checked: every destination element written exactly once",
+        s["headline"],
+        f"  {s['blocks']:,} blocks in {s['messages']:,} messages of {_size(s['bucket_bytes'])} (+ at most one row), "
+        f"staged in rounds of {_size(s['round_bytes'])}; checked: every destination element written exactly once",
         f"  per trainer rank:   sends {_size(min(sent))} .. {_size(max(sent))} (share {_size(t['share_bytes'])})",
         f"  per inference rank: receives {_size(min(recv))} .. {_size(max(recv))}, "
         f"minimum {_size(min(inf['minimum_bytes_per_tp_rank']))} .. {_size(max(inf['minimum_bytes_per_tp_rank']))}",
@@ -144,8 +142,7 @@ def render_transfer(s: dict) -> str:
     return "\n".join(lines + _transport_table(s))
 
 
-def run_transfer(config: Config, shape: ModelShape, *, link_gbps: float, bucket_mib: float, as_json: bool,
-                 tcp_gbps: float = 25.0) -> int:
-    summary = transfer_summary(config, shape, link_gbps=link_gbps, bucket_mib=bucket_mib, tcp_gbps=tcp_gbps)
+def run_transfer(config: Config, shape: ModelShape, *, link_gbps: float, as_json: bool, tcp_gbps: float = 25.0) -> int:
+    summary = transfer_summary(config, shape, link_gbps=link_gbps, tcp_gbps=tcp_gbps)
     print(json.dumps(summary, indent=2) if as_json else render_transfer(summary))
     return 0

@@ -4,7 +4,9 @@
     groups = engine.generate([Prompt(id="p0", text="1+2=", answer="3")], n=8, seed=1234)
     groups[0][3].token_ids, groups[0][3].logprobs, groups[0][3].finish_reason
 
-`vllm` is imported here (and in the weight-transfer worker extension) only, lazily. Rollout
+`vllm` is imported by this package only (lazily here; vllm_llm.py starts and stops the LLM,
+vllm_worker.py runs inside its workers) and by hpcrl.transfer.vllm_engine, the weight-transfer
+engine the workers receive with. Rollout
 logprobs are vLLM's raw logprobs of each sampled token (`logprobs_mode="raw_logprobs"`), which the
 trainer compares with its own to measure the train-inference mismatch.
 
@@ -39,76 +41,24 @@ hold the process itself (about 0.2 works), and vLLM zeroes that whole cache and 
 forward pass before it serves; `inference.kv_cache_gib` sizes the cache instead (vLLM's
 kv_cache_memory_bytes), which with enforce_eager also skips that warm-up. With enforce_eager the
 workers run the sampler's torch.compile'd helpers eagerly (HpcrlWorkerExtension.hpcrl_eager_helpers):
-compiling them made the first request 2.4 s. Tensor parallelism uses the "mp" executor with one
-OpenMP thread group per rank (VLLM_CPU_OMP_THREADS_BIND while the engine starts, unless the caller
-set it; `cpu_binding` chooses other CPUs, as `hpcrl run` does to keep a core for its trainer). With
-one rank the worker runs inside vLLM's engine-core process (UniProcExecutor), bound to the same CPUs
-through the OpenMP environment that process starts with: vLLM's CPU platform would start a worker
-process of its own, a third interpreter importing torch and vLLM, 7-8 s of a 2-core machine's start.
+compiling them made the first request 2.4 s. Executors, CPU binding and the environment the
+engine starts in: hpcrl.inference.vllm_llm.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpcrl.config.schema import Config
 from hpcrl.data.prompts import Prompt
-from hpcrl.errors import HpcrlError
-from hpcrl.inference.types import Completion
+from hpcrl.inference.types import Completion, InferenceError
+from hpcrl.inference.vllm_llm import WORKER_EXTENSION, shut_down_llm, start_llm
 
-#: The vLLM worker extension that registers hpcrl's weight-transfer engine in every worker.
-WORKER_EXTENSION = "hpcrl.transfer.vllm_adapter.HpcrlWorkerExtension"
+if TYPE_CHECKING:
+    from hpcrl.plan.transfer_plan import TransferPlan
 
-
-class InferenceError(HpcrlError):
-    """The vLLM engine failed to start or to generate."""
-
-
-def _cpu_thread_binding(tensor_parallel: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `tensor_parallel` ranks over this process's CPUs ("0|1" on 2 cores)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    per_rank = max(1, len(cpus) // tensor_parallel)
-    groups = [cpus[i * per_rank:(i + 1) * per_rank] or cpus[-1:] for i in range(tensor_parallel)]
-    return "|".join(",".join(map(str, g)) for g in groups)
-
-
-@contextmanager
-def _environment(values: dict[str, str | None]) -> Iterator[None]:
-    """os.environ[name] = value inside the block for each of `values` (nothing for None), as it was after."""
-    before = {name: os.environ.get(name) for name in values}
-    os.environ.update({name: value for name, value in values.items() if value is not None})
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def _omp_environment(binding: str) -> dict[str, str]:
-    """The OpenMP environment vLLM's mp executor gives a CPU worker bound to one rank's `binding` ("0",
-    "0,1", "0-3"; vllm/utils/ompmultiprocessing.py, GNU OpenMP not preloaded): one thread per CPU, each
-    bound to its CPU. "nobind" (vLLM's word for none) gives none; "auto" binds this process's CPUs."""
-    if binding == "nobind":
-        return {}
-    if binding == "auto":
-        cpus = sorted(os.sched_getaffinity(0))
-    else:
-        cpus = []
-        for part in binding.split(","):
-            first, _, last = part.partition("-")
-            if not first.strip().isdigit() or (last and not last.strip().isdigit()):
-                raise InferenceError(f"VLLM_CPU_OMP_THREADS_BIND {binding!r} is not a CPU list of one tensor-parallel "
-                                     "rank. Fix: CPU ids and ranges, e.g. 0,1 or 0-3, or auto or nobind")
-            cpus.extend(range(int(first), int(last or first) + 1))
-    return {"OMP_NUM_THREADS": str(len(cpus)), "OMP_PLACES": "{" + ",".join(map(str, cpus)) + "}",
-            "OMP_PROC_BIND": "true"}
+__all__ = ["InferenceError", "VllmEngine", "chunk_seed"]
 
 
 def chunk_seed(seed: int, offset: int) -> int:
@@ -130,17 +80,8 @@ class VllmEngine:
                  max_model_len: int, gpu_memory_utilization: float, enforce_eager: bool,
                  temperature: float, top_p: float, top_k: int, max_tokens: int,
                  kv_cache_gib: float = 0.0, weight_transfer: bool = False, cpu_binding: str | None = None) -> None:
-        # The CPUs of the workers' OpenMP threads ("0|1": rank 0 on CPU 0, rank 1 on CPU 1): the caller's
-        # environment, else `cpu_binding`, else one group per TP rank (vLLM's own choice with TP 1).
-        binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or cpu_binding or (
-            _cpu_thread_binding(tensor_parallel) if tensor_parallel > 1 else None)
-        try:
-            from vllm import LLM
-        except ImportError as err:
-            raise InferenceError(f"vLLM is not installed ({err}). Fix: pip install 'hpcrl[cpu]' on CPU "
-                                 "machines or 'hpcrl[vllm]' on GPU machines") from None
         kwargs: dict[str, Any] = dict(
-            model=model_path, tensor_parallel_size=tensor_parallel, dtype=dtype, seed=seed,
+            model=model_path, dtype=dtype, seed=seed,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager, logprobs_mode="raw_logprobs", enable_prefix_caching=True,
             use_tqdm_on_load=False,
@@ -148,23 +89,10 @@ class VllmEngine:
             worker_extension_cls=WORKER_EXTENSION)
         if kv_cache_gib:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
-        # Read by the processes LLM() starts: vLLM's mp workers, or its engine core with the worker inside.
-        environment: dict[str, str | None] = {"VLLM_CPU_OMP_THREADS_BIND": binding if on_cpu else None}
-        if tensor_parallel > 1:
-            kwargs["distributed_executor_backend"] = "mp"
-        elif on_cpu:
-            # The worker inside the engine-core process: no third interpreter importing torch and vLLM
-            # (7 s of the start-up on 2 cores). The CPU platform turns "uni" into "mp" only to set each
-            # worker's OpenMP environment before it starts; the engine core gets that environment here.
-            from vllm.v1.executor.uniproc_executor import UniProcExecutor
-
-            kwargs["distributed_executor_backend"] = UniProcExecutor
-            environment.update(_omp_environment(binding or "auto"))
         if weight_transfer:
-            # hpcrl's weight-transfer engine, registered inside each vLLM worker (hpcrl.transfer.vllm_adapter).
+            # hpcrl's weight-transfer engine, registered inside each vLLM worker (hpcrl.transfer.vllm_engine).
             kwargs["weight_transfer_config"] = {"backend": "hpcrl"}
-        with _environment(environment):
-            self.llm = LLM(**kwargs)
+        self.llm: Any = start_llm(on_cpu=on_cpu, tensor_parallel=tensor_parallel, cpu_binding=cpu_binding, **kwargs)
         if on_cpu and enforce_eager:  # the first request would compile vLLM's sampler helpers (2.4 s)
             self.llm.collective_rpc("hpcrl_eager_helpers")
         self.prefix_caching: bool = kwargs["enable_prefix_caching"]
@@ -225,6 +153,19 @@ class VllmEngine:
             groups.append(group)
         return groups
 
+    def connect_transfer(self, plan: TransferPlan, *, host: str, port: int, replica: int = 0, generation: int = 0,
+                         transport: str = "gloo", timeout_s: float = 120.0) -> None:
+        """Join the weight-transfer group of `plan` on the store at host:port (the head's, or `hpcrl run`'s)
+        as inference replica `replica`: every worker plans again from the plan's layouts and the served
+        model, checks its digest against `plan`'s and every other rank's, and opens its end. Blocks until
+        the whole group (the trainer ranks too) has joined; joining again leaves the old group."""
+        from hpcrl.transfer.vllm_engine import init_info
+
+        info = init_info(host=host, port=port, replica=replica, trainer=plan.trainer, inference=plan.inference,
+                         wire_dtype=plan.wire_dtype, bucket_bytes=plan.bucket_bytes, timeout_s=timeout_s,
+                         external_store=True, digest=plan.digest, generation=generation, transport=transport)
+        self.llm.init_weight_transfer_engine({"init_info": info})
+
     def receive_weights(self, version: int) -> None:
         """Take one weight update from the trainer ranks (hpcrl's weight-transfer engine, which must
         be initialised) and serve it as `version`. Blocks until every worker has received its share."""
@@ -255,10 +196,8 @@ class VllmEngine:
         return result
 
     def close(self) -> None:
-        """Stop the engine, its worker processes and its client's thread (vllm_adapter.shut_down_llm)."""
-        from hpcrl.transfer.vllm_adapter import shut_down_llm
-
-        llm, self.llm = self.llm, None  # type: ignore[assignment]  # None marks it closed; close() may run twice
+        """Stop the engine, its worker processes and its client's thread (vllm_llm.shut_down_llm)."""
+        llm, self.llm = self.llm, None  # None marks it closed; close() may run twice
         if llm is not None:
             shut_down_llm(llm)
             del llm

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from hpcrl.errors import HpcrlError
+
+
+class InferenceError(HpcrlError):
+    """The vLLM engine failed to start or to generate."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Completion:

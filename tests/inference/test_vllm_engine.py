@@ -127,15 +127,15 @@ def test_a_one_rank_engine_on_cpu_runs_its_worker_inside_the_engine_core_bound_t
 
 
 def test_the_openmp_environment_of_a_worker_binds_one_thread_to_each_cpu_of_its_binding():
-    from hpcrl.inference.engine import InferenceError, _omp_environment
+    from hpcrl.inference.vllm_llm import InferenceError, omp_environment
 
-    assert _omp_environment("1") == {"OMP_NUM_THREADS": "1", "OMP_PLACES": "{1}", "OMP_PROC_BIND": "true"}
-    assert _omp_environment("0-2,5")["OMP_PLACES"] == "{0,1,2,5}"
-    assert _omp_environment("0-2,5")["OMP_NUM_THREADS"] == "4"
-    assert _omp_environment("auto")["OMP_NUM_THREADS"] == str(len(os.sched_getaffinity(0)))
-    assert _omp_environment("nobind") == {}
+    assert omp_environment("1") == {"OMP_NUM_THREADS": "1", "OMP_PLACES": "{1}", "OMP_PROC_BIND": "true"}
+    assert omp_environment("0-2,5")["OMP_PLACES"] == "{0,1,2,5}"
+    assert omp_environment("0-2,5")["OMP_NUM_THREADS"] == "4"
+    assert omp_environment("auto")["OMP_NUM_THREADS"] == str(len(os.sched_getaffinity(0)))
+    assert omp_environment("nobind") == {}
     with pytest.raises(InferenceError, match=r"'0\|1' is not a CPU list of one tensor-parallel rank"):
-        _omp_environment("0|1")
+        omp_environment("0|1")
 
 
 @pytest.mark.timeout(120)

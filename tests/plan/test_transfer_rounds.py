@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from hpcrl.config import load_config
 from hpcrl.config.model_shapes import PRESETS
+from hpcrl.plan.for_config import plan_for_config
 from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
 from hpcrl.plan.transfer_plan import TransferPlan
 from hpcrl.plan.transfer_planner import plan as make_plan
 from hpcrl.plan.transfer_rounds import messages, receiver_rank, rounds
-from hpcrl.transfer.for_config import plan_for_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -46,8 +46,8 @@ from hpcrl.bus.errors import (
 from hpcrl.bus.peer import PeerInfo
 from hpcrl.config.schema import Config
 from hpcrl.data.prompts import Prompt
+from hpcrl.plan.for_config import plan_for_config
 from hpcrl.reward.types import Sample
-from hpcrl.transfer.for_config import plan_for_config
 
 RUN_ID = "fake-run"
 Endpoint = Callable[[Any], Any]  # async (args) -> result

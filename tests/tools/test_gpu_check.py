@@ -158,7 +158,7 @@ def test_the_vllm_side_plans_the_same_transfer_from_the_init_info_the_check_send
     from hpcrl.config.model_shapes import PRESETS
     from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
     from hpcrl.plan.transfer_planner import plan as plan_transfer
-    from hpcrl.transfer.vllm_adapter import HpcrlInitInfo, init_info
+    from hpcrl.transfer.vllm_engine import HpcrlInitInfo, init_info
 
     for preset in ("llama3-1b", "qwen2.5-0.5b"):
         plan = gpu_check_ranks.make_plan(PRESETS[preset], "bfloat16")

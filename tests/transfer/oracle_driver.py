@@ -139,12 +139,12 @@ def main() -> int:
     from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
     from hpcrl.plan.transfer_planner import plan as plan_transfer
     from hpcrl.transfer.rendezvous import host_store
-    from hpcrl.transfer.vllm_adapter import init_info
+    from hpcrl.transfer.vllm_engine import init_info
 
     t0 = time.perf_counter()
     kwargs = dict(model=args.model, tensor_parallel_size=args.tp, dtype=args.wire, seed=0, max_model_len=128,
                   gpu_memory_utilization=0.15, enforce_eager=True, enable_prefix_caching=False,
-                  worker_extension_cls="hpcrl.transfer.vllm_adapter.HpcrlWorkerExtension",
+                  worker_extension_cls="hpcrl.inference.vllm_worker.HpcrlWorkerExtension",
                   weight_transfer_config={"backend": "hpcrl"})
     if args.tp > 1:
         kwargs["distributed_executor_backend"] = "mp"

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("vllm")
 
 from hpcrl.errors import TransferError  # noqa: E402
-from hpcrl.transfer.vllm_adapter import check_unquantized  # noqa: E402 - imports vLLM
+from hpcrl.transfer.vllm_engine import check_unquantized  # noqa: E402 - imports vLLM
 
 
 class Fp8LinearMethod:

@@ -1,27 +1,23 @@
-"""The vLLM side of a weight transfer: our engine in vLLM's weight-transfer registry, and a worker extension.
+"""hpcrl's engine in vLLM's weight-transfer registry: the vLLM side of a weight transfer.
 
-The only hpcrl module that imports vLLM's worker internals. Use vLLM's own entry points:
+The transfer's only module that imports vLLM's weight-transfer API (transfer/nccl.py borrows
+vLLM's NCCL wrapper). Use vLLM's own entry points:
 
-    llm = LLM(model=..., worker_extension_cls="hpcrl.transfer.vllm_adapter.HpcrlWorkerExtension",
+    llm = LLM(model=..., worker_extension_cls=hpcrl.inference.vllm_llm.WORKER_EXTENSION,
               weight_transfer_config={"backend": "hpcrl"})
     llm.init_weight_transfer_engine({"init_info": init_info(...)})   # once: joins the group, digests
     llm.start_weight_update(); llm.update_weights({"update_info": {"version": 3}})
     llm.finish_weight_update(weight_version="3"); llm.reset_prefix_cache()
-    llm.collective_rpc("hpcrl_receive_weights", args=(3,))   # or the three in one call (one round trip)
+
+(hpcrl.inference.engine.VllmEngine does this: connect_transfer, then receive_weights, the three
+in one call through the worker extension.)
 
 Registration: vLLM creates the engine inside each worker process (Worker.load_model ->
 WeightTransferEngineFactory.create_engine), and CPU workers are spawned, so the engine must be
 registered in the worker. Workers import `worker_extension_cls` before loading the model
-(vllm/v1/worker/worker_base.py), so importing this module registers "hpcrl" (idempotent): the
-import-time side effect, and the reason it lives here. The other one, on CPU only: vLLM's worker
-busy-loops (sched_yield) for a second after every message it reads from its engine
-(vllm/distributed/device_communicators/shm_broadcast.py, SpinCondition, busy_loop_s = 1), so a
-worker that the head calls every step spins a core for good. On a GPU node that core is the
-inference node's own; on CPUs it is the trainer's: a tiny-model train step went from 0.03 s to
-0.8-1.1 s beside a spinning worker in the local Slurm hetjob. `quiet_idle_workers` cuts the
-spin to 5 ms (then the worker sleeps on its notify socket, woken within microseconds). A
-one-rank engine on CPU has no such queue: hpcrl runs its worker inside the engine core
-(hpcrl.inference.engine).
+(vllm/v1/worker/worker_base.py); the extension (hpcrl.inference.vllm_worker) imports this module,
+and importing it registers "hpcrl" (idempotent): the import-time side effect, and the reason the
+registration sits at the bottom of this module.
 
 Receiving: every worker computes the plan itself from the layouts in the init info and the
 model's HF config, compares digests with every trainer rank and worker, then receives its
@@ -36,11 +32,9 @@ collective_rpc, so no half-written fused module is ever used (reset the prefix c
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -59,7 +53,6 @@ from hpcrl.transfer import execute
 from hpcrl.transfer.registry import TransferLink, open_group
 
 ENGINE_NAME = "hpcrl"
-log = logging.getLogger(__name__)
 
 #: Parameter dtypes a transfer writes (the plan's wire dtypes); an fp8 or integer one holds quantized weights.
 UNQUANTIZED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -270,129 +263,3 @@ def register() -> None:
 
 
 register()
-
-#: Seconds a vLLM worker on CPU keeps busy-looping after a read before it sleeps (vLLM: 1 s).
-CPU_WORKER_SPIN_S = 0.005
-
-
-def quiet_idle_workers(spin_s: float = CPU_WORKER_SPIN_S) -> None:
-    """On CPU platforms, make this process's vLLM workers busy-loop at most `spin_s` after a read
-    (see the module docstring); idempotent, and nothing on GPUs."""
-    from vllm.distributed.device_communicators import shm_broadcast
-    from vllm.platforms import current_platform
-
-    condition = shm_broadcast.SpinCondition
-    if not current_platform.is_cpu() or getattr(condition.wait, "hpcrl_spin_s", None) is not None:
-        return
-    original = condition.wait
-
-    def wait(self, timeout_ms: int | None = None) -> None:
-        if self.is_reader and self.busy_loop_s > spin_s:
-            self.busy_loop_s = spin_s
-        return original(self, timeout_ms)
-
-    # A monkeypatch (module docstring): mypy cannot follow a marked function put in a method's place.
-    wait.hpcrl_spin_s = spin_s  # type: ignore[attr-defined]  # the mark that makes this idempotent
-    condition.wait = wait  # type: ignore[method-assign]  # the patch itself
-
-
-quiet_idle_workers()
-
-
-def _sha(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-class _ModelRunner(Protocol):
-    """What the extension uses of the vLLM Worker's model runner (GPU or CPU)."""
-
-    def get_model(self) -> torch.nn.Module: ...
-
-
-class _WeightUpdates(Protocol):
-    """vLLM's Worker methods of one weight update (vllm/v1/worker/gpu_worker.py; the CPU worker inherits them)."""
-
-    def start_weight_update(self) -> None: ...
-    def update_weights(self, update_info: dict) -> None: ...
-    def finish_weight_update(self) -> None: ...
-
-
-class HpcrlWorkerExtension:
-    """Methods vLLM mixes into its Worker (`worker_extension_cls`), called with `collective_rpc`."""
-
-    model_runner: _ModelRunner  # the Worker's (an annotation only: vLLM refuses extension names the Worker has)
-
-    def hpcrl_receive_weights(self, version: int) -> None:
-        """One whole update in one call: the Worker's own start_weight_update, update_weights and
-        finish_weight_update, in turn, with their bookkeeping (a failed update ends the session, as
-        there). LLM's three calls are three round trips to the engine core, each about 0.4 ms on CPU,
-        on the critical path of every step."""
-        worker: _WeightUpdates = self  # type: ignore[assignment]  # mixed into vLLM's Worker, which has them
-        worker.start_weight_update()
-        worker.update_weights({"version": version})
-        worker.finish_weight_update()
-
-    def hpcrl_weight_digests(self) -> dict[str, str]:
-        """sha256 of every weight this rank computes with: non-empty parameters, and for layers whose
-        weight vLLM repacked (CPU), the effective matrix read back through the packed kernel
-        (cpu_linear(I) = I W^T = W^T: exact, one non-zero product per output)."""
-        model = self.model_runner.get_model()
-        out = {name: _sha(p) for name, p in model.named_parameters() if p.numel()}
-        with torch.no_grad():
-            for name, module in model.named_modules():
-                kernel = getattr(module, "cpu_linear", None)
-                size = getattr(module, "input_size_per_partition", None)
-                if kernel is None or size is None:
-                    continue
-                dtype = next((p.dtype for p in module.parameters()), torch.float32)
-                eye = torch.eye(size, dtype=dtype)
-                out[f"{name}.weight@kernel"] = _sha(kernel(eye, module.weight, None).t().contiguous())
-        return out
-
-    def hpcrl_seed_sampling(self, seed: int) -> None:
-        """Seed this rank's default torch generators (CPU and every accelerator): the randomness vLLM's
-        sampler draws for requests without a seed of their own (forward_cpu's Gumbel seeds, the
-        native path's exponential noise, FlashInfer's seed and offset). Every TP rank gets the same."""
-        torch.manual_seed(seed)
-
-    def hpcrl_eager_helpers(self) -> None:
-        """Run this worker's torch.compile'd functions eagerly (CPU with enforce_eager, where the model
-        itself is eager): what is left compiled there is the sampler's helpers (vLLM 0.32:
-        batched_count_greater_than in v1/sample/ops/logprobs.py, the top-k/top-p mask in
-        topk_topp_sampler.py), whose inductor build made the first request with logprobs take 2.4 s
-        instead of 0.06 s on a 2-core VM, and each new batch shape recompiled."""
-        torch._dynamo.config.disable = True
-
-    def hpcrl_last_update(self) -> dict:
-        """Bytes and seconds (start_s, receive_s, finish_s) of this rank's last received update."""
-        engine = getattr(self, "weight_transfer_engine", None)
-        return dict(getattr(engine, "last", {}) or {})
-
-
-#: Seconds to wait for a vLLM client's output thread to end once its engine is shut down.
-OUTPUT_THREAD_JOIN_S = 10.0
-
-
-def shut_down_llm(llm: Any) -> None:
-    """Stop a vLLM `LLM`: its engine processes, then its client's output thread and ZMQ context.
-
-    vLLM's shutdown ends the engine processes and tells the client's output thread (a daemon) to
-    stop, but waits for neither that thread nor its ZMQ context: whichever thread drops the last
-    reference ends the context later, possibly that daemon thread while the interpreter is tearing
-    down, where a thread still in native code aborts the process (docs/FACTS.md, "Teardown"). Both
-    are ended here, while the interpreter is whole."""
-    engine = getattr(llm, "llm_engine", None)
-    client = getattr(engine, "engine_core", None)
-    shutdown = getattr(engine, "shutdown", None) or getattr(client, "shutdown", None)
-    if shutdown is not None:
-        shutdown()
-    thread = getattr(client, "output_queue_thread", None)  # vllm/v1/engine/core_client.py, SyncMPClient
-    if thread is not None:
-        thread.join(OUTPUT_THREAD_JOIN_S)
-        if thread.is_alive():  # it still uses the context: leave both
-            log.warning(f"vLLM's client thread {thread.name} did not end within {OUTPUT_THREAD_JOIN_S:g} s of its "
-                        "engine's shutdown")
-            return
-    ctx = getattr(client, "ctx", None)
-    if ctx is not None:
-        ctx.destroy(linger=0)  # closes what sockets are left; its I/O threads end
