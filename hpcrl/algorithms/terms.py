@@ -27,6 +27,7 @@ Run the tests: `python -m pytest tests/algorithms -q`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -177,18 +178,17 @@ def token_ratio_loss(*, logprobs: Tensor, old_logprobs: Tensor, advantages: Tens
 
 # ------------------------------------------------------------------------------- advantages
 
-@dataclass(frozen=True, kw_only=True)
-class GroupAdvantages:
+class GroupAdvantages(NamedTuple):
+    """Advantages of completions within their groups (`group_advantages`)."""
+
     advantages: Tensor
     """[N] advantage of each completion (N = groups x group_size, group-major order)."""
     zero_variance: Tensor
-    """[N // group_size] bool: the group's rewards are all equal (no learning signal)."""
-    keep: Tensor
-    """[N] bool: completions to train on (all, or those of non-zero-variance groups when filtering)."""
+    """[N // group_size] bool: the group's rewards are all equal (no learning signal): which groups a filter drops."""
 
 
 def group_advantages(rewards: Tensor, *, group_size: int, norm: AdvantageNorm = "mean_std",
-                     eps: float = 1e-6, filter_zero_variance: bool = False) -> GroupAdvantages:
+                     eps: float = 1e-6) -> GroupAdvantages:
     """Advantages of completions normalised within their group of `group_size`.
 
     `rewards` is [N] with the completions of one prompt next to each other. mean_std gives
@@ -207,11 +207,7 @@ def group_advantages(rewards: Tensor, *, group_size: int, norm: AdvantageNorm = 
     if norm == "mean_std":
         centred = centred / (grouped.std(dim=1, keepdim=True, correction=1) + eps)
     centred = torch.where(zero_variance[:, None], torch.zeros_like(centred), centred)
-    keep = torch.ones_like(grouped, dtype=torch.bool)
-    if filter_zero_variance:
-        keep = ~zero_variance[:, None].expand_as(grouped)
-    return GroupAdvantages(advantages=centred.view(-1).to(rewards.dtype), zero_variance=zero_variance,
-                           keep=keep.reshape(-1))
+    return GroupAdvantages(advantages=centred.view(-1).to(rewards.dtype), zero_variance=zero_variance)
 
 
 def group_selection(rewards: list[list[float]], *, norm: AdvantageNorm, filter_zero_variance: bool,

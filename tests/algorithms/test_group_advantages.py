@@ -16,14 +16,13 @@ def test_mean_std_advantages_are_standardised_within_each_group_and_flag_equal_g
     expected = torch.tensor([0.8660254, -0.8660254, -0.8660254, 0.8660254, 0, 0, 0, 0])
     torch.testing.assert_close(out.advantages, expected, atol=1e-6, rtol=0)
     assert out.zero_variance.tolist() == [False, True]
-    assert out.keep.all()
 
 
-def test_mean_only_advantages_subtract_the_group_mean_and_filtering_drops_zero_variance_groups():
+def test_mean_only_advantages_subtract_the_group_mean_and_flag_zero_variance_groups():
     rewards = torch.tensor([3.0, 1.0, 5.0, 5.0])
-    out = group_advantages(rewards, group_size=2, norm="mean", filter_zero_variance=True)
+    out = group_advantages(rewards, group_size=2, norm="mean")
     assert out.advantages.tolist() == [1.0, -1.0, 0.0, 0.0]
-    assert out.keep.tolist() == [True, True, False, False]
+    assert out.zero_variance.tolist() == [False, True]
 
 
 def test_rewards_that_do_not_fill_whole_groups_are_an_error():

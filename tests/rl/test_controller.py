@@ -17,20 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch  # noqa: F401  the algorithm's advantages need it: a one-off import (~1.5 s) at collection, not in a test
+from fake_config import fake_config
 from fake_head import FakeHead, FakeJob
 from fake_ports import FakeGroupError, FakePorts, FakeReward
 
 import hpcrl.rl.ports as ports_module
-from hpcrl.config.schema import (
-    AlgorithmConfig,
-    Config,
-    DataConfig,
-    InferenceConfig,
-    ModelConfig,
-    RewardConfig,
-    RunConfig,
-    TrainerConfig,
-)
+from hpcrl.config.schema import AlgorithmConfig, Config
 from hpcrl.data.prompts import Prompt
 from hpcrl.errors import ConfigError
 from hpcrl.rl.controller import ControllerError
@@ -46,16 +38,9 @@ SEED = 3
 
 def config_for(run_dir: Path, *, lag: int = 1, steps: int = STEPS, interval: int = 0, replicas: int = 1,
                trainer_nodes: int = 1) -> Config:
-    return Config(
-        run=RunConfig(name="fake-run", run_dir=str(run_dir), seed=SEED),
-        model=ModelConfig(preset="tiny-llama", dtype="float32"),
-        data=DataConfig(source="builtin:echo", max_prompt_tokens=16),
-        trainer=TrainerConfig(nodes=trainer_nodes, gpus_per_node=0, ranks_per_node=1, steps=steps, lr=1e-3,
-                              checkpoint_interval=interval, global_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,
-                              micro_batch_size=4),
-        inference=InferenceConfig(gpus_per_node=0, replicas=replicas, max_tokens=1),
-        reward=RewardConfig(function="hpcrl.reward.builtin:exact_match", tasks=1),
-        algorithm=AlgorithmConfig(group_size=GROUP_SIZE, max_policy_lag=lag))
+    return fake_config(run_dir, run_name="fake-run", seed=SEED, steps=steps, prompts_per_step=PROMPTS_PER_STEP,
+                       group_size=GROUP_SIZE, interval=interval, replicas=replicas, trainer_nodes=trainer_nodes,
+                       max_policy_lag=lag)
 
 
 @contextlib.contextmanager

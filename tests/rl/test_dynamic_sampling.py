@@ -8,18 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch  # noqa: F401  the algorithm's advantages need it: imported at collection, not in a test
+from fake_config import fake_config
 from fake_ports import FakePorts
 
-from hpcrl.config.schema import (
-    AlgorithmConfig,
-    Config,
-    DataConfig,
-    InferenceConfig,
-    ModelConfig,
-    RewardConfig,
-    RunConfig,
-    TrainerConfig,
-)
+from hpcrl.config.schema import Config
 from hpcrl.rl.controller import ROUND_SEED_STRIDE
 from hpcrl.rl.loop import run_loop
 from hpcrl.rl.metrics import read_metrics
@@ -28,17 +20,9 @@ STEPS, PROMPTS_PER_STEP, GROUP_SIZE, SEED, ROUNDS = 5, 4, 4, 3, 3
 
 
 def config_for(run_dir: Path) -> Config:
-    return Config(
-        run=RunConfig(name="fake-dapo", run_dir=str(run_dir), seed=SEED),
-        model=ModelConfig(preset="tiny-llama", dtype="float32"),
-        data=DataConfig(source="builtin:echo", max_prompt_tokens=16),
-        trainer=TrainerConfig(nodes=1, gpus_per_node=0, ranks_per_node=1, steps=STEPS, lr=1e-3,
-                              checkpoint_interval=0, global_batch_size=PROMPTS_PER_STEP * GROUP_SIZE,
-                              micro_batch_size=4),
-        inference=InferenceConfig(gpus_per_node=0, replicas=1, max_tokens=1),
-        reward=RewardConfig(function="hpcrl.reward.builtin:exact_match", tasks=1),
-        algorithm=AlgorithmConfig(name="dapo", group_size=GROUP_SIZE, max_policy_lag=1, filter_zero_variance=True,
-                                  dynamic_sampling=True, max_sampling_rounds=ROUNDS))
+    return fake_config(run_dir, run_name="fake-dapo", seed=SEED, steps=STEPS, prompts_per_step=PROMPTS_PER_STEP,
+                       group_size=GROUP_SIZE, **{"name": "dapo", "max_policy_lag": 1, "filter_zero_variance": True,
+                          "dynamic_sampling": True, "max_sampling_rounds": ROUNDS})
 
 
 def loop_once(config: Config, ports: FakePorts, **kwargs) -> None:
