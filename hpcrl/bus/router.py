@@ -243,10 +243,6 @@ class Router:
         self._declare_dead(st, reason)
         return True
 
-    def subscribe(self, on_unhealthy: Callable[[PeerInfo], Any]) -> None:
-        """Call `on_unhealthy(peer_info)` (plain or async) whenever a peer is declared unhealthy."""
-        self._listeners.append(on_unhealthy)
-
     def watch(self, on_event: Callable[[PeerEvent], None]) -> None:
         """Call `on_event(PeerEvent)` for every registration, READY, exit code and death, in order,
         from the loop (keep it quick: e.g. append to a list another task reads)."""

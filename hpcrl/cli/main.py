@@ -14,6 +14,7 @@ warnings; hpcrl.logs); `hpcrl run` sets it up again once it knows its run direct
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from hpcrl import __version__
@@ -51,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader of stdout went away (`hpcrl plan ... | head`): what it read was the output, no error.
+        # Python's advice: point stdout at /dev/null so that the flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -88,3 +88,18 @@ def test_a_bad_command_line_is_an_error_not_a_traceback():
     done = hpcrl("plan", "configs/nope.toml")
     assert done.returncode == 2
     assert done.stderr.startswith("hpcrl: error: configs/nope.toml: file not found")
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_that_closed_its_end_of_the_pipe_is_no_error():
+    """`hpcrl plan CONFIG --transfer | head -1`: what was read is the product; no traceback for the rest."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write to stdout now fails with EPIPE
+    try:
+        done = subprocess.run([sys.executable, "-m", "hpcrl", "plan", "configs/tiny_grpo.toml", "--transfer"],
+                              cwd=REPO, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    finally:
+        os.close(write_end)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
