@@ -365,10 +365,14 @@ def _headline(step: dict) -> str:
     if name == "tests":
         return f"{f['passed']} passed, {f['failed']} failed, {f['error']} errors, {f['skipped']} skipped"
     if name == "pack_unpack_bandwidth":
-        numbers = [f"{k} {v}" for k, v in f.items() if isinstance(v, int | float) and ("gb_per_s" in k or "vs_copy" in k)]
         target = f.get("target")
-        met = f"; worst pack/copy {target['worst']} (>= {target['pack_vs_copy_min']}: {'met' if target['met'] else 'MISSED'})" if target else ""
-        return ", ".join(numbers[:6]) + met
+        text = (f"best path's pack, unpack / copy, worst plan {target['worst']:.0%} (>= {target['pack_vs_copy_min']:.0%}:"
+                f" {'met' if target['met'] else 'MISSED'})") if target else "no pack/copy ratio in its JSON"
+        for plan in f.get("plans", []):
+            paths = ", ".join(f"{path} {row['pack_gb_per_s']:.0f}/{row['unpack_gb_per_s']:.0f} GB/s" if "pack_gb_per_s"
+                              in row else f"{path} {row.get('error')}" for path, row in plan.get("paths", {}).items())
+            text += f"\n{'':<41}{plan.get('plan')}: copy {plan.get('copy_gb_per_s')} GB/s; pack/unpack {paths}"
+        return text
     if name == "preflight" and f.get("mode") == "partial":
         return "partial: " + "; ".join(f["partial_because"])
     if name == "grpo_steps":
