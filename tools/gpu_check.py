@@ -76,7 +76,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,11 +140,14 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def not_run(steps: list[dict], listed: list[dict[str, str]]) -> list[dict[str, str]]:
+def not_run(steps: list[dict], listed: list[dict[str, str]], expected: Sequence[str] = ()) -> list[dict[str, str]]:
     """`listed` (what the mode could not run: the full check's steps in the partial mode, parts of steps),
-    then every recorded step that did not run, each {step, why}."""
+    then every recorded step that did not run, then the expected steps never reached, each {step, why}."""
     skipped = [{"step": s["name"], "why": (s["error"] or "").removeprefix("not run: ")} for s in steps if s["ok"] is None]
-    return listed + skipped
+    recorded = {s["name"] for s in steps}
+    never = [{"step": name, "why": "not reached: the run stopped before it"} for name in expected
+             if name not in recorded and steps and steps[0]["ok"]]
+    return listed + skipped + never
 
 
 def summary(*, model_dir: str, device: str, budget_s: float, seconds: float, environment: dict, steps: list[dict],
@@ -154,7 +157,7 @@ def summary(*, model_dir: str, device: str, budget_s: float, seconds: float, env
     name, code, reason = verdict(steps, expected, partial=mode == "partial")
     return json_safe({"verdict": name, "exit_code": code, "reason": reason, "mode": mode, "model_dir": model_dir,
                       "device": device, "budget_s": budget_s, "seconds": round(seconds, 1),
-                      "environment": environment, "steps": steps, "not_run": not_run(steps, missing or []),
+                      "environment": environment, "steps": steps, "not_run": not_run(steps, missing or [], expected),
                       "work_dir": work_dir, "logs": logs or {}})
 
 

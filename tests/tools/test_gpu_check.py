@@ -167,6 +167,9 @@ def test_not_run_lists_what_the_mode_could_not_run_then_every_step_that_did_not_
     listed = [{"step": "vllm_start", "why": "vLLM is not installed"}]
     assert gpu_check.not_run(steps, listed) == [{"step": "vllm_start", "why": "vLLM is not installed"},
                                                 {"step": "tests", "why": "--skip"}]
+    stopped = gpu_check.not_run(steps, [], ["preflight", "gloo_device_transfer", "tests", "trainer_step_b4"])
+    assert stopped == [{"step": "tests", "why": "--skip"},
+                       {"step": "trainer_step_b4", "why": "not reached: the run stopped before it"}]
     result = gpu_check.summary(model_dir="", device="cuda", budget_s=420, seconds=1.0, environment={}, steps=steps,
                                expected=gpu_check_partial.step_names([4]), mode="partial", missing=listed)
     assert (result["verdict"], result["mode"], result["not_run"][1]) == ("partial", "partial",
