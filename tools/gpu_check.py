@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     expected = step_names(args.batches) if partial else expected_steps(mode.transports)
     result = summary(model_dir=str(args.model_dir or ""), device=mode.device, budget_s=args.budget_s,
                      seconds=time.monotonic() - started, environment=environment, steps=check.steps,
-                     expected=expected, work_dir=str(work or ""), logs=logs, mode="partial" if partial else "full",
+                     expected=expected, work_dir=str(work or ""), logs=logs, mode="partial" if why_partial else "full",
                      missing=missing)
     text = json.dumps(result, indent=2)
     print(text, flush=True)
