@@ -54,10 +54,12 @@ MIN_STEP_S = 20
 ENGINE_VS_PLAIN_MAX = 1.05
 PACK_VS_COPY_MIN = 0.5
 
-#: What the tests step runs: the trainer (FSDP2, loss, model parity), the gloo transfer between processes,
+#: What the tests step runs (those of them in the checkout): the trainer (FSDP2, loss, model parity, the
+#: fused logprob's CUDA test), the gloo transfer between processes, the packing paths (Triton's on CUDA),
 #: the device choice of roles, this tool's pure parts. None needs vLLM or pyzmq; -k leaves out UCX and the
 #: fake PyNccl (it needs vLLM); the NCCL refusal test skips itself on a CUDA host.
-TESTS = ("tests/trainer", "tests/transfer/test_execute.py", "tests/roles/test_base.py", "tests/tools/test_gpu_check.py")
+TESTS = ("tests/trainer", "tests/transfer/test_execute.py", "tests/transfer/test_packing.py",
+         "tests/roles/test_base.py", "tests/tools/test_gpu_check.py")
 TESTS_SELECT = ("-m", "not slow and not slurm and not faults", "-k", "not ucx and not fake and not pynccl")
 
 
@@ -250,8 +252,9 @@ class PartialRun:
         self.logs["tests"] = str(log)
         timeout = ["--timeout", "120"] if find_spec("pytest_timeout") else []
         # addopts cleared: --strict-markers would make the timeout marks errors where pytest-timeout is missing.
+        paths = [path for path in TESTS if (REPO / path).exists()]
         command = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "-o", "addopts=",
-                   *timeout, *TESTS_SELECT, *TESTS]
+                   *timeout, *TESTS_SELECT, *paths]
         with open(log, "wb") as sink:
             proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, env=self.env,
                                     start_new_session=True)
@@ -262,7 +265,7 @@ class PartialRun:
             end_sessions([proc.pid], grace_s=5.0)
             code = None
         output = log.read_text(errors="replace")
-        figures: dict[str, Any] = {"paths": list(TESTS), "select": list(TESTS_SELECT), **pytest_counts(output),
+        figures: dict[str, Any] = {"paths": paths, "select": list(TESTS_SELECT), **pytest_counts(output),
                                    "failures": re.findall(r"^(?:FAILED|ERROR) (\S+)", output, re.MULTILINE)[:10]}
         if figures["failed"] or figures["error"]:
             raise StepFailed(f"{figures['failed']} failed, {figures['error']} error(s), e.g. "
