@@ -23,7 +23,9 @@ timed and each with its own time limit inside --budget-s, the most wanted first:
                          failed, skipped
 
 A benchmark tool or flag this checkout lacks (another branch of issue 30 brings it) is reported as
-not run, with why, as is a step --skip names or the budget no longer leaves time for.
+not run, with why, as is a step --skip names or the budget no longer leaves time for. The targets
+are figures ({..., "met": true | false} under "target"), not checks: a missed target is reported,
+and fails nothing; a wrong result (a transfer or a packing path not exact, a failed test) does.
 """
 
 from __future__ import annotations
