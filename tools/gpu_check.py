@@ -7,9 +7,10 @@
 The partial mode runs on a node with fewer than 4 GPUs, without vLLM or without MODEL_DIR (or when
 --partial asks for it) what one GPU can: the trainer step beside a plain torchtitan loop of the same
 model at batch 4 and 8, pack/unpack against a device copy, the gloo transfer with tensors on the GPU
-at both ends checked element-exact, and the tests that run there (tools/gpu_check_partial.py has the
-steps); it uses --preset's shapes with random weights (MODEL_DIR is not needed), and its verdict is
-"partial", with the list of what it could not run and why (not_run).
+at both ends checked element-exact, and the tests that run there (steps trainer_step_b4,
+trainer_step_b8, pack_unpack_bandwidth, gloo_device_transfer, tests: tools/gpu_check_partial.py
+describes them); it uses --preset's shapes with random weights (MODEL_DIR is not needed), and its
+verdict is "partial", with the list of what it could not run and why (not_run).
 
 It needs nothing but the project (`pip install -e .[vllm,titan]`) and the checkpoint. Of the GPUs
 CUDA_VISIBLE_DEVICES shows (all by default), the first two run two trainer ranks (FSDP2 over NCCL,
