@@ -351,7 +351,7 @@ def _headline(step: dict) -> str:
     """The figures of one step worth a terminal line (the JSON has them all), or its error."""
     f, name = step["figures"], step["name"]
     if step["ok"] is not True:
-        return (step["error"] or "").removeprefix("not run: ")[:200]
+        return (step["error"] or "").removeprefix("not run: ").rstrip(": ")[:200]
 
     def run(r: dict) -> str:
         memory = f", {r['peak_memory_gib']} GiB" if r.get("peak_memory_gib") is not None else ""

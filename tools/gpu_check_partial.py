@@ -14,7 +14,7 @@ timed and each with its own time limit inside --budget-s, the most wanted first:
                          step times (issue 30's target: <= 1.05)
   pack_unpack_bandwidth  tools/bench_pack.py: hpcrl.transfer.execute pack and unpack GB/s of each packing
                          path against a device copy of the same bytes (target: >= 50 % of the copy);
-                         fails where a path is not bit-exact (on CPU: its smallest plan only)
+                         fails where a path is not bit-exact (on CPU: its smallest plan, 2 repeats)
   gloo_device_transfer   two processes on the one device: a trainer rank (hpcrl's TrainerSender, float32
                          master weights of --preset) sends over gloo to a receiver without vLLM
                          (execute.receive), tensors on the device at both ends, twice (cold, warm);
@@ -197,7 +197,9 @@ class PartialRun:
         one copy per block) packs and unpacks at >= PACK_VS_COPY_MIN of the device copy."""
         if not (TOOLS / "bench_pack.py").is_file():
             raise Skipped("tools/bench_pack.py is not in this checkout")
-        small = ["--plans", "8x8"] if not self.gpu and "--plans" in options(TOOLS / "bench_pack.py") else []
+        flags = options(TOOLS / "bench_pack.py")
+        small = [] if self.gpu else [*(["--plans", "8x8"] if "--plans" in flags else []),
+                                     *(["--repeats", "2"] if "--repeats" in flags else [])]
         figures = self.tool("bench_pack.py", "pack", ["--device", self.args.device, *small], deadline)
         plans = figures.get("plans")
         if not isinstance(plans, list):  # an unknown layout: the smallest ratio anywhere
