@@ -347,6 +347,11 @@ def guarded(args: argparse.Namespace, check: Check, run: Callable[[], None], tea
         teardown()
 
 
+def _rate(value: float) -> str:
+    """A GB/s figure in three digits at most: 2118, 230, 4.2, 0.31."""
+    return f"{value:.0f}" if value >= 10 else f"{value:.2g}"
+
+
 def _headline(step: dict) -> str:
     """The figures of one step worth a terminal line (the JSON has them all), or its error."""
     f, name = step["figures"], step["name"]
@@ -373,7 +378,7 @@ def _headline(step: dict) -> str:
         text = (f"best path's pack, unpack / copy, worst plan {target['worst']:.0%} (>= {target['pack_vs_copy_min']:.0%}:"
                 f" {'met' if target['met'] else 'MISSED'})") if target else "no pack/copy ratio in its JSON"
         for plan in f.get("plans", []):
-            paths = ", ".join(f"{path} {row['pack_gb_per_s']:.0f}/{row['unpack_gb_per_s']:.0f} GB/s" if "pack_gb_per_s"
+            paths = ", ".join(f"{path} {_rate(row['pack_gb_per_s'])}/{_rate(row['unpack_gb_per_s'])} GB/s" if "pack_gb_per_s"
                               in row else f"{path} {row.get('error')}" for path, row in plan.get("paths", {}).items())
             text += f"\n{'':<41}{plan.get('plan')}: copy {plan.get('copy_gb_per_s')} GB/s; pack/unpack {paths}"
         return text
