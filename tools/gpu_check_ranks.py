@@ -1,13 +1,15 @@
-"""The processes tools/gpu_check.py drives: a trainer rank, and the vLLM replica.
+"""The processes tools/gpu_check.py drives: a trainer rank and the vLLM replica (the full check), and
+the two ends of the one-GPU transfer (the partial check: a sender and a receiver without vLLM).
 
-    python tools/gpu_check_ranks.py trainer|vllm     # started by tools/gpu_check_steps.py, never by hand
+    python tools/gpu_check_ranks.py trainer|vllm|sender|receiver   # started by tools/gpu_check_steps.py
+                                                                   # and gpu_check_partial.py, never by hand
 
-Each reads one JSON command per line on stdin ({"id", "cmd", "args"}: a method of TrainerRank or
-VllmReplica and its keyword arguments) and answers with one JSON line ({"id", "ok", "result" or
+Each reads one JSON command per line on stdin ({"id", "cmd", "args"}: a method of its class in
+KINDS and its keyword arguments) and answers with one JSON line ({"id", "ok", "result" or
 "error" and "traceback", "seconds"}) on the stdout it was started with; everything else it or its
 children print (vLLM's logs) goes to stderr, which the driver points at a log file. Both use
 hpcrl's own code paths: TrainerEngine (FSDP2, GRPO loss), TrainerSender, VllmEngine with hpcrl's
-weight-transfer engine, vLLM's reload_weights for the reference.
+weight-transfer engine, vLLM's reload_weights for the reference, hpcrl.transfer.execute.receive.
 """
 
 from __future__ import annotations
@@ -216,6 +218,170 @@ class TrainerRank:
         return {}
 
 
+# ----------------------------------------------------------------- the one-GPU transfer (partial mode)
+
+#: Seed of the first HF tensor's values in the one-GPU transfer (each next tensor: the next seed).
+VALUES_SEED = 1234
+
+
+def one_gpu_plan(preset: str, wire_dtype: str):
+    """(plan, shape): one trainer rank (FSDP world 1, HF names) -> one inference rank (TP 1), `preset`'s shapes."""
+    from hpcrl.config.model_shapes import preset as shape_of
+    from hpcrl.plan.for_config import BUCKET_BYTES
+    from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
+    from hpcrl.plan.transfer_planner import plan as plan_transfer
+
+    shape = shape_of(preset)
+    return plan_transfer(TrainerLayout(dp_shard=1, naming="hf"), InferenceLayout(replicas=1, tensor_parallel=1), shape,
+                         wire_dtype=wire_dtype, bucket_bytes=BUCKET_BYTES), shape
+
+
+def hf_values(shape, device) -> dict:
+    """Every HF tensor of `shape` as float32 normal values, seeded per tensor: the same in every process
+    (on the same device type), so a receiver knows what a sender sent without being sent it."""
+    import torch
+
+    out = {}
+    for i, (name, dims) in enumerate(shape.hf_parameters()):
+        generator = torch.Generator(device=device).manual_seed(VALUES_SEED + i)
+        out[name] = torch.randn(tuple(dims), generator=generator, device=device)
+    return out
+
+
+def expected_dests(plan, shape, hf: dict, tp_rank: int, fill: float) -> dict:
+    """One TP rank's vLLM parameters as its weight loaders would fill them from the HF tensors `hf`
+    (torch tensors, any device; vocab padding rows `fill`): hpcrl.plan.transfer_check._vllm_expected
+    in torch, so that it runs on the GPU at 1B scale; tests/tools/test_gpu_check.py holds them equal."""
+    import torch
+
+    from hpcrl.plan.transfer_layout import pad_vocab_size
+
+    tp = plan.inference.tensor_parallel
+    nh, d = shape.num_heads // tp, shape.head_dim
+    reps = tp // shape.num_kv_heads if tp >= shape.num_kv_heads else 1
+    nkv = max(1, shape.num_kv_heads // tp)
+    out = {}
+    for name, w in hf.items():
+        if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias", "up_proj.weight")):
+            continue
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            kind = name.rsplit(".", 1)[1]
+            base = name[: -len("q_proj." + kind)]
+            kv = tp_rank // reps
+            parts = [w[tp_rank * nh * d:(tp_rank + 1) * nh * d]]
+            parts += [hf[f"{base}{x}_proj.{kind}"][kv * nkv * d:(kv + 1) * nkv * d] for x in "kv"]
+            out[f"{base}qkv_proj.{kind}"] = torch.cat(parts)
+        elif name.endswith("gate_proj.weight"):
+            f = w.shape[0] // tp
+            up = hf[name.replace("gate_proj", "up_proj")]
+            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat([w[tp_rank * f:(tp_rank + 1) * f],
+                                                                        up[tp_rank * f:(tp_rank + 1) * f]])
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            k = w.shape[1] // tp
+            out[name] = w[:, tp_rank * k:(tp_rank + 1) * k]
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            per = pad_vocab_size(w.shape[0], plan.inference.vocab_padding) // tp
+            local = torch.full((per, w.shape[1]), fill, dtype=w.dtype, device=w.device)
+            part = w[tp_rank * per:(tp_rank + 1) * per]
+            local[:len(part)] = part
+            out[name] = local
+        else:
+            out[name] = w
+    return out
+
+
+def _device(device: str):
+    import torch
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def _synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class OneGpuSender:
+    """The trainer end of the one-GPU transfer: FSDP world 1, so its local shards are the HF tensors
+    (float32 master weights on `device`), sent over gloo with hpcrl's TrainerSender."""
+
+    def start(self, *, preset: str, device: str, wire_dtype: str, port: int, timeout_s: float) -> dict:
+        from hpcrl.transfer.trainer import TrainerSender
+
+        self.plan, shape = one_gpu_plan(preset, wire_dtype)
+        self.device = _device(device)
+        self.shards = hf_values(shape, self.device)
+        self.sender = TrainerSender.connect(self.plan, rank=0, host="127.0.0.1", port=port, timeout_s=timeout_s,
+                                            external_store=True, transport="gloo")
+        return {"tensors": len(self.shards), "device": str(self.device)}
+
+    def send(self) -> dict:
+        sent = self.sender.send(self.shards)
+        _synchronize(self.device)
+        return {"bytes": sent, "seconds": self.sender.last_seconds}
+
+    def exit(self) -> dict:
+        self.sender.close()
+        return {}
+
+
+class OneGpuReceiver:
+    """The inference end of the one-GPU transfer without vLLM: hpcrl.transfer.execute.receive into
+    tensors on `device` shaped as vLLM's at TP 1, each checked element for element against the HF
+    values the sender holds (recomputed here from the same seeds)."""
+
+    FILL = -1.0
+    """What the destinations hold before each transfer: a tensor the transfer skipped cannot match."""
+
+    def start(self, *, preset: str, device: str, wire_dtype: str, port: int, timeout_s: float) -> dict:
+        import torch
+
+        from hpcrl.transfer import execute
+        from hpcrl.transfer.registry import open_group
+
+        self.plan, shape = one_gpu_plan(preset, wire_dtype)
+        self.device, self.timeout_s = _device(device), timeout_s
+        wire = execute.TORCH_DTYPES[wire_dtype]
+        hf = {name: t.to(wire) for name, t in hf_values(shape, self.device).items()}  # the cast packing makes
+        self.expected = {name: t.contiguous() for name, t in expected_dests(self.plan, shape, hf, 0, self.FILL).items()}
+        del hf
+        self.dests = {d.name: torch.empty(d.local_shape, dtype=wire, device=self.device) for d in self.plan.dests}
+        if set(self.dests) != set(self.expected):
+            raise RuntimeError(f"the plan's destinations and the expected tensors differ: "
+                               f"{sorted(set(self.dests) ^ set(self.expected))[:5]}")
+        rank = execute.inference_group_rank(self.plan, 0, 0)
+        self.group = open_group("gloo", host="127.0.0.1", port=port, rank=rank,
+                                world_size=self.plan.trainer.world_size + 1, timeout_s=timeout_s, external_store=True)
+        self.group.check_digests(rank=rank, digest=self.plan.digest,
+                                 describe=lambda r: execute.describe_group_rank(self.plan, r))
+        return {"tensors": len(self.dests), "device": str(self.device)}
+
+    def receive(self) -> dict:
+        from hpcrl.transfer import execute
+
+        for t in self.dests.values():
+            t.fill_(self.FILL)
+        _synchronize(self.device)
+        started = time.perf_counter()
+        got = execute.receive(self.group, self.plan, 0, 0, execute.check_dests(self.plan, 0, 0, self.dests),
+                              timeout_s=self.timeout_s)
+        _synchronize(self.device)
+        seconds = time.perf_counter() - started
+        wrong = [name for name, t in self.dests.items() if not bool((t == self.expected[name].view(t.shape)).all())]
+        return {"bytes": got, "seconds": seconds, "tensors": len(self.dests), "wrong": wrong}
+
+    def exit(self) -> dict:
+        self.group.close()
+        return {}
+
+
+# --------------------------------------------------------------------------------------- vLLM workers
+
 def worker_pointers(worker) -> dict[str, int]:
     """Run in each vLLM worker (collective_rpc): data_ptr of every parameter."""
     model = worker.model_runner.get_model()
@@ -301,12 +467,16 @@ class VllmReplica:
         return {}
 
 
+KINDS: dict[str, type] = {"trainer": TrainerRank, "vllm": VllmReplica, "sender": OneGpuSender,
+                          "receiver": OneGpuReceiver}
+
+
 def serve(kind: str) -> int:
     """Answer the driver's commands (see the module docstring) until "exit" or the end of stdin."""
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.path.insert(0, str(REPO))  # hpcrl, from this checkout
-    handler: Any = TrainerRank() if kind == "trainer" else VllmReplica()
+    handler: Any = KINDS[kind]()
     for line in sys.stdin:
         request = json.loads(line)
         started = time.monotonic()
@@ -322,8 +492,6 @@ def serve(kind: str) -> int:
         if request["cmd"] == "exit":
             break
     return 0
-
-
 
 
 if __name__ == "__main__":

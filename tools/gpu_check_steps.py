@@ -151,7 +151,12 @@ class Stuck(Exception):
 
 
 class Skipped(Exception):
-    """A step could not run because an earlier one failed."""
+    """A step could not run (an earlier one failed, a tool is missing), or stopped short of its end
+    with nothing wrong (`figures`: what it got so far)."""
+
+    def __init__(self, message: str, figures: dict | None = None) -> None:
+        super().__init__(message)
+        self.figures = figures or {}
 
 
 class BudgetSpent(BaseException):
@@ -241,8 +246,8 @@ class ChildError(Exception):
 class Check:
     """The steps of one run: each timed and recorded, within the overall budget."""
 
-    def __init__(self, budget_s: float, started: float) -> None:
-        self.deadline = started + budget_s - TEARDOWN_S
+    def __init__(self, budget_s: float, started: float, reserve_s: float = TEARDOWN_S) -> None:
+        self.deadline = started + budget_s - reserve_s
         self.steps: list[dict] = []
         self.stuck = ""
 
@@ -265,7 +270,7 @@ class Check:
         except StepFailed as err:
             self.record(name, False, time.monotonic() - start, err.figures, str(err))
         except Skipped as err:
-            self.record(name, None, time.monotonic() - start, error=f"not run: {err}")
+            self.record(name, None, time.monotonic() - start, err.figures, error=f"not run: {err}")
         except Stuck as err:
             self.stuck = f"{name} failed"
             self.record(name, False, time.monotonic() - start, error=str(err))

@@ -42,6 +42,31 @@ from hpcrl.models import ModelShape
 _AC_PREFIX = "_checkpoint_wrapped_module."
 
 
+def supply_missing_torch_names() -> None:
+    """Give torch what torchtitan 0.3.0 imports from it and an older torch lacks, before torchtitan loads.
+
+    torchtitan 0.3.0's model packages import `torch.distributed.fsdp.DataParallelMeshDims` (torch
+    2.13 has it; torch 2.11, which pyproject.toml allows and GPU nodes ship, does not), only to
+    annotate functions of models hpcrl never builds (DeepSeek-V3's MTP, Flux): a stand-in with the
+    same fields lets torchtitan import, and hpcrl never constructs one. Where torch has the class,
+    nothing changes. Called by the functions below that import torchtitan (never at import time).
+    """
+    import torch.distributed.fsdp as fsdp
+
+    if hasattr(fsdp, "DataParallelMeshDims"):
+        return
+
+    @dataclass(frozen=True)
+    class DataParallelMeshDims:
+        """Stand-in set by hpcrl.trainer.titan for a torch without it (see supply_missing_torch_names)."""
+
+        shard: str | tuple[str, ...] | None = None
+        replicate: str | tuple[str, ...] | None = None
+
+    DataParallelMeshDims.__module__, DataParallelMeshDims.__qualname__ = "torch.distributed.fsdp", "DataParallelMeshDims"
+    setattr(fsdp, "DataParallelMeshDims", DataParallelMeshDims)  # noqa: B010 - mypy: torch declares no such name
+
+
 @dataclass(frozen=True, kw_only=True)
 class RopeScaling:
     """Llama 3.1+ RoPE frequency scaling (config.json rope_scaling / rope_parameters, type "llama3")."""
@@ -93,6 +118,7 @@ def _scaled_rope_class():
 def _titan_class(path: str):
     """The torchtitan class at dotted `path` (a model family names its classes so; hpcrl.models)."""
     module, _, name = path.rpartition(".")
+    supply_missing_torch_names()
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as err:
@@ -122,6 +148,7 @@ def _inits(shape: ModelShape):
 
 def model_config(shape: ModelShape, *, max_seq_len: int, rope_scaling: RopeScaling | None = None):
     """The torchtitan `Decoder.Config` for `shape` (see the module docstring for the choices)."""
+    supply_missing_torch_names()
     from torchtitan.models.common import Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
