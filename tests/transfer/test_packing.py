@@ -1,0 +1,187 @@
+"""Packing a round in a number of torch ops that does not grow with its blocks (hpcrl.transfer.packing),
+bit-identical to the block-by-block copy every transport's wire format is defined by."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import procs
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hpcrl.transfer import execute, packing
+
+SPEC = {"preset": "tiny-qwen2", "trainer": {"dp_shard": 3}, "inference": {"replicas": 2, "tensor_parallel": 2},
+        "bucket": 8192, "round_bytes": 20000, "wire_dtype": "bfloat16"}
+
+
+def sender_rounds(p, rank: int) -> list:
+    return [b for b in ([m for m in batch if m.src_rank == rank] for batch in execute.schedule(p)) if b]
+
+
+def receiver_rounds(p, replica: int, tp_rank: int) -> list:
+    return [b for b in ([m for m in batch if m.replica == replica and m.tp_rank == tp_rank]
+                        for batch in execute.schedule(p)) if b]
+
+
+def packed(p, shape, rank: int, path: str, **kw) -> list[torch.Tensor]:
+    """Every round of trainer `rank`'s staging, packed by `path` from element-id shards."""
+    wire = execute.TORCH_DTYPES[p.wire_dtype]
+    mine = sender_rounds(p, rank)
+    packer = packing.Packer(p, mine, "pack", torch.device("cpu"), path=path, **kw)
+    packer.bind(execute.check_sources(p, rank, procs.id_shards(p, shape, rank)))
+    out = []
+    for k, batch in enumerate(mine):
+        staging = torch.full((sum(m.numel for m in batch) + 3,), -7.0, dtype=wire)  # + 3: nothing past the round
+        packer.run(k, staging)
+        out.append(staging)
+    return out
+
+
+def unpacked(p, replica: int, tp_rank: int, path: str) -> dict[str, torch.Tensor]:
+    """Destinations filled from seeded random staging buffers, unpacked by `path`."""
+    wire = execute.TORCH_DTYPES[p.wire_dtype]
+    mine = receiver_rounds(p, replica, tp_rank)
+    gen = torch.Generator().manual_seed(replica * 10 + tp_rank)
+    dests = {d.name: torch.full(d.local_shape, -1.0, dtype=wire) for d in p.dests}
+    packer = packing.Packer(p, mine, "unpack", torch.device("cpu"), path=path)
+    packer.bind(execute.check_dests(p, replica, tp_rank, dests))
+    for k, batch in enumerate(mine):
+        packer.run(k, torch.randn(sum(m.numel for m in batch), generator=gen).to(wire))
+    return dests
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("wire", ["bfloat16", "float32"])
+def test_the_gather_path_packs_and_unpacks_every_round_bit_for_bit_as_the_block_loop(wire):
+    p, shape = procs._plan(dict(SPEC, wire_dtype=wire))
+    for rank in range(3):
+        loop, gather = packed(p, shape, rank, "loop"), packed(p, shape, rank, "gather")
+        assert len(loop) > 10 and all(same_bits(a, b) for a, b in zip(loop, gather)), rank
+    for replica in range(2):
+        for tp_rank in range(2):
+            loop, gather = unpacked(p, replica, tp_rank, "loop"), unpacked(p, replica, tp_rank, "gather")
+            assert all(same_bits(loop[n], gather[n]) for n in loop), (replica, tp_rank)
+            assert all((loop[n] != -1).any() for n in loop)
+
+
+def count_ops(run) -> list[str]:
+    """The aten operations `run()` dispatches (views and copies alike)."""
+    ops: list[str] = []
+
+    class Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Counting():
+        run()
+    return ops
+
+
+def one_round_packers(bucket: int, path: str) -> tuple:
+    """A trainer rank's and a receiver's packer of a one-round plan whose blocks are cut at `bucket` bytes."""
+    p, shape = procs._plan(dict(SPEC, bucket=bucket, round_bytes=1 << 30))
+    wire = execute.TORCH_DTYPES[p.wire_dtype]
+    (send,), (recv,) = sender_rounds(p, 0), receiver_rounds(p, 0, 1)
+    pack = packing.Packer(p, [send], "pack", torch.device("cpu"), path=path)
+    pack.bind(execute.check_sources(p, 0, procs.id_shards(p, shape, 0)))
+    unpack = packing.Packer(p, [recv], "unpack", torch.device("cpu"), path=path)
+    dests = {d.name: torch.zeros(d.local_shape, dtype=wire) for d in p.dests}
+    unpack.bind(execute.check_dests(p, 0, 1, dests))
+    staging = torch.zeros(max(sum(m.numel for m in b) for b in (send, recv)), dtype=wire)
+    blocks = (sum(m.stop - m.start for m in send), sum(m.stop - m.start for m in recv))
+    for packer in (pack, unpack):
+        packer.run(0, staging)  # the first sync makes the index tensors
+    return blocks, (lambda: pack.run(0, staging)), (lambda: unpack.run(0, staging))
+
+
+def test_torch_ops_per_packed_and_unpacked_round_do_not_grow_with_the_number_of_blocks():
+    few_blocks, few_pack, few_unpack = one_round_packers(1 << 20, "gather")
+    many_blocks, many_pack, many_unpack = one_round_packers(256, "gather")
+    assert all(m >= 8 * f for m, f in zip(many_blocks, few_blocks)), (few_blocks, many_blocks)
+    pack_ops, unpack_ops = count_ops(few_pack), count_ops(few_unpack)
+    assert count_ops(many_pack) == pack_ops and count_ops(many_unpack) == unpack_ops
+    # per distinct tensor: a gather, a cast to the wire dtype and a scatter (pack), a gather and a scatter (unpack)
+    assert pack_ops.count("aten.index_select.default") == pack_ops.count("aten.index_put_.default") < few_blocks[0]
+    assert len(unpack_ops) < 3 * few_blocks[1]
+    # the block loop, by contrast: its ops grow with the blocks
+    _, loop_pack, _ = one_round_packers(256, "loop")
+    assert len(count_ops(loop_pack)) >= many_blocks[0]
+
+
+def test_gather_indices_are_int32_at_8_bytes_per_element_and_made_once_per_plan():
+    p, shape = procs._plan(SPEC)
+    execute._PACKERS.clear()
+    mine = sender_rounds(p, 1)
+    first = execute.packer(p, mine, "pack", ("trainer", 1), torch.device("cpu"))
+    assert execute.packer(p, mine, "pack", ("trainer", 1), torch.device("cpu")) is first
+    first.bind(execute.check_sources(p, 1, procs.id_shards(p, shape, 1)))
+    staging = torch.empty(max(sum(m.numel for m in b) for b in mine), dtype=torch.bfloat16)
+    for k in range(len(mine)):
+        first.run(k, staging)
+    elements = sum(m.numel for b in mine for m in b)
+    assert {first.path_of(k) for k in range(len(mine))} == {"gather"}
+    assert first.index_bytes == 8 * elements
+    other, _ = procs._plan(dict(SPEC, bucket=4096))
+    execute.packer(other, sender_rounds(other, 1), "pack", ("trainer", 1), torch.device("cpu"))
+    assert len(execute._PACKERS) == 1  # a new plan drops the old plan's indices
+
+
+def test_rounds_past_the_index_budget_copy_block_by_block_and_say_so(caplog):
+    p, shape = procs._plan(SPEC)
+    mine = sender_rounds(p, 0)
+    budget = 8 * sum(m.numel for m in mine[0]) + 1  # room for the first round only
+    with caplog.at_level(logging.INFO, logger="hpcrl.transfer.packing"):
+        got = packed(p, shape, 0, None, index_budget_bytes=budget)
+    said = [r.getMessage() for r in caplog.records if "index budget" in r.getMessage()]
+    assert len(said) == 1 and "round 1's gather indices" in said[0], said
+    assert all(same_bits(a, b) for a, b in zip(got, packed(p, shape, 0, "loop")))
+    packer = packing.Packer(p, mine, "pack", torch.device("cpu"), index_budget_bytes=budget)
+    assert [packer.path_of(k) for k in range(3)] == ["gather", "loop", "loop"]
+
+
+def test_an_unknown_path_or_triton_without_cuda_is_refused_naming_the_choices():
+    p, _ = procs._plan(SPEC)
+    with pytest.raises(ValueError, match="choose one of loop, gather, triton"):
+        packing.Packer(p, [], "pack", torch.device("cpu"), path="fast")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="needs Triton and CUDA tensors"):
+            packing.Packer(p, [], "pack", torch.device("cpu"), path="triton")
+
+
+TRITON_CHECK = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import test_packing as t, procs
+p, shape = procs._plan(dict(t.SPEC, wire_dtype="float32"))
+for rank in range(3):
+    assert all(t.same_bits(a, b) for a, b in zip(t.packed(p, shape, rank, "loop"), t.packed(p, shape, rank, "triton")))
+p, shape = procs._plan(t.SPEC)
+for replica, tp_rank in [(0, 0), (1, 1)]:
+    loop, tri = t.unpacked(p, replica, tp_rank, "loop"), t.unpacked(p, replica, tp_rank, "triton")
+    assert all(t.same_bits(loop[n], tri[n]) for n in loop)
+print("triton ok")
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_triton_kernel_moves_the_bytes_of_the_block_loop_in_the_interpreter():
+    """The one-launch CUDA kernel, run on CPU tensors by Triton's interpreter. Packing is checked
+    with a float32 wire: the interpreter casts float32 -> bf16 by truncation where the compiled
+    kernel (and torch) round to nearest even, so the cast itself is checked on a GPU
+    (tools/bench_pack.py compares every path's bytes there)."""
+    pytest.importorskip("triton")
+    tests = str(Path(__file__).parent)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]), tests]))
+    out = subprocess.run([sys.executable, "-c", TRITON_CHECK.format(tests=tests)], env=env, capture_output=True,
+                         text=True, timeout=280)
+    assert out.returncode == 0 and "triton ok" in out.stdout, out.stderr[-3000:]
