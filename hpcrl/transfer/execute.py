@@ -7,10 +7,13 @@ in `inference_group_rank` (trainer ranks first).
 A message is a run of consecutive plan blocks of one route (plan.blocks["message"]). Every
 transport runs the same schedule: the plan's messages in rounds (hpcrl.plan.transfer_rounds,
 `plan.round_bytes` of staging per rank and round). In each round a receiver posts all its `recv`s,
-a sender packs each block's `count` strided runs out of its local shard (torch.as_strided, casting
-to the wire dtype) into one buffer per message and `send`s it with the message number as tag; both
-wait, then the receiver unpacks each buffer into its destination tensors in plan order. A round's
-operations are issued inside `link.round()` (NCCL: one group_start ... group_end).
+a sender packs each block's `count` strided runs out of its local shard, cast to the wire dtype,
+into one buffer per message and `send`s it with the message number as tag; both wait, then the
+receiver unpacks each buffer into its destination tensors in plan order. A round's operations are
+issued inside `link.round()` (NCCL: one group_start ... group_end). `pack` / `unpack` below copy
+block by block and define the bytes; hpcrl.transfer.packing moves the same bytes for a whole round
+in a number of operations that does not grow with its blocks (one Triton kernel on a GPU), and the
+sender packs round k + 1 while round k is on the wire.
 
 Staging (class Staging) is one buffer per rank and sync, sized for the rank's largest round, on the
 link's device: on a GPU with NCCL, packing and unpacking are device copies with no host round trip;
@@ -143,6 +146,7 @@ def check_dests(plan: TransferPlan, replica: int, tp_rank: int, dests: dict[str,
 
 
 def pack(plan: TransferPlan, m: Message, sources: list[torch.Tensor | None], out: torch.Tensor) -> None:
+    """Message `m` into `out`, block by block (one strided copy each): the reference the packing paths match."""
     b, pos = plan.blocks, 0
     for i in range(m.start, m.stop):
         src = sources[b["source"][i]]
@@ -154,6 +158,7 @@ def pack(plan: TransferPlan, m: Message, sources: list[torch.Tensor | None], out
 
 
 def unpack(plan: TransferPlan, m: Message, buf: torch.Tensor, dests: list[torch.Tensor]) -> None:
+    """Message `m` from `buf` into the destinations, block by block: the reference the packing paths match."""
     b, pos = plan.blocks, 0
     for i in range(m.start, m.stop):
         dst = dests[b["dest"][i]]

@@ -81,17 +81,6 @@ def round_blocks(plan: TransferPlan, batch: list[Message], direction: str) -> Ro
     return RoundBlocks(tensor=tensor, offset=offset, stride=stride, length=length, count=count, position=position)
 
 
-def _element_indices(rb: RoundBlocks) -> tuple[np.ndarray, np.ndarray]:
-    """(index into the block's tensor's flat view, staging position) of every element of the round, staging order."""
-    sizes = rb.length * rb.count
-    n = int(sizes.sum())
-    block = np.repeat(np.arange(len(sizes)), sizes)
-    local = np.arange(n, dtype=np.int64) - np.repeat(rb.position, sizes)
-    length = rb.length[block]
-    row = local // length
-    return rb.offset[block] + row * rb.stride[block] + (local - row * length), np.arange(n, dtype=np.int64)
-
-
 @dataclass
 class GatherIndex:
     """Per distinct tensor of a round (first-use order): its flat indices and their staging positions."""
@@ -115,19 +104,30 @@ def gather_index_bytes(rb: RoundBlocks) -> int:
 
 
 def gather_index(rb: RoundBlocks, device: torch.device) -> GatherIndex:
-    flat, position = _element_indices(rb)
+    """Index tensors of every element of the round, per tensor, staging order within each tensor.
+
+    Made block by block into arrays of their final dtype (a block's indices: offset + row * stride
+    + col), so the host holds no more than the result and one block of int64 while making them.
+    """
     dtype = np.int32 if gather_index_bytes(rb) <= 8 * rb.numel else np.int64
-    owner = np.repeat(rb.tensor, rb.length * rb.count)
+    sizes = rb.length * rb.count
     tensors = list(dict.fromkeys(rb.tensor.tolist()))
-    order = np.argsort(owner, kind="stable")
-    bounds = np.searchsorted(owner[order], tensors, side="left")
-    ends = np.searchsorted(owner[order], tensors, side="right")
-    ti, si = [], []
-    for a, e in zip(bounds, ends):
-        sel = order[a:e]
-        ti.append(torch.from_numpy(flat[sel].astype(dtype)).to(device))
-        si.append(torch.from_numpy(position[sel].astype(dtype)).to(device))
-    return GatherIndex(tensors=tensors, tensor_index=ti, staging_index=si)
+    slot = {t: i for i, t in enumerate(tensors)}
+    totals = np.zeros(len(tensors), np.int64)
+    np.add.at(totals, [slot[t] for t in rb.tensor.tolist()], sizes)
+    flat = [np.empty(int(n), dtype) for n in totals]
+    position = [np.empty(int(n), dtype) for n in totals]
+    filled = [0] * len(tensors)
+    for t, off, stride, length, count, pos, n in zip(rb.tensor.tolist(), rb.offset.tolist(), rb.stride.tolist(),
+                                                      rb.length.tolist(), rb.count.tolist(), rb.position.tolist(),
+                                                      sizes.tolist()):
+        i, at = slot[t], filled[slot[t]]
+        rows = np.arange(off, off + count * stride, stride, dtype=np.int64)
+        flat[i][at:at + n] = (rows[:, None] + np.arange(length, dtype=np.int64)[None, :]).reshape(-1)
+        position[i][at:at + n] = np.arange(pos, pos + n, dtype=np.int64)
+        filled[i] += n
+    return GatherIndex(tensors=tensors, tensor_index=[torch.from_numpy(f).to(device) for f in flat],
+                       staging_index=[torch.from_numpy(q).to(device) for q in position])
 
 
 def gather_pack(gi: GatherIndex, sources: list[torch.Tensor | None], out: torch.Tensor) -> None:
@@ -145,13 +145,20 @@ def gather_unpack(gi: GatherIndex, buf: torch.Tensor, dests: list[torch.Tensor])
 
 
 def tile_table(rb: RoundBlocks) -> np.ndarray:
-    """[tiles, 7] int64: (tensor, offset, stride, length, staging position, first element, elements) per tile."""
+    """[tiles, 7] int64: (tensor, offset, stride, length, staging position, first element, elements) per tile.
+
+    A contiguous block (one row, or rows that follow each other) gets stride == length: the kernel
+    then skips dividing element numbers into rows.
+    """
     sizes = rb.length * rb.count
+    if len(sizes) and int(sizes.max()) >= 2**31:
+        raise ValueError(f"a block of {int(sizes.max())} elements is too large for the 'triton' path (< 2**31)")
+    stride = np.where((rb.count == 1) | (rb.stride == rb.length), rb.length, rb.stride)
     tiles = -(-sizes // TILE)
     block = np.repeat(np.arange(len(sizes)), tiles)
     first = (np.arange(int(tiles.sum())) - np.repeat(np.cumsum(tiles) - tiles, tiles)) * TILE
     n = np.minimum(TILE, sizes[block] - first)
-    return np.stack([rb.tensor[block], rb.offset[block], rb.stride[block], rb.length[block], rb.position[block],
+    return np.stack([rb.tensor[block], rb.offset[block], stride[block], rb.length[block], rb.position[block],
                      first, n], axis=1).astype(np.int64)
 
 
@@ -164,6 +171,26 @@ def triton_available() -> bool:
     return True
 
 
+@functools.cache
+def triton_works(device: torch.device) -> bool:
+    """Triton imports and its kernel moves a small strided case on `device` as torch does (once per process).
+
+    The kernel reaches tensors through raw addresses: a Triton or driver that compiles it wrongly
+    must cost speed (the "gather" path), never the weights; the reason is logged.
+    """
+    if not triton_available():
+        return False
+    from hpcrl.transfer.packing_triton import self_check
+    try:
+        why = self_check(device)
+    except Exception as err:  # noqa: BLE001 - the reason is logged and the torch path used instead
+        why = f"{type(err).__name__}: {err}"
+    if why is not None:
+        log.warning("the 'triton' packing path fails its self-check on %s (%s); packing with torch index ops",
+                    device, why)
+    return why is None
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -171,7 +198,13 @@ def _interpreting() -> bool:
 @dataclass
 class _Round:
     path: str
-    index: object = None
+    tiles: torch.Tensor | None = None
+    gather: GatherIndex | None = None
+
+    @property
+    def nbytes(self) -> int:
+        tiles = self.tiles.numel() * self.tiles.element_size() if self.tiles is not None else 0
+        return tiles + (self.gather.nbytes if self.gather is not None else 0)
 
 
 class Packer:
@@ -190,10 +223,13 @@ class Packer:
         if path == "triton" and not (triton_available() and (device.type == "cuda" or _interpreting())):
             raise ValueError(f"the 'triton' packing path needs Triton and CUDA tensors (or TRITON_INTERPRET=1); "
                              f"these are on {device}")
-        self.use_triton = path == "triton" or (path is None and device.type == "cuda" and triton_available())
+        self.use_triton = path == "triton" or (path is None and device.type == "cuda" and triton_works(device))
         self.plan, self.batches, self.direction, self.device = plan, batches, direction, device
         self.path, self.budget = path, index_budget_bytes
         self._rounds: list[_Round | None] = [None] * len(batches)
+        self.tensors: list[torch.Tensor | None] = []
+        self.addresses: torch.Tensor | None = None
+        self.uniform = True
         self._spent = 0
         self._refused = 0
 
@@ -209,7 +245,7 @@ class Packer:
         if path is None:
             path = "triton" if self.use_triton else "gather"
         if path == "triton":
-            return _Round("triton", torch.from_numpy(tile_table(rb)).to(self.device))
+            return _Round("triton", tiles=torch.from_numpy(tile_table(rb)).to(self.device))
         if path == "gather":
             need = gather_index_bytes(rb)
             if self.path is None and self._spent + need > self.budget:
@@ -220,7 +256,7 @@ class Packer:
                              self.direction, k, need >> 20, self.budget >> 20)
                 return _Round("loop")
             self._spent += need
-            return _Round("gather", gather_index(rb, self.device))
+            return _Round("gather", gather=gather_index(rb, self.device))
         return _Round("loop")
 
     def path_of(self, k: int) -> str:
@@ -229,9 +265,7 @@ class Packer:
     @property
     def index_bytes(self) -> int:
         """Device memory held by the index tensors made so far."""
-        return sum(r.index.nbytes if isinstance(r.index, GatherIndex) else
-                   r.index.numel() * r.index.element_size() if r.index is not None else 0
-                   for r in self._rounds if r is not None)
+        return sum(r.nbytes for r in self._rounds if r is not None)
 
     def bind(self, tensors: list[torch.Tensor | None]) -> None:
         """The tensors of this send or receive: the plan's sources (pack) or dests (unpack), flat views.
@@ -256,14 +290,14 @@ class Packer:
 
         r, batch, tensors = self._round(k), self.batches[k], self.tensors
         n = sum(m.numel for m in batch)
-        if r.path == "triton" and self.uniform:
+        if r.tiles is not None and self.addresses is not None and self.uniform:
             from hpcrl.transfer.packing_triton import copy_tiles
-            copy_tiles(r.index, self.addresses, tensors, staging[:n], pack=self.direction == "pack")
-        elif r.path == "gather":
+            copy_tiles(r.tiles, self.addresses, tensors, staging[:n], pack=self.direction == "pack")
+        elif r.gather is not None:
             if self.direction == "pack":
-                gather_pack(r.index, tensors, staging[:n])
+                gather_pack(r.gather, tensors, staging[:n])
             else:
-                gather_unpack(r.index, staging[:n], tensors)  # type: ignore[arg-type]
+                gather_unpack(r.gather, staging[:n], tensors)  # type: ignore[arg-type]
         else:
             pos = 0
             for m in batch:
