@@ -26,6 +26,7 @@ the message, its parameters and both ranks.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -36,7 +37,7 @@ from hpcrl.errors import TransferError
 from hpcrl.plan.transfer_layout import chunk_rows
 from hpcrl.plan.transfer_plan import TransferPlan
 from hpcrl.plan.transfer_rounds import Message, receiver_rank, rounds
-from hpcrl.transfer.packing import Packer
+from hpcrl.transfer.packing import PATHS, Packer
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -220,12 +221,16 @@ _PACKERS: dict[tuple, Packer] = {}
 def packer(plan: TransferPlan, batches: list[list[Message]], direction: str, who: tuple,
            device: torch.device) -> Packer:
     """The cached Packer of this rank's rounds (made once per plan; a new plan drops the old ones)."""
+    forced = os.environ.get("HPCRL_PACKING") or None
+    if forced is not None and forced not in PATHS:
+        raise TransferError(f"HPCRL_PACKING={forced!r} is not a packing path; set one of {', '.join(PATHS)} "
+                            f"or unset it (the default chooses by device: hpcrl/transfer/packing.py)")
     digest = plan_digest(plan)
-    key = (digest, direction, who, str(device))
+    key = (digest, direction, who, str(device), forced)
     if key not in _PACKERS:
         for old in [k for k in _PACKERS if k[0] != digest]:
             del _PACKERS[old]
-        _PACKERS[key] = Packer(plan, batches, direction, device)
+        _PACKERS[key] = Packer(plan, batches, direction, device, path=forced)
     return _PACKERS[key]
 
 

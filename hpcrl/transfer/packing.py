@@ -25,8 +25,11 @@ Memory, per (plan, side, rank), made on the first sync and cached (the plan is f
     fall back to "loop", said once in the log. Index tensors per block row, expanded by stride
     arithmetic at each call, would need as much memory transiently and a dozen more passes.
 
-`Packer` chooses: "triton" for CUDA tensors when Triton imports, else "gather" within the budget,
-else "loop". Every path writes the bytes of the loop path, bit for bit (tests/transfer).
+`Packer` chooses: "triton" for CUDA tensors when Triton imports and its kernel passes a self-check,
+"gather" (within the budget) on another accelerator, "loop" on CPU, where a strided copy costs a
+few microseconds a block and index ops cost more than the launches they save (tools/bench_pack.py,
+BENCHMARKS.md). HPCRL_PACKING=loop|gather|triton forces one (A/B runs; the transfer tests run the
+transports through each). Every path writes the bytes of the loop path, bit for bit.
 """
 
 from __future__ import annotations
@@ -211,7 +214,8 @@ class Packer:
     """One rank's packing (or unpacking) of its rounds of one plan, index tensors made once.
 
     `direction` is "pack" (a trainer rank: sources -> staging) or "unpack" (an inference rank:
-    staging -> dests). `path` forces one of PATHS; None chooses (module docstring).
+    staging -> dests). `path` forces one of PATHS; None chooses (module docstring). Rounds whose
+    gather indices would take the rank past `index_budget_bytes` copy block by block.
     """
 
     def __init__(self, plan: TransferPlan, batches: list[list[Message]], direction: str, device: torch.device, *,
@@ -224,6 +228,7 @@ class Packer:
             raise ValueError(f"the 'triton' packing path needs Triton and CUDA tensors (or TRITON_INTERPRET=1); "
                              f"these are on {device}")
         self.use_triton = path == "triton" or (path is None and device.type == "cuda" and triton_works(device))
+        self.auto = "triton" if self.use_triton else "loop" if device.type == "cpu" else "gather"
         self.plan, self.batches, self.direction, self.device = plan, batches, direction, device
         self.path, self.budget = path, index_budget_bytes
         self._rounds: list[_Round | None] = [None] * len(batches)
@@ -243,12 +248,12 @@ class Packer:
         rb = round_blocks(self.plan, self.batches[k], self.direction)
         path = self.path
         if path is None:
-            path = "triton" if self.use_triton else "gather"
+            path = self.auto
         if path == "triton":
             return _Round("triton", tiles=torch.from_numpy(tile_table(rb)).to(self.device))
         if path == "gather":
             need = gather_index_bytes(rb)
-            if self.path is None and self._spent + need > self.budget:
+            if self._spent + need > self.budget:
                 self._refused += 1
                 if self._refused == 1:
                     log.info("%s: round %d's gather indices (%d MiB) would take this rank past its index "

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hpcrl.errors import TransferError
 from hpcrl.transfer import execute, packing
 
 SPEC = {"preset": "tiny-qwen2", "trainer": {"dp_shard": 3}, "inference": {"replicas": 2, "tensor_parallel": 2},
@@ -118,7 +119,8 @@ def test_torch_ops_per_packed_and_unpacked_round_do_not_grow_with_the_number_of_
     assert len(count_ops(loop_pack)) >= many_blocks[0]
 
 
-def test_gather_indices_are_int32_at_8_bytes_per_element_and_made_once_per_plan():
+def test_gather_indices_are_int32_at_8_bytes_per_element_and_made_once_per_plan(monkeypatch):
+    monkeypatch.setenv("HPCRL_PACKING", "gather")
     p, shape = procs._plan(SPEC)
     execute._PACKERS.clear()
     mine = sender_rounds(p, 1)
@@ -141,12 +143,22 @@ def test_rounds_past_the_index_budget_copy_block_by_block_and_say_so(caplog):
     mine = sender_rounds(p, 0)
     budget = 8 * sum(m.numel for m in mine[0]) + 1  # room for the first round only
     with caplog.at_level(logging.INFO, logger="hpcrl.transfer.packing"):
-        got = packed(p, shape, 0, None, index_budget_bytes=budget)
+        got = packed(p, shape, 0, "gather", index_budget_bytes=budget)
     said = [r.getMessage() for r in caplog.records if "index budget" in r.getMessage()]
     assert len(said) == 1 and "round 1's gather indices" in said[0], said
     assert all(same_bits(a, b) for a, b in zip(got, packed(p, shape, 0, "loop")))
-    packer = packing.Packer(p, mine, "pack", torch.device("cpu"), index_budget_bytes=budget)
+    packer = packing.Packer(p, mine, "pack", torch.device("cpu"), path="gather", index_budget_bytes=budget)
     assert [packer.path_of(k) for k in range(3)] == ["gather", "loop", "loop"]
+
+
+def test_the_cpu_packs_block_by_block_unless_told_and_a_wrong_hpcrl_packing_is_named(monkeypatch):
+    """On CPU a strided copy per block costs microseconds and index ops cost more (BENCHMARKS.md)."""
+    p, _ = procs._plan(SPEC)
+    mine = sender_rounds(p, 0)
+    assert packing.Packer(p, mine, "pack", torch.device("cpu")).path_of(0) == "loop"
+    monkeypatch.setenv("HPCRL_PACKING", "fastest")
+    with pytest.raises(TransferError, match="HPCRL_PACKING='fastest' is not a packing path; set one of loop, gather"):
+        execute.packer(p, mine, "pack", ("trainer", 0), torch.device("cpu"))
 
 
 def test_an_unknown_path_or_triton_without_cuda_is_refused_naming_the_choices():
