@@ -13,8 +13,8 @@ launch-bound). Three ways to move the same bytes, to the same places:
             them), so ops per round = 2-3 x distinct tensors, whatever the number of blocks.
   "triton"  CUDA: one Triton kernel per round over a table of tiles (a tile: up to TILE elements
             of one block: tensor, offset, stride, run length, staging position), with the cast
-            fused into the copy; tensors are reached through a table of their addresses, made
-            once per send or receive.
+            fused into the copy; tensors are reached through a table of their element offsets
+            from one of them, made once per send or receive (packing_triton.py).
 
 Memory, per (plan, side, rank), made on the first sync and cached (the plan is fixed for a run):
   - "triton": 7 int64 per tile of up to TILE = 4096 elements: <= 56 bytes per 8 KiB of bf16 wire
@@ -147,8 +147,9 @@ def gather_unpack(gi: GatherIndex, buf: torch.Tensor, dests: list[torch.Tensor])
         dests[t].index_put_((ti,), buf.index_select(0, si))
 
 
-def tile_table(rb: RoundBlocks) -> np.ndarray:
-    """[tiles, 7] int64: (tensor, offset, stride, length, staging position, first element, elements) per tile.
+def tile_table(rb: RoundBlocks) -> tuple[np.ndarray, bool]:
+    """[tiles, 7] int64: (tensor, offset, stride, length, staging position, first element, elements) per
+    tile, and whether all of them are multiples of 8 elements (the kernel's 16-byte loads and stores).
 
     A contiguous block (one row, or rows that follow each other) gets stride == length: the kernel
     then skips dividing element numbers into rows.
@@ -161,8 +162,9 @@ def tile_table(rb: RoundBlocks) -> np.ndarray:
     block = np.repeat(np.arange(len(sizes)), tiles)
     first = (np.arange(int(tiles.sum())) - np.repeat(np.cumsum(tiles) - tiles, tiles)) * TILE
     n = np.minimum(TILE, sizes[block] - first)
-    return np.stack([rb.tensor[block], rb.offset[block], stride[block], rb.length[block], rb.position[block],
-                     first, n], axis=1).astype(np.int64)
+    table = np.stack([rb.tensor[block], rb.offset[block], stride[block], rb.length[block], rb.position[block],
+                      first, n], axis=1).astype(np.int64)
+    return table, bool((table[:, 1:] % 8 == 0).all())
 
 
 @functools.cache
@@ -178,7 +180,7 @@ def triton_available() -> bool:
 def triton_works(device: torch.device) -> bool:
     """Triton imports and its kernel moves a small strided case on `device` as torch does (once per process).
 
-    The kernel reaches tensors through raw addresses: a Triton or driver that compiles it wrongly
+    The kernel reaches tensors by offsets across allocations: a Triton or driver that compiles it wrongly
     must cost speed (the "gather" path), never the weights; the reason is logged.
     """
     if not triton_available():
@@ -202,6 +204,7 @@ def _interpreting() -> bool:
 class _Round:
     path: str
     tiles: torch.Tensor | None = None
+    aligned: bool = False
     gather: GatherIndex | None = None
 
     @property
@@ -233,8 +236,8 @@ class Packer:
         self.path, self.budget = path, index_budget_bytes
         self._rounds: list[_Round | None] = [None] * len(batches)
         self.tensors: list[torch.Tensor | None] = []
-        self.addresses: torch.Tensor | None = None
-        self.uniform = True
+        self.relative: torch.Tensor | None = None
+        self.aligned = False
         self._spent = 0
         self._refused = 0
 
@@ -250,7 +253,8 @@ class Packer:
         if path is None:
             path = self.auto
         if path == "triton":
-            return _Round("triton", tiles=torch.from_numpy(tile_table(rb)).to(self.device))
+            table, aligned = tile_table(rb)
+            return _Round("triton", tiles=torch.from_numpy(table).to(self.device), aligned=aligned)
         if path == "gather":
             need = gather_index_bytes(rb)
             if self._spent + need > self.budget:
@@ -275,19 +279,18 @@ class Packer:
     def bind(self, tensors: list[torch.Tensor | None]) -> None:
         """The tensors of this send or receive: the plan's sources (pack) or dests (unpack), flat views.
 
-        The "triton" path reads their addresses from a device table made here, once per sync, and
+        The "triton" path reads their offsets from a device table made here, once per sync, and
         needs them all of one dtype (else its rounds copy block by block, said once in the log).
         """
         self.tensors = tensors
-        self.addresses = None
-        used = [t for t in tensors if t is not None]
-        self.uniform = len({t.dtype for t in used}) <= 1
+        self.relative, self.aligned = None, False
         if self.use_triton:
-            if not self.uniform:
+            from hpcrl.transfer.packing_triton import relative_offsets
+            self.relative, self.aligned = relative_offsets(tensors, self.device)
+            if self.relative is None and any(t is not None for t in tensors):
                 log.info("%s: the tensors are of several dtypes (%s); the 'triton' path needs one, rounds that "
-                         "would take it copy block by block", self.direction, sorted({str(t.dtype) for t in used}))
-            self.addresses = torch.tensor([t.data_ptr() if t is not None else 0 for t in tensors],
-                                          dtype=torch.int64).to(self.device, non_blocking=True)
+                         "would take it copy block by block", self.direction,
+                         sorted({str(t.dtype) for t in tensors if t is not None}))
 
     def run(self, k: int, staging: torch.Tensor) -> None:
         """Round k: the bound sources -> staging[:round numel] (pack), or staging -> the bound dests (unpack)."""
@@ -295,9 +298,10 @@ class Packer:
 
         r, batch, tensors = self._round(k), self.batches[k], self.tensors
         n = sum(m.numel for m in batch)
-        if r.tiles is not None and self.addresses is not None and self.uniform:
+        if r.tiles is not None and self.relative is not None:
             from hpcrl.transfer.packing_triton import copy_tiles
-            copy_tiles(r.tiles, self.addresses, tensors, staging[:n], pack=self.direction == "pack")
+            copy_tiles(r.tiles, self.relative, tensors, staging[:n], pack=self.direction == "pack",
+                       aligned=r.aligned and self.aligned)
         elif r.gather is not None:
             if self.direction == "pack":
                 gather_pack(r.gather, tensors, staging[:n])

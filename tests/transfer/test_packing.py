@@ -35,7 +35,8 @@ def packed(p, shape, rank: int, path: str, **kw) -> list[torch.Tensor]:
     wire = execute.TORCH_DTYPES[p.wire_dtype]
     mine = sender_rounds(p, rank)
     packer = packing.Packer(p, mine, "pack", torch.device("cpu"), path=path, **kw)
-    packer.bind(execute.check_sources(p, rank, procs.id_shards(p, shape, rank)))
+    shards = {n: v.clone() for n, v in procs.id_shards(p, shape, rank).items()}  # torch's allocations: 64-byte aligned
+    packer.bind(execute.check_sources(p, rank, shards))
     out = []
     for k, batch in enumerate(mine):
         staging = torch.full((sum(m.numel for m in batch) + 3,), -7.0, dtype=wire)  # + 3: nothing past the round
@@ -177,6 +178,13 @@ import test_packing as t, procs
 p, shape = procs._plan(dict(t.SPEC, wire_dtype="float32"))
 for rank in range(3):
     assert all(t.same_bits(a, b) for a, b in zip(t.packed(p, shape, rank, "loop"), t.packed(p, shape, rank, "triton")))
+aligned = dict(t.SPEC, preset="tiny-llama", trainer={{"dp_shard": 2}}, wire_dtype="float32")
+p, shape = procs._plan(aligned)  # every run a multiple of 8 elements: the kernel's 16-byte variant
+assert all(t.same_bits(a, b) for a, b in zip(t.packed(p, shape, 0, "loop"), t.packed(p, shape, 0, "triton")))
+packer = t.packing.Packer(p, t.sender_rounds(p, 0), "pack", torch.device("cpu"), path="triton")
+shards = {{n: v.clone() for n, v in procs.id_shards(p, shape, 0).items()}}  # torch's 64-byte alignment, not numpy's
+packer.bind(t.execute.check_sources(p, 0, shards))
+assert packer.aligned and packer._round(0).aligned
 p, shape = procs._plan(t.SPEC)
 for replica, tp_rank in [(0, 0), (1, 1)]:
     loop, tri = t.unpacked(p, replica, tp_rank, "loop"), t.unpacked(p, replica, tp_rank, "triton")
