@@ -3,6 +3,7 @@ bit-identical to the block-by-block copy every transport's wire format is define
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -205,3 +206,55 @@ def test_the_triton_kernel_moves_the_bytes_of_the_block_loop_in_the_interpreter(
     out = subprocess.run([sys.executable, "-c", TRITON_CHECK.format(tests=tests)], env=env, capture_output=True,
                          text=True, timeout=280)
     assert out.returncode == 0 and "triton ok" in out.stdout, out.stderr[-3000:]
+
+
+class RecordingLink:
+    """A transfer link on CPU that records what the sender does, in order, and what each send
+    held when it was waited for (a buffer packed over before its send completed would show)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.events: list[str] = []
+        self.sent: dict[int, torch.Tensor] = {}
+        self.rounds = 0
+
+    @contextlib.contextmanager
+    def round(self, timeout):
+        yield
+        self.events.append(f"issued {self.rounds}")
+        self.rounds += 1
+
+    def isend(self, buf, dst, tag):
+        return (tag, buf, self.rounds)
+
+    def wait(self, handle, timeout):
+        tag, buf, k = handle
+        if f"waited {k}" not in self.events:
+            self.events.append(f"waited {k}")
+        self.sent[tag] = buf.clone()
+
+
+def test_the_sender_packs_the_next_round_while_a_round_is_on_the_wire_and_sends_the_loops_bytes(monkeypatch):
+    p, shape = procs._plan(SPEC)
+    execute._PACKERS.clear()
+    run = packing.Packer.run
+    link = RecordingLink()
+
+    def recording(self, k, staging):
+        link.events.append(f"packed {k}")
+        run(self, k, staging)
+
+    monkeypatch.setattr(packing.Packer, "run", recording)
+    monkeypatch.setenv("HPCRL_PACKING", "gather")
+    sources = execute.check_sources(p, 0, {n: v.clone() for n, v in procs.id_shards(p, shape, 0).items()})
+    execute.send(link, p, 0, sources, timeout_s=5)
+    rounds = len(sender_rounds(p, 0))
+    assert rounds > 3 and link.events[:5] == ["packed 0", "issued 0", "packed 1", "waited 0", "issued 1"]
+    assert link.events[-2:] == [f"issued {rounds - 1}", f"waited {rounds - 1}"]
+    monkeypatch.setattr(packing.Packer, "run", run)
+    expected = [m for batch in sender_rounds(p, 0) for m in batch]
+    for m in expected:
+        want = torch.empty(m.numel, dtype=torch.bfloat16)
+        execute.pack(p, m, sources, want)
+        assert same_bits(link.sent[m.id], want), m
