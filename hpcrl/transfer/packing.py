@@ -125,7 +125,7 @@ def gather_index(rb: RoundBlocks, device: torch.device) -> GatherIndex:
                                                       rb.length.tolist(), rb.count.tolist(), rb.position.tolist(),
                                                       sizes.tolist()):
         i, at = slot[t], filled[slot[t]]
-        rows = np.arange(off, off + count * stride, stride, dtype=np.int64)
+        rows = off + np.arange(count, dtype=np.int64) * stride
         flat[i][at:at + n] = (rows[:, None] + np.arange(length, dtype=np.int64)[None, :]).reshape(-1)
         position[i][at:at + n] = np.arange(pos, pos + n, dtype=np.int64)
         filled[i] += n
