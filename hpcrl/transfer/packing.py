@@ -109,28 +109,29 @@ def gather_index_bytes(rb: RoundBlocks) -> int:
 def gather_index(rb: RoundBlocks, device: torch.device) -> GatherIndex:
     """Index tensors of every element of the round, per tensor, staging order within each tensor.
 
-    Made block by block into arrays of their final dtype (a block's indices: offset + row * stride
-    + col), so the host holds no more than the result and one block of int64 while making them.
+    Made on `device`, block by block, into tensors of their final dtype (a block's indices: offset
+    + row * stride + col): no more than one block of int64 besides the result at any time, and on
+    a GPU in well under a second for a 1B model's rounds.
     """
-    dtype = np.int32 if gather_index_bytes(rb) <= 8 * rb.numel else np.int64
+    dtype = torch.int32 if gather_index_bytes(rb) <= 8 * rb.numel else torch.int64
     sizes = rb.length * rb.count
     tensors = list(dict.fromkeys(rb.tensor.tolist()))
     slot = {t: i for i, t in enumerate(tensors)}
     totals = np.zeros(len(tensors), np.int64)
     np.add.at(totals, [slot[t] for t in rb.tensor.tolist()], sizes)
-    flat = [np.empty(int(n), dtype) for n in totals]
-    position = [np.empty(int(n), dtype) for n in totals]
+    flat = [torch.empty(int(n), dtype=dtype, device=device) for n in totals]
+    position = [torch.empty(int(n), dtype=dtype, device=device) for n in totals]
     filled = [0] * len(tensors)
     for t, off, stride, length, count, pos, n in zip(rb.tensor.tolist(), rb.offset.tolist(), rb.stride.tolist(),
                                                       rb.length.tolist(), rb.count.tolist(), rb.position.tolist(),
                                                       sizes.tolist()):
         i, at = slot[t], filled[slot[t]]
-        rows = off + np.arange(count, dtype=np.int64) * stride
-        flat[i][at:at + n] = (rows[:, None] + np.arange(length, dtype=np.int64)[None, :]).reshape(-1)
-        position[i][at:at + n] = np.arange(pos, pos + n, dtype=np.int64)
+        rows = torch.arange(count, dtype=torch.int64, device=device).mul_(stride).add_(off)
+        cols = torch.arange(length, dtype=torch.int64, device=device)
+        flat[i][at:at + n].view(count, length).copy_(rows[:, None] + cols[None, :])
+        torch.arange(pos, pos + n, out=position[i][at:at + n])
         filled[i] += n
-    return GatherIndex(tensors=tensors, tensor_index=[torch.from_numpy(f).to(device) for f in flat],
-                       staging_index=[torch.from_numpy(q).to(device) for q in position])
+    return GatherIndex(tensors=tensors, tensor_index=flat, staging_index=position)
 
 
 def gather_pack(gi: GatherIndex, sources: list[torch.Tensor | None], out: torch.Tensor) -> None:
