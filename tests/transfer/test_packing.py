@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hpcrl.errors import TransferError
 from hpcrl.transfer import execute, packing
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 SPEC = {"preset": "tiny-qwen2", "trainer": {"dp_shard": 3}, "inference": {"replicas": 2, "tensor_parallel": 2},
         "bucket": 8192, "round_bytes": 20000, "wire_dtype": "bfloat16"}
 
@@ -31,31 +32,31 @@ def receiver_rounds(p, replica: int, tp_rank: int) -> list:
                         for batch in execute.schedule(p)) if b]
 
 
-def packed(p, shape, rank: int, path: str, **kw) -> list[torch.Tensor]:
+def packed(p, shape, rank: int, path: str, device: str = "cpu", **kw) -> list[torch.Tensor]:
     """Every round of trainer `rank`'s staging, packed by `path` from element-id shards."""
     wire = execute.TORCH_DTYPES[p.wire_dtype]
     mine = sender_rounds(p, rank)
-    packer = packing.Packer(p, mine, "pack", torch.device("cpu"), path=path, **kw)
-    shards = {n: v.clone() for n, v in procs.id_shards(p, shape, rank).items()}  # torch's allocations: 64-byte aligned
+    packer = packing.Packer(p, mine, "pack", torch.device(device), path=path, **kw)
+    shards = {n: v.to(device, copy=True) for n, v in procs.id_shards(p, shape, rank).items()}  # torch's alignment
     packer.bind(execute.check_sources(p, rank, shards))
     out = []
     for k, batch in enumerate(mine):
-        staging = torch.full((sum(m.numel for m in batch) + 3,), -7.0, dtype=wire)  # + 3: nothing past the round
+        staging = torch.full((sum(m.numel for m in batch) + 3,), -7.0, dtype=wire, device=device)  # + 3: no overrun
         packer.run(k, staging)
         out.append(staging)
     return out
 
 
-def unpacked(p, replica: int, tp_rank: int, path: str) -> dict[str, torch.Tensor]:
+def unpacked(p, replica: int, tp_rank: int, path: str, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Destinations filled from seeded random staging buffers, unpacked by `path`."""
     wire = execute.TORCH_DTYPES[p.wire_dtype]
     mine = receiver_rounds(p, replica, tp_rank)
     gen = torch.Generator().manual_seed(replica * 10 + tp_rank)
-    dests = {d.name: torch.full(d.local_shape, -1.0, dtype=wire) for d in p.dests}
-    packer = packing.Packer(p, mine, "unpack", torch.device("cpu"), path=path)
+    dests = {d.name: torch.full(d.local_shape, -1.0, dtype=wire, device=device) for d in p.dests}
+    packer = packing.Packer(p, mine, "unpack", torch.device(device), path=path)
     packer.bind(execute.check_dests(p, replica, tp_rank, dests))
     for k, batch in enumerate(mine):
-        packer.run(k, torch.randn(sum(m.numel for m in batch), generator=gen).to(wire))
+        packer.run(k, torch.randn(sum(m.numel for m in batch), generator=gen).to(device=device, dtype=wire))
     return dests
 
 
@@ -212,9 +213,8 @@ class RecordingLink:
     """A transfer link on CPU that records what the sender does, in order, and what each send
     held when it was waited for (a buffer packed over before its send completed would show)."""
 
-    device = torch.device("cpu")
-
-    def __init__(self):
+    def __init__(self, device: str = "cpu"):
+        self.device = torch.device(device)
         self.events: list[str] = []
         self.sent: dict[int, torch.Tensor] = {}
         self.rounds = 0
@@ -233,21 +233,26 @@ class RecordingLink:
         if f"waited {k}" not in self.events:
             self.events.append(f"waited {k}")
         self.sent[tag] = buf.clone()
+        if self.device.type == "cuda":  # as NCCL's wait: the round's operations are done when it returns
+            torch.cuda.current_stream(self.device).synchronize()
 
 
-def test_the_sender_packs_the_next_round_while_a_round_is_on_the_wire_and_sends_the_loops_bytes(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_the_sender_packs_the_next_round_while_a_round_is_on_the_wire_and_sends_the_loops_bytes(device, monkeypatch):
+    """On CUDA the packing runs on a side stream the sends wait on (execute.send)."""
     p, shape = procs._plan(SPEC)
     execute._PACKERS.clear()
     run = packing.Packer.run
-    link = RecordingLink()
+    link = RecordingLink(device)
 
     def recording(self, k, staging):
         link.events.append(f"packed {k}")
         run(self, k, staging)
 
     monkeypatch.setattr(packing.Packer, "run", recording)
-    monkeypatch.setenv("HPCRL_PACKING", "gather")
-    sources = execute.check_sources(p, 0, {n: v.clone() for n, v in procs.id_shards(p, shape, 0).items()})
+    if device == "cpu":
+        monkeypatch.setenv("HPCRL_PACKING", "gather")
+    sources = execute.check_sources(p, 0, {n: v.to(device, copy=True) for n, v in procs.id_shards(p, shape, 0).items()})
     execute.send(link, p, 0, sources, timeout_s=5)
     rounds = len(sender_rounds(p, 0))
     assert rounds > 3 and link.events[:5] == ["packed 0", "issued 0", "packed 1", "waited 0", "issued 1"]
@@ -255,6 +260,24 @@ def test_the_sender_packs_the_next_round_while_a_round_is_on_the_wire_and_sends_
     monkeypatch.setattr(packing.Packer, "run", run)
     expected = [m for batch in sender_rounds(p, 0) for m in batch]
     for m in expected:
-        want = torch.empty(m.numel, dtype=torch.bfloat16)
+        want = torch.empty(m.numel, dtype=torch.bfloat16, device=device)
         execute.pack(p, m, sources, want)
         assert same_bits(link.sent[m.id], want), m
+
+
+@CUDA
+@pytest.mark.parametrize("preset, dp_shard", [("tiny-qwen2", 3), ("tiny-llama", 2)], ids=["unaligned", "aligned"])
+def test_on_cuda_every_path_packs_and_unpacks_bit_for_bit_as_the_block_loop(preset, dp_shard):
+    """bf16 wire from float32 shards: the compiled Triton kernel's cast rounds as torch's copy_ does;
+    tiny-llama at FSDP 2 takes the kernel's 16-byte variant, tiny-qwen2 at FSDP 3 the other."""
+    assert packing.triton_works(torch.device("cuda", 0))
+    p, shape = procs._plan(dict(SPEC, preset=preset, trainer={"dp_shard": dp_shard}))
+    for rank in range(dp_shard):
+        loop = packed(p, shape, rank, "loop", "cuda")
+        for path in ("gather", "triton"):
+            assert all(same_bits(a, b) for a, b in zip(loop, packed(p, shape, rank, path, "cuda"))), (rank, path)
+    for tp_rank in range(2):
+        loop = unpacked(p, 0, tp_rank, "loop", "cuda")
+        for path in ("gather", "triton"):
+            other = unpacked(p, 0, tp_rank, path, "cuda")
+            assert all(same_bits(loop[n], other[n]) for n in loop), (tp_rank, path)
