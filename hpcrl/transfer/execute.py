@@ -7,10 +7,13 @@ in `inference_group_rank` (trainer ranks first).
 A message is a run of consecutive plan blocks of one route (plan.blocks["message"]). Every
 transport runs the same schedule: the plan's messages in rounds (hpcrl.plan.transfer_rounds,
 `plan.round_bytes` of staging per rank and round). In each round a receiver posts all its `recv`s,
-a sender packs each block's `count` strided runs out of its local shard (torch.as_strided, casting
-to the wire dtype) into one buffer per message and `send`s it with the message number as tag; both
-wait, then the receiver unpacks each buffer into its destination tensors in plan order. A round's
-operations are issued inside `link.round()` (NCCL: one group_start ... group_end).
+a sender packs each block's `count` strided runs out of its local shard, cast to the wire dtype,
+into one buffer per message and `send`s it with the message number as tag; both wait, then the
+receiver unpacks each buffer into its destination tensors in plan order. A round's operations are
+issued inside `link.round()` (NCCL: one group_start ... group_end). `pack` / `unpack` below copy
+block by block and define the bytes; hpcrl.transfer.packing moves the same bytes for a whole round
+in a number of operations that does not grow with its blocks (one Triton kernel on a GPU), and the
+sender packs round k + 1 while round k is on the wire.
 
 Staging (class Staging) is one buffer per rank and sync, sized for the rank's largest round, on the
 link's device: on a GPU with NCCL, packing and unpacking are device copies with no host round trip;
@@ -23,6 +26,7 @@ the message, its parameters and both ranks.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -33,6 +37,7 @@ from hpcrl.errors import TransferError
 from hpcrl.plan.transfer_layout import chunk_rows
 from hpcrl.plan.transfer_plan import TransferPlan
 from hpcrl.plan.transfer_rounds import Message, receiver_rank, rounds
+from hpcrl.transfer.packing import PATHS, Packer
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -142,6 +147,7 @@ def check_dests(plan: TransferPlan, replica: int, tp_rank: int, dests: dict[str,
 
 
 def pack(plan: TransferPlan, m: Message, sources: list[torch.Tensor | None], out: torch.Tensor) -> None:
+    """Message `m` into `out`, block by block (one strided copy each): the reference the packing paths match."""
     b, pos = plan.blocks, 0
     for i in range(m.start, m.stop):
         src = sources[b["source"][i]]
@@ -153,6 +159,7 @@ def pack(plan: TransferPlan, m: Message, sources: list[torch.Tensor | None], out
 
 
 def unpack(plan: TransferPlan, m: Message, buf: torch.Tensor, dests: list[torch.Tensor]) -> None:
+    """Message `m` from `buf` into the destinations, block by block: the reference the packing paths match."""
     b, pos = plan.blocks, 0
     for i in range(m.start, m.stop):
         dst = dests[b["dest"][i]]
@@ -207,27 +214,84 @@ def _device_of(tensors: list[torch.Tensor | None], default: torch.device) -> tor
     return next((t.device for t in tensors if t is not None), default)
 
 
+_PACKERS: dict[tuple, Packer] = {}
+"""Packers by (plan digest, direction, rank, device): index tensors made on the first sync of a plan."""
+
+
+def packer(plan: TransferPlan, batches: list[list[Message]], direction: str, who: tuple,
+           device: torch.device) -> Packer:
+    """The cached Packer of this rank's rounds (made once per plan; a new plan drops the old ones)."""
+    forced = os.environ.get("HPCRL_PACKING") or None
+    if forced is not None and forced not in PATHS:
+        raise TransferError(f"HPCRL_PACKING={forced!r} is not a packing path; set one of {', '.join(PATHS)} "
+                            f"or unset it (the default chooses by device: hpcrl/transfer/packing.py)")
+    digest = plan_digest(plan)
+    key = (digest, direction, who, str(device), forced)
+    if key not in _PACKERS:
+        for old in [k for k in _PACKERS if k[0] != digest]:
+            del _PACKERS[old]
+        _PACKERS[key] = Packer(plan, batches, direction, device, path=forced)
+    return _PACKERS[key]
+
+
+_DIGEST: list = [None, None]
+
+
+def plan_digest(plan: TransferPlan) -> str:
+    """plan.digest, hashed once per plan object."""
+    if _DIGEST[0] is not plan:
+        _DIGEST[:] = [plan, plan.digest]
+    return _DIGEST[1]
+
+
 def send(link, plan: TransferPlan, rank: int, sources: list[torch.Tensor | None], *, timeout_s: float) -> int:
     """Send every message of trainer `rank`, round by round (hpcrl.plan.transfer_rounds); the bytes sent.
 
-    Per round: pack this rank's messages into staging (strided copies with the cast to the wire
-    dtype, on the shards' device), issue the sends as one round of the link, wait for them.
+    Per round: pack this rank's messages into staging (hpcrl.transfer.packing: a number of
+    operations that does not grow with the round's blocks, the cast to the wire dtype included),
+    issue the sends as one round of the link, and while they go pack the next round into a second
+    staging buffer (2 x the largest round of staging memory); then wait for the sends. With NCCL on
+    a GPU the packing runs on a side stream that the sends wait on through an event, so it overlaps
+    the wire; with gloo or UCX the sends run on the transport's own threads.
     """
     wire = TORCH_DTYPES[plan.wire_dtype]
     timeout = timedelta(seconds=timeout_s)
     mine = [[m for m in batch if m.src_rank == rank] for batch in schedule(plan)]
     mine = [batch for batch in mine if batch]
-    staging = Staging(_staging_numel(mine), wire, link_device=link.device,
-                      tensor_device=_device_of(sources, link.device))
+    device = _device_of(sources, link.device)
+    numel = _staging_numel(mine)
+    stagings = [Staging(numel, wire, link_device=link.device, tensor_device=device)
+                for _ in range(min(2, len(mine)))]
+    packing = packer(plan, mine, "pack", ("trainer", rank), device)
+    packing.bind(sources)
+    side = torch.cuda.Stream(device) if device.type == "cuda" and stagings and not stagings[0].hop else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(device))  # the sources as the caller left them
+    packed: list = [None] * len(mine)
+
+    def prepare(k: int) -> None:
+        staging = stagings[k % 2]
+        if side is None:
+            packing.run(k, staging.work)
+            staging.to_link(sum(m.numel for m in mine[k]))
+        else:
+            with torch.cuda.stream(side):
+                packing.run(k, staging.work)
+                packed[k] = side.record_event()
+
     sent = 0
-    for batch in mine:
+    if mine:
+        prepare(0)
+    for k, batch in enumerate(mine):
         sizes = [m.numel for m in batch]
-        for m, buf in zip(batch, staging.slices(staging.work, sizes)):
-            pack(plan, m, sources, buf)
-        staging.to_link(sum(sizes))
+        staging = stagings[k % 2]
+        if packed[k] is not None:
+            torch.cuda.current_stream(device).wait_event(packed[k])
         with _issuing(plan, batch, "source"), link.round(timeout):
             posted = [(m, link.isend(buf, inference_group_rank(plan, m.replica, m.tp_rank), m.id))
                       for m, buf in zip(batch, staging.slices(staging.link, sizes))]
+        if k + 1 < len(mine):
+            prepare(k + 1)  # overlaps round k's wire; its buffer's round k - 1 was waited for
         for m, work in posted:
             _wait(link, plan, m, work, timeout, "source", batch)
             sent += m.numel * plan.itemsize
@@ -238,17 +302,20 @@ def receive(link, plan: TransferPlan, replica: int, tp_rank: int, dests: list[to
             on_message: Callable[[Message], None] | None = None) -> int:
     """Receive every message for (replica, tp_rank) into `dests`, round by round; the bytes received.
 
-    Per round: post every receive of the round as one round of the link, wait for them, unpack each
-    into the destination tensors in plan order (strided copies on their device, in place).
+    Per round: post every receive of the round as one round of the link, wait for them, unpack
+    them into the destination tensors in place (hpcrl.transfer.packing: a number of operations
+    that does not grow with the round's blocks), then report each message.
     """
     wire = TORCH_DTYPES[plan.wire_dtype]
     timeout = timedelta(seconds=timeout_s)
     mine = [[m for m in batch if m.replica == replica and m.tp_rank == tp_rank] for batch in schedule(plan)]
     mine = [batch for batch in mine if batch]
-    staging = Staging(_staging_numel(mine), wire, link_device=link.device,
-                      tensor_device=_device_of(list(dests), link.device))
+    device = _device_of(list(dests), link.device)
+    staging = Staging(_staging_numel(mine), wire, link_device=link.device, tensor_device=device)
+    unpacking = packer(plan, mine, "unpack", ("inference", replica, tp_rank), device)
+    unpacking.bind(list(dests))
     received = 0
-    for batch in mine:
+    for k, batch in enumerate(mine):
         sizes = [m.numel for m in batch]
         with _issuing(plan, batch, "dest"), link.round(timeout):
             posted = [(m, link.irecv(buf, m.src_rank, m.id))
@@ -256,8 +323,8 @@ def receive(link, plan: TransferPlan, replica: int, tp_rank: int, dests: list[to
         for m, work in posted:
             _wait(link, plan, m, work, timeout, "dest", batch)
         staging.to_work(sum(sizes))
-        for m, buf in zip(batch, staging.slices(staging.work, sizes)):
-            unpack(plan, m, buf, dests)
+        unpacking.run(k, staging.work)
+        for m in batch:
             received += m.numel * plan.itemsize
             if on_message is not None:
                 on_message(m)

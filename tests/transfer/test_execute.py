@@ -70,6 +70,24 @@ def test_three_fsdp_ranks_feed_two_replicas_at_tp2_element_exact(transport, roun
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize(("transport", "path"), [("gloo", "gather"), ("ucx", "gather"), ("nccl-fake", "gather"),
+                                                 ("gloo", "triton")])
+def test_each_packing_path_feeds_two_replicas_at_tp2_element_exact_over_many_rounds(transport, path, monkeypatch):
+    """The round-at-once packing paths (hpcrl.transfer.packing) through the transports, the next
+    round packed while one is on the wire. "triton" runs in Triton's interpreter on CPU tensors
+    (float32 wire: the interpreter truncates float32 -> bf16 where a GPU rounds)."""
+    if path == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("HPCRL_PACKING", path)  # inherited by the spawned ranks
+    spec = {"preset": "tiny-qwen2", "trainer": {"dp_shard": 3}, "inference": {"replicas": 2, "tensor_parallel": 2},
+            "bucket": 8192, "transport": needs(transport), "round_bytes": 20000}
+    out = run(spec)
+    assert len(out) == 7 and all(r[2] == "ok" for r in out), out
+    assert sum(r[3] for r in out if r[0] == "trainer") == sum(r[3] for r in out if r[0] == "receiver") > 0
+
+
+@pytest.mark.timeout(180)
 def test_hsdp_torchtitan_fused_qkv_trainer_feeds_tp2_element_exact():
     spec = {"preset": "tiny-llama", "trainer": {"dp_replicate": 2, "dp_shard": 2, "naming": "torchtitan"},
             "inference": {"replicas": 1, "tensor_parallel": 2}}
