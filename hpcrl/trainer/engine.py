@@ -153,7 +153,8 @@ class StepMetrics:
     kl: float
     """Token-mean KL to the reference (0 when kl_coef = 0)."""
     entropy: float
-    """Token-mean entropy of the policy over completion tokens."""
+    """Token-mean entropy of the policy over completion tokens: of softmax(logits / temperature), the
+    distribution vLLM samples from (the logprobs' distribution)."""
     clip_fraction: float
     clip_fraction_low: float
     clip_fraction_high: float

@@ -56,13 +56,17 @@ def _chunk_forward(logits: Tensor, targets: Tensor, temperature: float,
     z = logits.float()  # a view when the logits are float32 already
     if temperature != 1.0:
         z = z / temperature
-    lse = torch.logsumexp(z, dim=-1)
-    logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    picked = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
-        return logp, lse, None
-    # H = -sum p log p = lse - sum p z, with p = exp(z - lse)
-    probs = torch.exp(z - lse.unsqueeze(-1))
-    return logp, lse, lse - torch.linalg.vecdot(probs, z)
+        lse = torch.logsumexp(z, dim=-1)
+        return picked - lse, lse, None
+    # one exp pass for both: e = exp(z - max), lse = max + log sum e, and
+    # H = -sum p log p = lse - sum p z with p = e / sum e
+    top = z.amax(dim=-1, keepdim=True)
+    e = torch.sub(z, top).exp_()
+    total = e.sum(dim=-1)
+    lse = top.squeeze(-1) + total.log()
+    return picked - lse, lse, lse - torch.linalg.vecdot(e, z) / total
 
 
 def _chunk_grad(logits: Tensor, targets: Tensor, lse: Tensor, grad: Tensor, temperature: float) -> Tensor:
@@ -71,7 +75,7 @@ def _chunk_grad(logits: Tensor, targets: Tensor, lse: Tensor, grad: Tensor, temp
     if temperature != 1.0:
         z = z / temperature
     scale = (grad / temperature).unsqueeze(-1)
-    d = torch.exp(z - lse.unsqueeze(-1)).mul_(-scale)
+    d = torch.sub(z, lse.unsqueeze(-1)).exp_().mul_(-scale)
     return d.scatter_add_(-1, targets.unsqueeze(-1), scale)
 
 
