@@ -70,13 +70,14 @@ def _chunk_forward(logits: Tensor, targets: Tensor, temperature: float,
 
 
 def _chunk_grad(logits: Tensor, targets: Tensor, lse: Tensor, grad: Tensor, temperature: float) -> Tensor:
-    """d logp / d logits x grad for one chunk: (onehot(target) - softmax) x grad / temperature, float32."""
+    """d logp / d logits x grad for one chunk: (onehot(target) - softmax) x grad / temperature, computed
+    in float32 and returned in the logits' dtype (compiled, the cast fuses into the kernel)."""
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature
     scale = (grad / temperature).unsqueeze(-1)
     d = torch.sub(z, lse.unsqueeze(-1)).exp_().mul_(-scale)
-    return d.scatter_add_(-1, targets.unsqueeze(-1), scale)
+    return d.scatter_add_(-1, targets.unsqueeze(-1), scale).to(logits.dtype)
 
 
 @cache
@@ -137,7 +138,7 @@ class _LinearLogprobs(torch.autograd.Function):
         for start in range(0, n, chunk):
             rows = slice(start, start + chunk)
             piece = torch.nn.functional.linear(hidden[rows], weight)
-            d = grad_fn(piece, targets[rows], lse[rows], grad_logp[rows], temperature).to(hidden.dtype)
+            d = grad_fn(piece, targets[rows], lse[rows], grad_logp[rows], temperature)
             if grad_hidden is not None:
                 grad_hidden[rows] = d @ weight
             if total is not None:

@@ -64,3 +64,34 @@ def test_linear_logprobs_without_gradients_or_entropy_give_the_same_logprobs():
         logp, entropy = linear_logprobs(hidden, weight, targets, chunk_tokens=8)
     assert entropy is None
     torch.testing.assert_close(logp, token_logprobs(hidden @ weight.T, targets), rtol=0, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept-logits", "recomputed-logits"])
+def test_bfloat16_linear_logprobs_on_cuda_match_cross_entropy_over_the_same_bfloat16_logits(recompute, compiled):
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    hidden = torch.randn(3, 700, 64, device="cuda", generator=gen).bfloat16().requires_grad_()
+    weight = (0.3 * torch.randn(5000, 64, device="cuda", generator=gen)).bfloat16().requires_grad_()
+    targets = torch.randint(0, 5000, (3, 700), device="cuda", generator=gen)
+    upstream = torch.randn(3, 700, device="cuda", generator=gen)
+    want = token_logprobs(torch.nn.functional.linear(hidden, weight), targets, temperature=0.9)
+    (want * upstream).sum().backward()
+    want_grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+
+    logp, entropy = linear_logprobs(hidden, weight, targets, temperature=0.9, chunk_tokens=512,
+                                    recompute=recompute, entropy=True, compiled=compiled)
+    (logp * upstream).sum().backward()
+
+    # a chunk's matmul may round a bf16 logit one ulp away from the full matmul's: loose bounds
+    # on single values, tight on the mean
+    torch.testing.assert_close(logp, want, rtol=0, atol=2e-2)
+    assert float((logp - want).abs().mean()) < 1e-4
+    with torch.no_grad():
+        want_entropy = entropy_from_logits(torch.nn.functional.linear(hidden, weight).float() / 0.9)
+    torch.testing.assert_close(entropy, want_entropy, rtol=0, atol=2e-2)
+    assert float((entropy - want_entropy).abs().mean()) < 1e-4
+    for got, expected in zip((hidden.grad, weight.grad), want_grads, strict=True):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
