@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -244,8 +245,9 @@ class TrainerEngine:
     def _to_device(self, mb: RolloutBatch) -> RolloutBatch:
         if self.device.type == "cpu":
             return mb
-        moved = {f.name: None if getattr(mb, f.name) is None
-                 else getattr(mb, f.name).pin_memory().to(self.device, non_blocking=True) for f in fields(mb)}
+        moved: dict[str, Any] = {
+            f.name: None if getattr(mb, f.name) is None
+            else getattr(mb, f.name).pin_memory().to(self.device, non_blocking=True) for f in fields(mb)}
         return RolloutBatch(**moved)
 
     def _forward_logprobs(self, model, mb: RolloutBatch, *, entropy: bool = False) -> tuple[Tensor, Tensor | None]:

@@ -90,7 +90,7 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk: int,
-                recompute: bool, with_entropy: bool, compiled: bool):  # type: ignore[override]
+                recompute: bool, with_entropy: bool, compiled: bool):
         n = hidden.shape[0]
         forward_fn = _compiled(_chunk_forward) if compiled else _chunk_forward
         # Inside forward grad mode is off; whether a backward will follow is ctx.needs_input_grad.
@@ -114,7 +114,7 @@ class _LinearLogprobs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp: Tensor, _grad_entropy: Tensor):  # type: ignore[override]
+    def backward(ctx, grad_logp: Tensor, _grad_entropy: Tensor):
         hidden, weight, targets, lse = ctx.saved_tensors
         temperature, chunk, compiled = ctx.settings
         grad_fn = _compiled(_chunk_grad) if compiled else _chunk_grad
