@@ -66,6 +66,24 @@ def test_linear_logprobs_without_gradients_or_entropy_give_the_same_logprobs():
     torch.testing.assert_close(logp, token_logprobs(hidden @ weight.T, targets), rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_compiled_chunks_give_the_eager_logprobs_entropy_and_gradients():
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 12, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(50, 16, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 12), generator=gen)
+    results = []
+    for compiled in (False, True):
+        logp, entropy = linear_logprobs(hidden, weight, targets, temperature=0.7, chunk_tokens=7, entropy=True,
+                                        compiled=compiled)
+        logp.sum().backward()
+        results.append((logp.detach(), entropy, hidden.grad, weight.grad))
+        hidden.grad = weight.grad = None
+    for eager, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["kept-logits", "recomputed-logits"])
