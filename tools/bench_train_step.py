@@ -11,7 +11,9 @@ reference side is the least a GRPO step can do: one forward of the whole batch, 
 gather, the clipped-ratio loss, backward, gradient clipping, AdamW (TRL's step adds its own
 bookkeeping to this). Steps alternate between the two sides, so that a change in the machine's
 load hits both alike; medians after `--warmup` steps. Then hpcrl's step again, timed in parts:
-forward (+ logprobs), loss, backward, the entropy and logprob-diff metrics, clipping, optimizer.
+forward (+ the fused logprobs and entropy), loss, backward, the logprob-diff metric, clipping,
+optimizer. (tools/bench_trainer.py --compare measures the step against a plain loop of the same
+torchtitan model at larger shapes.)
 """
 
 from __future__ import annotations
@@ -69,7 +71,6 @@ def timed_parts(engine, batch) -> dict[str, float]:
     """hpcrl's train_step, part by part (the same calls in the same order as TrainerEngine.train_step)."""
     from hpcrl.algorithms import load_algorithm
     from hpcrl.algorithms.terms import Normaliser, local_counts
-    from hpcrl.trainer.loss import entropy_from_logits
 
     parts = dict.fromkeys(("setup", "forward", "loss", "backward", "metrics", "clip", "optimizer"), 0.0)
     last = time.perf_counter()
@@ -87,7 +88,7 @@ def timed_parts(engine, batch) -> dict[str, float]:
     micro_batches = engine._micro_batches(batch)
     lap("setup")
     for mb in micro_batches:
-        logits, logp = engine._forward_logprobs(engine.model, mb)
+        logp, entropy = engine._forward_logprobs(engine.model, mb, entropy=True)
         lap("forward")
         mask = mb.completion_mask
         share = algorithm.loss(logprobs=logp, old_logprobs=mb.old_logprobs, advantages=mb.advantages, mask=mask,
@@ -96,10 +97,10 @@ def timed_parts(engine, batch) -> dict[str, float]:
         share.loss.backward()
         lap("backward")
         with torch.no_grad():
-            entropy_from_logits(logits[mask[:, 1:]]).sum()
-            (logp - mb.old_logprobs).abs()[mask.bool()].sum()
+            (entropy * mask).sum()
+            torch.where(mask, (logp - mb.old_logprobs).abs(), 0.0).sum()
         lap("metrics")
-    engine._clip_gradients()
+    float(engine._clip_gradients())
     lap("clip")
     engine.optimizer.step()
     engine.optimizer.zero_grad(set_to_none=True)

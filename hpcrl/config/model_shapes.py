@@ -37,6 +37,11 @@ PRESETS: dict[str, ModelShape] = {
     "tiny-qwen2": _qwen2(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=32, vocab_size=100, tie_embeddings=True,
                          max_position=1024),
+    # The CPU proxy of tools/bench_trainer.py (engine step against a plain loop): the lm_head is
+    # ~40% of the matmul FLOPs, as the vocabulary is in a 1B model; no checkpoint exists.
+    "mid-llama": _llama(hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
+                        num_kv_heads=4, head_dim=64, vocab_size=32000, max_position=4096,
+                        rope_theta=500000.0),
     "llama3-1b": _llama(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
                         num_kv_heads=8, head_dim=64, vocab_size=128256, tie_embeddings=True,
                         max_position=131072),

@@ -19,13 +19,21 @@ including none (the engine pads with empty micro-batches so the collectives line
 Logprobs are of softmax(logits / temperature), temperature = inference.temperature: with a
 temperature other than 1 the inference role must report vLLM's processed (not raw) logprobs.
 
+The step's own cost beside the model's forward and backward is kept small (issue 30): logprobs
+and the entropy metric come from one fused pass over the lm_head in chunks of tokens
+(hpcrl.trainer.loss.linear_logprobs: no float32 [tokens, vocab] tensor, no boolean-index copy),
+the micro-batches are on the device before the loop, and nothing inside the loop waits on the
+device: the metrics stay device tensors until one read after the backward.
+
     PYTHONPATH=. python -m pytest tests/trainer -q     # runs it in 1 process and on 2, 3, 4 gloo ranks
 """
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,12 +46,10 @@ from hpcrl.config.model_shapes import ModelShape, load_shape
 from hpcrl.errors import TrainerError
 from hpcrl.trainer import checkpoint, titan, weights
 from hpcrl.trainer.batch import RolloutBatch, pad_rows
-from hpcrl.trainer.loss import entropy_from_logits, token_logprobs
+from hpcrl.trainer.loss import DEFAULT_CHUNK_TOKENS, linear_logprobs
 from hpcrl.trainer.parallel import make_dp_mesh, reshard, shard_decoder
 from hpcrl.trainer.schedule import LrSchedule, lr_at
 
-#: Tokens per slice when computing the entropy metric.
-_ENTROPY_SLICE = 2048
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -94,6 +100,13 @@ class EngineOptions:
     loss: LossSettings = LossSettings()
     """The algorithm whose loss train_step calls (algorithm.name, hpcrl.algorithms) and its settings
     (clips, KL, aggregation)."""
+    logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    """Tokens per chunk of the fused lm_head + log-softmax (bounds its float32 temporaries)."""
+    logprob_recompute: bool = False
+    """Recompute each chunk's logits in the backward instead of keeping [tokens, vocab] logits in
+    the compute dtype (saves that memory for one more lm_head matmul)."""
+    compile_logprobs: bool = False
+    """torch.compile the float32 part of each chunk (GPUs; off by default until measured)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -102,6 +115,8 @@ class EngineOptions:
             raise TrainerError(f"device {self.device!r}: use 'cpu' or 'cuda'")
         if self.micro_batch_size < 1:
             raise TrainerError(f"micro_batch_size must be at least 1, got {self.micro_batch_size}")
+        if self.logprob_chunk_tokens < 1:
+            raise TrainerError(f"logprob_chunk_tokens must be at least 1, got {self.logprob_chunk_tokens}")
         if self.weights_path and self.rope_scaling is None:
             # The checkpoint decides: a Llama 3.1+ config.json asks for scaled RoPE frequencies.
             object.__setattr__(self, "rope_scaling", weights.read_rope_scaling(self.weights_path))
@@ -139,7 +154,8 @@ class StepMetrics:
     kl: float
     """Token-mean KL to the reference (0 when kl_coef = 0)."""
     entropy: float
-    """Token-mean entropy of the policy over completion tokens."""
+    """Token-mean entropy of the policy over completion tokens: of softmax(logits / temperature), the
+    distribution vLLM samples from (the logprobs' distribution)."""
     clip_fraction: float
     clip_fraction_low: float
     clip_fraction_high: float
@@ -211,37 +227,58 @@ class TrainerEngine:
 
     # ------------------------------------------------------------------------------ helpers
 
-    def _all_reduce(self, values: Tensor, *, op: str = "sum") -> Tensor:
-        """Sum (or max) over all trainer ranks; identity without a process group."""
+    def _all_reduce(self, values: Tensor, *, op: str = "sum", read: bool = True) -> Tensor:
+        """Sum (or max) over all trainer ranks; identity without a process group. On the host
+        (a read: waits for the device) unless read=False."""
         if self.distributed:
             values = values.to(self.device)
             dist.all_reduce(values, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-        return values.cpu()
+        return values.cpu() if read else values
 
     def _micro_batches(self, batch: RolloutBatch) -> list[RolloutBatch]:
-        """This rank's micro-batches, then idle ones up to the largest count of any rank."""
+        """This rank's micro-batches, then idle ones up to the largest count of any rank, on the
+        device (copied before the loop, so no copy inside it waits for the device)."""
         chunks = batch.micro_batches(self.options.micro_batch_size)
         most = int(self._all_reduce(torch.tensor([len(chunks)], dtype=torch.float64), op="max")[0])
-        return chunks + [_idle_batch(batch)] * (most - len(chunks))
+        return [self._to_device(mb) for mb in chunks + [_idle_batch(batch)] * (most - len(chunks))]
 
-    def _forward_logprobs(self, model, mb: RolloutBatch) -> tuple[Tensor, Tensor]:
-        """(logits [b, T-1, V], logprobs [b, T] aligned with the tokens; 0 at t = 0)."""
-        tokens = mb.tokens.to(self.device)
-        logits = model(tokens)[:, :-1]
-        logp = token_logprobs(logits, tokens[:, 1:], temperature=self.options.temperature)
-        return logits, torch.nn.functional.pad(logp, (1, 0))
+    def _to_device(self, mb: RolloutBatch) -> RolloutBatch:
+        if self.device.type == "cpu":
+            return mb
+        moved: dict[str, Any] = {
+            f.name: None if getattr(mb, f.name) is None
+            else getattr(mb, f.name).pin_memory().to(self.device, non_blocking=True) for f in fields(mb)}
+        return RolloutBatch(**moved)
+
+    def _forward_logprobs(self, model, mb: RolloutBatch, *, entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """(logprobs [b, T] aligned with the tokens, 0 at t = 0; entropy [b, T] likewise, or None).
+
+        Every position's hidden state goes through the fused lm_head + log-softmax, the last one
+        too (its target is a stand-in): slicing it off first would copy the hidden states and
+        their gradient for one position in T.
+        """
+        o = self.options
+        tokens = mb.tokens
+        hidden = titan.hidden_states(model, tokens)
+        targets = torch.roll(tokens, -1, dims=1)  # position t predicts token t + 1
+        logp, ent = linear_logprobs(hidden, titan.output_weight(model), targets, temperature=o.temperature,
+                                    chunk_tokens=o.logprob_chunk_tokens, recompute=o.logprob_recompute,
+                                    entropy=entropy, compiled=o.compile_logprobs)
+        shift = (1, -1)  # to token alignment: drop the last position, 0 at t = 0
+        return (torch.nn.functional.pad(logp, shift),
+                None if ent is None else torch.nn.functional.pad(ent, shift))
 
     def _logprobs_of(self, model, batch: RolloutBatch) -> Tensor:
-        out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=self.device)
         row = 0
         with torch.no_grad():
             for mb in self._micro_batches(batch):
-                _, logp = self._forward_logprobs(model, mb)
+                logp, _ = self._forward_logprobs(model, mb)
                 if row < batch.size:  # idle micro-batches come last and give nothing back
-                    out[row:row + mb.size, :logp.shape[1]] = logp.cpu()
+                    out[row:row + mb.size, :logp.shape[1]] = logp
                 row += mb.size
         self._reshard(model)
-        return out
+        return out.cpu()
 
     def _reshard(self, model) -> None:
         if self.mesh is not None:
@@ -284,35 +321,35 @@ class TrainerEngine:
         lr = self.lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        # loss, policy, kl, clipped low, clipped high, entropy sum, |logp - old logp| sum: kept on the
-        # device (no sync per micro-batch)
+        # loss, policy, kl, clipped low, clipped high, entropy sum, |logp - old logp| sum: device
+        # tensors, read once after the loop (a read inside it would wait for the device)
         sums = torch.zeros(7, dtype=torch.float64, device=self.device)
         for mb in self._micro_batches(batch):
             ref = mb.ref_logprobs
             if o.loss.kl_coef > 0 and ref is None:
                 with torch.no_grad():
-                    ref = self._forward_logprobs(self.reference, mb)[1]
-            logits, logp = self._forward_logprobs(self.model, mb)
-            mask = mb.completion_mask.to(self.device)
-            old_logprobs = mb.old_logprobs.to(self.device)
-            share = algorithm.loss(logprobs=logp, old_logprobs=old_logprobs,
-                                   advantages=mb.advantages.to(self.device), mask=mask, settings=o.loss,
-                                   norm=norm, ref_logprobs=None if ref is None else ref.to(self.device))
+                    ref = self._forward_logprobs(self.reference, mb)[0]
+            logp, entropy = self._forward_logprobs(self.model, mb, entropy=True)
+            mask = mb.completion_mask
+            share = algorithm.loss(logprobs=logp, old_logprobs=mb.old_logprobs, advantages=mb.advantages,
+                                   mask=mask, settings=o.loss, norm=norm, ref_logprobs=ref)
             share.loss.backward()
-            with torch.no_grad():  # in slices: a float32 copy of [tokens, vocab] logits is large
-                completion_logits = logits[mask[:, 1:]]
-                for piece in completion_logits.split(_ENTROPY_SLICE):
-                    sums[5] += entropy_from_logits(piece).sum().double()
-                sums[6] += (logp.float() - old_logprobs.float()).abs()[mask.bool()].sum().double()
-                sums[:5] += torch.stack([share.loss.detach().double(), share.policy_loss, share.kl,
-                                         share.clipped_low, share.clipped_high])
-            del logits, logp, share
+            with torch.no_grad():  # masked by multiplying (where: padding may hold -inf), never by indexing
+                assert entropy is not None
+                diff = torch.where(mask, (logp - mb.old_logprobs).abs(), 0.0)
+                sums += torch.stack([share.loss.detach().double(), share.policy_loss, share.kl,
+                                     share.clipped_low, share.clipped_high,
+                                     (entropy * mask).sum().double(), diff.sum().double()])
+            del logp, entropy, share
         if self.reference is not None:
             self._reshard(self.reference)  # its no-grad forwards left the root gathered
-        grad_norm = self._clip_gradients()
+        # the step's one read of the device: metrics and gradient norm together, before the
+        # optimizer step (a non-finite norm must stop it)
+        totals = torch.cat([self._all_reduce(sums, read=False),
+                            self._clip_gradients().to(self.device, torch.float64).view(1)]).cpu()
+        grad_norm = self._check_grad_norm(float(totals[7]))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        totals = self._all_reduce(sums)
         self.step += 1
         elapsed = time.perf_counter() - start
         tokens = max(norm.tokens, 1.0)
@@ -324,14 +361,17 @@ class TrainerEngine:
             tokens_per_s=float(counts[2]) / elapsed, step_time_s=elapsed,
             sampling_logprob_diff=float(totals[6]) / tokens)
 
-    def _clip_gradients(self) -> float:
+    def _clip_gradients(self) -> Tensor:
+        """Clip the gradients to options.grad_clip; the global norm before clipping (not read)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.options.grad_clip if self.options.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        value = float(norm)
-        if not torch.isfinite(norm):
+        return norm
+
+    def _check_grad_norm(self, value: float) -> float:
+        if not math.isfinite(value):
             raise TrainerError(f"rank {self.rank}: gradient norm is {value} at step {self.step}; "
                                "lower trainer.lr or check the batch's old_logprobs and advantages")
         return value

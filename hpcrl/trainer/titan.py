@@ -219,6 +219,29 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
 
 
+def hidden_states(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The decoder's output before the lm_head (after the final norm), [b, T, D] in the compute dtype.
+
+    torchtitan's decoder skips its lm_head when `_skip_lm_head` is set (its chunked loss uses it);
+    the attribute is set for this call only, so `model(tokens)` still gives logits elsewhere.
+    """
+    model._skip_lm_head = True  # type: ignore[assignment]
+    try:
+        return model(tokens)
+    finally:
+        del model._skip_lm_head  # back to the class default (False)
+
+
+def output_weight(model: nn.Module) -> torch.Tensor:
+    """The lm_head weight [V, D] as the current forward sees it (FSDP: the gathered parameter
+    after the root's forward, which keeps it gathered for the backward)."""
+    head = cast(nn.Linear, model.lm_head)
+    if head.bias is not None:
+        raise TrainerError("the lm_head has a bias, which the engine's fused logprob does not add; "
+                           "build the model without one (hpcrl/trainer/titan.py model_config)")
+    return head.weight
+
+
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The decoder's blocks in order (each becomes one FSDP unit)."""
     return list(cast(_Decoder, model).layers.values())

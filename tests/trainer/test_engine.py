@@ -49,6 +49,24 @@ def test_micro_batching_and_activation_checkpointing_do_not_change_the_step(tiny
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunk_tokens, recompute", [(3, False), (5, True), (1024, False)])
+def test_the_steps_entropy_and_mismatch_equal_the_plain_full_logits_computation(tiny_model, chunk_tokens, recompute):
+    batch = toy_batch()
+    engine = TrainerEngine(engine_options(str(tiny_model), micro_batch_size=2, temperature=0.8,
+                                          logprob_chunk_tokens=chunk_tokens, logprob_recompute=recompute))
+    with torch.no_grad():  # the reference: full logits of the model as it is before the step
+        logits = engine.model(batch.tokens)[:, :-1].double() / 0.8
+    logp = torch.nn.functional.pad(
+        torch.log_softmax(logits, -1).gather(-1, batch.tokens[:, 1:, None]).squeeze(-1), (1, 0))
+    entropy = torch.nn.functional.pad(-(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1), (1, 0))
+    mask = batch.completion_mask
+    torch.testing.assert_close(engine.logprobs(batch)[mask].double(), logp[mask], rtol=0, atol=1e-6)
+    metrics = engine.train_step(batch)
+    assert metrics.entropy == pytest.approx(float(entropy[mask].mean()), rel=1e-5)
+    assert metrics.sampling_logprob_diff == pytest.approx(float((logp - batch.old_logprobs)[mask].abs().mean()), rel=1e-5)
+
+
+@pytest.mark.timeout(60)
 def test_kl_to_the_frozen_reference_starts_at_zero_and_grows_as_the_policy_moves(tiny_model):
     engine = TrainerEngine(engine_options(str(tiny_model), loss=LossSettings(kl_coef=0.05)))
     batch = toy_batch()
