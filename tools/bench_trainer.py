@@ -128,7 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="alternate the two sides step by step (default: on CPU yes, on CUDA no)")
     parser.add_argument("--logprob-chunk-tokens", type=int, help="engine option (default: the engine's)")
     parser.add_argument("--logprob-recompute", action="store_true", help="engine option: recompute chunk logits")
-    parser.add_argument("--compile-logprobs", action="store_true", help="engine option: torch.compile the chunks")
+    parser.add_argument("--compile-logprobs", action=argparse.BooleanOptionalAction, default=None,
+                        help="engine option: torch.compile the chunks (default: the engine's, on for CUDA)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads on CPU (default: torch's)")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="peak of one device; default by GPU name")
     parser.add_argument("--json", type=Path, help="also write the result here")
@@ -145,8 +146,8 @@ def _engine_options(args, shape, dtype: str):
         extra["logprob_chunk_tokens"] = args.logprob_chunk_tokens
     if args.logprob_recompute:
         extra["logprob_recompute"] = True
-    if args.compile_logprobs:
-        extra["compile_logprobs"] = True
+    if args.compile_logprobs is not None:
+        extra["compile_logprobs"] = args.compile_logprobs
     return EngineOptions(shape=shape, device=args.device, dtype=dtype, max_seq_len=args.seq_len, lr=1e-5,
                          micro_batch_size=args.micro_batch_size or args.batch,
                          activation_checkpointing=args.activation_checkpointing,

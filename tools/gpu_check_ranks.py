@@ -250,44 +250,15 @@ def hf_values(shape, device) -> dict:
 
 def expected_dests(plan, shape, hf: dict, tp_rank: int, fill: float) -> dict:
     """One TP rank's vLLM parameters as its weight loaders would fill them from the HF tensors `hf`
-    (torch tensors, any device; vocab padding rows `fill`): hpcrl.plan.transfer_check._vllm_expected
-    in torch, so that it runs on the GPU at 1B scale; tests/tools/test_gpu_check.py holds them equal."""
+    (torch tensors, any device; vocab padding rows `fill`): hpcrl.plan.transfer_check.vllm_expected
+    with torch's arrays, so that it runs on the GPU at 1B scale."""
     import torch
 
-    from hpcrl.plan.transfer_layout import pad_vocab_size
+    from hpcrl.plan.transfer_check import vllm_expected
 
-    tp = plan.inference.tensor_parallel
-    nh, d = shape.num_heads // tp, shape.head_dim
-    reps = tp // shape.num_kv_heads if tp >= shape.num_kv_heads else 1
-    nkv = max(1, shape.num_kv_heads // tp)
-    out = {}
-    for name, w in hf.items():
-        if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias", "up_proj.weight")):
-            continue
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
-            kind = name.rsplit(".", 1)[1]
-            base = name[: -len("q_proj." + kind)]
-            kv = tp_rank // reps
-            parts = [w[tp_rank * nh * d:(tp_rank + 1) * nh * d]]
-            parts += [hf[f"{base}{x}_proj.{kind}"][kv * nkv * d:(kv + 1) * nkv * d] for x in "kv"]
-            out[f"{base}qkv_proj.{kind}"] = torch.cat(parts)
-        elif name.endswith("gate_proj.weight"):
-            f = w.shape[0] // tp
-            up = hf[name.replace("gate_proj", "up_proj")]
-            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat([w[tp_rank * f:(tp_rank + 1) * f],
-                                                                        up[tp_rank * f:(tp_rank + 1) * f]])
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            k = w.shape[1] // tp
-            out[name] = w[:, tp_rank * k:(tp_rank + 1) * k]
-        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-            per = pad_vocab_size(w.shape[0], plan.inference.vocab_padding) // tp
-            local = torch.full((per, w.shape[1]), fill, dtype=w.dtype, device=w.device)
-            part = w[tp_rank * per:(tp_rank + 1) * per]
-            local[:len(part)] = part
-            out[name] = local
-        else:
-            out[name] = w
-    return out
+    return vllm_expected(plan, shape, hf, tp_rank, concat=torch.cat,
+                         padded=lambda rows_cols, like: torch.full(rows_cols, fill, dtype=like.dtype,
+                                                                   device=like.device))
 
 
 def _device(device: str):

@@ -16,6 +16,9 @@ zero padding); the plan must reproduce them element for element.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 from hpcrl.config.model_shapes import ModelShape
@@ -161,8 +164,13 @@ def _trainer_tensors(plan: TransferPlan, shape: ModelShape, hf: dict[str, np.nda
     return out
 
 
-def _vllm_expected(plan: TransferPlan, shape: ModelShape, hf: dict[str, np.ndarray], r: int) -> dict[str, np.ndarray]:
-    """One TP rank's parameters as vLLM's weight loaders would fill them (-1 = padding)."""
+def vllm_expected(plan: TransferPlan, shape: ModelShape, hf: dict[str, Any], r: int, *,
+                  concat: Callable[[list], Any] = np.concatenate,
+                  padded: Callable[[tuple[int, int], Any], Any] = lambda rows_cols, like: np.full(rows_cols, -1, np.int64),
+                  ) -> dict[str, Any]:
+    """One TP rank's parameters as vLLM's weight loaders would fill them from the HF tensors `hf`:
+    numpy arrays here (padding rows -1), or any arrays with their `concat` and `padded(shape, like)`
+    (tools/gpu_check_ranks.py passes torch's, to run it on a GPU at 1B scale)."""
     tp = plan.inference.tensor_parallel
     nh, d = shape.num_heads // tp, shape.head_dim
     reps = tp // shape.num_kv_heads if tp >= shape.num_kv_heads else 1
@@ -178,17 +186,17 @@ def _vllm_expected(plan: TransferPlan, shape: ModelShape, hf: dict[str, np.ndarr
             kv_rank = r // reps
             parts = [w[r * nh * d:(r + 1) * nh * d]]
             parts += [hf[f"{base}{x}_proj.{kind}"][kv_rank * nkv * d:(kv_rank + 1) * nkv * d] for x in "kv"]
-            out[f"{base}qkv_proj.{kind}"] = np.concatenate(parts)
+            out[f"{base}qkv_proj.{kind}"] = concat(parts)
         elif name.endswith("gate_proj.weight"):
             f = w.shape[0] // tp
             up = hf[name.replace("gate_proj", "up_proj")]
-            out[name.replace("gate_proj", "gate_up_proj")] = np.concatenate([w[r * f:(r + 1) * f], up[r * f:(r + 1) * f]])
+            out[name.replace("gate_proj", "gate_up_proj")] = concat([w[r * f:(r + 1) * f], up[r * f:(r + 1) * f]])
         elif name.endswith(("o_proj.weight", "down_proj.weight")):
             k = w.shape[1] // tp
             out[name] = w[:, r * k:(r + 1) * k]
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             per = pad_vocab_size(w.shape[0], plan.inference.vocab_padding) // tp
-            local = np.full((per, w.shape[1]), -1, np.int64)
+            local = padded((per, w.shape[1]), w)
             part = w[r * per:(r + 1) * per]
             local[:len(part)] = part
             out[name] = local
@@ -210,7 +218,7 @@ def verify_elements(plan: TransferPlan, shape: ModelShape) -> None:
     b = plan.blocks
     for rep in range(plan.inference.replicas):
         for r in range(tp):
-            expected = _vllm_expected(plan, shape, hf, r)
+            expected = vllm_expected(plan, shape, hf, r)
             got = {d.name: np.full(d.local_shape, -1, np.int64).reshape(-1) for d in plan.dests}
             for i in np.nonzero((b["replica"] == rep) & (b["tp_rank"] == r))[0]:
                 src = local[plan.sources[b["source"][i]].name][b["src_rank"][i] % shards]

@@ -64,7 +64,10 @@ def _peer(plan: TransferPlan, m: Message, side: str) -> str:
 
 @contextmanager
 def _issuing(plan: TransferPlan, batch: list[Message], side: str) -> Iterator[None]:
-    """Issuing a round's operations: a failure (NCCL's group_end after an abort) names the round's messages."""
+    """Issuing a round's operations: a failure names the round's first message and every peer of the round.
+
+    Any peer can be the cause: NCCL's group_end fails after an abort, and gloo fails a post on one
+    pair once another peer of the same context has closed its connection (a trainer rank that died)."""
     try:
         yield
     except TransferError:
@@ -72,7 +75,9 @@ def _issuing(plan: TransferPlan, batch: list[Message], side: str) -> Iterator[No
     except Exception as err:  # noqa: BLE001 - re-raised naming the round
         verb = "sending" if side == "source" else "receiving"
         more = f" and {len(batch) - 1} more in its round" if len(batch) > 1 else ""
-        raise TransferError(f"{verb} {_what(plan, batch[0], side)}{more} could not be issued: {err}") from err
+        peers = {_peer(plan, o, side) for o in batch} - {_peer(plan, batch[0], side)}
+        also = f" (its round also with {', '.join(sorted(peers))})" if peers else ""
+        raise TransferError(f"{verb} {_what(plan, batch[0], side)}{more}{also} could not be issued: {err}") from err
 
 
 def _wait(link, plan: TransferPlan, m: Message, work, timeout: timedelta, side: str, batch: list[Message]) -> None:

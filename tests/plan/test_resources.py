@@ -140,7 +140,8 @@ def _bytes_a_step_holds(shape, dtype: str, store: Path) -> dict[str, int]:
             gathered.append(sum(p.numel() * p.element_size() for model in (engine.model, engine.reference)
                                 for p in model.parameters() if not isinstance(p, DTensor)))
 
-        engine.model.lm_head.register_forward_hook(count_gathered)
+        # The final norm runs last in the forward (the engine applies lm_head itself, in chunks): the root is gathered.
+        engine.model.norm.register_forward_hook(count_gathered)
         batch = pad_rows(sequences=[[1, *range(10, 40)]] * 4, prompt_lengths=[2] * 4,
                          old_logprobs=[[-5.0] * 29] * 4, advantages=[1.0, -1.0, 0.5, 0.0])
         engine.train_step(batch)

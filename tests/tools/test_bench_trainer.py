@@ -10,14 +10,19 @@ import sys
 import pytest
 
 
+def bench_tiny(repo, out, *args: str) -> subprocess.CompletedProcess:
+    """tools/bench_trainer.py on the tiny preset on CPU, one thread, writing its JSON to `out`."""
+    return subprocess.run(
+        [sys.executable, str(repo / "tools" / "bench_trainer.py"), "--preset", "tiny-llama", "--device", "cpu",
+         "--batch", "2", "--seq-len", "32", "--warmup", "1", *args, "--json", str(out)],
+        capture_output=True, text=True, timeout=140, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_trainer_benchmark_runs_on_cpu_with_the_tiny_preset(repo, tmp_path):
     out = tmp_path / "bench.json"
-    done = subprocess.run(
-        [sys.executable, str(repo / "tools" / "bench_trainer.py"), "--preset", "tiny-llama", "--device", "cpu",
-         "--batch", "2", "--seq-len", "32", "--steps", "1", "--warmup", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=140, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = bench_tiny(repo, out, "--steps", "1")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "tokens/s/rank" in done.stdout and "MFU n/a" in done.stdout
     result = json.loads(out.read_text())
@@ -29,11 +34,7 @@ def test_trainer_benchmark_runs_on_cpu_with_the_tiny_preset(repo, tmp_path):
 @pytest.mark.timeout(150)
 def test_trainer_benchmark_compares_the_engine_step_with_a_plain_loop_of_the_same_model(repo, tmp_path):
     out = tmp_path / "bench.json"
-    done = subprocess.run(
-        [sys.executable, str(repo / "tools" / "bench_trainer.py"), "--preset", "tiny-llama", "--device", "cpu",
-         "--batch", "2", "--seq-len", "32", "--steps", "2", "--warmup", "1", "--compare",
-         "--logprob-chunk-tokens", "5", "--json", str(out)],
-        capture_output=True, text=True, timeout=140, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = bench_tiny(repo, out, "--steps", "2", "--compare", "--logprob-chunk-tokens", "5")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "plain loop:" in done.stdout and "engine / plain = " in done.stdout
     result = json.loads(out.read_text())

@@ -208,7 +208,7 @@ def test_the_receivers_expected_tensors_in_torch_are_the_plan_checks_element_ids
     import torch
 
     from hpcrl.config.model_shapes import PRESETS
-    from hpcrl.plan.transfer_check import _hf_ids, _vllm_expected
+    from hpcrl.plan.transfer_check import _hf_ids, vllm_expected
     from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
     from hpcrl.plan.transfer_planner import plan as plan_transfer
 
@@ -219,7 +219,7 @@ def test_the_receivers_expected_tensors_in_torch_are_the_plan_checks_element_ids
     hf = {name: torch.from_numpy(a.reshape(dims)) for (name, dims), a in zip(shape.hf_parameters(), ids.values())}
     for rank in range(tp):
         mine = gpu_check_ranks.expected_dests(plan, shape, hf, rank, fill=-1)
-        theirs = _vllm_expected(plan, shape, ids, rank)
+        theirs = vllm_expected(plan, shape, ids, rank)
         assert sorted(mine) == sorted(theirs) == sorted(d.name for d in plan.dests)
         for name, expected in theirs.items():
             assert np.array_equal(mine[name].numpy().reshape(expected.shape), expected), name

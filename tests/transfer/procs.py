@@ -79,7 +79,7 @@ def receiver(spec: dict, replica: int, tp_rank: int, port: int, results) -> None
         try:
             import torch
 
-            from hpcrl.plan.transfer_check import _hf_ids, _vllm_expected
+            from hpcrl.plan.transfer_check import _hf_ids, vllm_expected
             from hpcrl.transfer import execute
             from hpcrl.transfer.registry import open_group
             spec_here = dict(spec, **spec.get("receiver_override", {}))
@@ -96,7 +96,7 @@ def receiver(spec: dict, replica: int, tp_rank: int, port: int, results) -> None
                                       timeout_s=spec.get("timeout", 60))
             finally:
                 group.close()
-            expected = _vllm_expected(p, shape, _hf_ids(shape), tp_rank)
+            expected = vllm_expected(p, shape, _hf_ids(shape), tp_rank)
             wrong = [d.name for d in p.dests if not np.array_equal(
                 dests[d.name].numpy(), expected[d.name].astype(np.float32).reshape(d.local_shape))]
             results.put(("receiver", (replica, tp_rank), "ok" if not wrong else "wrong", wrong or got, generation))

@@ -184,3 +184,21 @@ def test_the_nccl_transport_refuses_to_open_without_a_cuda_device():
     store = host_store(timeout_s=10)
     with pytest.raises(TransferError, match="needs a CUDA device"):
         open_group("nccl", host="127.0.0.1", port=store.port, rank=0, world_size=2, timeout_s=5, external_store=True)
+
+
+def test_a_round_that_cannot_be_issued_names_every_peer_of_the_round():
+    """gloo fails a post on any pair once one peer of the context closed its connection (a trainer rank
+    died): the rank to blame need not be the first message's, so the error names all of the round's."""
+    from hpcrl.config.model_shapes import preset
+    from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
+    from hpcrl.plan.transfer_planner import plan as plan_transfer
+
+    plan = plan_transfer(TrainerLayout(dp_shard=2), InferenceLayout(replicas=1, tensor_parallel=1),
+                         preset("tiny-llama"), wire_dtype="float32", bucket_bytes=4096)
+    batch = next(b for b in execute.schedule(plan) if {m.src_rank for m in b} == {0, 1})
+    first = batch[0].src_rank
+    with pytest.raises(TransferError, match=rf"from trainer rank {first} to replica 0 TP rank 0 and \d+ more in its "
+                                            rf"round \(its round also with trainer rank {1 - first}\) could not be "
+                                            "issued: Connection closed by peer"):
+        with execute._issuing(plan, batch, "dest"):
+            raise RuntimeError("Connection closed by peer")
