@@ -37,7 +37,7 @@ from hpcrl.errors import TransferError
 from hpcrl.plan.transfer_layout import chunk_rows
 from hpcrl.plan.transfer_plan import TransferPlan
 from hpcrl.plan.transfer_rounds import Message, receiver_rank, rounds
-from hpcrl.transfer.packing import PATHS, Packer
+from hpcrl.transfer.packing import PATHS, Packer, pack, unpack  # noqa: F401 - pack/unpack: the reference, here too
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -149,30 +149,6 @@ def check_dests(plan: TransferPlan, replica: int, tp_rank: int, dests: dict[str,
             raise TransferError(f"{where}: {d.name} is not contiguous; cannot receive into it in place")
         out.append(t.view(-1))
     return out
-
-
-def pack(plan: TransferPlan, m: Message, sources: list[torch.Tensor | None], out: torch.Tensor) -> None:
-    """Message `m` into `out`, block by block (one strided copy each): the reference the packing paths match."""
-    b, pos = plan.blocks, 0
-    for i in range(m.start, m.stop):
-        src = sources[b["source"][i]]
-        count, length = int(b["count"][i]), int(b["length"][i])
-        view = src.as_strided((count, length), (int(b["src_stride"][i]), 1),
-                              src.storage_offset() + int(b["src_offset"][i]))
-        out[pos:pos + count * length].view(count, length).copy_(view)
-        pos += count * length
-
-
-def unpack(plan: TransferPlan, m: Message, buf: torch.Tensor, dests: list[torch.Tensor]) -> None:
-    """Message `m` from `buf` into the destinations, block by block: the reference the packing paths match."""
-    b, pos = plan.blocks, 0
-    for i in range(m.start, m.stop):
-        dst = dests[b["dest"][i]]
-        count, length = int(b["count"][i]), int(b["length"][i])
-        view = dst.as_strided((count, length), (int(b["dst_stride"][i]), 1),
-                              dst.storage_offset() + int(b["dst_offset"][i]))
-        view.copy_(buf[pos:pos + count * length].view(count, length))
-        pos += count * length
 
 
 class Staging:

@@ -3,11 +3,11 @@ grow with its blocks.
 
 A round's staging buffer is the round's messages one after the other, each message its blocks one
 after the other, each block `count` runs of `length` elements read at `offset + row * stride` of a
-tensor's flat view (execute.pack / execute.unpack copy them block by block: one strided copy, one
+tensor's flat view (pack / unpack below copy them block by block: one strided copy, one
 kernel launch or more, per block; ~22 us each on an H200, so a round of hundreds of blocks is
 launch-bound). Three ways to move the same bytes, to the same places:
 
-  "loop"    execute.pack / execute.unpack per message: one strided copy per block (the reference).
+  "loop"    pack / unpack per message: one strided copy per block (the reference).
   "gather"  torch only, any device: per tensor of the round one gather and one scatter through
             element index tensors made once per plan (with the cast to the wire dtype between
             them), so ops per round = 2-3 x distinct tensors, whatever the number of blocks.
@@ -188,7 +188,7 @@ def triton_works(device: torch.device) -> bool:
         return False
     from hpcrl.transfer.packing_triton import self_check
     try:
-        why = self_check(device)
+        why = self_check(device, TILE)
     except Exception as err:  # noqa: BLE001 - the reason is logged and the torch path used instead
         why = f"{type(err).__name__}: {err}"
     if why is not None:
@@ -212,6 +212,30 @@ class _Round:
     def nbytes(self) -> int:
         tiles = self.tiles.numel() * self.tiles.element_size() if self.tiles is not None else 0
         return tiles + (self.gather.nbytes if self.gather is not None else 0)
+
+
+def pack(plan: TransferPlan, m: Message, sources: list[torch.Tensor | None], out: torch.Tensor) -> None:
+    """Message `m` into `out`, block by block (one strided copy each): the reference the packing paths match."""
+    b, pos = plan.blocks, 0
+    for i in range(m.start, m.stop):
+        src = sources[b["source"][i]]
+        count, length = int(b["count"][i]), int(b["length"][i])
+        view = src.as_strided((count, length), (int(b["src_stride"][i]), 1),
+                              src.storage_offset() + int(b["src_offset"][i]))
+        out[pos:pos + count * length].view(count, length).copy_(view)
+        pos += count * length
+
+
+def unpack(plan: TransferPlan, m: Message, buf: torch.Tensor, dests: list[torch.Tensor]) -> None:
+    """Message `m` from `buf` into the destinations, block by block: the reference the packing paths match."""
+    b, pos = plan.blocks, 0
+    for i in range(m.start, m.stop):
+        dst = dests[b["dest"][i]]
+        count, length = int(b["count"][i]), int(b["length"][i])
+        view = dst.as_strided((count, length), (int(b["dst_stride"][i]), 1),
+                              dst.storage_offset() + int(b["dst_offset"][i]))
+        view.copy_(buf[pos:pos + count * length].view(count, length))
+        pos += count * length
 
 
 class Packer:
@@ -295,14 +319,12 @@ class Packer:
 
     def run(self, k: int, staging: torch.Tensor) -> None:
         """Round k: the bound sources -> staging[:round numel] (pack), or staging -> the bound dests (unpack)."""
-        from hpcrl.transfer import execute
-
         r, batch, tensors = self._round(k), self.batches[k], self.tensors
         n = sum(m.numel for m in batch)
         if r.tiles is not None and self.relative is not None:
             from hpcrl.transfer.packing_triton import copy_tiles
             copy_tiles(r.tiles, self.relative, tensors, staging[:n], pack=self.direction == "pack",
-                       aligned=r.aligned and self.aligned)
+                       aligned=r.aligned and self.aligned, tile=TILE)
         elif r.gather is not None:
             if self.direction == "pack":
                 gather_pack(r.gather, tensors, staging[:n])
@@ -312,7 +334,7 @@ class Packer:
             pos = 0
             for m in batch:
                 if self.direction == "pack":
-                    execute.pack(self.plan, m, tensors, staging[pos:pos + m.numel])
+                    pack(self.plan, m, tensors, staging[pos:pos + m.numel])
                 else:
-                    execute.unpack(self.plan, m, staging[pos:pos + m.numel], tensors)  # type: ignore[arg-type]
+                    unpack(self.plan, m, staging[pos:pos + m.numel], tensors)  # type: ignore[arg-type]
                 pos += m.numel

@@ -21,8 +21,6 @@ import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from hpcrl.transfer.packing import TILE
-
 
 @triton.jit
 def _copy_tiles(tiles, relative, staging, like, PACK: tl.constexpr, ALIGNED: tl.constexpr, TILE: tl.constexpr):
@@ -71,8 +69,9 @@ def relative_offsets(tensors: list, device: torch.device) -> tuple[torch.Tensor 
 
 
 def copy_tiles(tiles: torch.Tensor, relative: torch.Tensor, tensors: list, staging: torch.Tensor, *,
-               pack: bool, aligned: bool) -> None:
-    """One launch moving every tile of a round between its tensors and `staging`.
+               pack: bool, aligned: bool, tile: int) -> None:
+    """One launch moving every tile of a round between its tensors and `staging`; `tile` is the longest
+    a tile may be (packing.TILE: the table's, passed in so that this module needs nothing of packing's).
 
     `aligned`: the round's table is (packing.tile_table's flag) and so are the tensors
     (relative_offsets); checked here for the staging buffer.
@@ -81,12 +80,13 @@ def copy_tiles(tiles: torch.Tensor, relative: torch.Tensor, tensors: list, stagi
         return
     like = next(t for t in tensors if t is not None)
     aligned = aligned and staging.data_ptr() % 16 == 0
-    _copy_tiles[(tiles.shape[0],)](tiles, relative, staging, like, PACK=pack, ALIGNED=aligned, TILE=TILE,
+    _copy_tiles[(tiles.shape[0],)](tiles, relative, staging, like, PACK=pack, ALIGNED=aligned, TILE=tile,
                                    num_warps=8)
 
 
-def self_check(device: torch.device) -> str | None:
-    """None if the kernel packs and unpacks small strided cases on `device` as torch does, else why not.
+def self_check(device: torch.device, tile: int) -> str | None:
+    """None if the kernel (the variant of tiles up to `tile` elements) packs and unpacks small strided
+    cases on `device` as torch does, else why not.
 
     Two rounds: one aligned (runs of multiples of 8 elements: the 16-byte loads), one not.
     """
@@ -99,9 +99,9 @@ def self_check(device: torch.device) -> str | None:
                              dtype=torch.int64, device=device)
         zero = torch.zeros(1, dtype=torch.int64, device=device)
         got = torch.zeros(want.numel() + 8, dtype=torch.bfloat16, device=device)
-        copy_tiles(tiles, zero, [src], got, pack=True, aligned=aligned)
+        copy_tiles(tiles, zero, [src], got, pack=True, aligned=aligned, tile=tile)
         back = torch.zeros(7, 48, dtype=torch.bfloat16, device=device)
-        copy_tiles(tiles, zero, [back], got, pack=False, aligned=aligned)
+        copy_tiles(tiles, zero, [back], got, pack=False, aligned=aligned, tile=tile)
         what = "aligned" if aligned else "unaligned"
         if not torch.equal(got[:want.numel()].view(torch.int16), want.view(torch.int16)) or got[want.numel():].any():
             return f"packing a strided {what} test case gave other bytes than torch"
