@@ -214,28 +214,29 @@ class _Round:
         return tiles + (self.gather.nbytes if self.gather is not None else 0)
 
 
+def _block_views(plan: TransferPlan, m: Message, tensors: list, side: str):
+    """(wire slice, the block's strided view of its tensor) of each block of message `m`, in plan order;
+    `side` "source" (the trainer's shards) or "dest" (vLLM's parameters)."""
+    b, pos = plan.blocks, 0
+    stride, offset = ("src_stride", "src_offset") if side == "source" else ("dst_stride", "dst_offset")
+    for i in range(m.start, m.stop):
+        t = tensors[b[side][i]]
+        count, length = int(b["count"][i]), int(b["length"][i])
+        yield slice(pos, pos + count * length), t.as_strided((count, length), (int(b[stride][i]), 1),
+                                                             t.storage_offset() + int(b[offset][i]))
+        pos += count * length
+
+
 def pack(plan: TransferPlan, m: Message, sources: list[torch.Tensor | None], out: torch.Tensor) -> None:
     """Message `m` into `out`, block by block (one strided copy each): the reference the packing paths match."""
-    b, pos = plan.blocks, 0
-    for i in range(m.start, m.stop):
-        src = sources[b["source"][i]]
-        count, length = int(b["count"][i]), int(b["length"][i])
-        view = src.as_strided((count, length), (int(b["src_stride"][i]), 1),
-                              src.storage_offset() + int(b["src_offset"][i]))
-        out[pos:pos + count * length].view(count, length).copy_(view)
-        pos += count * length
+    for wire, view in _block_views(plan, m, sources, "source"):
+        out[wire].view(view.shape).copy_(view)
 
 
 def unpack(plan: TransferPlan, m: Message, buf: torch.Tensor, dests: list[torch.Tensor]) -> None:
     """Message `m` from `buf` into the destinations, block by block: the reference the packing paths match."""
-    b, pos = plan.blocks, 0
-    for i in range(m.start, m.stop):
-        dst = dests[b["dest"][i]]
-        count, length = int(b["count"][i]), int(b["length"][i])
-        view = dst.as_strided((count, length), (int(b["dst_stride"][i]), 1),
-                              dst.storage_offset() + int(b["dst_offset"][i]))
-        view.copy_(buf[pos:pos + count * length].view(count, length))
-        pos += count * length
+    for wire, view in _block_views(plan, m, dests, "dest"):
+        view.copy_(buf[wire].view(view.shape))
 
 
 class Packer:
