@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hpcrl.algorithms.base import Algorithm, Groups, LossSettings, LossShare, Selection, Settings
+from hpcrl.algorithms.base import Algorithm, LossSettings, LossShare
+from hpcrl.algorithms.grpo import select  # samples and advantages as GRPO
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -28,14 +29,6 @@ if TYPE_CHECKING:
     from hpcrl.algorithms.terms import Normaliser
 
 DEFAULTS = {"clip_eps_low": 3e-4, "clip_eps_high": 4e-4, "loss_aggregation": "seq_mean_token_mean"}
-
-
-def select(groups: Groups, settings: Settings, *, wanted: int | None = None) -> Selection:
-    """Every group of the batch (or those with a signal, when filtering), with GRPO's advantages."""
-    from hpcrl.algorithms.terms import group_selection
-
-    return group_selection([[r.reward for r in group] for group in groups], norm=settings.advantage_norm,
-                           filter_zero_variance=settings.filter_zero_variance)
 
 
 def sequence_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
