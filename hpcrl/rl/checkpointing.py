@@ -92,6 +92,16 @@ def newest_checkpoint(config: Config, store: CheckpointStore | None = None) -> F
     return found
 
 
+def refuse_unusable_checkpoints(config: Config) -> None:
+    """Raise UnusableCheckpoints when the run has checkpoints and none is even whole by its files' sizes
+    (checkpoint.on_unusable = "stop"): the job's head asks this before it starts any group, so such a run
+    ends FAILED in seconds instead of being requeued after each start. It reads sizes only, no checksums:
+    a checkpoint whose bytes changed in place is caught by the loop's full check."""
+    store = store_for(config)
+    if config.checkpoint.on_unusable == "stop" and store.latest(checksums=False) is None and store.skipped:
+        raise UnusableCheckpoints(unusable_message(store))
+
+
 def rewind_metrics(config: Config, step: int) -> None:
     """Forget metrics of steps after `step`, and a torn last line (they will be produced again): called
     on every start, with 0 when the run starts from scratch, so metrics.jsonl always ends at the step

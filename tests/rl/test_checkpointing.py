@@ -12,7 +12,7 @@ from fake_config import fake_config
 from fake_ports import FakeGroupError, FakePorts
 
 from hpcrl.config.schema import CheckpointConfig, Config
-from hpcrl.rl.checkpointing import UnusableCheckpoints
+from hpcrl.rl.checkpointing import UnusableCheckpoints, refuse_unusable_checkpoints
 from hpcrl.rl.loop import run_loop
 from hpcrl.rl.metrics import read_metrics
 
@@ -68,6 +68,14 @@ def test_a_run_whose_every_checkpoint_is_corrupt_stops_naming_each_one_and_the_k
     assert ports.events == []  # nothing ran
     assert sorted(p.name for p in (broken_run / "checkpoints").iterdir()) == ["step_3", "step_6"]
     assert (broken_run / "metrics.jsonl").read_text() == before
+
+
+def test_the_head_refuses_a_run_whose_every_checkpoint_has_a_file_of_the_wrong_size_before_any_group_starts(broken_run):
+    """Before any group starts (it would be requeued after each start otherwise), by file sizes alone."""
+    with pytest.raises(UnusableCheckpoints, match="holds 2 checkpoint"):
+        refuse_unusable_checkpoints(config_for(broken_run))
+    refuse_unusable_checkpoints(config_for(broken_run, on_unusable="start_over"))  # the loop starts over
+    refuse_unusable_checkpoints(config_for(broken_run.parent / "fresh"))  # no checkpoint: nothing to refuse
 
 
 def test_starting_over_sets_the_corrupt_checkpoints_aside_and_keeps_the_new_ones(broken_run):
