@@ -5,7 +5,7 @@ A run is one TOML file (see configs/), merged over a cluster profile (see launch
 each field carries a one-line docstring, and each class checks its own values in
 `__post_init__` (cross-table rules live in `hpcrl.config.checks`).
 
-    [run] [model] [trainer] [inference] [reward] [algorithm] [data] [cluster] [groups.<name>]
+    [run] [model] [trainer] [checkpoint] [inference] [reward] [algorithm] [data] [cluster] [groups.<name>]
 """
 
 from __future__ import annotations
@@ -395,6 +395,18 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """[checkpoint]: what a run does with checkpoints it cannot use (when to save and how many to keep are
+    trainer.checkpoint_interval and trainer.keep_last)."""
+
+    on_unusable: Literal["stop", "start_over"] = "stop"
+    """When the run directory holds checkpoints and none of them verifies (each corrupt or unfinished):
+    "stop" ends the run with an error naming every checkpoint and what is wrong with it, rather than train from
+    step 0 and lose the progress they hold (the files may be repairable: a filesystem hiccup, a copy cut short);
+    "start_over" moves them to checkpoints/corrupt/ (each with a REASON.txt) and trains from step 0."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class GroupConfig:
     partition: str = ""
     """Slurm partition of this component; empty = the cluster's default."""
@@ -445,6 +457,8 @@ class Config:
     """[data]: where prompts come from."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """[trainer]: FSDP2 layout, optimizer, batches, checkpoints."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """[checkpoint]: what to do with checkpoints that do not verify."""
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     """[inference]: vLLM replicas, tensor parallelism, sampling."""
     reward: RewardConfig = field(default_factory=lambda: RewardConfig(

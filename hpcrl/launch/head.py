@@ -101,11 +101,13 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
     Returns True when the run was preempted (SIGUSR2, Slurm's pre-timeout signal): it checkpointed
     after the step in progress and stopped; False when it trained to the end."""
     from hpcrl.config.load import load_config
+    from hpcrl.rl.checkpointing import refuse_unusable_checkpoints
     from hpcrl.rl.program import run_program
     from hpcrl.transfer.rendezvous import host_store
 
     launch = sup.launch
     config = load_config(sup.run_dir / CONFIG_FILE)
+    refuse_unusable_checkpoints(config)  # none usable: FAILED now, before any group starts, not requeued
     store = host_store(advertise, 0, timeout_s=launch.start_timeout_s)
     log.info(f"rendezvous store at {advertise}:{store.port}")
     sup.revivable = {"inference"}

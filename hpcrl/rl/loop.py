@@ -3,7 +3,8 @@
     controller = await run_loop(config, ports)
 
 Resumes from the newest complete checkpoint of the run directory (a corrupt or partial one is
-reported and skipped), writes metrics.jsonl (and TensorBoard, and W&B when run.wandb_project is
+reported and moved to checkpoints/corrupt/; when none verifies the run stops, see
+checkpoint.on_unusable), rewinds metrics.jsonl to that step (or empties it), writes metrics.jsonl (and TensorBoard, and W&B when run.wandb_project is
 set), logs a progress line per step (logger hpcrl.progress: on a terminal it rewrites itself, and
 every tenth of the run it stays), and checkpoints every trainer.checkpoint_interval steps and
 after the last one.
@@ -77,12 +78,13 @@ async def run_loop(config: Config, ports, *, steps: int | None = None,
     checkpoint at once and raise Preempted (the head's answer to Slurm's pre-timeout signal)."""
     controller = Controller(config, ports, startup=getattr(ports, "startup", None))
     store = store_for(config)
-    found = newest_checkpoint(config)
+    found = newest_checkpoint(config, store)  # raises when none verifies, unless checkpoint.on_unusable
+    store.set_aside(store.skipped)  # never usable: out of the way of pruning and of every later start
     if found is not None:
         await ports.load_trainer(found.path / TRAINER_DIR)
         controller.restore(load_run_state(found, config))
-        rewind_metrics(config, found.step)
         log.info(f"resumed from {found.path} (step {found.step})")
+    rewind_metrics(config, found.step if found is not None else 0)
     metrics_log = MetricsLog(config.run_dir, wandb=wandb_target(config))
     interval = config.trainer.checkpoint_interval
     total = config.trainer.steps

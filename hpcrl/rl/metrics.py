@@ -6,12 +6,15 @@ Weights & Biases when the run names a project (`run.wandb_project`).
     log.truncate_after(step=2)   # on resume: forget steps the checkpoint does not contain
 
 One JSON object per line, flushed and fsynced per step, so a crash loses at most the line being
-written; `read_metrics` skips a torn last line.
+written. A torn line never hides the rows after it: the writer starts on a fresh line when the file
+does not end with one, `truncate_after` (on every start) drops a torn line, and `read_metrics`
+skips any line that is not a JSON object.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import secrets
@@ -24,6 +27,8 @@ from hpcrl.fsio import write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_id"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,23 +65,45 @@ def _wandb_run(run_dir: Path, target: WandbTarget):
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every complete line of run_dir/metrics.jsonl (a torn last line is ignored)."""
+    """Every row of run_dir/metrics.jsonl. A line that is not a JSON object (torn by a crash, or
+    glued to the next row by an older writer) is skipped, with a warning unless it is the last,
+    and the rows after it are read."""
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return []
     rows = []
-    for line in path.read_text().splitlines():
+    lines = path.read_text(errors="replace").splitlines()
+    for number, line in enumerate(lines, 1):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
-            break
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif number < len(lines) and line.strip():
+            log.warning(f"{path}:{number} is not a JSON object (a torn write?): skipped: {line[:80]!r}")
     return rows
+
+
+def _ends_torn(path: Path) -> bool:
+    """Whether `path` exists, is not empty and does not end with a newline."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            if handle.tell() == 0:
+                return False
+            handle.seek(-1, os.SEEK_END)
+            return handle.read(1) != b"\n"
+    except FileNotFoundError:
+        return False
 
 
 class MetricsLog:
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, wandb: WandbTarget | None = None) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # A crash mid-write leaves a line without its newline: the next row must not be glued to it.
+        self._torn_tail = _ends_torn(self.path)
         self._wandb = _wandb_run(self.path.parent, wandb) if wandb is not None else None
         self._tb = None
         if tensorboard:
@@ -90,9 +117,10 @@ class MetricsLog:
     def write(self, row: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         with open(self.path, "a") as handle:
-            handle.write(json.dumps(clean, sort_keys=True) + "\n")
+            handle.write(("\n" if self._torn_tail else "") + json.dumps(clean, sort_keys=True) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
+        self._torn_tail = False
         if self._tb is None and self._wandb is None:
             return
         step = int(row["step"])
@@ -119,9 +147,10 @@ class MetricsLog:
         self._tb.flush()
 
     def truncate_after(self, step: int) -> None:
-        """Keep only rows with row["step"] <= step (atomically: temp file, fsync, rename)."""
+        """Keep only rows with row["step"] <= step, dropping torn lines (atomically: temp file, fsync, rename)."""
         rows = [r for r in read_metrics(self.path.parent) if int(r.get("step", 0)) <= step]
         write_atomic(self.path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+        self._torn_tail = False
 
     def close(self) -> None:
         """Flush and close every target. W&B's data is on disk (offline) or sent when this returns:

@@ -1,4 +1,4 @@
-"""metrics.jsonl: one line per step, torn lines ignored, truncation on resume."""
+"""metrics.jsonl: one line per step, torn lines skipped and never glued to the next, truncation on every start."""
 
 import json
 import sys
@@ -24,12 +24,36 @@ def test_a_torn_last_line_is_ignored(tmp_path: Path):
     assert read_metrics(tmp_path) == [{"step": 1}]
 
 
+def test_a_row_written_after_a_torn_line_starts_on_a_fresh_line_and_is_read(tmp_path: Path):
+    """A head killed mid-write leaves a line without its newline; the next head's first row was glued to
+    it, and the reader stopped there: every later row was hidden."""
+    MetricsLog(tmp_path, tensorboard=False).write({"step": 1})
+    with open(tmp_path / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 2, "rew')
+    log = MetricsLog(tmp_path, tensorboard=False)  # the next incarnation, with no rewind before it
+    log.write({"step": 2})
+    log.write({"step": 3})
+    assert read_metrics(tmp_path) == [{"step": 1}, {"step": 2}, {"step": 3}]
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines()[1] == '{"step": 2, "rew'
+
+
+def test_rows_after_a_line_that_is_not_json_are_read(tmp_path: Path, caplog):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "rew{"step": 1}\n{"step": 2}\n[3]\n{"step": 3}\n')
+    assert read_metrics(tmp_path) == [{"step": 1}, {"step": 2}, {"step": 3}]
+    assert "metrics.jsonl:2 is not a JSON object" in caplog.text and "metrics.jsonl:4" in caplog.text
+
+
 def test_truncate_after_forgets_steps_past_the_checkpoint(tmp_path: Path):
     log = MetricsLog(tmp_path, tensorboard=False)
     for step in range(1, 6):
         log.write({"step": step})
+    with open(tmp_path / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 6, "rew')  # torn by a crash: dropped, so the next row starts a line
     log.truncate_after(3)
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert (tmp_path / "metrics.jsonl").read_text().endswith('{"step": 3}\n')
+    log.truncate_after(0)  # a start from scratch
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
 def test_tensorboard_shows_every_numeric_metric_of_every_step(tmp_path: Path):
