@@ -62,6 +62,9 @@ class RunConfig:
     rejoin_timeout_s: float = 0.0
     """Seconds a lost inference replica, started again by the head, has to load its model and register
     before the run fails; 0 = derived: 300 s + 5 s per GB of weights (8B: 380 s, 70B: 1006 s)."""
+    ignore_memory_plan: bool = False
+    """Submit even when `hpcrl plan` says DOES NOT FIT (its memory estimate is on the safe side); by default
+    `hpcrl submit` refuses such a run, naming the figures and the keys that change them."""
 
     def __post_init__(self) -> None:
         _require(bool(_NAME_RE.match(self.name)), "name",
