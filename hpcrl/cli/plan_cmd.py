@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-
 import math
 
 from hpcrl.config.load import load_config_and_shape
@@ -142,6 +141,16 @@ def unfit_reasons(config: Config, plan: ResourcePlan) -> list[str]:
             f"max_model_len {max_len:,} (vLLM refuses to start); raise inference.tensor_parallel, "
             "inference.gpu_memory_utilization or inference.kv_cache_gib, or lower inference.max_tokens")
     return reasons
+
+
+def refuse_unwritable_run_dir(config: Config, config_path: str) -> None:
+    """What submit checks of the run directory beyond load (hpcrl.config.checks.check_run_dir_writable),
+    as a ConfigError placed in the config file."""
+    from hpcrl.config.checks import check_run_dir_writable
+    try:
+        check_run_dir_writable(config)
+    except ConfigError as err:
+        raise err.located(file=config_path, line=None) from None
 
 
 def refuse_unfit_plan(config: Config, config_path: str) -> None:

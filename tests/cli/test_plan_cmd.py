@@ -157,3 +157,14 @@ def test_submit_takes_a_plan_that_does_not_fit_when_told_to_ignore_it(tmp_path: 
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "run" / "launch.json").is_file()
     assert "ignore_memory_plan = true" in (tmp_path / "run" / "config.toml").read_text()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write any directory: nothing to refuse")
+def test_submit_refuses_a_run_directory_it_cannot_write_naming_the_key(tmp_path: Path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    done = _submit_dry_run(locked / "run")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.startswith(f"hpcrl: error: configs/tiny_grpo.toml: run.run_dir: {locked / 'run'} cannot be "
+                                  f"written by this user (its nearest existing directory, {locked}, is not)")
