@@ -1,11 +1,15 @@
 """Entry point of the `hpcrl` command: sub-commands, and turning HpcrlError into one line.
 
-    hpcrl plan CONFIG [--cluster NAME] [--set key=value ...] [--json]
+    hpcrl plan CONFIG [--cluster NAME] [--set key=value ...] [--json]   (exit 3: DOES NOT FIT)
     hpcrl run CONFIG [--steps N] [-v]          (the whole loop in this process)
     hpcrl submit CONFIG [--cluster NAME] [--set ...] [--dry-run] [--wait] [-v]
     hpcrl status RUN_DIR|JOBID
     hpcrl logs RUN_DIR [--group G [--rank K]] [-f]
     hpcrl cancel RUN_DIR
+
+Exit status: 0 done; 2 an error the message explains (HpcrlError: a wrong config, a refused
+submission, Slurm's refusal) or a bad command line; 1 `submit --wait` of a run that did not
+COMPLETE; 3 `hpcrl plan` of a plan that DOES NOT FIT; 130 interrupted.
 
 Logging is set up here for every command (the terminal: hpcrl's records, other libraries'
 warnings; hpcrl.logs); `hpcrl run` sets it up again once it knows its run directory.

@@ -53,6 +53,10 @@ def parse_exit_codes(items: list[str]) -> dict[str, int]:
 
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, cluster=args.cluster, overrides=args.set)
+    from hpcrl.cli.plan_cmd import refuse_unfit_plan, refuse_unwritable_run_dir
+    refuse_unwritable_run_dir(config, args.config)
+    if not args.check:  # a start-up check loads no model: memory is not its question
+        refuse_unfit_plan(config, args.config)
     from hpcrl.launch.submit import submit_run
     if (args.hold or args.debug_exit) and not args.check:
         raise ConfigError(file="--hold/--debug-exit", key="", problem="these shape a start-up check, not a training run",

@@ -2,13 +2,15 @@
 
 Checks every value against the field's annotation (str, int, float, bool, Literal, list,
 dict, nested dataclass, dict of dataclasses), rejects unknown keys with a "did you mean",
-and reports missing required keys. Errors carry the dotted key; the loader adds file and line.
+and reports missing required keys. Every float must be finite (TOML has nan and inf, which no
+key can use) and every integer must fit in 64 bits; bounds of single keys live in schema.py. Errors carry the dotted key; the loader adds file and line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from functools import cache
@@ -16,6 +18,8 @@ from typing import Any, Literal
 
 from hpcrl.errors import ConfigError
 
+#: Every integer key fits a signed 64-bit integer (TOML's own range, which tomllib does not enforce).
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 _TYPE_WORDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
 _EXAMPLES = {str: '"text"', int: "1", float: "0.5", bool: "true"}
 
@@ -85,11 +89,21 @@ def _convert(value: Any, hint: Any, key: str, example: str) -> Any:
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return build(hint, value, key)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # TOML caps no integer; tomllib reads any
+            raise ConfigError(key=key, problem=f"a {len(str(value))}-digit number is beyond any float",
+                              fix=f"write a realistic value, e.g. {example}") from None
     if type(value) is not hint:
         want = _TYPE_WORDS.get(hint, getattr(hint, "__name__", str(hint)))
         raise ConfigError(key=key, problem=f"expected {want}, got {_describe(value)}",
                           fix=f"write it as {want}, e.g. {example}")
+    if hint is float and not math.isfinite(value):
+        raise ConfigError(key=key, problem=f"must be a finite number, got {value}",
+                          fix=f"write a number, e.g. {example}")
+    if hint is int and not INT_MIN <= value <= INT_MAX:
+        raise ConfigError(key=key, problem=f"{value} does not fit in a 64-bit integer (torch, numpy and Slurm "
+                          "count in at most 64 bits)", fix=f"write a realistic value, e.g. {example}")
     return value
 
 

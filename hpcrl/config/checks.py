@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import os
 from pathlib import Path
 
 from hpcrl.config.builtin_names import BUILTIN_REWARD_FUNCTIONS, BUILTIN_REWARD_MODULE, BUILTIN_TASK_NAMES
@@ -24,6 +25,7 @@ def _fail(key: str, problem: str, fix: str) -> None:
 def check_config(config: Config) -> ModelShape:
     """Check every cross-table rule; return the model's shape (which the rules needed)."""
     _check_group_names(config)
+    _check_run_dir(config)
     shape = load_shape(preset_name=config.model.preset, path=config.model.path)
     _check_trainer_layout(config)
     _check_inference_layout(config, shape)
@@ -45,6 +47,44 @@ def _check_group_names(config: Config) -> None:
             guess = f"did you mean [groups.{close[0]}]? " if close else ""
             _fail(f"groups.{name}", f"unknown component {name!r}",
                   f"{guess}components are: {', '.join(GROUP_NAMES)}")
+
+
+#: Kernel filesystems: nothing of a run can be written there, whatever the permissions say.
+_KERNEL_FILESYSTEMS = ("/proc", "/sys", "/dev")
+
+
+_RUN_DIR_FIX = "set run.run_dir to a directory you can write (default: runs/<run.name> under the current directory)"
+
+
+def _check_run_dir(config: Config) -> None:
+    """The run directory can be a directory at all: not a file, nor under one, nor in a kernel filesystem.
+    Checked at load, so every command says it on one line before anything is written (else: a traceback
+    from mkdir). Whether this user may write it depends on the machine: check_run_dir_writable."""
+    run_dir = Path(config.run_dir).absolute()
+    for root in _KERNEL_FILESYSTEMS:
+        if run_dir == Path(root) or Path(root) in run_dir.parents:
+            _fail("run.run_dir", f"{run_dir} is in {root}, a kernel filesystem", _RUN_DIR_FIX)
+    existing = _nearest_existing(run_dir)
+    if not existing.is_dir():
+        where = "is a file" if existing == run_dir else f"is under {existing}, which is a file"
+        _fail("run.run_dir", f"{run_dir} {where}, not a directory", _RUN_DIR_FIX)
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_run_dir_writable(config: Config) -> None:
+    """Refuse a run directory this user cannot create or write (its nearest existing directory is not writable),
+    naming the key: what `hpcrl submit` checks before it writes anything. Not at load: a config is read on
+    machines that do not write its run directory (tests render job scripts for /runs/x)."""
+    run_dir = Path(config.run_dir).absolute()
+    existing = _nearest_existing(run_dir)
+    if existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+        what = "" if existing == run_dir else f" (its nearest existing directory, {existing}, is not)"
+        _fail("run.run_dir", f"{run_dir} cannot be written by this user{what}", _RUN_DIR_FIX)
 
 
 def _check_trainer_layout(config: Config) -> None:

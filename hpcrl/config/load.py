@@ -10,7 +10,7 @@ Below all of them lie the defaults of the configured algorithm (algorithm.name, 
 e.g. `name = "dapo"` turns on dynamic sampling unless a source sets dynamic_sampling itself.
 Relative paths (model.path, data.source, run.run_dir, ...) are made absolute against the
 current directory, so the resolved config can be copied into the run directory and used from
-anywhere.
+anywhere; $VAR, ${VAR} and ~ in them are expanded, and an unset variable is an error naming it.
 """
 
 from __future__ import annotations
@@ -91,9 +91,44 @@ def read_toml(path: Path) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         match = re.search(r"at line (\d+)", str(err))
-        raise ConfigError(file=str(path), line=int(match.group(1)) if match else None, key="",
+        line = int(match.group(1)) if match else None
+        if "Cannot overwrite a value" in str(err) or "Cannot declare" in str(err):
+            raise _duplicate_error(path, text, line) from None
+        raise ConfigError(file=str(path), line=line, key="",
                           problem=f"not valid TOML: {err}",
                           fix="correct the TOML syntax at that line (strings need quotes)") from None
+
+
+def _duplicate_error(path: Path, text: str, line: int | None) -> ConfigError:
+    """A key set twice, or a table declared twice: tomllib says only "Cannot overwrite a value" (or "Cannot
+    declare ('t',) twice"), at a line that may be the end of the file; name the key and both lines."""
+    seen: dict[tuple[str, ...], int] = {}
+    table: tuple[str, ...] = ()
+    for number, raw in enumerate(text.splitlines(), 1):
+        stripped = raw.strip()
+        header = _HEADER_RE.match(stripped)
+        if header:
+            table = tuple(_split_key(header.group(1)))
+            if stripped.startswith("[["):
+                continue  # an array of tables may repeat
+            key, what = table, "table"
+        else:
+            assign = _ASSIGN_RE.match(stripped)
+            if not assign:
+                continue
+            key, what = table + tuple(_split_key(assign.group(1))), "key"
+        if key in seen:
+            dotted = ".".join(key)
+            if what == "table":
+                return ConfigError(file=str(path), line=number, key=dotted,
+                                   problem=f"table [{dotted}] is declared twice (lines {seen[key]} and {number})",
+                                   fix=f"merge the two [{dotted}] tables into one: TOML allows each table once")
+            return ConfigError(file=str(path), line=number, key=dotted,
+                               problem=f"is set twice (lines {seen[key]} and {number})",
+                               fix="keep one of the two lines: TOML allows each key once per table")
+        seen[key] = number
+    return ConfigError(file=str(path), line=line, key="", problem="not valid TOML: a key or table is given twice",
+                       fix="keep one of them: TOML allows each key and table once")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -148,18 +183,35 @@ def find_profile(name: str, config_path: Path) -> Path:
                       fix=f"use one of: {', '.join(known) or 'none found'}, or give a path to a profile")
 
 
+_UNSET_VAR_RE = re.compile(r"\$(\w+|\{[^}]*\})")
+
+
+def expand_path(value: str, key: str) -> str:
+    """`value` with $VAR, ${VAR} and ~ expanded (as a shell would for a Slurm user's paths), made absolute
+    against the current directory. A variable that is not set is a ConfigError naming it: left as it was,
+    it would become a directory literally named "$VAR"."""
+    expanded = os.path.expandvars(value)
+    unset = _UNSET_VAR_RE.search(expanded)
+    if unset:
+        name = unset.group(1).strip("{}")
+        raise ConfigError(key=key, problem=f"{value!r} uses ${name}, which is not set in the environment",
+                          fix=f"export {name} before running hpcrl, or write the path out in full "
+                              "($VAR, ${VAR} and ~ are expanded; a literal $ followed by a name cannot be written)")
+    return str(Path(expanded).expanduser().absolute())
+
+
 def _absolute_paths(tree: dict) -> None:
-    """Make the config's path-valued keys absolute against the current directory."""
+    """Make the config's path-valued keys absolute against the current directory (expand_path)."""
     for table, key in (("model", "path"), ("reward", "model_path"), ("run", "run_dir"),
                        ("cluster", "slurm_conf")):
         value = tree.get(table, {}).get(key) if isinstance(tree.get(table), dict) else None
         if isinstance(value, str) and value:
-            tree[table][key] = str(Path(os.path.expandvars(value)).expanduser().absolute())
+            tree[table][key] = expand_path(value, f"{table}.{key}")
     data = tree.get("data")
     if isinstance(data, dict) and isinstance(data.get("source"), str):
         source = data["source"]
         if source and not source.startswith("builtin:"):
-            data["source"] = str(Path(os.path.expandvars(source)).expanduser().absolute())
+            data["source"] = expand_path(source, "data.source")
 
 
 def _merge_algorithm_defaults(tree: dict[str, Any]) -> None:
@@ -209,7 +261,6 @@ def load_config_and_shape(path: str | Path, *, cluster: str | None = None,
         except AttributeError:
             raise ConfigError(file="--set", key=".".join(parts), problem="sets a key inside a value that is not a table",
                               fix="check the dotted key (e.g. trainer.lr, groups.trainer.partition)") from None
-    _absolute_paths(tree)
 
     def locate(err: ConfigError) -> ConfigError:
         key = err.key
@@ -219,6 +270,7 @@ def load_config_and_shape(path: str | Path, *, cluster: str | None = None,
         return err.located(file=source.name, line=source.line_of(err.key) if err.key else None)
 
     try:
+        _absolute_paths(tree)
         _merge_algorithm_defaults(tree)
         config = build(Config, tree, "")
         shape = check_config(config)

@@ -33,6 +33,17 @@ def _require(ok: bool, key: str, problem: str, fix: str) -> None:
         raise ConfigError(key=key, problem=problem, fix=fix)
 
 
+#: Seeds are below 2**32: numpy's legacy and torch's generators take them, and the controller derives
+#: per-request seeds of seed x 1,000,003 + index + round x 1,000,000,007, which must stay in 64 bits.
+SEED_LIMIT = 2**32
+#: Slurm's --signal=B:USR2@N takes N up to 65535 seconds.
+SLURM_SIGNAL_MAX_S = 65535
+
+
+def _seed(value: int, key: str) -> None:
+    _require(0 <= value < SEED_LIMIT, key, f"must be in [0, 2**32), got {value}", f"set {key} = 0 (or any seed below 2**32)")
+
+
 def _positive(value: int | float, key: str, *, allow_zero: bool = False) -> None:
     floor_ok = value >= 0 if allow_zero else value > 0
     wanted = "zero or more" if allow_zero else "at least 1" if isinstance(value, int) else "above 0"
@@ -46,7 +57,7 @@ class RunConfig:
     run_dir: str = ""
     """Directory holding everything of the run (config copy, secret, logs, checkpoints); default runs/<name>."""
     seed: int = 0
-    """Seed for every random generator of the run (data order, sampling, initialisation)."""
+    """Seed for every random generator of the run (data order, sampling, initialisation), in [0, 2**32)."""
     cluster: str = ""
     """Cluster profile (launch/<cluster>.toml) used when --cluster is not given; empty = none."""
     wandb_project: str = ""
@@ -62,11 +73,15 @@ class RunConfig:
     rejoin_timeout_s: float = 0.0
     """Seconds a lost inference replica, started again by the head, has to load its model and register
     before the run fails; 0 = derived: 300 s + 5 s per GB of weights (8B: 380 s, 70B: 1006 s)."""
+    ignore_memory_plan: bool = False
+    """Submit even when `hpcrl plan` says DOES NOT FIT (its memory estimate is on the safe side); by default
+    `hpcrl submit` refuses such a run, naming the figures and the keys that change them."""
 
     def __post_init__(self) -> None:
         _require(bool(_NAME_RE.match(self.name)), "name",
                  f"{self.name!r} is not a usable run name",
                  "use letters, digits, '.', '_' and '-', starting with a letter or digit")
+        _seed(self.seed, "seed")
         for key in ("start_timeout_s", "rejoin_timeout_s"):
             value = getattr(self, key)
             _require(value >= 0, key, f"must be 0 (derived from the model's size) or more seconds, got {value}",
@@ -180,7 +195,8 @@ class InferenceConfig:
     max_model_len: int = 0
     """vLLM max_model_len; 0 = data.max_prompt_tokens + max_tokens."""
     temperature: float = 1.0
-    """Sampling temperature of rollouts."""
+    """Sampling temperature of rollouts, above 0: the trainer's logprobs are of softmax(logits / temperature),
+    and 0 (greedy) would make every completion of a group the same, with no advantage to learn from."""
     top_p: float = 1.0
     """Nucleus sampling mass; 1 = off."""
     top_k: int = -1
@@ -206,7 +222,8 @@ class InferenceConfig:
             _positive(getattr(self, key), key)
         for key in ("gpus_per_node", "max_model_len"):
             _positive(getattr(self, key), key, allow_zero=True)
-        _positive(self.temperature, "temperature", allow_zero=True)
+        _require(self.temperature > 0, "temperature", f"must be above 0, got {self.temperature}",
+                 "set temperature = 1.0 (RL needs different completions per prompt; greedy gives the same)")
         _positive(self.kv_cache_gib, "kv_cache_gib", allow_zero=True)
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}", "set top_p = 1.0")
         _require(self.top_k == -1 or self.top_k >= 1, "top_k",
@@ -315,7 +332,7 @@ class DataConfig:
     split: str = "train"
     """Split of a builtin task, or a tag kept with a JSONL source."""
     shuffle_seed: int = 0
-    """Seed of the prompt order (the order is part of a checkpoint)."""
+    """Seed of the prompt order (the order is part of a checkpoint), in [0, 2**32)."""
     prompt_key: str = "prompt"
     """JSONL field holding the prompt text."""
     answer_key: str = "answer"
@@ -327,6 +344,7 @@ class DataConfig:
         _require(bool(self.source), "source", "is empty",
                  'set source = "builtin:arithmetic" or a path to a JSONL file')
         _positive(self.max_prompt_tokens, "max_prompt_tokens")
+        _seed(self.shuffle_seed, "shuffle_seed")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -380,7 +398,8 @@ class ClusterConfig:
                  'give the interpreter\'s absolute path on the compute nodes, e.g. "/shared/venvs/hpcrl/bin/python"')
         _require(self.max_requeues >= 0, "max_requeues", f"must be 0 or more, got {self.max_requeues}",
                  "set max_requeues = 0 to end a run that loses a task FAILED")
-        _require(self.signal_delay_s >= 1, "signal_delay_s", f"must be at least 1 second, got {self.signal_delay_s}",
+        _require(1 <= self.signal_delay_s <= SLURM_SIGNAL_MAX_S, "signal_delay_s",
+                 f"must be 1 to {SLURM_SIGNAL_MAX_S} seconds (Slurm's --signal limit), got {self.signal_delay_s}",
                  "set it to the seconds a step plus a checkpoint take, with a margin (90 is the default)")
         _require(self.gpus_per_node >= -1, "gpus_per_node",
                  f"must be -1, 0 or more, got {self.gpus_per_node}",

@@ -66,6 +66,10 @@ class Run:
     job_id: str
     slurm_conf: str = ""
     groups: tuple[str, ...] = field(default=())
+    process: dict | None = None
+    """Local runs: the controller's identity at submit time (process_identity), to tell it from a later
+    process given the same pid; None in a job.json written before it was recorded."""
+    submitted_at: float = 0.0
 
     @classmethod
     def open(cls, run_dir: Path | str) -> Run:
@@ -76,7 +80,8 @@ class Run:
             raise SlurmError(f"{run_dir} has no {JOB_FILE}: {hint}; submit with `hpcrl submit CONFIG`")
         job = read_json(run_dir / JOB_FILE)
         return cls(run_dir=run_dir, executor=job["executor"], job_id=str(job["job_id"]),
-                   slurm_conf=job.get("slurm_conf", ""), groups=tuple(job.get("groups", ())))
+                   slurm_conf=job.get("slurm_conf", ""), groups=tuple(job.get("groups", ())),
+                   process=job.get("process"), submitted_at=float(job.get("submitted_at", 0.0)))
 
     @property
     def env(self) -> dict[str, str]:
@@ -87,13 +92,70 @@ class Run:
         return read_json(path) if path.is_file() else None
 
 
-def _local_alive(pid: int) -> bool:
-    """True while the process runs (a zombie, ended but not reaped, counts as ended)."""
+def _proc_stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat from field 3 (state) on, or None when there is no such process. The command name
+    (field 2) is cut at the last ')': it may hold spaces and parentheses."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return stat.rsplit(")", 1)[1].split()
+
+
+def _cmdline(pid: int | str) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+def process_identity(pid: int, *, exec_wait_s: float = 2.0) -> dict | None:
+    """What tells process `pid` from a later one given the same pid after it ended: its start time in
+    clock ticks after boot (/proc/<pid>/stat field 22, set at fork, fixed for the life of a process)
+    and its command line. Recorded in job.json when a local run is submitted; None when there is no
+    such process. A child just returned by Popen may still show its parent's command line, or none,
+    for a moment (the kernel closes the exec-error pipe Popen waits on before it sets up the new
+    program's arguments): this waits up to `exec_wait_s` for the new one."""
+    fields = _proc_stat(pid)
+    if fields is None:
+        return None
+    start_ticks = int(fields[22 - 3])
+    parent = _cmdline("self")
+    deadline = time.monotonic() + exec_wait_s
+    cmdline = _cmdline(pid)
+    while (not cmdline or cmdline == parent) and time.monotonic() < deadline and fields[0] != "Z":
+        time.sleep(0.005)
+        cmdline, fields = _cmdline(pid), _proc_stat(pid) or ["Z"]
+    return {"pid": pid, "start_ticks": start_ticks, "cmdline": cmdline}
+
+
+def _started_at(ticks: int) -> float:
+    """A start time in clock ticks after boot as seconds since the epoch (to about a second: btime is whole)."""
+    btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                 if line.startswith("btime "))
+    return btime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _local_alive(pid: int, identity: dict | None = None, *, started_by: float = 0.0) -> bool:
+    """True while the process runs (a zombie, ended but not reaped, counts as ended) and is the one
+    meant: with `identity` (process_identity at submit time), the same start time and command line;
+    with `started_by` (a time since the epoch) alone, started no later than that. Without either, any
+    process with that pid. A pid the kernel gave to another process after ours ended is not ours:
+    cancel must never signal it, status must not call the run RUNNING."""
+    fields = _proc_stat(pid)
+    if fields is None or fields[0] == "Z":
         return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    if identity is not None:
+        return (int(fields[22 - 3]) == identity.get("start_ticks")
+                and (not identity.get("cmdline") or _cmdline(pid) == identity["cmdline"]))
+    if started_by:
+        return _started_at(int(fields[22 - 3])) <= started_by + 1.0  # btime's rounding
+    return True
+
+
+def _run_alive(run: Run) -> bool:
+    """The local controller of `run` still runs (its pid is job_id; see _local_alive for reused pids)."""
+    return _local_alive(int(run.job_id), run.process, started_by=run.submitted_at)
 
 
 def _last_line(path: Path) -> str:
@@ -120,7 +182,7 @@ def status(target: str | Path) -> RunStatus:
         failures = (record["error"],)
     metrics = _last_line(run.run_dir / METRICS_FILE)
     if run.executor == "local":
-        state = "RUNNING" if _local_alive(int(run.job_id)) else (record or {}).get("state", "ENDED")
+        state = "RUNNING" if _run_alive(run) else (record or {}).get("state", "ENDED")
         return RunStatus(job_id=run.job_id, executor="local", state=state, failures=failures,
                          last_metrics=metrics, run_dir=run.run_dir, source="process")
     job = tracking.query(run.job_id, run.env)
@@ -147,13 +209,34 @@ def wait(target: str | Path, *, timeout_s: float, poll_s: float = 0.5) -> RunSta
         time.sleep(poll_s)
 
 
+def _signal_local(run: Run) -> None:
+    """SIGTERM the run's local controller (submitit's, which forwards it to the head), never a process
+    that got its pid after it ended. Through a pidfd where the kernel has them: the identity is checked
+    on the process the pidfd holds, and a pidfd never signals a later process, so no reuse can slip in
+    between the check and the signal."""
+    pid = int(run.job_id)
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfd (Linux < 5.3): check, then signal by pid
+        if _run_alive(run):
+            os.kill(pid, signal.SIGTERM)
+        return
+    try:
+        if _run_alive(run):
+            signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+    except ProcessLookupError:
+        pass  # it ended since the check
+    finally:
+        os.close(pidfd)
+
+
 def cancel(run_dir: str | Path) -> Run:
     """Cancel every component of the run (scancel of the hetjob leader, or SIGTERM locally)."""
     run = Run.open(run_dir)
     if run.executor == "local":
-        pid = int(run.job_id)
-        if _local_alive(pid):
-            os.kill(pid, signal.SIGTERM)  # submitit's controller forwards it to the head
+        _signal_local(run)
         return run
     if status(run_dir).done:
         return run  # nothing left to cancel

@@ -157,9 +157,19 @@ def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
         job = adapter.local_executor(folder, timeout_min=limit / 60 if limit else 7 * 24 * 60).submit(HeadJob(run_dir))
     write_json(run_dir / JOB_FILE, {"executor": executor, "job_id": str(job.job_id), "layout": spec.layout,
                                     "slurm_conf": config.cluster.slurm_conf, "submitted_at": time.time(),
-                                    "groups": [g.name for g in spec.groups]})
+                                    "groups": [g.name for g in spec.groups],
+                                    **_local_process(executor, job.job_id)})
     write_atomic(run_dir / JOB_ID_FILE, f"{job.job_id}\n")
     return Submission(run_dir, executor, str(job.job_id), script, note, job)
+
+
+def _local_process(executor: str, job_id: str) -> dict:
+    """job.json's "process" of a local run: its controller's start time and command line, which
+    `hpcrl status` and `cancel` compare before trusting the pid (hpcrl.launch.follow; pids are reused)."""
+    if executor != "local":
+        return {}
+    from hpcrl.launch.follow import process_identity
+    return {"process": process_identity(int(job_id))}
 
 
 def prepare_run_dir(run_dir: Path, *, config_toml: str, launch: LaunchRecord, groups: list[str]) -> None:

@@ -98,8 +98,14 @@ class ResourcePlan:
     """What the config chose that costs the run (a weight transport that stages through the host)."""
 
     @property
+    def inference_fits(self) -> bool:
+        """The inference memory fits and its KV cache holds one sequence of max_model_len (vLLM refuses to
+        start otherwise)."""
+        return self.inference_memory.fits and self.kv_cache_tokens >= self.inference_layout["max_model_len"]
+
+    @property
     def fits(self) -> bool:
-        return self.trainer_memory.fits and self.inference_memory.fits and self.kv_cache_tokens > 0
+        return self.trainer_memory.fits and self.inference_fits
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -182,7 +188,10 @@ def plan_resources(config: Config, shape: ModelShape) -> ResourcePlan:
         notes.append(f"trainer does NOT fit: {trainer_memory.total / GIB:.1f} GiB per "
                      f"{trainer_memory.device} > {trainer_memory.capacity / GIB:.1f} GiB; shard over more "
                      "ranks, lower micro_batch_size, or turn on activation_checkpointing")
-    if not inference_memory.fits or kv_tokens < max_len:
+    if not inference_memory.fits:
+        notes.append(f"inference does NOT fit: {inference_memory.total / GIB:.1f} GiB per {inference_memory.device} > "
+                     f"{inference_memory.capacity / GIB:.1f} GiB; raise tensor_parallel, or lower kv_cache_gib")
+    if kv_tokens < max_len:
         notes.append(f"inference does NOT fit: the KV cache holds {kv_tokens} tokens per replica, "
                      f"fewer than one sequence of {max_len}; raise tensor_parallel, gpu_memory_utilization or kv_cache_gib")
     shard = t.world_size // t.dp_replicate if t.dp_shard == -1 else t.dp_shard

@@ -103,3 +103,68 @@ def test_a_reader_that_closed_its_end_of_the_pipe_is_no_error():
         os.close(write_end)
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+# tiny_grpo on CPU needs about 1.0 GiB per trainer node and 1.1 GiB per inference node.
+TOO_SMALL_NODES = ("--set", "cluster.mem_per_node_gib=0.5")
+
+
+@pytest.mark.timeout(60)
+def test_a_plan_that_does_not_fit_is_printed_and_exits_3():
+    done = hpcrl("plan", "configs/tiny_grpo.toml", *TOO_SMALL_NODES)
+    assert done.returncode == 3, done.stderr
+    assert "trainer memory per CPU node: 1.02 GiB of 512.00 MiB: DOES NOT FIT" in done.stdout
+    as_json = hpcrl("plan", "configs/tiny_grpo.toml", *TOO_SMALL_NODES, "--json")
+    assert as_json.returncode == 3 and json.loads(as_json.stdout)["fits"] is False
+    assert "exit status: 0 when the plan fits, 3 when" in hpcrl("plan", "--help").stdout
+
+
+@pytest.mark.timeout(60)
+def test_a_kv_cache_shorter_than_one_sequence_does_not_fit():
+    # 70B over TP 2: 4.3 GiB of KV cache per GPU holds 28,126 tokens; max_model_len 1024 + 40000.
+    done = hpcrl("plan", "configs/llama70b_grpo.toml", "--set", "inference.tensor_parallel=2",
+                 "--set", "inference.max_tokens=40000")
+    assert done.returncode == 3
+    assert "inference memory per GPU: 72.00 GiB of 72.00 GiB: DOES NOT FIT" in done.stdout
+    assert "the KV cache holds 28126 tokens per replica, fewer than one sequence of 41024" in done.stdout
+
+
+def _submit_dry_run(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": "/nonexistent"}  # no sbatch: the local executor
+    return subprocess.run([sys.executable, "-m", "hpcrl", "submit", "configs/tiny_grpo.toml", "--dry-run",
+                           "--set", f"run.run_dir={run_dir}", *extra], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+@pytest.mark.timeout(60)
+def test_submit_refuses_a_plan_that_does_not_fit_with_the_figures_and_the_keys_to_change(tmp_path: Path):
+    done = _submit_dry_run(tmp_path / "run", *TOO_SMALL_NODES)
+    assert done.returncode == 2 and done.stdout == ""
+    error = done.stderr.strip()
+    assert len(error.splitlines()) == 1 and "Traceback" not in error
+    assert error.startswith("hpcrl: error: configs/tiny_grpo.toml: the memory plan says DOES NOT FIT: ")
+    for words in ("the trainer needs 1.0 GiB per CPU node, more than its 0.5 GiB (cluster.mem_per_node_gib)",
+                  "trainer.activation_checkpointing = true", "trainer.micro_batch_size",
+                  "each inference CPU node needs 1.1 GiB", "inference.tensor_parallel",
+                  "--set run.ignore_memory_plan=true"):
+        assert words in error
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(60)
+def test_submit_takes_a_plan_that_does_not_fit_when_told_to_ignore_it(tmp_path: Path):
+    done = _submit_dry_run(tmp_path / "run", *TOO_SMALL_NODES, "--set", "run.ignore_memory_plan=true")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "run" / "launch.json").is_file()
+    assert "ignore_memory_plan = true" in (tmp_path / "run" / "config.toml").read_text()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write any directory: nothing to refuse")
+def test_submit_refuses_a_run_directory_it_cannot_write_naming_the_key(tmp_path: Path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    done = _submit_dry_run(locked / "run")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.startswith(f"hpcrl: error: configs/tiny_grpo.toml: run.run_dir: {locked / 'run'} cannot be "
+                                  f"written by this user (its nearest existing directory, {locked}, is not)")

@@ -113,11 +113,12 @@ def test_cpu_groups_are_predicted_over_gloo_and_ucx_without_copies():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("value", ["0", "nan", "inf", "-inf"])
 @pytest.mark.parametrize("flag", ["--link-gbps", "--tcp-gbps"])
-def test_a_non_positive_link_speed_is_a_one_line_error(flag):
-    done = hpcrl("plan", "--transfer", "configs/tiny_grpo.toml", flag, "0")
-    assert done.returncode == 2
-    assert flag in done.stderr and "Traceback" not in done.stderr
+def test_a_link_speed_that_is_not_a_finite_positive_number_is_a_one_line_error(flag, value):
+    done = hpcrl("plan", "--transfer", "configs/tiny_grpo.toml", f"{flag}={value}")
+    assert done.returncode == 2 and done.stdout == ""
+    assert flag in done.stderr and "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
 class _Head:

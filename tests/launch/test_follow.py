@@ -1,0 +1,90 @@
+"""`hpcrl status` and `cancel` of a local run trust its pid only while it names the run's own controller."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrl.cli.main import main
+from hpcrl.launch import follow
+
+
+def _write_job(run_dir: Path, pid: int, **extra) -> None:
+    record = {"executor": "local", "job_id": str(pid), "layout": "hetjob", "slurm_conf": "",
+              "groups": ["head", "trainer", "inference"], **extra}
+    (run_dir / "job.json").write_text(json.dumps(record))
+
+
+@pytest.fixture
+def unrelated_sleep():
+    """A process that is not the run's: what a pid reused after the run's controller ended points at."""
+    sleep = subprocess.Popen(["sleep", "60"])
+    yield sleep
+    sleep.kill()
+    sleep.wait(timeout=10)
+
+
+@pytest.fixture
+def ended_controller_identity() -> dict:
+    """The identity job.json recorded for a controller that has since ended (its pid is free for reuse)."""
+    controller = subprocess.Popen([sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert controller.stdout.readline() == b"up\n"  # its own command line is in place
+    stat = Path(f"/proc/{controller.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    cmdline = Path(f"/proc/{controller.pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+    controller.communicate(b"", timeout=30)
+    return {"pid": controller.pid, "start_ticks": int(stat[22 - 3]), "cmdline": cmdline}
+
+
+def _stays_alive(process: subprocess.Popen) -> bool:
+    """An absence (no signal came) can only be shown by waiting: a SIGTERM would end it within this."""
+    try:
+        process.wait(timeout=0.5)
+    except subprocess.TimeoutExpired:
+        return True
+    return False
+
+
+@pytest.mark.timeout(30)
+def test_cancel_does_not_signal_a_process_that_reused_the_runs_pid(tmp_path: Path, ended_controller_identity,
+                                                                   unrelated_sleep):
+    # The kernel cannot be made to reuse a pid on demand: job.json names the sleep (started after the
+    # controller ended) with the identity its controller had, which is what pid reuse leaves behind.
+    _write_job(tmp_path, unrelated_sleep.pid, process={**ended_controller_identity, "pid": unrelated_sleep.pid},
+               submitted_at=time.time())
+    assert follow.status(tmp_path).state == "ENDED"
+    assert main(["cancel", str(tmp_path), "--wait", "0"]) == 0
+    assert _stays_alive(unrelated_sleep), f"the unrelated process got signalled ({unrelated_sleep.returncode})"
+    assert "ENDED" in follow.status(tmp_path).render()
+
+
+@pytest.mark.timeout(30)
+def test_a_job_json_without_an_identity_trusts_no_process_started_after_the_submission(tmp_path: Path,
+                                                                                   unrelated_sleep):
+    # A job.json written before the identity was recorded: only a process already running at submit
+    # time can be the run's controller.
+    _write_job(tmp_path, unrelated_sleep.pid, submitted_at=time.time() - 3600)
+    assert follow.status(tmp_path).state == "ENDED"
+    follow.cancel(tmp_path)
+    assert _stays_alive(unrelated_sleep), f"the unrelated process got signalled ({unrelated_sleep.returncode})"
+
+
+@pytest.mark.timeout(30)
+def test_the_runs_own_controller_is_running_and_cancel_stops_it(tmp_path: Path):
+    controller = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        identity = follow.process_identity(controller.pid)
+        assert identity is not None and identity["cmdline"][:2] == [sys.executable, "-c"]
+        _write_job(tmp_path, controller.pid, process=identity, submitted_at=time.time())
+        assert follow.status(tmp_path).state == "RUNNING"
+        follow.cancel(tmp_path)
+        assert controller.wait(timeout=10) == -15
+        assert follow.status(tmp_path).state == "ENDED"
+    finally:
+        controller.kill()
+        controller.wait(timeout=10)
