@@ -263,7 +263,8 @@ class RewardConfig:
             return
         if self.functions:
             _require(not self.function, "functions", "both reward.function and reward.functions are set",
-                     "keep one: reward.function for one function, or put it in reward.functions with a weight")
+                     "keep one: reward.function for one function, or put it in reward.functions with a weight "
+                     '(set function = "" where a profile or an --set gives it)')
             labels = [f.label for f in self.functions]
             for i, entry in enumerate(self.functions):
                 _require(bool(_FUNCTION_RE.match(entry.function)), f"functions[{i}].function",

@@ -21,7 +21,8 @@ forks the namespace's first process, which runs the code under the limits:
                127.0.0.1 is unreachable
 
 Passing means the tests ran to their end (a nonce only the harness knows is written after them):
-code that exits early does not pass. A failing or killed run is a legitimate 0 with its reason; a
+code that exits early does not pass (code that digs the nonce out of the interpreter's frames could;
+this guards against accidents and reward hacking by early exit, not against such an adversary). A failing or killed run is a legitimate 0 with its reason; a
 sandbox that cannot be built (user namespaces disabled) is a SandboxError, so the sample is an error
 and its group is held out, never silently 0. Not covered: the code runs as the pool's user and can
 read what that user can read; run reward tasks as a dedicated user where that matters.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -100,9 +101,9 @@ def test_the_code_cannot_connect_even_to_a_socket_listening_on_localhost():
 def test_the_code_runs_in_a_directory_of_its_own_that_is_removed_afterwards():
     code = "import os\nprint(os.getcwd())\nopen('left.txt', 'w').write('x')\nassert os.listdir('.')\n"
     tests = "import os\nassert os.getcwd().startswith(os.environ['HOME']) and 'hpcrl-code-' in os.getcwd()\n"
-    before = {p.name for p in Path(os.environ.get("TMPDIR", "/tmp")).glob("hpcrl-code-*")}
+    before = {p.name for p in Path(tempfile.gettempdir()).glob("hpcrl-code-*")}
     assert _score({"cwd": code}, tests)["cwd"].reward == 1.0
-    assert {p.name for p in Path(os.environ.get("TMPDIR", "/tmp")).glob("hpcrl-code-*")} == before
+    assert {p.name for p in Path(tempfile.gettempdir()).glob("hpcrl-code-*")} == before
 
 
 def test_the_last_python_block_is_the_code_else_the_whole_completion():
