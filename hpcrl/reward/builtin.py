@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from fractions import Fraction
 
-from hpcrl.reward.sandbox import Limits, extract_code, run_tests
+from hpcrl.reward.sandbox import Limits, check_sandbox, extract_code, run_tests
 from hpcrl.reward.types import RewardError
 
 #: Seconds math_verify may spend on one sample (parsing both sides and comparing) before it is an error.
@@ -130,3 +130,6 @@ def code_tests(prompt: str, completion: str, answer: str) -> tuple[float, str]:
     call), run in a sandbox with CODE_TESTS_LIMITS (hpcrl.reward.sandbox); 0 with the reason otherwise."""
     outcome = run_tests(extract_code(completion), answer, CODE_TESTS_LIMITS)
     return float(outcome.passed), outcome.reason
+
+
+code_tests.check_at_start = check_sandbox  # type: ignore[attr-defined]  # the pool runs it as a worker starts

@@ -9,7 +9,9 @@
 
 With several weighted functions each sample's reward is the weighted sum of their scores, and its
 `parts` hold each score; if any of them fails the sample has no reward (an error naming that function).
-A function may return a float or (float, reason); the reason travels with the result.
+A function may return a float or (float, reason); the reason travels with the result. A function
+with a `check_at_start` attribute has it called once in each worker as it starts: if it raises, the
+pool does not start (code_tests checks that a sandbox can be built on this node).
 
 A verifier that raises, hangs past `timeout_s`, returns something that is not a finite number, or
 kills its process yields a `RewardResult` with `error` set and `reward` None — never a silent zero —
@@ -55,6 +57,8 @@ def _worker_main(spec: str, conn: Connection) -> None:
     config = json.loads(spec)
     try:
         functions = [(name, resolve(function), weight) for name, function, weight in config["functions"]]
+        for (_, function, _), (_, fn, _) in zip(config["functions"], functions):
+            _check_at_start(function, fn)
     except RewardError as err:
         conn.send_bytes(json.dumps({"fatal": str(err)}).encode())
         return
@@ -66,6 +70,18 @@ def _worker_main(spec: str, conn: Connection) -> None:
             return
         for request in requests:
             conn.send_bytes(json.dumps(_score_all(functions, request, combined=config["combined"])).encode())
+
+
+def _check_at_start(function: str, fn: Callable) -> None:
+    """Run the function's `check_at_start()` where it has one (code_tests: can a sandbox be built
+    here?), so that a function that cannot work fails the pool's start, not every sample."""
+    check = getattr(fn, "check_at_start", None)
+    if check is None:
+        return
+    try:
+        check()
+    except Exception as err:  # noqa: BLE001 - reported as the reason the pool cannot start
+        raise RewardError(f"reward function {function!r} cannot run here: {err}") from None
 
 
 def _score_all(functions: list[tuple[str, Callable, float]], request: dict, *, combined: bool) -> dict:

@@ -75,6 +75,13 @@ class Outcome:
     """Why it failed ("" when it passed): the last line of its error, or the limit that killed it."""
 
 
+def check_sandbox() -> None:
+    """Raise SandboxError unless a sandbox can be built here and runs code: empty code and a `pass` test pass."""
+    outcome = run_tests("", "pass", Limits(wall_s=10))
+    if not outcome.passed:
+        raise SandboxError(f"a sandbox running no code did not pass here: {outcome.reason}")
+
+
 def extract_code(completion: str) -> str:
     """The last ```python fenced block of the completion, else the whole completion."""
     blocks = _FENCED.findall(completion)

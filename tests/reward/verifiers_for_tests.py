@@ -35,3 +35,15 @@ def half(prompt: str, completion: str, answer: str) -> float:
     if prompt == "raise":
         raise ValueError("half failed")
     return 0.5
+
+
+def needs_what_is_missing(prompt: str, completion: str, answer: str) -> float:
+    """Never scores: its start-up check fails, as code_tests' does where no sandbox can be built."""
+    return 1.0
+
+
+def _missing() -> None:
+    raise RuntimeError("this node lacks what the function needs")
+
+
+needs_what_is_missing.check_at_start = _missing  # type: ignore[attr-defined]
