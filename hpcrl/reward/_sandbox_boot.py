@@ -2,7 +2,9 @@
 
 Standard library only: it runs before anything else in the new process and imports nothing of hpcrl.
 
-    stdin: {"nonce", "status_fd", "cpu_s", "memory_mib", "processes", "output_kib"} (JSON, then /dev/null)
+    stdin: {"nonce", "status_fd", "parent", "cpu_s", ...the Limits} (JSON, then /dev/null)
+    0. die with the reward worker (PR_SET_PDEATHSIG), and the namespace's first process with this one,
+       so a worker the pool kills (its timeout) takes its sandbox down with it
     1. unshare user, network and PID namespaces: no network (only a loopback that is down), no view
        of the host's processes, and everything the code starts dies with the namespace's first process
     2. fork that first process (PID 1 inside); it sets the limits, runs solution.py then tests.py in one
@@ -16,10 +18,14 @@ import ctypes
 import json
 import os
 import resource
+import select
+import signal
 import sys
 import traceback
 
 CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWPID = 0x10000000, 0x40000000, 0x20000000
+PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True)
 #: The smallest pid_max Linux accepts (RESERVED_PIDS + 1); per PID namespace since Linux 6.14.
 MIN_PID_MAX = 301
 
@@ -31,8 +37,7 @@ def _report(fd: int, **fields) -> None:
 def _isolate() -> str | None:
     """Enter new user, network and PID namespaces; why not, or None."""
     uid, gid = os.getuid(), os.getgid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID) != 0:
+    if _LIBC.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID) != 0:
         return f"unshare(user, network, PID namespaces) failed: {os.strerror(ctypes.get_errno())}"
     try:  # keep our own uid and gid inside, so files keep their owner
         for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
@@ -41,6 +46,11 @@ def _isolate() -> str | None:
     except OSError as err:
         return f"mapping the user namespace failed: {err}"
     return None
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent ends (the parent may have ended already: checked after)."""
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def _limit(config: dict) -> None:
@@ -80,13 +90,22 @@ def main() -> None:
     config = json.loads(sys.stdin.read())
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
+    _die_with_parent()
+    if os.getppid() != config["parent"]:
+        return  # the worker is gone already
     status = config["status_fd"]
     why = _isolate()
     if why is not None:
         _report(status, setup_error=why)
         return
+    alive_r, alive_w = os.pipe()  # EOF on alive_r once this process is gone
     pid = os.fork()
     if pid == 0:
+        os.close(alive_w)
+        _die_with_parent()
+        if select.select([alive_r], [], [], 0)[0]:  # (getppid is 0 in a new PID namespace)
+            os._exit(1)
+        os.close(alive_r)
         code = 0
         try:
             _run(config, status)

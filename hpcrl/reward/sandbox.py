@@ -16,7 +16,8 @@ forks the namespace's first process, which runs the code under the limits:
                least 301) bounds root's fork bombs
     output     RLIMIT_FSIZE on every file it writes, its stdout and stderr included
     wall time  the worker kills the namespace's first process, which takes every process of the
-               namespace with it, and the boot's process group
+               namespace with it, and the boot's process group; should the worker itself be killed
+               (the pool's timeout), the boot and the first process die with it (PR_SET_PDEATHSIG)
     network    a new network namespace: no interface but a loopback that is down, so even
                127.0.0.1 is unreachable
 
@@ -104,7 +105,8 @@ def run_tests(code: str, tests: str, limits: Limits = Limits()) -> Outcome:
             process = subprocess.Popen([sys.executable, "-I", str(BOOT)], cwd=workdir, env=env, stdin=subprocess.PIPE,
                                        stdout=out, stderr=err, pass_fds=(status_w,), start_new_session=True)
         assert process.stdin is not None
-        process.stdin.write(json.dumps({"nonce": nonce, "status_fd": status_w, **asdict(limits)}).encode())
+        process.stdin.write(json.dumps({"nonce": nonce, "status_fd": status_w, "parent": os.getpid(),
+                                        **asdict(limits)}).encode())
         process.stdin.close()
         os.close(status_w)
         status_w = -1

@@ -84,6 +84,18 @@ def test_a_sandbox_cannot_start_more_processes_than_its_bound():
 
 
 @pytest.mark.timeout(60)
+def test_a_sandbox_dies_with_the_worker_that_the_pool_kills_at_its_timeout():
+    sample = Sample(id="s", prompt_id="s", prompt="", completion="import time\ntime.sleep(600)", answer="pass")
+    with RewardPool("verifiers_for_tests:code_tests_quick", workers=1, timeout_s=0.8) as pool:  # under the 2 s wall
+        (result,) = pool.score([sample])
+        assert result.reward is None and "timed out after 0.8 s" in result.error
+        deadline = time.monotonic() + 5
+        while _sandboxes_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _sandboxes_alive() == []  # before the sandbox's own 2 s wall limit would have fired
+
+
+@pytest.mark.timeout(60)
 def test_the_code_cannot_connect_even_to_a_socket_listening_on_localhost():
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
