@@ -223,25 +223,31 @@ def _check_weight_transport(config: Config) -> None:
 def _check_reward(config: Config) -> None:
     reward = config.reward
     if reward.kind == "function":
-        module = reward.function.partition(":")[0]
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            _fail("reward.function", f"module {module!r} cannot be found on the Python path",
-                  "check the module name, or add its directory to PYTHONPATH "
-                  '(built-ins: "hpcrl.reward.builtin:exact_match", ":math_answer", ":format_ok")')
-        if module == BUILTIN_REWARD_MODULE:  # ours: its names are known here, so check the name too
-            name = reward.function.partition(":")[2]
-            if name not in BUILTIN_REWARD_FUNCTIONS:
-                close = difflib.get_close_matches(name, BUILTIN_REWARD_FUNCTIONS, n=1)
-                guess = f"did you mean {close[0]!r}? " if close else ""
-                _fail("reward.function", f"{BUILTIN_REWARD_MODULE} has no function {name!r}",
-                      f"{guess}built-ins: {', '.join(BUILTIN_REWARD_FUNCTIONS)}")
+        for i, entry in enumerate(reward.weighted_functions()):
+            _check_reward_function(entry.function, f"reward.functions[{i}].function" if reward.functions
+                                   else "reward.function")
     elif not (Path(reward.model_path) / "config.json").is_file():
         _fail("reward.model_path", f"{reward.model_path} has no config.json",
               "point model_path at a Hugging Face reward-model directory")
+
+
+def _check_reward_function(function: str, key: str) -> None:
+    module = function.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        _fail(key, f"module {module!r} cannot be found on the Python path",
+              "check the module name, or add its directory to PYTHONPATH "
+              f'(built-ins: "{BUILTIN_REWARD_MODULE}:NAME" with NAME one of {", ".join(BUILTIN_REWARD_FUNCTIONS)})')
+    if module == BUILTIN_REWARD_MODULE:  # ours: its names are known here, so check the name too
+        name = function.partition(":")[2]
+        if name not in BUILTIN_REWARD_FUNCTIONS:
+            close = difflib.get_close_matches(name, BUILTIN_REWARD_FUNCTIONS, n=1)
+            guess = f"did you mean {close[0]!r}? " if close else ""
+            _fail(key, f"{BUILTIN_REWARD_MODULE} has no function {name!r}",
+                  f"{guess}built-ins: {', '.join(BUILTIN_REWARD_FUNCTIONS)}")
 
 
 def _check_data(config: Config) -> None:

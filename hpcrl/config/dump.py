@@ -22,6 +22,8 @@ def _value(value: Any) -> str:
         return json.dumps(value)  # a JSON string is a valid TOML basic string
     if isinstance(value, list):
         return "[" + ", ".join(_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table: an entry of reward.functions
+        return "{" + ", ".join(f"{key} = {_value(v)}" for key, v in value.items()) + "}"
     raise TypeError(f"cannot write {type(value).__name__} as a TOML value")
 
 

@@ -10,6 +10,7 @@ each field carries a one-line docstring, and each class checks its own values in
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -234,11 +235,32 @@ class InferenceConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RewardFunctionConfig:
+    """One term of a combined reward: reward.functions = [{function = "m:f", weight = 1.0}, ...]."""
+
+    function: str
+    """"module:function" taking (prompt, completion, answer) -> float (or (float, reason))."""
+    weight: float = 1.0
+    """What its score counts for in the sum; its unweighted mean is reported per step."""
+    name: str = ""
+    """The name of its per-step metric (reward_mean/NAME); "" = the function's own name."""
+
+    @property
+    def label(self) -> str:
+        return self.name or self.function.partition(":")[2]
+
+
+_FUNCTION_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RewardConfig:
     kind: Literal["function", "model"] = "function"
     """A Python reward function, or a reward model served by vLLM."""
     function: str = ""
     """With kind = "function": "module:function" taking (prompt, completion, answer) -> float."""
+    functions: list[RewardFunctionConfig] = field(default_factory=list)
+    """With kind = "function", instead of `function`: several, summed with their weights."""
     model_path: str = ""
     """With kind = "model": Hugging Face directory of the reward model."""
     tasks: int = 1
@@ -246,19 +268,39 @@ class RewardConfig:
     workers: int = 4
     """Worker processes in each reward task's pool."""
     timeout_s: float = 10.0
-    """Seconds one sample may take before it is recorded as an error."""
+    """Seconds one sample may take (all its functions together) before it is recorded as an error."""
 
     def __post_init__(self) -> None:
         _positive(self.tasks, "tasks", allow_zero=True)
         _positive(self.workers, "workers")
         _positive(self.timeout_s, "timeout_s")
-        if self.kind == "function":
-            _require(bool(re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", self.function)), "function",
-                     f"{self.function!r} is not of the form 'module:function'",
-                     'name it like function = "hpcrl.reward.builtin:exact_match"')
-        else:
+        if self.kind == "model":
             _require(bool(self.model_path), "model_path", 'kind = "model" needs model_path',
                      'set model_path = "/dir/of/reward/model"')
+            return
+        if self.functions:
+            _require(not self.function, "functions", "both reward.function and reward.functions are set",
+                     "keep one: reward.function for one function, or put it in reward.functions with a weight "
+                     '(set function = "" where a profile or an --set gives it)')
+            labels = [f.label for f in self.functions]
+            for i, entry in enumerate(self.functions):
+                _require(bool(_FUNCTION_RE.match(entry.function)), f"functions[{i}].function",
+                         f"{entry.function!r} is not of the form 'module:function'",
+                         'name it like function = "hpcrl.reward.builtin:math_verify"')
+                _require(math.isfinite(entry.weight), f"functions[{i}].weight",
+                         f"must be a finite number, got {entry.weight}", "set weight = 1.0")
+                _require(labels.count(entry.label) == 1, f"functions[{i}].name",
+                         f"two reward functions report as {entry.label!r}",
+                         "give one of them its own metric name: name = \"...\"")
+            return
+        _require(bool(_FUNCTION_RE.match(self.function)), "function",
+                 f"{self.function!r} is not of the form 'module:function'",
+                 'name it like function = "hpcrl.reward.builtin:exact_match", or give '
+                 'functions = [{function = "...", weight = 1.0}, ...]')
+
+    def weighted_functions(self) -> list[RewardFunctionConfig]:
+        """The functions the pool runs: `functions`, or `function` alone with weight 1."""
+        return list(self.functions) or [RewardFunctionConfig(function=self.function)]
 
 
 @dataclass(frozen=True, kw_only=True)

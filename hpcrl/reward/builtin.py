@@ -1,12 +1,28 @@
 """Built-in reward functions: `module:function` names usable as reward.function.
 
-Every function takes (prompt, completion, answer) and returns a float in [0, 1].
+Every function takes (prompt, completion, answer) and returns a float in [0, 1] (code_tests: with
+the reason of a 0). They run in the reward pool's worker processes (hpcrl.reward.pool), in each
+worker's main thread, which math_verify's timer needs.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from fractions import Fraction
+
+from hpcrl.reward.sandbox import Limits, check_sandbox, extract_code, run_tests
+from hpcrl.reward.types import RewardError
+
+#: Seconds math_verify may spend on one sample (parsing both sides and comparing) before it is an error.
+MATH_VERIFY_TIMEOUT_S = 5.0
+#: code_tests' limits: a wall time under reward.timeout_s's default (10 s), so the sandbox, not the pool, stops it.
+CODE_TESTS_LIMITS = Limits()
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -44,3 +60,76 @@ def format_ok(prompt: str, completion: str, answer: str) -> float:
     """1 when the completion is one non-empty line with no trailing text after a newline."""
     stripped = completion.strip("\n")
     return float(bool(stripped.strip()) and "\n" not in stripped)
+
+
+class _Overtime(BaseException):
+    """Raised by math_verify's timer. A BaseException, so that math-verify's own `except Exception`
+    clauses (which turn errors into a silent False) let it through."""
+
+
+@contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """SIGALRM after `seconds` in the main thread (the pool's workers); elsewhere the pool's timeout
+    bounds it. A timer already running (e.g. pytest-timeout's) is put back with its remaining time."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _Overtime
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    began = time.monotonic()
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(1e-3, outer - (time.monotonic() - began)))
+
+
+def _quiet_math_verify() -> None:
+    """math-verify warns once per process that its own timeouts are off: ours (_deadline) stands in."""
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _TimeoutOffFilter) for f in logger.filters):
+            logger.addFilter(_TimeoutOffFilter())
+
+
+class _TimeoutOffFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+def math_verify(prompt: str, completion: str, answer: str) -> float:
+    """1 when the completion's final answer equals `answer` as Hugging Face's math-verify judges it: the
+    \\boxed{...} (all boxed parts together), else the last LaTeX or plain expression, compared as numbers,
+    fractions, LaTeX expressions, sets, intervals or matrices. `answer` is LaTeX or plain math ("\\frac12",
+    "[1, 2)", "0.5"). Over MATH_VERIFY_TIMEOUT_S, or with an answer that is not math, it raises: an error
+    (the group held out), not a 0."""
+    try:
+        from math_verify import parse, verify
+    except ImportError as err:
+        raise RewardError(f"math_verify needs the math-verify package ({err}): pip install 'hpcrl[math]'") from None
+    _quiet_math_verify()
+    try:
+        with _deadline(MATH_VERIFY_TIMEOUT_S):
+            gold = parse(answer if "\\boxed" in answer or "$" in answer else f"${answer}$", parsing_timeout=None)
+            if not gold:
+                raise ValueError(f"the answer {answer!r} does not parse as math; check the data set's answer column")
+            return float(verify(gold, parse(completion, parsing_timeout=None), timeout_seconds=None))
+    except _Overtime:
+        raise TimeoutError(f"math-verify took more than {MATH_VERIFY_TIMEOUT_S:g} s") from None
+
+
+def code_tests(prompt: str, completion: str, answer: str) -> tuple[float, str]:
+    """1 when the completion's code (its last ```python block, else all of it) passes the tests in
+    `answer` (Python run after the code in one namespace: `assert f(1) == 2` lines, or a `check(f)`
+    call), run in a sandbox with CODE_TESTS_LIMITS (hpcrl.reward.sandbox); 0 with the reason otherwise."""
+    outcome = run_tests(extract_code(completion), answer, CODE_TESTS_LIMITS)
+    return float(outcome.passed), outcome.reason
+
+
+code_tests.check_at_start = check_sandbox  # type: ignore[attr-defined]  # the pool runs it as a worker starts

@@ -174,8 +174,13 @@ class RewardModelScorer:
 
 
 def make_scorer(reward_config, *, device: Device = "cpu", dtype: str = "bfloat16"):
-    """The scorer a run's reward config asks for: a RewardPool of `function`, or a reward model on `device`."""
+    """The scorer a run's reward config asks for: a RewardPool of `function` (or of the weighted
+    `functions`), or a reward model on `device`."""
     if reward_config.kind == "model":
         return RewardModelScorer(reward_config.model_path, device=device, dtype=dtype)
     from hpcrl.reward.pool import RewardPool
-    return RewardPool(reward_config.function, workers=reward_config.workers, timeout_s=reward_config.timeout_s)
+    from hpcrl.reward.types import WeightedFunction
+
+    functions = [WeightedFunction(name=f.label, function=f.function, weight=f.weight)
+                 for f in reward_config.functions] or reward_config.function
+    return RewardPool(functions, workers=reward_config.workers, timeout_s=reward_config.timeout_s)

@@ -4,6 +4,15 @@
     results = pool.score([Sample(id="p3/0", prompt_id="p3", prompt="1+2=", completion="3", answer="3")])
     pool.close()
 
+    RewardPool([WeightedFunction(name="math_verify", function="hpcrl.reward.builtin:math_verify", weight=1.0),
+                WeightedFunction(name="format_ok", function="hpcrl.reward.builtin:format_ok", weight=0.2)], ...)
+
+With several weighted functions each sample's reward is the weighted sum of their scores, and its
+`parts` hold each score; if any of them fails the sample has no reward (an error naming that function).
+A function may return a float or (float, reason); the reason travels with the result. A function
+with a `check_at_start` attribute has it called once in each worker as it starts: if it raises, the
+pool does not start (code_tests checks that a sandbox can be built on this node).
+
 A verifier that raises, hangs past `timeout_s`, returns something that is not a finite number, or
 kills its process yields a `RewardResult` with `error` set and `reward` None — never a silent zero —
 and the pool replaces the worker and goes on. Samples travel to workers as JSON over pipes (no
@@ -25,7 +34,7 @@ from dataclasses import asdict
 from multiprocessing.connection import Connection, wait
 from typing import cast
 
-from hpcrl.reward.types import RewardError, RewardResult, Sample
+from hpcrl.reward.types import RewardError, RewardResult, Sample, WeightedFunction
 
 
 def resolve(function: str) -> Callable[[str, str, str], float]:
@@ -41,11 +50,15 @@ def resolve(function: str) -> Callable[[str, str, str], float]:
     return fn
 
 
-def _worker_main(function: str, conn: Connection) -> None:
+def _worker_main(spec: str, conn: Connection) -> None:
     """Worker loop: a JSON list of samples in, one JSON {"reward"} or {"error"} out per sample as each
-    is scored, in order, until the pipe closes."""
+    is scored, in order, until the pipe closes. `spec`: JSON {"functions": [[name, function, weight]...],
+    "combined": bool} (the pool's functions; combined = several weighted, with parts)."""
+    config = json.loads(spec)
     try:
-        fn = resolve(function)
+        functions = [(name, resolve(function), weight) for name, function, weight in config["functions"]]
+        for (_, function, _), (_, fn, _) in zip(config["functions"], functions):
+            _check_at_start(function, fn)
     except RewardError as err:
         conn.send_bytes(json.dumps({"fatal": str(err)}).encode())
         return
@@ -56,7 +69,39 @@ def _worker_main(function: str, conn: Connection) -> None:
         except EOFError:
             return
         for request in requests:
-            conn.send_bytes(json.dumps(_score_one(fn, request)).encode())
+            conn.send_bytes(json.dumps(_score_all(functions, request, combined=config["combined"])).encode())
+
+
+def _check_at_start(function: str, fn: Callable) -> None:
+    """Run the function's `check_at_start()` where it has one (code_tests: can a sandbox be built
+    here?), so that a function that cannot work fails the pool's start, not every sample."""
+    check = getattr(fn, "check_at_start", None)
+    if check is None:
+        return
+    try:
+        check()
+    except Exception as err:  # noqa: BLE001 - reported as the reason the pool cannot start
+        raise RewardError(f"reward function {function!r} cannot run here: {err}") from None
+
+
+def _score_all(functions: list[tuple[str, Callable, float]], request: dict, *, combined: bool) -> dict:
+    """One sample through every function: the weighted sum and the parts, or the first error (named
+    after its function when there are several)."""
+    parts: dict[str, float] = {}
+    reasons: list[str] = []
+    for name, fn, _ in functions:
+        scored = _score_one(fn, request)
+        if "error" in scored:
+            return {"error": f"{name}: {scored['error']}"} if combined else scored
+        parts[name] = cast(float, scored["reward"])
+        if "reason" in scored:
+            reasons.append(f"{name}: {scored['reason']}" if combined else cast(str, scored["reason"]))
+    reply: dict = {"reward": sum(weight * parts[name] for name, _, weight in functions)}
+    if reasons:
+        reply["reason"] = "; ".join(reasons)
+    if combined:
+        reply["parts"] = parts
+    return reply
 
 
 def _score_one(fn: Callable[[str, str, str], float], request: dict) -> dict[str, str | float]:
@@ -65,15 +110,18 @@ def _score_one(fn: Callable[[str, str, str], float], request: dict) -> dict[str,
     except Exception as err:  # noqa: BLE001 - the verifier's own failure is the result, reported with the sample
         frame = traceback.extract_tb(err.__traceback__)[-1]
         return {"error": f"{type(err).__name__}: {err} ({os.path.basename(frame.filename)}:{frame.lineno})"}
+    reason = None
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], str):
+        value, reason = value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return {"error": f"returned {value!r}, not a finite number"}
-    return {"reward": float(value)}
+        return {"error": f"returned {value!r}, not a finite number (or a (number, reason) pair)"}
+    return {"reward": float(value), "reason": reason} if reason else {"reward": float(value)}
 
 
 class _Worker:
-    def __init__(self, ctx: mp.context.SpawnContext, function: str) -> None:
+    def __init__(self, ctx: mp.context.SpawnContext, spec: str) -> None:
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(function, child), daemon=True,
+        self.process = ctx.Process(target=_worker_main, args=(spec, child), daemon=True,
                                    name="hpcrl-reward-worker")
         self.process.start()
         child.close()
@@ -108,20 +156,28 @@ class _Worker:
 
 
 class RewardPool:
-    """`workers` processes running `function`; see the module docstring."""
+    """`workers` processes running `functions` (one "module:function", or several weighted); see the
+    module docstring."""
 
-    def __init__(self, function: str, *, workers: int, timeout_s: float, start_timeout_s: float = 60.0) -> None:
-        self.function = function
+    def __init__(self, functions: str | list[WeightedFunction], *, workers: int, timeout_s: float,
+                 start_timeout_s: float = 60.0) -> None:
+        combined = not isinstance(functions, str)
+        listed = functions if not isinstance(functions, str) else [
+            WeightedFunction(name=functions.partition(":")[2], function=functions)]
+        if len({f.name for f in listed}) != len(listed):
+            raise RewardError(f"reward functions {[f.name for f in listed]} repeat a name; give each its own")
+        self._spec = json.dumps({"functions": [[f.name, f.function, f.weight] for f in listed],
+                                 "combined": combined})
         self.timeout_s = timeout_s
         self._ctx = mp.get_context("spawn")
         self._start_timeout_s = start_timeout_s
-        self._workers = [_Worker(self._ctx, function) for _ in range(workers)]
+        self._workers = [_Worker(self._ctx, self._spec) for _ in range(workers)]
         for worker in self._workers:
             worker.wait_ready(start_timeout_s)
 
     def _replace(self, worker: _Worker) -> _Worker:
         worker.kill()
-        fresh = _Worker(self._ctx, self.function)
+        fresh = _Worker(self._ctx, self._spec)
         fresh.wait_ready(self._start_timeout_s)
         self._workers[self._workers.index(worker)] = fresh
         return fresh
@@ -140,16 +196,17 @@ class RewardPool:
         idle = list(self._workers)
         busy: dict[Connection, _Worker] = {}
 
-        def finish(worker: _Worker, error: str | None, reward: float | None, now: float) -> None:
+        def finish(worker: _Worker, reply: dict, now: float) -> None:
             sample = worker.queue.popleft()
-            results[sample.id] = RewardResult(id=sample.id, prompt_id=sample.prompt_id, reward=reward, error=error,
-                                              seconds=now - worker.started)
+            results[sample.id] = RewardResult(id=sample.id, prompt_id=sample.prompt_id, reward=reply.get("reward"),
+                                              error=reply.get("error"), reason=reply.get("reason"),
+                                              parts=reply.get("parts"), seconds=now - worker.started)
             worker.started = now
 
         def lost(worker: _Worker, error: str, now: float) -> None:
             """The worker's current sample failed with its process: the rest of its share goes back."""
             del busy[worker.conn]
-            finish(worker, error, None, now)
+            finish(worker, {"error": error}, now)
             pending.extendleft(reversed(worker.queue))
             idle.append(self._replace(worker))
 
@@ -168,7 +225,7 @@ class RewardPool:
                     worker.process.join(5)
                     lost(worker, f"worker process died (exit code {worker.process.exitcode})", time.monotonic())
                     continue
-                finish(worker, reply.get("error"), reply.get("reward"), time.monotonic())
+                finish(worker, reply, time.monotonic())
                 if not worker.queue:
                     del busy[worker.conn]
                     idle.append(worker)

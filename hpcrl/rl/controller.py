@@ -133,6 +133,7 @@ class Controller:
         generate_s = reward_s = 0.0
         tokens = rounds = held_out = 0
         errors: list[str] = []
+        parts: dict[str, list[float]] = {}
         count = self.prompts_per_step
         try:
             while count:
@@ -161,6 +162,8 @@ class Controller:
                 tokens += sum(len(c.token_ids) for g in completions for c in g)
                 held_out += stats.groups_with_errors
                 errors += stats.errors
+                for name, values in stats.parts.items():
+                    parts.setdefault(name, []).extend(values)
                 count = self.algorithm.more_prompts([g.rollouts for g in groups], self.settings,
                                                     wanted=self.prompts_per_step, rounds_done=rounds)
         finally:
@@ -174,6 +177,8 @@ class Controller:
                    "reward_errors": len(errors), "reward_error_example": errors[0] if errors else None}
         if rounds_later:
             metrics["sampling_rounds"] = rounds
+        # reward.functions: each function's unweighted mean over the batch's scored samples.
+        metrics.update({f"reward_mean/{name}": sum(values) / len(values) for name, values in parts.items()})
         self.state.rollout_metrics[str(index)] = metrics
 
     # -- the loop ------------------------------------------------------------------------------

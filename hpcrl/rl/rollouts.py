@@ -35,6 +35,8 @@ class ScoreStats:
     groups_with_errors: int
     errors: list[str]
     """"prompt_id/k: why", for the log."""
+    parts: dict[str, list[float]]
+    """With several reward functions: each one's scores over the samples of the groups kept."""
 
 
 def score_groups(prompts: list[Prompt], completions: list[list[Completion]], results: list[RewardResult],
@@ -42,6 +44,7 @@ def score_groups(prompts: list[Prompt], completions: list[list[Completion]], res
     """Pair completions with rewards; groups with any reward error are held out (see the docstring)."""
     by_id = {r.id: r for r in results}
     groups, errors, bad = [], [], 0
+    parts: dict[str, list[float]] = {}
     for prompt, group in zip(prompts, completions):
         rewards = [by_id[f"{prompt.id}/{c.index}"] for c in group]
         failed = [r for r in rewards if r.reward is None]
@@ -49,12 +52,15 @@ def score_groups(prompts: list[Prompt], completions: list[list[Completion]], res
             bad += 1
             errors += [f"{r.id}: {r.error}" for r in failed]
             continue
+        for r in rewards:
+            for name, value in (r.parts or {}).items():
+                parts.setdefault(name, []).append(value)
         rollouts = [Rollout.single_turn(c.prompt_token_ids, c.token_ids, c.logprobs, reward=float(r.reward),
                                         finish_reason=c.finish_reason)
                     for c, r in zip(group, rewards) if r.reward is not None]  # all scored: see above
         groups.append(ScoredGroup(prompt_id=prompt.id, rollouts=rollouts, batch=batch,
                                   weight_version=min((c.weight_version for c in group), default=weight_version)))
-    return groups, ScoreStats(groups=len(prompts), groups_with_errors=bad, errors=errors)
+    return groups, ScoreStats(groups=len(prompts), groups_with_errors=bad, errors=errors, parts=parts)
 
 
 def batch_from_groups(groups: list[ScoredGroup], selection: Selection) -> TrainBatch:

@@ -19,3 +19,31 @@ def by_prompt(prompt: str, completion: str, answer: str) -> float:
     if prompt == "text":
         return "yes"  # type: ignore[return-value]
     return float(completion.strip() == answer)
+
+
+def code_tests_quick(prompt: str, completion: str, answer: str) -> tuple[float, str]:
+    """hpcrl.reward.builtin.code_tests with limits small enough for tests: 1 s of CPU, 2 s of wall
+    time, 256 MiB, 16 processes."""
+    from hpcrl.reward.sandbox import Limits, extract_code, run_tests
+
+    outcome = run_tests(extract_code(completion), answer, Limits(cpu_s=1, wall_s=2, memory_mib=256, processes=16))
+    return float(outcome.passed), outcome.reason
+
+
+def half(prompt: str, completion: str, answer: str) -> float:
+    """0.5 always; "raise" as the prompt makes it raise, to show one failing part fails the sample."""
+    if prompt == "raise":
+        raise ValueError("half failed")
+    return 0.5
+
+
+def needs_what_is_missing(prompt: str, completion: str, answer: str) -> float:
+    """Never scores: its start-up check fails, as code_tests' does where no sandbox can be built."""
+    return 1.0
+
+
+def _missing() -> None:
+    raise RuntimeError("this node lacks what the function needs")
+
+
+needs_what_is_missing.check_at_start = _missing  # type: ignore[attr-defined]

@@ -1,0 +1,132 @@
+"""The code_tests reward: the completion's code runs against the row's tests in a sandbox process of the
+reward pool's worker, under CPU, memory, process and wall limits, with no network."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrl.reward.pool import RewardPool
+from hpcrl.reward.sandbox import extract_code
+from hpcrl.reward.types import Sample
+
+HERE = Path(__file__).resolve().parent
+ADD_TESTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0"
+FORK_BOMB = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+
+
+def _sandboxes_alive() -> list[int]:
+    """Host pids of sandbox processes (forks of the boot script) still alive."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"_sandbox_boot.py" in (entry / "cmdline").read_bytes():
+                alive.append(int(entry.name))
+        except OSError:
+            continue
+    return alive
+
+
+def _score(completions: dict[str, str], tests: str = ADD_TESTS) -> dict[str, object]:
+    samples = [Sample(id=name, prompt_id=name, prompt="", completion=code, answer=tests)
+               for name, code in completions.items()]
+    with RewardPool("verifiers_for_tests:code_tests_quick", workers=2, timeout_s=20) as pool:
+        return {r.id: r for r in pool.score(samples)}
+
+
+@pytest.fixture(autouse=True)
+def _verifiers_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(HERE))
+
+
+@pytest.mark.timeout(120)
+def test_code_that_passes_its_tests_scores_1_and_failing_code_0_with_the_failure():
+    results = _score({"right": "```python\ndef add(a, b):\n    return a + b\n```", "wrong": "def add(a, b): return a - b",
+                      "exits": "import sys\nsys.exit(0)", "quits": "import os\nos._exit(0)"})
+    assert (results["right"].reward, results["right"].reason) == (1.0, None)
+    assert results["wrong"].reward == 0.0 and results["wrong"].reason == "AssertionError"
+    assert results["exits"].reward == 0.0 and "exited (sys.exit(0)) before the tests finished" in results["exits"].reason
+    assert results["quits"].reward == 0.0 and "before the tests finished" in results["quits"].reason  # no early pass
+    assert all(r.error is None for r in results.values())  # a failing test is a score, not an error
+
+
+@pytest.mark.timeout(120)
+def test_an_infinite_loop_a_fork_bomb_and_a_10_gb_allocation_are_killed_within_the_limits_and_scored_0():
+    started = time.monotonic()
+    results = _score({"loop": "while True:\n    pass", "sleep": "import time\ntime.sleep(600)", "bomb": FORK_BOMB,
+                      "memory": "block = bytearray(10 * 1024**3)"})
+    assert time.monotonic() - started < 15  # 2 s of wall time each, two workers, plus the pool's start
+    assert {r.reward for r in results.values()} == {0.0} and all(r.error is None for r in results.values())
+    assert results["loop"].reason in ("killed at the CPU-time limit (1 s)", "killed at the wall-time limit (2 s)")
+    assert results["sleep"].reason == "killed at the wall-time limit (2 s)"
+    assert results["bomb"].reason in ("killed at the CPU-time limit (1 s)", "killed at the wall-time limit (2 s)")
+    assert results["memory"].reason == "MemoryError (memory limit 256 MiB)"
+    deadline = time.monotonic() + 5  # the namespace's processes die with its first one
+    while _sandboxes_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _sandboxes_alive() == []
+
+
+@pytest.mark.timeout(60)
+def test_a_sandbox_cannot_start_more_processes_than_its_bound():
+    """16 (RLIMIT_NPROC in its own user namespace); root is exempt from that, and the PID namespace's
+    pid_max (301, Linux's least) bounds it instead."""
+    code = ("import os, time\nstarted = 0\ntry:\n    while started < 1000:\n        if os.fork() == 0:\n"
+            "            time.sleep(30)\n            os._exit(0)\n        started += 1\nexcept OSError:\n    pass\n")
+    limit = 300 if os.geteuid() == 0 else 16
+    result = _score({"count": code}, f"assert started < {limit}, started")["count"]
+    assert (result.reward, result.reason) == (1.0, None)
+
+
+@pytest.mark.timeout(60)
+def test_a_sandbox_dies_with_the_worker_that_the_pool_kills_at_its_timeout():
+    sample = Sample(id="s", prompt_id="s", prompt="", completion="import time\ntime.sleep(600)", answer="pass")
+    with RewardPool("verifiers_for_tests:code_tests_quick", workers=1, timeout_s=0.8) as pool:  # under the 2 s wall
+        (result,) = pool.score([sample])
+        assert result.reward is None and "timed out after 0.8 s" in result.error
+        deadline = time.monotonic() + 5
+        while _sandboxes_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _sandboxes_alive() == []  # before the sandbox's own 2 s wall limit would have fired
+
+
+@pytest.mark.timeout(60)
+def test_the_code_cannot_connect_even_to_a_socket_listening_on_localhost():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        code = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\ndef add(a, b): return a + b"
+        result = _score({"net": code})["net"]
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected
+    assert result.reward == 0.0 and "Network is unreachable" in result.reason
+
+
+@pytest.mark.timeout(60)
+def test_the_code_runs_in_a_directory_of_its_own_that_is_removed_afterwards():
+    code = "import os\nprint(os.getcwd())\nopen('left.txt', 'w').write('x')\nassert os.listdir('.')\n"
+    tests = "import os\nassert os.getcwd().startswith(os.environ['HOME']) and 'hpcrl-code-' in os.getcwd()\n"
+    before = {p.name for p in Path(tempfile.gettempdir()).glob("hpcrl-code-*")}
+    assert _score({"cwd": code}, tests)["cwd"].reward == 1.0
+    assert {p.name for p in Path(tempfile.gettempdir()).glob("hpcrl-code-*")} == before
+
+
+def test_the_last_python_block_is_the_code_else_the_whole_completion():
+    assert extract_code("x\n```python\na = 1\n```\nthen\n```py\nb = 2\n```") == "b = 2\n"
+    assert extract_code("def f(): return 1") == "def f(): return 1"
+
+
+@pytest.mark.timeout(60)
+def test_the_builtin_code_tests_scores_through_the_pool():
+    samples = [Sample(id=k, prompt_id=k, prompt="", completion=c, answer=ADD_TESTS)
+               for k, c in (("right", "def add(a, b): return a + b"), ("wrong", "def add(a, b): return 0"))]
+    with RewardPool("hpcrl.reward.builtin:code_tests", workers=1, timeout_s=20) as pool:
+        results = pool.score(samples)
+    assert [(r.reward, r.reason) for r in results] == [(1.0, None), (0.0, "AssertionError")]
