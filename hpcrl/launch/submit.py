@@ -63,11 +63,16 @@ CHANGEABLE_KEYS = (
     # where and how the job is placed and started: the cluster profile, partitions, accounts, the venv
     "run.cluster", "cluster.*", "groups.*.partition", "groups.*.account", "groups.*.qos", "groups.*.constraint",
     "groups.*.sbatch_extra",
+    # memory and speed settings that leave every step's numbers as they were
+    "inference.gpu_memory_utilization", "inference.kv_cache_gib", "inference.enforce_eager",
+    "inference.transfer_round_mib", "inference.weight_transport", "trainer.activation_checkpointing",
+    "reward.workers",
     # where the run is recorded
     "run.run_dir", "run.wandb_project", "run.wandb_entity", "run.wandb_mode",
 )
 """The keys (fnmatch patterns over dotted keys) a new `hpcrl submit` or `hpcrl run` may change in a run
-directory that holds checkpoints: none changes what a step computes. Any other change (the model,
+directory that holds checkpoints: none changes what a step computes (the one place that list is kept;
+docs/ARCHITECTURE.md and README point here). Any other change (the model,
 data, algorithm, learning rate, batch sizes, seed, world sizes...) would continue the checkpoints
 as a different run, so it is refused with the keys listed; `hpcrl resume RUN_DIR --set KEY=VALUE`
 makes such a change on purpose (e.g. trainer.nodes: a checkpoint resumes on another world size)."""
@@ -182,7 +187,7 @@ def refuse_changed_config(run_dir: Path, config: Config, *, command: str = "hpcr
                           f"config; {command} would continue them with {len(changes)} key(s) changed: {listed}",
                           fix=f"continue them on purpose with `hpcrl resume {run_dir} --set KEY=VALUE` for each key "
                           "(hpcrl run: add --resume), or set run.run_dir to a new directory to start afresh. Steps, "
-                          "checkpoint interval and keep_last, time limits and cluster placement may change freely")
+                          "checkpointing, time limits, placement and memory settings may change freely")
 
 
 def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
