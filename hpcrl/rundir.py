@@ -75,9 +75,10 @@ class RunDirBusy(HpcrlError):
 def create_run_dir(run_dir: Path) -> Path:
     """Create `run_dir` (and missing parents) 0700, or make an existing one private again.
 
-    An existing directory is set to 0700; when it already holds a run (config.toml or launch.json,
-    e.g. written under an older hpcrl or a looser umask), every file and folder in it owned by us
-    loses its group and others bits too. Refuses a directory another user owns."""
+    An existing directory is set to 0700; when it already holds a run (config.toml, launch.json,
+    logs, checkpoints or metrics, e.g. written by an older hpcrl under a looser umask), every file
+    and folder in it owned by us loses its group and others bits too. Refuses a directory another
+    user owns."""
     run_dir = Path(run_dir)
     try:
         with private_umask():
@@ -91,7 +92,7 @@ def create_run_dir(run_dir: Path) -> Path:
                          "it holds the run's secret and scripts that run as its owner; set run.run_dir to a "
                          "directory of yours")
     os.chmod(run_dir, 0o700)
-    if (run_dir / CONFIG_FILE).exists() or (run_dir / LAUNCH_FILE).exists():
+    if any((run_dir / name).exists() for name in (CONFIG_FILE, LAUNCH_FILE, LOGS_DIR, CHECKPOINTS_DIR, METRICS_FILE)):
         _make_private(run_dir)
     return run_dir
 

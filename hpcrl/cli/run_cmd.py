@@ -23,6 +23,7 @@ from pathlib import Path
 
 from hpcrl.config import load_config
 from hpcrl.config.dump import dump_toml
+from hpcrl.config.schema import Config
 from hpcrl.fsio import PRIVATE_UMASK, write_atomic
 from hpcrl.logs import setup_logging
 from hpcrl.roles.reaper import supervise
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         return _run(args, config)
 
 
-def _run(args: argparse.Namespace, config) -> int:
+def _run(args: argparse.Namespace, config: Config) -> int:
     log_file = setup_logging(config.run_dir, "run", 0, args.verbose, stream="stdout")
     supervise("hpcrl run")  # vLLM's engine processes must not outlive this one, even after a kill -9
     from hpcrl.rl.inprocess import run as run_inprocess
