@@ -5,6 +5,8 @@
 The run's own resolved config (RUN_DIR/config.toml) is submitted again the way it was (executor,
 cluster, layout); `--set` changes it (e.g. trainer.nodes: a checkpoint resumes on another trainer
 world size). A corrupt or partial checkpoint is reported by name and skipped for the next newest.
+Unlike `hpcrl submit`, which refuses to continue checkpoints with a config changed beyond
+hpcrl.launch.submit.CHANGEABLE_KEYS, resume takes any change: it is the explicit way to make one.
 """
 
 from __future__ import annotations
@@ -41,4 +43,4 @@ def run(args: argparse.Namespace) -> int:
     found = newest_checkpoint(config)  # a skipped checkpoint is logged as a warning, on stderr
     print(f"resuming {config.run.name} from " + (f"{found.path} (step {found.step})" if found else
                                                  "the start: no complete checkpoint"))
-    return report_submission(config, submit_run(config, stop_after=args.steps), wait_for_end=args.wait)
+    return report_submission(config, submit_run(config, stop_after=args.steps, resume=True), wait_for_end=args.wait)

@@ -3,6 +3,10 @@ program, records how the run ended, and requeues it after a lost task.
 
     python -m hpcrl.launch.head RUN_DIR       (the sbatch/ templates; submitit calls HeadJob(run_dir))
 
+  0. sets umask 077 (and SLURM_UMASK for its srun steps: every file of the run is the owner's
+     only) and takes the run directory's lock (hpcrl.rundir.RunLock) for the job's life, waiting
+     up to HEAD_LOCK_WAIT_S for a submit that is still writing job.json; another holder (e.g.
+     `hpcrl run` in the same directory) fails the job, naming it, before anything is written.
   1. reads RUN_DIR/launch.json (hpcrl.slurm.record), checks that its interpreter (cluster.python, or
      the one that ran hpcrl submit) exists and is executable on this node, and binds the control
      bus (hpcrl.bus.Router, the run's secret): the head's one control port. Program "rl" also
@@ -35,16 +39,22 @@ from pathlib import Path
 
 from hpcrl.bus import BusConfig, Router, load_secret
 from hpcrl.errors import HpcrlError
+from hpcrl.fsio import PRIVATE_UMASK
 from hpcrl.launch.supervisor import GroupFailed, Supervisor
 from hpcrl.logs import setup_logging
 from hpcrl.roles.serve import BUS_SETTINGS
-from hpcrl.rundir import CONFIG_FILE, EXIT_FILE, write_json
+from hpcrl.rundir import CONFIG_FILE, EXIT_FILE, RunDirBusy, RunLock, write_json
 from hpcrl.slurm import tracking
 from hpcrl.slurm.record import read_launch
 
 __all__ = ["GroupFailed", "HeadJob", "InterpreterMissing", "RunCancelled", "check_interpreter", "run_head"]
 
 log = logging.getLogger(__name__)
+
+HEAD_LOCK_WAIT_S = 120.0
+"""How long a starting head waits for the run directory's lock: submit holds it until job.json is
+written (a second at most), and a requeued head's predecessor on a lost node holds it on NFS until
+its lease expires (90 s by default)."""
 
 
 class RunCancelled(HpcrlError):
@@ -173,6 +183,29 @@ async def _run(sup: Supervisor, advertise: str) -> bool:
 def run_head(run_dir: Path | str) -> dict:
     """Start, watch and stop every group of the run in `run_dir`; return how it ended."""
     run_dir = Path(run_dir).absolute()
+    # The job's own files (logs, checkpoints, metrics, submitit's result) are the owner's only, and
+    # srun applies SLURM_UMASK to every task it starts. Both are restored for a head run in-process.
+    mask, slurm_mask = os.umask(PRIVATE_UMASK), os.environ.get("SLURM_UMASK")
+    os.environ["SLURM_UMASK"] = f"{PRIVATE_UMASK:04o}"
+    try:
+        try:
+            lock = RunLock(run_dir, "the head of a job").acquire(wait_s=HEAD_LOCK_WAIT_S)
+        except RunDirBusy as err:
+            print(f"hpcrl head: {err}", file=sys.stderr, flush=True)
+            raise GroupFailed(str(err)) from None
+        try:
+            return _run_head_locked(run_dir)
+        finally:
+            lock.release()
+    finally:
+        os.umask(mask)
+        if slurm_mask is None:
+            os.environ.pop("SLURM_UMASK", None)
+        else:
+            os.environ["SLURM_UMASK"] = slurm_mask
+
+
+def _run_head_locked(run_dir: Path) -> dict:
     launch = read_launch(run_dir)
     setup_logging(run_dir, "head", 0, launch.verbose)  # logs/head/rank0.log, and stderr
     advertise = os.environ.get("HPCRL_HEAD_HOST") or socket.gethostname()
@@ -270,6 +303,7 @@ class HeadJob:
         self.run_dir = str(run_dir)
 
     def __call__(self) -> dict:
+        os.umask(PRIVATE_UMASK)  # for good, in this job process: submitit's result pickle too
         return run_head(self.run_dir)
 
     def __repr__(self) -> str:
@@ -281,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m hpcrl.launch.head RUN_DIR", file=sys.stderr)
         return 2
+    os.umask(PRIVATE_UMASK)
     try:
         run_head(args[0])
     except GroupFailed:

@@ -6,10 +6,21 @@
 Order matters: every check (config, JobSpec, partitions known to Slurm) runs before the run
 directory is written and before sbatch. Rendering (hpcrl.slurm.render) and submitting
 (hpcrl.slurm.executor, the submitit adapter, imported here lazily) stay separate.
+
+The run directory is written under umask 077 (hpcrl.fsio.private_umask), so the run directory,
+its files and submitit's pickles are the owner's only, and sbatch passes that umask on to the
+job (SLURM_UMASK, which every srun step applies to its tasks). From creating the directory until
+job.json names the new job, submit holds the run directory's lock (hpcrl.rundir.RunLock): a second
+submit, resume or `hpcrl run` at the same moment is refused naming it, and after it the live job
+refuses them (refuse_live_run). A run directory that holds checkpoints is continued only with the
+config that made them, but for the keys in CHANGEABLE_KEYS (refuse_changed_config); `hpcrl
+resume` continues it with any change.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import os
 import shlex
 import shutil
@@ -24,7 +35,7 @@ from hpcrl.bus.secret import create_secret, secret_path
 from hpcrl.config.dump import dump_toml
 from hpcrl.config.schema import Config
 from hpcrl.errors import ConfigError, SlurmError
-from hpcrl.fsio import write_atomic
+from hpcrl.fsio import private_umask, write_atomic
 from hpcrl.launch.head import HeadJob
 from hpcrl.rundir import (
     CONFIG_FILE,
@@ -34,12 +45,37 @@ from hpcrl.rundir import (
     LOGS_DIR,
     SCRIPT_FILE,
     SUBMITIT_DIR,
+    RunLock,
+    create_run_dir,
+    has_checkpoints,
     write_json,
 )
 from hpcrl.slurm.record import LaunchRecord, write_launch
 from hpcrl.slurm.spec import JobSpec, job_spec, time_limit_seconds
 
 LOCAL_NOTE = "no sbatch found: running with the local executor (each group a process tree on this machine)"
+
+CHANGEABLE_KEYS = (
+    # how long, how often and how many checkpoints: the run's path is the same, only its end or its saves move
+    "trainer.steps", "trainer.checkpoint_interval", "trainer.keep_last", "checkpoint.*",
+    # how long to wait for things; the Slurm time limit of each group
+    "run.start_timeout_s", "run.rejoin_timeout_s", "groups.*.time",
+    # where and how the job is placed and started: the cluster profile, partitions, accounts, the venv
+    "run.cluster", "cluster.*", "groups.*.partition", "groups.*.account", "groups.*.qos", "groups.*.constraint",
+    "groups.*.sbatch_extra",
+    # memory and speed settings that leave every step's numbers as they were
+    "inference.gpu_memory_utilization", "inference.kv_cache_gib", "inference.enforce_eager",
+    "inference.transfer_round_mib", "inference.weight_transport", "trainer.activation_checkpointing",
+    "reward.workers",
+    # where the run is recorded
+    "run.run_dir", "run.wandb_project", "run.wandb_entity", "run.wandb_mode", "run.ignore_memory_plan",
+)
+"""The keys (fnmatch patterns over dotted keys) a new `hpcrl submit` or `hpcrl run` may change in a run
+directory that holds checkpoints: none changes what a step computes (the one place that list is kept;
+docs/ARCHITECTURE.md and README point here). Any other change (the model,
+data, algorithm, learning rate, batch sizes, seed, world sizes...) would continue the checkpoints
+as a different run, so it is refused with the keys listed; `hpcrl resume RUN_DIR --set KEY=VALUE`
+makes such a change on purpose (e.g. trainer.nodes: a checkpoint resumes on another world size)."""
 
 
 @dataclass(frozen=True)
@@ -114,13 +150,55 @@ def refuse_live_run(run_dir: Path) -> None:
                          f"`hpcrl cancel {run_dir}` first, or set run.run_dir to another directory")
 
 
+def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_changes(old: Config, new: Config) -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) for every key that differs and is not in CHANGEABLE_KEYS."""
+    before, after = _flat(dataclasses.asdict(old)), _flat(dataclasses.asdict(new))
+    return [(key, before.get(key), after.get(key)) for key in sorted(before.keys() | after.keys())
+            if before.get(key) != after.get(key) and not any(fnmatch.fnmatchcase(key, p) for p in CHANGEABLE_KEYS)]
+
+
+def refuse_changed_config(run_dir: Path, config: Config, *, command: str = "hpcrl submit") -> None:
+    """Refuse to continue a run directory's checkpoints with a config that differs from the one that
+    made them, beyond CHANGEABLE_KEYS; the message lists each key with its old and new value."""
+    old_file = run_dir / CONFIG_FILE
+    if not old_file.is_file() or not has_checkpoints(run_dir):
+        return  # nothing to continue: a dry run, a run that failed before its first checkpoint
+    from hpcrl.config.load import load_config
+    try:
+        old = load_config(old_file)
+    except ConfigError as err:
+        raise ConfigError(file=str(old_file), key="", problem=f"the config of the checkpoints in {run_dir} no "
+                          f"longer loads ({err})", fix="`hpcrl resume RUN_DIR --set KEY=VALUE` to continue them "
+                          "with the keys changed, or set run.run_dir to a new directory") from None
+    changes = config_changes(old, config)
+    if changes:
+        listed = "; ".join(f"{key}: {before!r} -> {after!r}" for key, before, after in changes)
+        raise ConfigError(file=str(old_file), key="", problem=f"{run_dir} holds checkpoints made with another "
+                          f"config; {command} would continue them with {len(changes)} key(s) changed: {listed}",
+                          fix=f"continue them on purpose with `hpcrl resume {run_dir} --set KEY=VALUE` for each key "
+                          "(hpcrl run: add --resume), or set run.run_dir to a new directory to start afresh. Steps, "
+                          "checkpointing, time limits, placement and memory settings may change freely")
+
+
 def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
                exit_codes: dict[str, int] | None = None, start_timeout_s: float | None = None,
-               program: str = "rl", stop_after: int | None = None, verbose: bool = False) -> Submission:
+               program: str = "rl", stop_after: int | None = None, verbose: bool = False,
+               resume: bool = False) -> Submission:
     """Check, write the run directory, render, and (unless dry_run) submit; see the module docstring.
 
     program "rl" trains (the head runs the RL loop over the bus); "check" only starts every
-    task, has it register, and ends it (with `exit_codes`, after `hold_s`): the allocation's smoke test."""
+    task, has it register, and ends it (with `exit_codes`, after `hold_s`): the allocation's smoke test.
+    resume: `hpcrl resume`, which continues the run directory's checkpoints whatever changed."""
     executor, note = choose_executor(config)
     spec = job_spec(config)
     run_dir = Path(config.run_dir).absolute()
@@ -133,12 +211,34 @@ def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,
             raise SlurmError('cluster.executor = "slurm" but sbatch is not on PATH: run on a Slurm login node, '
                              'or set cluster.executor = "auto" (local when no sbatch) or "local"')
         check_partitions(config, spec, env)
-    refuse_live_run(run_dir)
     python = config.cluster.python or sys.executable  # the head and every task run it on the nodes
     launch = launch_record(config, spec, executor=executor, python=python, hold_s=hold_s,
                            exit_codes=exit_codes, start_timeout_s=start_timeout_s, program=program,
                            stop_after=stop_after, verbose=verbose)
-    prepare_run_dir(run_dir, config_toml=dump_toml(config), launch=launch, groups=[g.name for g in spec.groups])
+    command = "hpcrl resume" if resume else "hpcrl submit"
+    saved_mask = os.environ.get("SLURM_UMASK")
+    with private_umask():
+        # sbatch records its umask for the job unless SLURM_UMASK is set already: make it ours.
+        os.environ["SLURM_UMASK"] = "0077"
+        try:
+            with RunLock(create_run_dir(run_dir), command):
+                refuse_live_run(run_dir)
+                if not resume:
+                    refuse_changed_config(run_dir, config, command=command)
+                return _write_and_submit(config, spec, run_dir, launch, executor=executor, note=note,
+                                         python=python, dry_run=dry_run)
+        finally:
+            if saved_mask is None:
+                os.environ.pop("SLURM_UMASK", None)
+            else:
+                os.environ["SLURM_UMASK"] = saved_mask
+
+
+def _write_and_submit(config: Config, spec: JobSpec, run_dir: Path, launch: LaunchRecord, *, executor: str,
+                      note: str, python: str, dry_run: bool) -> Submission:
+    """Under the run directory's lock: its files, the script, sbatch (or the local controller), job.json."""
+    prepare_run_dir(run_dir, config_toml=dump_toml(config), launch=launch, groups=[g.name for g in spec.groups],
+                    dry_run=dry_run)
     from hpcrl.slurm import executor as adapter  # submitit: only now
 
     folder = run_dir / SUBMITIT_DIR
@@ -172,16 +272,22 @@ def _local_process(executor: str, job_id: str) -> dict:
     return {"process": process_identity(int(job_id))}
 
 
-def prepare_run_dir(run_dir: Path, *, config_toml: str, launch: LaunchRecord, groups: list[str]) -> None:
-    """Create the run directory with its config copy, launch.json and one log folder per group."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for group in groups:
-        (run_dir / LOGS_DIR / group).mkdir(parents=True, exist_ok=True)
-    (run_dir / SUBMITIT_DIR).mkdir(exist_ok=True)
+def prepare_run_dir(run_dir: Path, *, config_toml: str, launch: LaunchRecord, groups: list[str],
+                    dry_run: bool = False) -> None:
+    """Create the run directory (0700) with its config copy, launch.json and one log folder per group.
+
+    A real submission forgets the previous job's exit.json and job.json; a dry run submits nothing, so
+    they keep describing the run directory's last job."""
+    with private_umask():
+        run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for group in groups:
+            (run_dir / LOGS_DIR / group).mkdir(parents=True, exist_ok=True)
+        (run_dir / SUBMITIT_DIR).mkdir(exist_ok=True)
     write_atomic(run_dir / CONFIG_FILE, config_toml)
     write_launch(run_dir, launch)
     # The per-run bus secret: before submitting, readable by the owner only, never in logs or job.json.
     if not secret_path(run_dir).exists():
         create_secret(run_dir)
-    for stale in (EXIT_FILE, JOB_FILE, JOB_ID_FILE):
-        (run_dir / stale).unlink(missing_ok=True)
+    if not dry_run:
+        for stale in (EXIT_FILE, JOB_FILE, JOB_ID_FILE):
+            (run_dir / stale).unlink(missing_ok=True)

@@ -3,9 +3,13 @@
 GROUP is trainer, inference or reward; see hpcrl.roles.serve for the task's life.
 """
 
+import os
 import sys
 
+from hpcrl.fsio import PRIVATE_UMASK
 from hpcrl.roles.serve import GROUPS, task_main
+
+os.umask(PRIVATE_UMASK)  # checkpoint shards, logs and vLLM's files in the run directory: the owner's only
 
 if len(sys.argv) < 2 or sys.argv[1] not in GROUPS:
     print(f"usage: python -m hpcrl.roles {{{'|'.join(GROUPS)}}} [--exit-code N]", file=sys.stderr)

@@ -7,6 +7,7 @@ so every step gets its own line.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -18,18 +19,24 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def hpcrl_run(*args: str) -> subprocess.CompletedProcess:
+def hpcrl_run(*args: str, umask: int | None = None) -> subprocess.CompletedProcess:
     """`python -m hpcrl run configs/tiny_grpo.toml ARGS` from the repository; stdout and stderr in one pipe."""
     argv = [sys.executable, "-m", "hpcrl", "run", "configs/tiny_grpo.toml", *args]
-    return subprocess.run(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=580)
+    return subprocess.run(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=580,
+                          preexec_fn=None if umask is None else lambda: os.umask(umask))
 
 
 def test_hpcrl_run_prints_no_vllm_info_line_while_its_log_file_keeps_vllms_whole_log(tiny_model, tmp_path: Path):
+    """Under umask 002 (common on HPC project directories), as its run directory must stay private."""
     run_dir = tmp_path / "run"
     sets = ["--set", f"run.run_dir={run_dir}", "--set", f"model.path={tiny_model}", "--set", "trainer.checkpoint_interval=0"]
-    done = hpcrl_run("--steps", "3", *sets)
+    done = hpcrl_run("--steps", "3", *sets, umask=0o002)
     terminal = done.stdout
     assert done.returncode == 0, terminal[-3000:]
+    # its config, logs, metrics and the step-3 checkpoint: no bit for group or others
+    written = [run_dir, *run_dir.rglob("*")]
+    assert {"config.toml", "rank0.log", "metrics.jsonl", "MANIFEST.json"} <= {p.name for p in written}
+    assert [str(p) for p in written if p.lstat().st_mode & 0o077] == []
     assert not re.search(r"\bINFO\b", terminal), terminal  # vLLM's INFO lines, in its format or ours
     assert "reset prefix cache" not in terminal
     steps = [line for line in terminal.splitlines() if line.startswith("step ")]

@@ -17,24 +17,32 @@ from hpcrl.rundir import EXIT_FILE, log_path, read_json
 REPO = Path(__file__).resolve().parents[2]
 
 
-def hpcrl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """The CLI with a PATH that has no sbatch (nor anything else)."""
+def hpcrl(*args: str, timeout: float = 60, umask: int | None = None) -> subprocess.CompletedProcess:
+    """The CLI with a PATH that has no sbatch (nor anything else), under `umask` if given."""
     env = {**os.environ, "PATH": "/nonexistent", "PYTHONPATH": str(REPO)}
     env.pop("SLURM_CONF", None)
     return subprocess.run([sys.executable, "-m", "hpcrl", *args], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, preexec_fn=None if umask is None else lambda: os.umask(umask))
 
 
 @pytest.mark.timeout(60)
 def test_submit_without_sbatch_says_so_in_one_line_and_runs_every_group_locally(tmp_path: Path):
-    done = hpcrl("submit", "configs/tiny_grpo.toml", "--set", f"run.run_dir={tmp_path}", "--check", "--wait")
+    """Under umask 002 (common on HPC project directories), as the run directory must stay private."""
+    run_dir = tmp_path / "runs" / "tiny"
+    done = hpcrl("submit", "configs/tiny_grpo.toml", "--set", f"run.run_dir={run_dir}", "--check", "--wait",
+                 umask=0o002)
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip() == ("hpcrl: no sbatch found: running with the local executor "
                                    "(each group a process tree on this machine)")
     assert "[local]" in done.stdout and "COMPLETED" in done.stdout
-    reports = read_json(tmp_path / EXIT_FILE)["tasks"]
+    reports = read_json(run_dir / EXIT_FILE)["tasks"]
     assert sorted((r["group"], r["rank"]) for r in reports) == [
         ("head", 0), ("inference", 0), ("reward", 0), ("trainer", 0)]
+    # every file the submit, submitit, the head and the tasks wrote: no bit for group or others
+    written = [run_dir, *run_dir.rglob("*")]
+    assert {"rank0.log", "exit.json", "controller.log"} <= {p.name for p in written}
+    assert any(p.suffix == ".pkl" for p in written)  # submitit's pickles
+    assert [str(p) for p in written if p.lstat().st_mode & 0o077] == []
 
 
 @pytest.mark.timeout(60)

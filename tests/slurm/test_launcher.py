@@ -10,6 +10,7 @@ starts 5 by default.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -88,8 +89,13 @@ def reported(run_dir: Path) -> list[tuple[str, int, str]]:
 ])
 def test_every_task_of_every_group_registers_with_the_head_and_the_submitit_result_comes_back(
         any_cluster, tmp_path, layout, expected):
+    """Submitted under umask 002 (common on HPC project directories): the job's files stay private too."""
     started = time.monotonic()
-    done = submit_run(tiny(tmp_path, layout, any_cluster, f'cluster.layout="{layout}"'), program="check")
+    mask = os.umask(0o002)
+    try:
+        done = submit_run(tiny(tmp_path, layout, any_cluster, f'cluster.layout="{layout}"'), program="check")
+    finally:
+        os.umask(mask)
     result = done.job.result()
     elapsed = time.monotonic() - started
     assert result["state"] == "COMPLETED"
@@ -100,6 +106,9 @@ def test_every_task_of_every_group_registers_with_the_head_and_the_submitit_resu
     assert final.state == "COMPLETED" and recorded.state == "COMPLETED"
     assert len(final.rows) == (4 if layout == "hetjob" else 1)
     assert "registered with the head as trainer/0/1" in log_path(done.run_dir, "trainer", 1).read_text()
+    # what submit, submitit, slurmstepd (the steps' --output files: SLURM_UMASK), the head and the tasks wrote
+    written = [done.run_dir, *done.run_dir.rglob("*")]
+    assert [str(p) for p in written if p.lstat().st_mode & 0o077] == []
     print(f"{layout} (final state from {recorded.source}): submit -> result {elapsed:.1f} s")
 
 
