@@ -75,6 +75,10 @@ class BusConfig:
                               fix="keep the default (8 messages per connection)")
 
 
+#: The head's refused-message counters in the run directory (JSON: {"refused": {reason: n}, "time": ...}),
+#: rewritten when they change (at most every few seconds) and read by `hpcrl status`.
+REFUSED_FILE = "bus_refused.json"
+
 #: Bytes of one sequence token in the largest bus messages, as msgpack writes them: a token id (up to 5),
 #: its logprob (a float64: 9), a policy-mask or per-token advantage entry (up to 9), and its share of the
 #: completion's text (BPE tokens average 3-5 bytes of UTF-8; 25 leaves room for long ones).

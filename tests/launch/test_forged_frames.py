@@ -88,3 +88,6 @@ def test_forged_registrations_and_exit_codes_are_refused_and_counted_and_the_che
         (r["group"], r["rank"], r["node"]) for r in record["tasks"] if r["node"] != "n9")
     assert "n9" not in head_log.read_text() and "4242" not in head_log.read_text()
     assert re.search(r"the bus refused \d+ message\(s\): \{.*'bad_mac': \d+", head_log.read_text())
+    # hpcrl status names the refusals by reason (issue 28).
+    from hpcrl.launch.follow import status
+    assert re.search(r"bus refused \d+ message\(s\): .*bad_mac \d+", status(tmp_path).render())
