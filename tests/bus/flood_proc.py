@@ -50,7 +50,8 @@ def main() -> int:
     print("flooding", flush=True)
     started = time.monotonic()
     while sent < limit:
-        time.sleep(max(0.0, started + rounds / opts.rate - time.monotonic()))
+        if opts.rate > 0:  # 0: as fast as the head reads
+            time.sleep(max(0.0, started + rounds / opts.rate - time.monotonic()))
         sock.send(big, copy=False)
         for _ in range(8):
             sock.send(small)
