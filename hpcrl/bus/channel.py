@@ -54,14 +54,20 @@ def _context() -> zmq.Context:
     return zmq.Context.instance()
 
 
-def bind_router(address: str, *, hard_max_bytes: int) -> tuple[zmq.Socket, str]:
-    """Bind a ROUTER to `address` (port 0 or '*' for a free port); return it and the real address."""
+def bind_router(address: str, *, max_frame_bytes: int, receive_queue: int) -> tuple[zmq.Socket, str]:
+    """Bind a ROUTER to `address` (port 0 or '*' for a free port); return it and the real address.
+
+    Anyone who can reach the port can send to it, so libzmq's own limits bound what a connection
+    makes the head hold before the bus's checks see anything: a frame above `max_frame_bytes`
+    closes its connection (ZMQ_MAXMSGSIZE is per frame, not per multipart message), and at most
+    `receive_queue` whole messages wait per connection (ZMQ_RCVHWM; then libzmq stops reading it
+    and the sender waits: nothing is dropped). See docs/FACTS.md (ZeroMQ) for what they do not bound."""
     sock = _context().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer fails instead of vanishing
-    sock.setsockopt(zmq.MAXMSGSIZE, hard_max_bytes)  # memory guard; the counted limit is in wire
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     sock.setsockopt(zmq.SNDHWM, _HWM)
-    sock.setsockopt(zmq.RCVHWM, _HWM)
+    sock.setsockopt(zmq.RCVHWM, receive_queue)
     try:
         sock.bind(address)
     except zmq.ZMQError as exc:

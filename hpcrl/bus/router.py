@@ -141,6 +141,7 @@ class Router:
         self._sealer = Sealer(secret, self.incarnation)
         self._opener = Opener(secret, me=self.incarnation, counters=self._counters,
                               max_bytes=self.config.max_message_bytes, max_frames=self.config.max_frames)
+        self._hello_bytes = min(self.config.max_hello_bytes, self.config.max_message_bytes)
         self._peers: dict[str, _PeerState] = {}
         self._by_incarnation: dict[bytes, _PeerState] = {}
         self._pending: dict[int, _Pending] = {}
@@ -165,7 +166,8 @@ class Router:
     async def start(self) -> str:
         """Bind and start serving; returns the real address (the port chosen by the OS)."""
         self._loop = asyncio.get_running_loop()
-        sock, self.address = _channel.bind_router(self._bind, hard_max_bytes=4 * self.config.max_message_bytes)
+        sock, self.address = _channel.bind_router(self._bind, max_frame_bytes=self.config.max_message_bytes,
+                                                  receive_queue=self.config.receive_queue)
         self._channel = _channel.Channel(sock, self._on_message, small_frames=2,  # routing id, header
                                          awaiting=self._pending.__len__)
         self._channel.start()
@@ -199,8 +201,12 @@ class Router:
     # ---------------------------------------------------------------- what the head knows
 
     def counters(self) -> dict[str, int]:
-        """Accepted messages, and dropped ones by reason (forged, replayed, oversized, ...)."""
+        """Accepted messages, and dropped ones by reason (forged, replayed, too large, ...)."""
         return self._counters.snapshot()
+
+    def refused(self) -> dict[str, int]:
+        """Messages refused so far, by reason (bad_mac, too_large, truncated, ...); only reasons seen."""
+        return self._counters.refused()
 
     def peers(self, group: str | None = None, *, healthy_only: bool = True) -> list[PeerInfo]:
         """Peers (of `group`); by default only those that serve: healthy and ready."""
@@ -398,7 +404,11 @@ class Router:
 
     def _on_message(self, frames: list) -> None:
         identity = frames[0]  # bytes (see Channel)
-        env = self._opener.open(frames[1:])
+        # Only a registered peer's own connection may send large messages; anyone else (a REGISTER,
+        # a supervisor's BYE, or junk from whoever reaches the port) is refused above a few KiB
+        # before the MAC is computed: a flood of large junk costs no hashing.
+        known = identity[:1] == b"w" and identity[1:] in self._by_incarnation
+        env = self._opener.open(frames[1:], None if known else self._hello_bytes)
         if env is None:
             return
         if env.kind == Kind.REGISTER:

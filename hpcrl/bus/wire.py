@@ -17,7 +17,7 @@ Pure (no sockets): the transport hands frames in and out. One message is
 Most messages are that one frame (a header-only message costs one ZeroMQ frame each way, which
 is most of a small call's cost). The MAC covers every frame and the frame boundaries, so a frame
 cannot be altered, dropped, added or moved. `Opener.open` checks, in this order and before
-deserializing anything: frame count and total size, trailer length, version, MAC; only then
+deserializing anything: frame count and total size (`too_large`), trailer length, version, MAC; only then
 unpacks the header (no ext types, no pickle), checks its shape, the addressee, and that seq is
 above the last one seen from that sender (replays). Anything else is dropped and counted in
 `Counters` by reason.
@@ -49,7 +49,7 @@ _VERSION_BYTE = bytes([PROTOCOL_VERSION])
 _JOIN_BELOW = 4096
 
 #: Reasons a message is dropped at the wire level.
-WIRE_DROPS = ("truncated", "oversized", "version", "bad_mac", "malformed", "replay", "misaddressed")
+WIRE_DROPS = ("truncated", "too_large", "version", "bad_mac", "malformed", "replay", "misaddressed")
 
 
 class Kind(IntEnum):
@@ -104,7 +104,11 @@ class Counters:
 
     @property
     def dropped(self) -> int:
-        return sum(v for k, v in self._counts.items() if k in WIRE_DROPS or k.startswith("drop_"))
+        return sum(self.refused().values())
+
+    def refused(self) -> dict[str, int]:
+        """Dropped messages by reason, only the reasons seen (wire reasons and the head's drop_*)."""
+        return {k: v for k, v in self._counts.items() if v and (k in WIRE_DROPS or k.startswith("drop_"))}
 
     def snapshot(self) -> dict[str, int]:
         snap = dict(self._counts)
@@ -211,18 +215,20 @@ class Opener:
     def __repr__(self) -> str:
         return f"Opener(me={self.me.hex()}, senders={len(self._last_seq)})"
 
-    def open(self, frames: list) -> Envelope | None:
+    def open(self, frames: list, max_bytes: int | None = None) -> Envelope | None:
+        """The authenticated message, or None (counted by reason). `max_bytes`: a tighter size limit
+        for this message than the opener's own (the head's, for connections of no registered peer)."""
         drop = self.counters.drop
         if not frames:
             return drop("truncated", "no frames")
         if len(frames) > self.max_frames:
-            return drop("oversized", f"{len(frames)} frames")
+            return drop("too_large", f"{len(frames)} frames")
         # Frames are bytes or flat byte memoryviews (as the channel delivers them): len() is bytes.
         total = 0
         for frame in frames:
             total += len(frame)
-        if total > self.max_bytes:
-            return drop("oversized", f"{total} bytes")
+        if total > (self.max_bytes if max_bytes is None else max_bytes):
+            return drop("too_large", f"{total} bytes")
         first = frames[0]
         if len(first) <= TRAILER_BYTES:
             return drop("truncated", f"first frame of {len(first)} bytes, no room for a header and a trailer")

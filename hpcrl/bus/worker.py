@@ -105,7 +105,7 @@ class Worker:
         return self.info.name
 
     def counters(self) -> dict[str, int]:
-        """Accepted messages, and dropped ones by reason (forged, replayed, oversized, ...)."""
+        """Accepted messages, and dropped ones by reason (forged, replayed, too large, ...)."""
         return self._counters.snapshot()
 
     # ---------------------------------------------------------------- endpoints

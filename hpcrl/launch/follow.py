@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpcrl.bus.config import REFUSED_FILE
 from hpcrl.errors import SlurmError
 from hpcrl.rundir import EXIT_FILE, JOB_FILE, LAUNCH_FILE, LOGS_DIR, METRICS_FILE, read_json
 from hpcrl.slurm import tracking
@@ -39,6 +40,8 @@ class RunStatus:
     failures: tuple[str, ...] = ()
     last_metrics: str = ""
     run_dir: Path | None = None
+    refused: tuple[tuple[str, int], ...] = ()
+    """Messages the head's bus refused, by reason (forged, too large, ...): a flood shows here."""
 
     @property
     def done(self) -> bool:
@@ -54,6 +57,9 @@ class RunStatus:
         lines += [f"  failed: {f}" for f in self.failures]
         if self.last_metrics:
             lines.append(f"  last metrics: {self.last_metrics}")
+        if self.refused:
+            lines.append(f"  bus refused {sum(n for _, n in self.refused)} message(s): "
+                         + ", ".join(f"{reason} {n}" for reason, n in self.refused))
         return "\n".join(lines)
 
 
@@ -167,6 +173,15 @@ def _last_line(path: Path) -> str:
     return lines[-1] if lines else ""
 
 
+def _refused(run_dir: Path, record: dict | None) -> tuple[tuple[str, int], ...]:
+    """The head's refused-message counters: exit.json's once the run ended, else the head's latest
+    report (hpcrl.launch.head writes REFUSED_FILE when they change)."""
+    counts = (record or {}).get("refused")
+    if counts is None and (run_dir / REFUSED_FILE).is_file():
+        counts = read_json(run_dir / REFUSED_FILE).get("refused")
+    return tuple(sorted((str(k), int(v)) for k, v in (counts or {}).items()))
+
+
 def status(target: str | Path) -> RunStatus:
     """The status of a run directory or a Slurm job id."""
     if str(target).isdigit() and not Path(target).is_dir():
@@ -181,10 +196,11 @@ def status(target: str | Path) -> RunStatus:
     if record and record.get("error") and not failures and record["state"] == "FAILED":
         failures = (record["error"],)
     metrics = _last_line(run.run_dir / METRICS_FILE)
+    refused = _refused(run.run_dir, record)
     if run.executor == "local":
         state = "RUNNING" if _run_alive(run) else (record or {}).get("state", "ENDED")
         return RunStatus(job_id=run.job_id, executor="local", state=state, failures=failures,
-                         last_metrics=metrics, run_dir=run.run_dir, source="process")
+                         last_metrics=metrics, run_dir=run.run_dir, source="process", refused=refused)
     job = tracking.query(run.job_id, run.env)
     state = job.state
     if state == "ENDED" and record:
@@ -193,7 +209,7 @@ def status(target: str | Path) -> RunStatus:
     rows = tuple(Row(names.get(c.component, c.job_id) if len(job.components) > 1 else "all",
                      c.state, c.nodes, c.elapsed) for c in job.components)
     return RunStatus(job_id=run.job_id, executor="slurm", state=state, rows=rows, source=job.source,
-                     failures=failures, last_metrics=metrics, run_dir=run.run_dir)
+                     failures=failures, last_metrics=metrics, run_dir=run.run_dir, refused=refused)
 
 
 def wait(target: str | Path, *, timeout_s: float, poll_s: float = 0.5) -> RunStatus:

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from hpcrl.bus import BusConfig, Router, load_secret
+from hpcrl.bus.config import MIN_MESSAGE_BYTES, REFUSED_FILE, message_limit_for
 from hpcrl.errors import HpcrlError
 from hpcrl.fsio import PRIVATE_UMASK
 from hpcrl.launch.supervisor import GroupFailed, Supervisor
@@ -55,6 +56,9 @@ HEAD_LOCK_WAIT_S = 120.0
 """How long a starting head waits for the run directory's lock: submit holds it until job.json is
 written (a second at most), and a requeued head's predecessor on a lost node holds it on NFS until
 its lease expires (90 s by default)."""
+
+#: Seconds between two reports of the bus's refused messages (only when they changed).
+REFUSALS_EVERY_S = 10.0
 
 
 class RunCancelled(HpcrlError):
@@ -161,10 +165,49 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
         del store
 
 
+def _bus_config(run_dir: Path, program: str) -> BusConfig:
+    """The head's bus settings: the tasks' (BUS_SETTINGS), with the message limit of this run (its
+    largest message, hpcrl.bus.config.message_limit_for; the floor for program "check", which only
+    registers tasks): what a client without the secret can make the head read is bounded by it."""
+    if program != "rl":
+        return BusConfig(**BUS_SETTINGS, max_message_bytes=MIN_MESSAGE_BYTES)
+    from hpcrl.config.load import load_config
+
+    try:
+        config = load_config(run_dir / CONFIG_FILE)
+    except HpcrlError:  # the program reports it (the run fails naming the key); the bus keeps its defaults
+        return BusConfig(**BUS_SETTINGS)
+    limit = message_limit_for(sequences=config.trainer.global_batch_size, tokens_per_sequence=config.max_model_len)
+    return BusConfig(**BUS_SETTINGS, max_message_bytes=limit)
+
+
+def _report_refusals(router: Router, run_dir: Path, last: dict[str, int], every_s: float) -> dict[str, int]:
+    """Log the messages the bus refused since `last` (by reason) and rewrite REFUSED_FILE for
+    `hpcrl status`, if any were; returns the counters now."""
+    now = router.refused()
+    if now == last:
+        return last
+    new = {reason: n - last.get(reason, 0) for reason, n in now.items() if n != last.get(reason, 0)}
+    log.warning(f"bus: refused {sum(new.values())} message(s) in the last {every_s:g} s {new} (since the start: "
+                f"{now}); bad_mac / too_large / truncated / version come from clients without the run's secret")
+    write_json(run_dir / REFUSED_FILE, {"refused": now, "time": time.time()})
+    return now
+
+
+async def _watch_refusals(router: Router, run_dir: Path, every_s: float = REFUSALS_EVERY_S) -> None:
+    """Report refused messages every `every_s` seconds while any come (a flood logs one line per period)."""
+    last: dict[str, int] = {}
+    while True:
+        await asyncio.sleep(every_s)
+        last = _report_refusals(router, run_dir, last, every_s)
+
+
 async def _run(sup: Supervisor, advertise: str) -> bool:
     """Bind the bus, run the program, close the bus; True when the run was preempted."""
+    refusals: asyncio.Task | None = None
     try:
         bound = await sup.router.start()
+        refusals = asyncio.create_task(_watch_refusals(sup.router, sup.run_dir), name="hpcrl-head-refusals")
         sup.bus_address = f"tcp://{advertise}:{bound.rpartition(':')[2]}"
         log.info(f"run {sup.launch.run_name} ({sup.launch.executor}, layout {sup.launch.layout}): head on "
                      f"{sup.head_identity['node']}, bus at {sup.bus_address}")
@@ -173,10 +216,12 @@ async def _run(sup: Supervisor, advertise: str) -> bool:
         await _check(sup)
         return False
     finally:
-        counters = sup.router.counters()
-        refused = {k: v for k, v in counters.items() if k not in ("accepted", "dropped") and v}
-        if counters.get("dropped"):
-            log.warning(f"the bus refused {counters['dropped']} message(s): {refused}")
+        if refusals is not None:
+            refusals.cancel()
+        refused = sup.router.refused()
+        if refused:
+            log.warning(f"the bus refused {sum(refused.values())} message(s): {refused}")
+            write_json(sup.run_dir / REFUSED_FILE, {"refused": refused, "time": time.time()})
         await sup.router.close("the run is over")
 
 
@@ -210,7 +255,7 @@ def _run_head_locked(run_dir: Path) -> dict:
     setup_logging(run_dir, "head", 0, launch.verbose)  # logs/head/rank0.log, and stderr
     advertise = os.environ.get("HPCRL_HEAD_HOST") or socket.gethostname()
     router = Router(run_id=launch.run_name, secret=load_secret(run_dir), address="tcp://0.0.0.0:0",
-                    config=BusConfig(**BUS_SETTINGS))
+                    config=_bus_config(run_dir, launch.program))
     sup = Supervisor(launch, run_dir, router)
     previous = {sig: signal.signal(sig, _raise_cancelled) for sig in (signal.SIGTERM, signal.SIGINT)}
     started = time.time()
@@ -256,6 +301,7 @@ def _run_head_locked(run_dir: Path) -> dict:
         write_json(run_dir / EXIT_FILE, {"state": state, "error": error, "failures": failures,
                                          "tasks": tasks, "elapsed_s": round(time.time() - started, 3),
                                          "refused_messages": router.counters().get("dropped", 0),
+                                         "refused": router.refused(),
                                          "step_codes": {s.slot.name: s.poll() for s in sup.steps}})
         if state == "COMPLETED":
             log.info(f"run COMPLETED in {time.time() - started:.1f} s")

@@ -59,7 +59,7 @@ def test_every_kind_of_damage_has_its_own_counter():
     cases = {
         "truncated": [good[0][:TRAILER_BYTES]],  # no room for a header before the trailer
         "empty": [],
-        "oversized": [good[0], b"x" * 4096],
+        "too_large": [good[0], b"x" * 4096],
         "too_many_frames": [good[0], b"", b"", b"", good[-1]],
         "version": [with_version(good[0], 9), good[1]],
         "bad_mac": [bytes(f) for f in flipped],
@@ -68,7 +68,7 @@ def test_every_kind_of_damage_has_its_own_counter():
     for name, frames in cases.items():
         assert opener.open(frames) is None, name
     snap = counters.snapshot()
-    assert snap["truncated"] == 2 and snap["oversized"] == 2 and snap["version"] == 1 and snap["bad_mac"] == 2
+    assert snap["truncated"] == 2 and snap["too_large"] == 2 and snap["version"] == 1 and snap["bad_mac"] == 2
     assert snap["accepted"] == 0 and snap["dropped"] == len(cases)
 
 

@@ -88,3 +88,39 @@ def test_forged_registrations_and_exit_codes_are_refused_and_counted_and_the_che
         (r["group"], r["rank"], r["node"]) for r in record["tasks"] if r["node"] != "n9")
     assert "n9" not in head_log.read_text() and "4242" not in head_log.read_text()
     assert re.search(r"the bus refused \d+ message\(s\): \{.*'bad_mac': \d+", head_log.read_text())
+    # hpcrl status names the refusals by reason (issue 28).
+    from hpcrl.launch.follow import status
+    assert re.search(r"bus refused \d+ message\(s\): .*bad_mac \d+", status(tmp_path).render())
+
+
+@pytest.mark.timeout(30)
+def test_the_heads_report_names_new_refusals_by_reason_once_and_feeds_hpcrl_status(tmp_path, caplog):
+    import asyncio
+    import logging
+
+    from hpcrl.bus import Router, create_secret
+    from hpcrl.bus.config import REFUSED_FILE
+    from hpcrl.launch.head import _report_refusals
+
+    async def scenario() -> list[dict]:
+        head = Router(run_id="r", secret=create_secret(tmp_path), address="tcp://127.0.0.1:0")
+        address = await head.start()
+        stranger = zmq.Context.instance().socket(zmq.DEALER)
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.connect(address)
+        for message in forged_frames(run_name="r")[:3] + [[b"x" * (1 << 17)]]:
+            stranger.send_multipart(message)
+        while sum(head.refused().values()) < 4:
+            await asyncio.sleep(0.01)
+        seen = [_report_refusals(head, tmp_path, {}, 10.0)]
+        seen.append(_report_refusals(head, tmp_path, seen[0], 10.0))  # nothing new: no second line
+        stranger.close()
+        await head.close()
+        return seen
+
+    with caplog.at_level(logging.WARNING, logger="hpcrl.launch.head"):
+        first, second = asyncio.run(scenario())
+    assert first == second == {"bad_mac": 3, "too_large": 1}
+    reports = [r.getMessage() for r in caplog.records if "bus: refused" in r.getMessage()]
+    assert len(reports) == 1 and "'bad_mac': 3" in reports[0] and "'too_large': 1" in reports[0]
+    assert read_json(tmp_path / REFUSED_FILE)["refused"] == first
