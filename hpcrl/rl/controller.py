@@ -48,6 +48,7 @@ from hpcrl.algorithms import load_algorithm
 from hpcrl.algorithms.base import Settings
 from hpcrl.config.schema import Config
 from hpcrl.data.prompts import Prompt, PromptStream
+from hpcrl.data.tokens import token_counter
 from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
 from hpcrl.reward.types import RewardResult, Sample
@@ -102,7 +103,9 @@ class Controller:
         self.prompts_per_step = config.trainer.global_batch_size // config.algorithm.group_size
         self.algorithm = load_algorithm(config.algorithm.name)
         self.settings = Settings.from_config(config)
-        self.stream = PromptStream.from_config(config.data)
+        # Prompts longer than data.max_prompt_tokens (the model's tokens) are left out here, once, and counted
+        # in self.stream.dropped; a builtin task's are not measured.
+        self.stream = PromptStream.from_config(config.data, measure=token_counter(config.model.path))
         self.buffer = ReplayBuffer(max_policy_lag=self.lag)
         self.state = LoopState()
         self.on_step = on_step  # called with (state, metrics) after each step: checkpoints, metrics
