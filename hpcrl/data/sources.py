@@ -219,6 +219,7 @@ def row_prompt(row: dict, *, columns: DataColumns, where: str, default_id: str) 
                             f"a {_WHAT[role].split(',')[0]}, or remove the row")
         return found
 
+    messages: list[dict[str, str]] | None
     if columns.messages:
         messages = _messages(value("messages", columns.messages), where, columns.messages)
     else:
