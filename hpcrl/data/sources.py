@@ -261,6 +261,9 @@ def _table_prompts(rows: list[dict], columns: DataColumns, where: str, stem: str
 
 def read_prompts(path: Path, *, split: str, columns: DataColumns) -> list[Prompt]:
     """Every row of a data source as a Prompt, in file order; an error names the file, row and column."""
+    if not path.exists():
+        raise DataError(f"{path} does not exist (data.source or data.eval_source). Fix: give the path of a JSONL "
+                        "or Parquet file or a datasets save_to_disk directory, as seen from the head's node")
     kind = source_kind(path)
     if kind == "jsonl":
         prompts = _read_jsonl(path, columns)

@@ -93,6 +93,8 @@ def test_an_unknown_suffix_and_a_value_that_cannot_travel_are_errors_that_say_wh
     (tmp_path / "d.csv").write_text("prompt,answer\n")
     with pytest.raises(ConfigError, match=r"data.source: .*d.csv is neither JSONL .* nor Parquet"):
         read_prompts(tmp_path / "d.csv", split="train", columns=DataColumns())
+    with pytest.raises(DataError, match=r"held-out.jsonl does not exist \(data.source or data.eval_source\)"):
+        PromptStream.from_config(DataConfig(source="builtin:echo", eval_source=str(tmp_path / "held-out.jsonl")))
     import datetime
 
     path = parquet(tmp_path / "t.parquet", [{"prompt": "p", "answer": "a", "when": datetime.date(2026, 1, 2)}])
