@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from hpcrl.algorithms import check_name as check_algorithm_name
@@ -368,25 +368,78 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DataColumns:
+    """[data.columns]: which column of the data file holds what. A dotted name ("reward_model.ground_truth")
+    reaches into a struct (Parquet, datasets) or object (JSONL) column."""
+
+    prompt: str = "prompt"
+    """Column holding the prompt: a string, or an OpenAI-style list of {role, content} messages (veRL's layout)."""
+    messages: str = ""
+    """Column holding an OpenAI-style list of {role, content} messages; when set, used instead of `prompt`."""
+    answer: str = "answer"
+    """Column holding the reference answer given to the reward; "" = none (the reward reads `extra`)."""
+    id: str = "id"
+    """Column holding each prompt's id; without an "id" column, rows are named FILE-ROW."""
+    extra: list[str] = field(default_factory=list)
+    """Further columns passed along with each prompt as a dict (Prompt.extra, for rewards), e.g. ["tests"]."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.prompt or self.messages), "prompt", "neither prompt nor messages names a column",
+                 'set prompt = "prompt" (or messages = "messages")')
+
+
+@dataclass(frozen=True, kw_only=True)
 class DataConfig:
     source: str
-    """Prompts: a JSONL file, or "builtin:NAME" for a generated task (see hpcrl.data)."""
+    """Prompts: a JSONL or Parquet file, a `datasets` save_to_disk directory, or "builtin:NAME" (see hpcrl.data)."""
     split: str = "train"
-    """Split of a builtin task, or a tag kept with a JSONL source."""
+    """Split of a builtin task or of a DatasetDict directory; a tag kept with a file."""
     shuffle_seed: int = 0
-    """Seed of the prompt order (the order is part of a checkpoint), in [0, 2**32)."""
-    prompt_key: str = "prompt"
-    """JSONL field holding the prompt text."""
-    answer_key: str = "answer"
-    """JSONL field holding the reference answer given to the reward function."""
+    """Seed of the prompt order and of the eval_fraction hold-out (the order is part of a checkpoint), in [0, 2**32)."""
+    columns: DataColumns = field(default_factory=DataColumns)
+    """[data.columns]: the columns holding the prompt (or messages), answer, id and extra fields."""
+    prompt_key: str = ""
+    """Older name of columns.prompt, still read; write columns.prompt instead."""
+    answer_key: str = ""
+    """Older name of columns.answer, still read; write columns.answer instead."""
     max_prompt_tokens: int = 256
-    """Prompts longer than this are rejected at load."""
+    """Prompts longer than this (the model's tokens) are dropped at start, counted and reported once."""
+    eval_source: str = ""
+    """Held-out prompts for evaluation: a file or directory as `source` (same columns), or "builtin:NAME"."""
+    eval_split: str = "test"
+    """Split of a builtin or DatasetDict eval_source."""
+    eval_fraction: float = 0.0
+    """Instead of eval_source: this fraction of `source` held out for evaluation (never trained on), drawn
+    from shuffle_seed."""
+    eval_size: int = 0
+    """Evaluation prompts kept (the first ones); 0 = all of them (64 for a builtin eval_source)."""
 
     def __post_init__(self) -> None:
         _require(bool(self.source), "source", "is empty",
-                 'set source = "builtin:arithmetic" or a path to a JSONL file')
+                 'set source = "builtin:arithmetic" or a path to a JSONL or Parquet file')
         _positive(self.max_prompt_tokens, "max_prompt_tokens")
         _seed(self.shuffle_seed, "shuffle_seed")
+        for old, new in (("prompt_key", "prompt"), ("answer_key", "answer")):
+            value, default = getattr(self, old), getattr(DataColumns(), new)
+            current = getattr(self.columns, new)
+            _require(not value or current in (default, value), old,
+                     f"says {value!r} but columns.{new} says {current!r}",
+                     f"remove {old} (its newer name is columns.{new})")
+        _require(0 <= self.eval_fraction < 1, "eval_fraction", f"must be in [0, 1), got {self.eval_fraction}",
+                 "set eval_fraction = 0.05 (5% of the prompts held out), or 0 for none")
+        _require(not (self.eval_fraction and self.eval_source), "eval_fraction",
+                 "and eval_source both name evaluation prompts", "keep one of them")
+        _require(not (self.eval_fraction and self.source.startswith("builtin:")), "eval_fraction",
+                 f"cannot hold out a fraction of {self.source}, which has no end",
+                 f'set eval_source = "{self.source}" (its {self.eval_split!r} split) instead')
+        _positive(self.eval_size, "eval_size", allow_zero=True)
+
+    @property
+    def column_names(self) -> DataColumns:
+        """`columns` with the older prompt_key / answer_key folded in: what readers use."""
+        changes = {new: getattr(self, old) for old, new in (("prompt_key", "prompt"), ("answer_key", "answer"))
+                   if getattr(self, old)}
+        return replace(self.columns, **changes) if changes else self.columns
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,6 @@
-"""Prompt sources: JSONL files, and small generated tasks ("builtin:NAME") for tests and demos."""
+"""Prompt sources: JSONL and Parquet files, `datasets` directories (sources.py), small generated
+tasks ("builtin:NAME", builtin.py), the run's seeded prompt stream with its held-out evaluation
+prompts (prompts.py), and prompt lengths in the model's tokens (tokens.py)."""
 
 from hpcrl.data.builtin import BUILTIN_TASKS, builtin_task
 

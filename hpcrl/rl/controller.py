@@ -48,6 +48,7 @@ from hpcrl.algorithms import load_algorithm
 from hpcrl.algorithms.base import Settings
 from hpcrl.config.schema import Config
 from hpcrl.data.prompts import Prompt, PromptStream
+from hpcrl.data.tokens import token_counter
 from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
 from hpcrl.reward.types import RewardResult, Sample
@@ -102,7 +103,8 @@ class Controller:
         self.prompts_per_step = config.trainer.global_batch_size // config.algorithm.group_size
         self.algorithm = load_algorithm(config.algorithm.name)
         self.settings = Settings.from_config(config)
-        self.stream = PromptStream.from_config(config.data)
+        self.stream: PromptStream | None = None
+        """The prompts, read when `run` starts (see _load_stream); None until then."""
         self.buffer = ReplayBuffer(max_policy_lag=self.lag)
         self.state = LoopState()
         self.on_step = on_step  # called with (state, metrics) after each step: checkpoints, metrics
@@ -111,14 +113,30 @@ class Controller:
 
     # -- state ---------------------------------------------------------------------------------
     def snapshot(self) -> dict:
-        self.state.prompts = self.stream.state_dict()
+        if self.stream is not None:
+            self.state.prompts = self.stream.state_dict()
         self.state.buffer = self.buffer.state_dict()
         return self.state.to_dict()
 
     def restore(self, state: dict) -> None:
         self.state = LoopState(**state)
-        self.stream.load_state_dict(state["prompts"])
+        if self.stream is not None:
+            self.stream.load_state_dict(state["prompts"])
+        # else _load_stream resumes the stream from self.state.prompts
         self.buffer.load_state_dict(state["buffer"])
+
+    async def _load_stream(self) -> PromptStream:
+        """Read the data source in a thread: a large file, the tokenizer's import and the measuring of every
+        prompt take seconds, longer than the bus may go without the head's heartbeats (bus.heartbeat_timeout,
+        5 s) on this event loop. Prompts over data.max_prompt_tokens (the model's tokens) are left out here,
+        once, and counted in stream.dropped; a builtin task's are not measured."""
+        if self.stream is None:
+            stream = await asyncio.to_thread(PromptStream.from_config, self.config.data,
+                                             measure=token_counter(self.config.model.path))
+            if self.state.prompts:  # restored from a checkpoint
+                stream.load_state_dict(self.state.prompts)
+            self.stream = stream
+        return self.stream
 
     # -- one batch of rollouts -----------------------------------------------------------------
     async def _generate_batch(self, index: int, version: int, inference_done: asyncio.Event | None = None) -> None:
@@ -137,7 +155,7 @@ class Controller:
         count = self.prompts_per_step
         try:
             while count:
-                prompts = self.stream.next_batch(count)
+                prompts = (await self._load_stream()).next_batch(count)
                 started = time.monotonic()
                 seed = self.config.run.seed * 1_000_003 + index + rounds * ROUND_SEED_STRIDE
                 try:
@@ -185,6 +203,7 @@ class Controller:
     async def run(self) -> None:
         """Train from the current state to trainer.steps."""
         steps = self.config.trainer.steps
+        await self._load_stream()
         # Every replica starts from the trainer's weights: the initial ones, or a resumed step's.
         synced = time.monotonic()
         await self.ports.sync_weights(self.state.step)

@@ -1,14 +1,19 @@
-"""The prompt stream: seeded order, epochs, cursor state, bad files."""
+"""The prompt stream: seeded order, epochs, cursor state across resume for every source, bad files,
+the held-out evaluation prompts, and over-long prompts dropped."""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
+from data_files import parquet, saved_dataset
 
 from hpcrl.config.schema import DataConfig
 from hpcrl.data.prompts import DataError, PromptStream
+from hpcrl.data.tokens import token_counter
+from hpcrl.errors import ConfigError
 
 
 def jsonl(tmp_path: Path, rows: list) -> Path:
@@ -45,8 +50,91 @@ def test_state_from_another_seed_is_refused():
 def test_a_bad_line_is_reported_with_file_and_line(tmp_path: Path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": "a"}\n')
-    with pytest.raises(DataError, match=r"p.jsonl:2: needs the keys 'prompt' and 'answer'"):
+    with pytest.raises(ConfigError, match=r"p.jsonl:2 has no column 'answer' \(its columns: prompt\)"):
         PromptStream.from_config(DataConfig(source=str(path)))
     path.write_text("not json\n")
     with pytest.raises(DataError, match=r"p.jsonl:1: not valid JSON"):
         PromptStream.from_config(DataConfig(source=str(path)))
+
+
+def rows(count: int, *, long_every: int = 0) -> list[dict]:
+    """`count` rows "q<i>" with answers; every `long_every`-th prompt is 40 characters longer (the tiny
+    model's tokenizer has one token per character, plus a BOS)."""
+    return [{"id": f"r{i}", "prompt": f"q{i}" + ("x" * 40 if long_every and i % long_every == 0 else ""),
+             "answer": str(i)} for i in range(count)]
+
+
+def source(tmp_path: Path, kind: str, table: list[dict]) -> Path:
+    if kind == "parquet":
+        return parquet(tmp_path / "d.parquet", table)
+    if kind == "datasets":
+        return saved_dataset(tmp_path / "d", {"train": table})
+    return jsonl(tmp_path, table)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "datasets", "jsonl"])
+def test_every_source_resumes_at_the_same_prompt_with_over_long_prompts_dropped(tmp_path: Path, kind: str,
+                                                                                  tiny_model: Path):
+    config = DataConfig(source=str(source(tmp_path, kind, rows(20, long_every=4))), shuffle_seed=5,
+                        max_prompt_tokens=16)
+    measure = token_counter(str(tiny_model))
+    whole = PromptStream.from_config(config, measure=measure)
+    assert (whole.size, whole.dropped) == (15, 5)
+    expected = whole.next_batch(40)  # two epochs and a bit
+    assert not any("x" in p.text for p in expected)
+    first = PromptStream.from_config(config, measure=measure)
+    first.next_batch(23)
+    resumed = PromptStream.from_config(config, measure=measure)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert resumed.next_batch(17) == expected[23:]
+
+
+def test_an_over_long_prompt_is_dropped_counted_and_reported_in_one_warning(tmp_path: Path, tiny_model: Path,
+                                                                             caplog: pytest.LogCaptureFixture):
+    path = jsonl(tmp_path, rows(12, long_every=10))  # r0 and r10 have 43 and 44 tokens
+    with caplog.at_level(logging.WARNING, logger="hpcrl.data.prompts"):
+        stream = PromptStream.from_config(DataConfig(source=str(path), max_prompt_tokens=16),
+                                          measure=token_counter(str(tiny_model)))
+    assert (stream.size, stream.dropped) == (10, 2)
+    assert {p.id for p in stream.next_batch(10)} == {f"r{i}" for i in range(12)} - {"r0", "r10"}
+    (record,) = caplog.records
+    assert "dropped 2 of 12 prompts longer than data.max_prompt_tokens = 16 tokens" in record.message
+    assert "'r10', has 44" in record.message
+    with pytest.raises(DataError, match="all 2 prompts of .* are longer than data.max_prompt_tokens = 16"):
+        PromptStream.from_config(DataConfig(source=str(jsonl(tmp_path, rows(1, long_every=1) * 2)),
+                                            max_prompt_tokens=16), measure=token_counter(str(tiny_model)))
+
+
+def test_a_resume_over_a_different_number_of_prompts_is_refused(tmp_path: Path):
+    path = jsonl(tmp_path, rows(10))
+    stream = PromptStream.from_config(DataConfig(source=str(path)))
+    stream.next_batch(3)
+    state = stream.state_dict()
+    jsonl(tmp_path, rows(12))
+    with pytest.raises(DataError, match="over 10 prompts, the config gives 12"):
+        PromptStream.from_config(DataConfig(source=str(path))).load_state_dict(state)
+
+
+def test_an_eval_fraction_is_held_out_from_the_seed_and_never_trained_on(tmp_path: Path):
+    path = jsonl(tmp_path, rows(50))
+    config = DataConfig(source=str(path), shuffle_seed=2, eval_fraction=0.1)
+    stream = PromptStream.from_config(config)
+    held = {p.id for p in stream.eval_prompts()}
+    trained = {p.id for p in stream.next_batch(45 * 3)}  # three epochs
+    assert len(held) == 5 and not held & trained and held | trained == {f"r{i}" for i in range(50)}
+    assert [p.id for p in PromptStream.from_config(config).eval_prompts()] == [p.id for p in stream.eval_prompts()]
+    other_seed = PromptStream.from_config(DataConfig(source=str(path), shuffle_seed=3, eval_fraction=0.1))
+    assert {p.id for p in other_seed.eval_prompts()} != held
+    with pytest.raises(DataError, match="eval_fraction = 0.9 of 2 prompts leaves none to train on"):
+        PromptStream.from_config(DataConfig(source=str(jsonl(tmp_path, rows(2))), eval_fraction=0.9))
+
+
+def test_an_eval_source_gives_a_fixed_list_of_eval_prompts_from_a_file_or_a_builtin_task(tmp_path: Path):
+    table = saved_dataset(tmp_path / "d", {"train": rows(6), "test": rows(4)})
+    stream = PromptStream.from_config(DataConfig(source=str(table), eval_source=str(table), eval_size=3))
+    assert [p.id for p in stream.eval_prompts()] == ["r0", "r1", "r2"]
+    assert stream.size == 6
+    builtin = PromptStream.from_config(DataConfig(source="builtin:echo", eval_source="builtin:arithmetic"))
+    evals = builtin.eval_prompts()
+    assert len(evals) == 64 and evals[0].id == "arithmetic-test-0" and evals == builtin.eval_prompts()
+    assert PromptStream.from_config(DataConfig(source="builtin:echo")).eval_prompts() == []
