@@ -100,8 +100,21 @@ def render_text(plan: ResourcePlan) -> str:
     return "\n".join(lines)
 
 
+def check_data_columns(config, config_path: str) -> None:
+    """The data files hold the columns data.columns names, where this machine can read them (a login node
+    may not see the compute nodes' file system: then the job checks at its start). Costs the read of a
+    Parquet footer or a `datasets` directory's metadata; nothing for builtin tasks."""
+    from hpcrl.data.sources import check_columns
+    from hpcrl.errors import ConfigError
+    try:
+        check_columns(config.data)
+    except ConfigError as err:
+        raise err.located(file=config_path, line=None) from None
+
+
 def run(args: argparse.Namespace) -> int:
     config, shape = load_config_and_shape(args.config, cluster=args.cluster, overrides=args.set)
+    check_data_columns(config, args.config)
     if args.transfer:
         _check_bandwidths(args)
         from hpcrl.cli.transfer_view import run_transfer

@@ -53,8 +53,9 @@ def parse_exit_codes(items: list[str]) -> dict[str, int]:
 
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, cluster=args.cluster, overrides=args.set)
-    from hpcrl.cli.plan_cmd import refuse_unfit_plan, refuse_unwritable_run_dir
+    from hpcrl.cli.plan_cmd import check_data_columns, refuse_unfit_plan, refuse_unwritable_run_dir
     refuse_unwritable_run_dir(config, args.config)
+    check_data_columns(config, args.config)
     if not args.check:  # a start-up check loads no model: memory is not its question
         refuse_unfit_plan(config, args.config)
     from hpcrl.launch.submit import submit_run

@@ -259,7 +259,25 @@ def _check_data(config: Config) -> None:
             guess = f"did you mean 'builtin:{close[0]}'? " if close else ""
             _fail("data.source", f"no builtin task {name!r}",
                   f"{guess}builtin tasks: {', '.join('builtin:' + n for n in BUILTIN_TASK_NAMES)}")
-    elif not Path(source).is_file():
+    elif not Path(source).exists():
         _fail("data.source", f"prompt file {source} does not exist",
-              'give the path of a JSONL file with one {"prompt": ..., "answer": ...} per line, '
+              'give the path of a JSONL or Parquet file, a `datasets` save_to_disk directory, '
               'or a builtin task such as "builtin:arithmetic"')
+    _check_eval_source(config.data.eval_source)
+
+
+def _check_eval_source(source: str) -> None:
+    """data.eval_source, when set, names a builtin task or a path that exists (as data.source does)."""
+    if not source:
+        return
+    if source.startswith("builtin:"):
+        name = source.removeprefix("builtin:")
+        if name not in BUILTIN_TASK_NAMES:
+            close = difflib.get_close_matches(name, BUILTIN_TASK_NAMES, n=1)
+            guess = f"did you mean 'builtin:{close[0]}'? " if close else ""
+            _fail("data.eval_source", f"no builtin task {name!r}",
+                  f"{guess}builtin tasks: {', '.join('builtin:' + n for n in BUILTIN_TASK_NAMES)}")
+    elif not Path(source).exists():
+        _fail("data.eval_source", f"evaluation prompt file {source} does not exist",
+              "give the path of a JSONL or Parquet file or a `datasets` directory, or set data.eval_fraction "
+              "to hold out part of data.source instead")

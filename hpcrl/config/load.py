@@ -208,10 +208,11 @@ def _absolute_paths(tree: dict) -> None:
         if isinstance(value, str) and value:
             tree[table][key] = expand_path(value, f"{table}.{key}")
     data = tree.get("data")
-    if isinstance(data, dict) and isinstance(data.get("source"), str):
-        source = data["source"]
-        if source and not source.startswith("builtin:"):
-            data["source"] = expand_path(source, "data.source")
+    for key in ("source", "eval_source"):
+        if isinstance(data, dict) and isinstance(data.get(key), str):
+            source = data[key]
+            if source and not source.startswith("builtin:"):
+                data[key] = expand_path(source, f"data.{key}")
 
 
 def _merge_algorithm_defaults(tree: dict[str, Any]) -> None:

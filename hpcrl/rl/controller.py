@@ -217,6 +217,12 @@ class Controller:
             clock.record("first_generate", time.monotonic() - generating)
         # The start-up's figures go with the first step this process runs (startup_total_s: launch -> here).
         startup: dict[str, float] = clock.metrics() if self.startup is not None else {}
+        # The prompts left out for length go with the run's first step (the stream logs them at every start;
+        # a resumed run's rows stay equal to an uninterrupted run's).
+        stream = self.stream
+        if stream is not None and self.state.step == 0:
+            startup = {**startup, "prompts_dropped_too_long": float(stream.dropped),
+                       "eval_prompts_dropped_too_long": float(stream.eval_dropped)}
         while self.state.step < steps:
             step = self.state.step
             started = time.monotonic()

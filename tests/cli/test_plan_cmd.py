@@ -168,3 +168,23 @@ def test_submit_refuses_a_run_directory_it_cannot_write_naming_the_key(tmp_path:
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.startswith(f"hpcrl: error: configs/tiny_grpo.toml: run.run_dir: {locked / 'run'} cannot be "
                                   f"written by this user (its nearest existing directory, {locked}, is not)")
+
+
+@pytest.mark.timeout(60)
+def test_plan_and_submit_name_a_missing_data_column_with_the_file_and_the_columns_it_has(tmp_path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    data = tmp_path / "math.parquet"
+    pq.write_table(pa.table({"question": ["1+1="], "solution": ["2"]}), data)
+    config = tmp_path / "run.toml"
+    config.write_text((REPO / "configs" / "tiny_grpo.toml").read_text())
+    sets = ["--set", f"data.source={data}", "--set", "data.columns.prompt=question", "--set",
+            f"run.run_dir={tmp_path / 'run'}"]
+    for command in (["plan", str(config)], ["submit", str(config), "--dry-run"]):
+        done = hpcrl(*command, *sets)
+        assert done.returncode == 2, (command, done.stdout, done.stderr)
+        assert "data.columns.answer" in done.stderr and str(data) in done.stderr, done.stderr
+        assert "its columns: question, solution" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+    done = hpcrl("plan", str(config), *sets, "--set", "data.columns.answer=solution")
+    assert done.returncode == 0, done.stderr

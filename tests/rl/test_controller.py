@@ -471,6 +471,9 @@ def test_the_loop_over_bus_ports_makes_the_same_steps_as_over_the_in_memory_port
     parts = {f"startup_{p}_s" for p in ("trainer", "reward", "inference", "weights", "first_sync", "total")}
     assert parts <= set(first) and not any(k.startswith("startup_") for row in later for k in row)
     assert first["startup_trainer_s"] <= first["startup_inference_s"] <= first["startup_total_s"]
+    # The prompts left out for length (none of a builtin task's) are reported once, with the first step.
+    assert first["prompts_dropped_too_long"] == 0 and first["eval_prompts_dropped_too_long"] == 0
+    assert not any("prompts_dropped_too_long" in row for row in later)
 
 
 def test_the_loop_goes_on_unchanged_when_a_replica_is_lost_during_a_push(uninterrupted, runs, no_retry_pause,
