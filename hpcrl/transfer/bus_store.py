@@ -106,7 +106,7 @@ class StoreServer:
 
     def __init__(self, secret: Secret, *, bind: str = "tcp://127.0.0.1:0") -> None:
         self._key = secret.key
-        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_BYTES + 1024)
         self._sock.setsockopt(zmq.RCVHWM, _HWM)
@@ -115,7 +115,7 @@ class StoreServer:
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         """Where clients connect (the bound address, its port filled in)."""
         self._wake_address = f"inproc://hpcrl-store-{secrets.token_hex(8)}"
-        self._wake_rx = zmq.Context.instance().socket(zmq.PAIR)
+        self._wake_rx: zmq.Socket = zmq.Context.instance().socket(zmq.PAIR)
         self._wake_rx.bind(self._wake_address)
         self._table: dict[str, bytes] = {}
         self._last_seq: dict[bytes, int] = {}
@@ -139,7 +139,7 @@ class StoreServer:
         """Stop serving and close the socket (parked requests go unanswered: their clients time out)."""
         if not self._thread.is_alive():
             return
-        wake = zmq.Context.instance().socket(zmq.PAIR)
+        wake: zmq.Socket = zmq.Context.instance().socket(zmq.PAIR)
         wake.setsockopt(zmq.LINGER, 1000)
         wake.connect(self._wake_address)
         wake.send(b"stop")
@@ -292,7 +292,7 @@ class BusStore(dist.Store):
     def _socket(self) -> tuple[zmq.Socket, bytes, itertools.count]:
         mine = getattr(self._local, "socket", None)
         if mine is None:
-            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_BYTES + 1024)
             sock.connect(self.address)
@@ -320,7 +320,7 @@ class BusStore(dist.Store):
                                   "this process using the run's secret?")
 
     def _timeout_s(self, timeout: Any = None) -> float:
-        given = timeout if isinstance(timeout, timedelta) else self.timeout
+        given = timeout if isinstance(timeout, timedelta) else self.timeout  # type: ignore[attr-defined]  # torch's stubs lack it
         return given.total_seconds()
 
     # -- torch.distributed.Store -------------------------------------------------------------
