@@ -52,7 +52,9 @@ def job_processes(run_dir: Path) -> dict[int, str | None]:
             if str(run_dir) not in command and process.environ().get("HPCRL_RUN_DIR") != str(run_dir):
                 continue
             group = re.search(r"hpcrl\.roles (\w+)", command)
-            if group:
+            if Path((process.cmdline() or [""])[0]).name == "srun":  # a group's step under Slurm: named by itself
+                roles[process.pid] = "srun"
+            elif group:
                 roles[process.pid] = group.group(1)
             elif "hpcrl.launch.head" in command or "submitit.core._submit" in command:  # sbatch, or submitit's
                 roles[process.pid] = "head"
