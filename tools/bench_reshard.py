@@ -114,8 +114,10 @@ def trainer(ckpt: str, shape_json: str, rank: int, world: int, tp: int, fsdp_por
         from hpcrl.config.model_shapes import ModelShape
         from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
         from hpcrl.plan.transfer_planner import plan as plan_transfer
+        from hpcrl.transfer.rendezvous import client_store
         from hpcrl.transfer.trainer import TrainerSender
-        store = dist.TCPStore("127.0.0.1", fsdp_port, world, is_master=False)
+
+        store = client_store(f"tcp://127.0.0.1:{fsdp_port}", timeout_s=300)
         dist.init_process_group("gloo", store=dist.PrefixStore("fsdp", store), rank=rank, world_size=world)
         model = checkpoint_module(ckpt)
         mesh = dist.init_device_mesh("cpu", (world,))
@@ -124,8 +126,8 @@ def trainer(ckpt: str, shape_json: str, rank: int, world: int, tp: int, fsdp_por
         fully_shard(model, mesh=mesh)
         p = plan_transfer(TrainerLayout(dp_shard=world), InferenceLayout(tensor_parallel=tp),
                           ModelShape(**json.loads(shape_json)), wire_dtype="float32")
-        sender = TrainerSender.connect(p, rank=rank, host="127.0.0.1", port=transfer_port, timeout_s=300,
-                                       external_store=True, transport=transport)
+        sender = TrainerSender.connect(p, rank=rank, store=f"tcp://127.0.0.1:{transfer_port}", timeout_s=300,
+                                       transport=transport)
         replies.put((rank, "ready", 0.0))
         while True:
             command = commands.get(timeout=600)
@@ -155,7 +157,7 @@ def bench_update(*, tp: int, fsdp: int, rounds: int, transport: str = "gloo") ->
     from hpcrl.config.model_shapes import PRESETS
     from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
     from hpcrl.plan.transfer_planner import plan as plan_transfer
-    from hpcrl.transfer.rendezvous import host_store
+    from hpcrl.transfer.rendezvous import serve_store
 
     shape = dataclasses.replace(PRESETS["tiny-llama"], hidden_size=512, intermediate_size=1536, num_layers=8,
                                 num_heads=8, num_kv_heads=4, head_dim=64, vocab_size=4096)
@@ -177,12 +179,13 @@ def bench_update(*, tp: int, fsdp: int, rounds: int, transport: str = "gloo") ->
                   weight_transfer_config={"backend": "hpcrl"})
     if tp > 1:
         kwargs["distributed_executor_backend"] = "mp"
+    _keeper = serve_store()  # before vLLM starts: its workers inherit the stores' secret (HPCRL_STORE_SECRET_DIR)
     llm = LLM(**kwargs)
     from hpcrl.transfer.vllm_engine import init_info
 
     plan = plan_transfer(TrainerLayout(dp_shard=fsdp), InferenceLayout(tensor_parallel=tp), shape, wire_dtype="float32")
     ctx = mp.get_context("spawn")
-    fsdp_store, transfer_store = host_store(), host_store()
+    fsdp_store, transfer_store = serve_store(), serve_store()
     commands, replies = [ctx.Queue() for _ in range(fsdp)], ctx.Queue()
     procs = [ctx.Process(target=trainer, args=(str(ckpt), json.dumps(dataclasses.asdict(shape)), r, fsdp, tp,
                                                fsdp_store.port, transfer_store.port, commands[r], replies,
@@ -191,8 +194,8 @@ def bench_update(*, tp: int, fsdp: int, rounds: int, transport: str = "gloo") ->
     for proc in procs:
         proc.start()
     llm.init_weight_transfer_engine({"init_info": init_info(
-        host="127.0.0.1", port=transfer_store.port, replica=0, trainer=plan.trainer, inference=plan.inference,
-        wire_dtype="float32", bucket_bytes=plan.bucket_bytes, timeout_s=300, external_store=True, digest=plan.digest,
+        store=transfer_store.address, replica=0, trainer=plan.trainer, inference=plan.inference,
+        wire_dtype="float32", bucket_bytes=plan.bucket_bytes, timeout_s=300, digest=plan.digest,
         transport=transport)})
 
     def collect(kind: str) -> list[float]:

@@ -221,9 +221,10 @@ class PartialRun:
         """A sender and a receiver on the one device (gpu_check_ranks.py), over gloo: cold, then warm."""
         from gpu_check_ranks import gb_per_s
 
-        from hpcrl.transfer.rendezvous import host_store
+        from hpcrl.transfer.rendezvous import serve_store
 
-        store = host_store(timeout_s=self.args.budget_s)
+        store = serve_store()  # its secret: HPCRL_STORE_SECRET_DIR, for the two children
+        self.env = {**self.env, "HPCRL_STORE_SECRET_DIR": os.environ["HPCRL_STORE_SECRET_DIR"]}
         sender, receiver = (self.spawn(kind) for kind in ("sender", "receiver"))
         start = dict(preset=self.args.preset, device=self.args.device, port=store.port,
                      wire_dtype="bfloat16" if self.gpu else "float32",

@@ -57,7 +57,6 @@ class TrainerRank:
 
     def start(self, *, rank: int, store_port: int, model_dir: str, device: str, dtype: str, max_seq_len: int,
               micro_batch_size: int, timeout_s: float) -> dict:
-        from datetime import timedelta
 
         import torch
         import torch.distributed as dist
@@ -71,7 +70,9 @@ class TrainerRank:
         self.sender: Any = None  # a TrainerSender once connected
         if device == "cuda":
             torch.cuda.set_device(0)  # this process sees only its own GPU (CUDA_VISIBLE_DEVICES)
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        from hpcrl.transfer.rendezvous import client_store
+
+        store = client_store(f"tcp://127.0.0.1:{store_port}", timeout_s=timeout_s)
         group.join(dist.PrefixStore("hpcrl-gpu-check", store), rank=rank, world=TRAINER_RANKS, device=device,
                    timeout_s=timeout_s)
         self.shape = load_shape(preset_name="", path=model_dir)
@@ -182,8 +183,8 @@ class TrainerRank:
         from hpcrl.transfer.trainer import TrainerSender
 
         self.close_sender()
-        self.sender = TrainerSender.connect(self.plan, rank=self.rank, host="127.0.0.1", port=port,
-                                            timeout_s=timeout_s, external_store=True, transport=transport)
+        self.sender = TrainerSender.connect(self.plan, rank=self.rank, store=f"tcp://127.0.0.1:{port}",
+                                            timeout_s=timeout_s, transport=transport)
         return {}
 
     def send(self, *, corrupt: bool) -> dict:
@@ -287,8 +288,8 @@ class OneGpuSender:
         self.plan, shape = one_gpu_plan(preset, wire_dtype)
         self.device = _device(device)
         self.shards = hf_values(shape, self.device)
-        self.sender = TrainerSender.connect(self.plan, rank=0, host="127.0.0.1", port=port, timeout_s=timeout_s,
-                                            external_store=True, transport="gloo")
+        self.sender = TrainerSender.connect(self.plan, rank=0, store=f"tcp://127.0.0.1:{port}", timeout_s=timeout_s,
+                                            transport="gloo")
         return {"tensors": len(self.shards), "device": str(self.device)}
 
     def send(self) -> dict:
@@ -326,8 +327,8 @@ class OneGpuReceiver:
             raise RuntimeError(f"the plan's destinations and the expected tensors differ: "
                                f"{sorted(set(self.dests) ^ set(self.expected))[:5]}")
         rank = execute.inference_group_rank(self.plan, 0, 0)
-        self.group = open_group("gloo", host="127.0.0.1", port=port, rank=rank,
-                                world_size=self.plan.trainer.world_size + 1, timeout_s=timeout_s, external_store=True)
+        self.group = open_group("gloo", store=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=self.plan.trainer.world_size + 1, timeout_s=timeout_s)
         self.group.check_digests(rank=rank, digest=self.plan.digest,
                                  describe=lambda r: execute.describe_group_rank(self.plan, r))
         return {"tensors": len(self.dests), "device": str(self.device)}
@@ -397,7 +398,7 @@ class VllmReplica:
     def init(self, *, transport: str, port: int, timeout_s: float) -> dict:
         from hpcrl.transfer.vllm_engine import init_info
 
-        info = init_info(host="127.0.0.1", port=port, replica=0, timeout_s=timeout_s, external_store=True,
+        info = init_info(store=f"tcp://127.0.0.1:{port}", replica=0, timeout_s=timeout_s,
                          transport=transport, **init_info_args(self.plan))
         self.engine.llm.init_weight_transfer_engine({"init_info": info})
         return {}

@@ -288,7 +288,7 @@ class Run:
 
     def __init__(self, args: argparse.Namespace, mode: Mode, check: Check, work: Path, blocks: dict[str, str],
                  gpu_name: str) -> None:
-        from hpcrl.transfer.rendezvous import host_store
+        from hpcrl.transfer.rendezvous import serve_store
 
         self.args, self.mode, self.check, self.work, self.gpu_name = args, mode, check, work, gpu_name
         self.checkpoint = work / "trained-checkpoint"
@@ -301,8 +301,8 @@ class Run:
         self.trained = False
         self.vllm_down = "vLLM did not start"  # why vLLM cannot be used; "" while it can
         self.blocks = blocks
-        self.host_store = host_store
-        self.fsdp_store = host_store(timeout_s=args.budget_s)
+        self.serve_store = serve_store
+        self.fsdp_store = serve_store()
         self.children: dict[str, Child] = {}
         self.names = [f"trainer{r}" for r in range(TRAINER_RANKS)] + ["vllm"]
         self.logs = {name: str(work / f"{name}.log") for name in self.names}
@@ -463,7 +463,7 @@ class Run:
         """Form the group over `transport`, set vLLM's planned weights to NaN, send, receive."""
         if self.vllm_down or self.reference is None or not self.parameters:
             raise Skipped(self.vllm_down or "needs the trainer ranks and vLLM's reference")
-        store = self.host_store(timeout_s=self.args.budget_s)
+        store = self.serve_store()
         self.stores[transport] = store
         timeout_s = self.timeout_s(deadline)
         joined = time.monotonic()

@@ -153,17 +153,17 @@ class VllmEngine:
             groups.append(group)
         return groups
 
-    def connect_transfer(self, plan: TransferPlan, *, host: str, port: int, replica: int = 0, generation: int = 0,
+    def connect_transfer(self, plan: TransferPlan, *, store: str, replica: int = 0, generation: int = 0,
                          transport: str = "gloo", timeout_s: float = 120.0) -> None:
-        """Join the weight-transfer group of `plan` on the store at host:port (the head's, or `hpcrl run`'s)
+        """Join the weight-transfer group of `plan` on the rendezvous store at `store` (the head's, or `hpcrl run`'s)
         as inference replica `replica`: every worker plans again from the plan's layouts and the served
         model, checks its digest against `plan`'s and every other rank's, and opens its end. Blocks until
         the whole group (the trainer ranks too) has joined; joining again leaves the old group."""
         from hpcrl.transfer.vllm_engine import init_info
 
-        info = init_info(host=host, port=port, replica=replica, trainer=plan.trainer, inference=plan.inference,
+        info = init_info(store=store, replica=replica, trainer=plan.trainer, inference=plan.inference,
                          wire_dtype=plan.wire_dtype, bucket_bytes=plan.bucket_bytes, timeout_s=timeout_s,
-                         external_store=True, digest=plan.digest, generation=generation, transport=transport)
+                         digest=plan.digest, generation=generation, transport=transport)
         self.llm.init_weight_transfer_engine({"init_info": info})
 
     def receive_weights(self, version: int) -> None:

@@ -10,8 +10,9 @@ program, records how the run ended, and requeues it after a lost task.
   1. reads RUN_DIR/launch.json (hpcrl.slurm.record), checks that its interpreter (cluster.python, or
      the one that ran hpcrl submit) exists and is executable on this node, and binds the control
      bus (hpcrl.bus.Router, the run's secret): the head's one control port. Program "rl" also
-     serves a rendezvous store (torch's TCPStore) for the trainer ranks' torch.distributed process
-     group and for the weight-transfer group (trainer ranks + inference engines).
+     serves the rendezvous store (hpcrl.transfer.bus_store: every request signed with the run's
+     secret, like the bus) for the trainer ranks' torch.distributed process group and for the
+     weight-transfer group (trainer ranks + inference engines).
   2. starts one step per group (hpcrl.launch.supervisor): `srun --het-group=i` (hetjob), srun on the
      group's node range (split), or local process trees (local executor). Every task registers
      on the bus, says READY when it serves, and its exit code comes back as a BYE.
@@ -117,15 +118,16 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
     from hpcrl.config.load import load_config
     from hpcrl.rl.checkpointing import refuse_unusable_checkpoints
     from hpcrl.rl.program import run_program
-    from hpcrl.transfer.rendezvous import host_store
+    from hpcrl.transfer.rendezvous import serve_store
 
     launch = sup.launch
     config = load_config(sup.run_dir / CONFIG_FILE)
     refuse_unusable_checkpoints(config)  # none usable: FAILED now, before any group starts, not requeued
-    store = host_store(advertise, 0, timeout_s=launch.start_timeout_s)
-    log.info(f"rendezvous store at {advertise}:{store.port}")
+    server = serve_store(load_secret(sup.run_dir), bind="tcp://0.0.0.0:0")
+    store = f"tcp://{advertise}:{server.address.rpartition(':')[2]}"
+    log.info(f"rendezvous store at {store} (requests signed with the run's secret)")
     sup.revivable = {"inference"}
-    sup.start({"HPCRL_STORE_ADDR": f"{advertise}:{store.port}"})
+    sup.start({"HPCRL_STORE_ADDR": store})
     preempt = asyncio.Event()
 
     def on_usr2() -> None:
@@ -138,7 +140,7 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
             await asyncio.sleep(0.2)
 
     loop_task = asyncio.create_task(run_program(
-        config, sup.router, store_host=advertise, store_port=store.port, steps=launch.stop_after,
+        config, sup.router, store=store, steps=launch.stop_after,
         stop_requested=preempt.is_set, connect_timeout=launch.start_timeout_s))
     watch_task = asyncio.create_task(watch())
     try:
@@ -162,7 +164,10 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
         for task in (loop_task, watch_task):
             task.cancel()
         await asyncio.gather(loop_task, watch_task, return_exceptions=True)
-        del store
+        refused = {k: v for k, v in server.refused.items() if v}
+        if refused:
+            log.warning(f"the rendezvous store refused requests: {refused}")
+        server.close()
 
 
 def _bus_config(run_dir: Path, program: str) -> BusConfig:
@@ -256,6 +261,9 @@ def _run_head_locked(run_dir: Path) -> dict:
     advertise = os.environ.get("HPCRL_HEAD_HOST") or socket.gethostname()
     router = Router(run_id=launch.run_name, secret=load_secret(run_dir), address="tcp://0.0.0.0:0",
                     config=_bus_config(run_dir, launch.program))
+    # The tasks key the rendezvous store with the run's secret (HPCRL_RUN_DIR), never with one inherited
+    # from whoever started this head (hpcrl.transfer.rendezvous).
+    os.environ.pop("HPCRL_STORE_SECRET_DIR", None)
     sup = Supervisor(launch, run_dir, router)
     previous = {sig: signal.signal(sig, _raise_cancelled) for sig in (signal.SIGTERM, signal.SIGINT)}
     started = time.time()

@@ -40,9 +40,8 @@ from hpcrl.roles.trainer import local_tensors
 from hpcrl.trainer.types import TrainBatch
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
-
     from hpcrl.trainer import EngineOptions, TrainerEngine
+    from hpcrl.transfer.rendezvous import ServedStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -171,11 +170,12 @@ class InProcessPorts:
 
         from hpcrl.inference.engine import VllmEngine
         from hpcrl.plan.for_config import describe_plan, plan_for_config
-        from hpcrl.transfer.rendezvous import host_store
+        from hpcrl.transfer.rendezvous import serve_private_store
 
-        # The transfer group's rendezvous store (its serving thread is a C++ std::thread): made first, so
-        # that it outlives every client of it, the trainer's end of the group and vLLM's workers.
-        self._store: dist.TCPStore | None = host_store()
+        # The transfer group's rendezvous store (no TCP port: an ipc socket in a private directory, and
+        # a secret vLLM's workers find through the environment): made first, so that it outlives every
+        # client of it, the trainer's end of the group and vLLM's workers.
+        self._store: ServedStore | None = serve_private_store()
         self._closing.callback(self._release_store)
         clock = self.startup
         scorer = lambda: make_scorer(config.reward, dtype=config.model.dtype, device=reward_device(  # noqa: E731
@@ -223,14 +223,13 @@ class InProcessPorts:
         from hpcrl.transfer.trainer import TrainerSender
 
         assert self._store is not None
-        port, plan = self._store.port, self.plan
+        store, plan = self._store.address, self.plan
         # Both ends must join the transfer group at once: vLLM's side blocks in its workers.
         with ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(self.inference.connect_transfer, plan, host="127.0.0.1", port=port,
+            joined = pool.submit(self.inference.connect_transfer, plan, store=store,
                                  transport=transport, timeout_s=120)
             self.sender = self.on_trainer.call(
-                lambda: TrainerSender.connect(plan, rank=0, host="127.0.0.1", port=port, timeout_s=120,
-                                              external_store=True, transport=transport))
+                lambda: TrainerSender.connect(plan, rank=0, store=store, timeout_s=120, transport=transport))
             self._closing.callback(self.sender.close)
             joined.result()
 
@@ -274,7 +273,9 @@ class InProcessPorts:
         await self.on_trainer.run(self.trainer.load_checkpoint, directory)
 
     def _release_store(self) -> None:
-        self._store = None  # the last reference: its serving thread is stopped and joined here
+        store, self._store = self._store, None
+        if store is not None:
+            store.close()  # its serving thread is stopped and joined, its directory removed
 
     def close(self) -> None:
         """End every part, each once, in the reverse order of its making: the trainer's end of the

@@ -1,6 +1,6 @@
 """The controller's `Ports` bound to the control bus: the groups of a job, seen from the head.
 
-    ports = BusPorts(config, head, store_host=..., store_port=...)
+    ports = BusPorts(config, head, store=address)   # the rendezvous store (hpcrl.transfer.rendezvous)
     await ports.connect(timeout=600)       # every group registered; weight-transfer group formed
     await run_loop(config, ports)          # hpcrl.rl.loop
 
@@ -58,13 +58,13 @@ def _rejoin_timeout_s(config: Config) -> float:
 
 
 class BusPorts:
-    def __init__(self, config: Config, head, *, store_host: str, store_port: int) -> None:
+    def __init__(self, config: Config, head, *, store: str) -> None:
         from hpcrl.bus.service import Service
         from hpcrl.plan.for_config import describe_plan, plan_for_config
 
         self.config = config
         self.head = head
-        self.store_host, self.store_port = store_host, store_port
+        self.store = store
         self.step_deadline = StepDeadline(ceiling_s=CALL_TIMEOUT_S)
         self.trainer = Service(head, "trainer")
         self.inference = Service(head, "inference")
@@ -126,7 +126,7 @@ class BusPorts:
         forming = time.monotonic()
         self.generation += 1
         self.current = False
-        args = {"host": self.store_host, "port": self.store_port, "timeout_s": timeout, "digest": self.plan.digest,
+        args = {"store": self.store, "timeout_s": timeout, "digest": self.plan.digest,
                 "generation": self.generation}
         members = {r: (p.host, p.pid) for r in range(self.replicas) if (p := self._leader(r)) is not None}
         await asyncio.gather(self.trainer.call_all(0, "connect_transfer", args, timeout=timeout),

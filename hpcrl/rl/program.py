@@ -1,6 +1,6 @@
 """The RL program of a run's head: the GRPO loop over the group tasks on the bus.
 
-    preempted = await run_program(config, router, store_host=..., store_port=..., steps=None,
+    preempted = await run_program(config, router, store=address, steps=None,
                                   stop_requested=event.is_set, connect_timeout=600)
 
 The head's job entry (hpcrl.launch.head) starts the groups and watches their steps; this is the
@@ -23,10 +23,10 @@ from hpcrl.rl.ports import BusPorts
 log = logging.getLogger(__name__)
 
 
-async def run_program(config: Config, router: Router, *, store_host: str, store_port: int,
+async def run_program(config: Config, router: Router, *, store: str,
                       steps: int | None, stop_requested: Callable[[], bool],
                       connect_timeout: float) -> bool:
-    ports = BusPorts(config, router, store_host=store_host, store_port=store_port)
+    ports = BusPorts(config, router, store=store)
     try:
         await ports.connect(timeout=max(1.0, connect_timeout))
         try:

@@ -55,7 +55,7 @@ class InferenceRole(Role):
             raise HpcrlError(f"inference replica {self.replica} planned the weight transfer as "
                              f"{self.plan.digest[:12]}, the head as {args['digest'][:12]}")
         await self.on_engine(lambda: self.engine.connect_transfer(
-            self.plan, host=args["host"], port=int(args["port"]), replica=self.replica,
+            self.plan, store=args["store"], replica=self.replica,
             generation=int(args.get("generation", 0)), transport=self.config.weight_transport,
             timeout_s=float(args["timeout_s"])))
         return {"replica": self.replica}

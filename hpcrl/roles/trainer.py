@@ -2,12 +2,13 @@
 
     train_step {batch, step}        this rank's rows of the batch -> one optimizer step (collective)
     logprobs {sequences}            logprobs of whole sequences under the live policy (collective)
-    connect_transfer {host, port}   join the weight-transfer group with every inference engine
+    connect_transfer {store, ...}   join the weight-transfer group with every inference engine
     send_weights {version}          send this rank's FSDP shards to the inference engines
     save {directory} / load {directory}   DCP checkpoint of model and optimizer (collective)
 
 Ranks form their torch.distributed group (gloo on CPU, NCCL+gloo on GPUs) through the head's
-rendezvous store (HPCRL_STORE_ADDR) before they register on the bus, so a registered trainer
+rendezvous store (HPCRL_STORE_ADDR, keyed with the run's secret: hpcrl.transfer.rendezvous)
+before they register on the bus, so a registered trainer
 rank is a ready one; a single rank forms a group of one (hpcrl.trainer.group), so mixed precision
 runs through FSDP2 there too. The head sends every call to all ranks at once (Service.call_all).
 
@@ -42,13 +43,6 @@ def rendezvous_timeout(config: Config) -> timedelta:
 
     shape = load_shape(preset_name=config.model.preset, path=config.model.path)
     return timedelta(seconds=run_timeouts(config, shape).start_s)
-
-
-def parse_address(value: str, what: str) -> tuple[str, int]:
-    host, _, port = value.rpartition(":")
-    if not host or not port.isdigit():
-        raise HpcrlError(f"{what} {value!r} is not HOST:PORT (it is set by the head)")
-    return host, int(port)
 
 
 def trainer_device(local_rank: int, visible: int) -> int:
@@ -88,6 +82,8 @@ class TrainerRole(Role):
         super().__init__(device=trainer_device(identity.local_rank, devices.device_count()) if gpus else None,
                          devices=devices)
         self.sender: TrainerSender | None = None
+        self.store: Any = None
+        """The client of the head's rendezvous store the trainer group formed on (kept for the group's life)."""
         try:
             self.engine = self.engine_thread.call(self._start, env, "cuda" if gpus else "cpu")
         except BaseException:
@@ -100,13 +96,16 @@ class TrainerRole(Role):
         import torch.distributed as dist
 
         from hpcrl.trainer import TrainerEngine, group
+        from hpcrl.transfer.rendezvous import client_store
 
         if self.world > 1:
-            host, port = parse_address(env.get("HPCRL_STORE_ADDR", ""), "HPCRL_STORE_ADDR")
+            address = env.get("HPCRL_STORE_ADDR", "")
+            if not address.startswith(("tcp://", "ipc://")):
+                raise HpcrlError(f"HPCRL_STORE_ADDR {address!r} is not a ZeroMQ address (it is set by the head)")
             timeout = rendezvous_timeout(self.config)
-            store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+            self.store = client_store(address, timeout_s=timeout.total_seconds())
             restart = env.get("SLURM_RESTART_COUNT", "0")
-            group.join(dist.PrefixStore(f"hpcrl-trainer/{restart}", store), rank=self.rank, world=self.world,
+            group.join(dist.PrefixStore(f"hpcrl-trainer/{restart}", self.store), rank=self.rank, world=self.world,
                        device=device, timeout_s=timeout.total_seconds())
         else:
             group.join_alone(device=device)
@@ -129,8 +128,8 @@ class TrainerRole(Role):
         def connect() -> None:
             if self.sender is not None:
                 self.sender.close()
-            self.sender = TrainerSender.connect(self.plan, rank=self.rank, host=args["host"], port=int(args["port"]),
-                                                timeout_s=float(args["timeout_s"]), external_store=True,
+            self.sender = TrainerSender.connect(self.plan, rank=self.rank, store=args["store"],
+                                                timeout_s=float(args["timeout_s"]),
                                                 generation=int(args.get("generation", 0)),
                                                 transport=self.config.weight_transport)
         await self.on_engine(connect)
@@ -177,3 +176,5 @@ class TrainerRole(Role):
         if self.sender is not None:
             self.sender.close()
         group.leave()
+        if self.store is not None:
+            self.store.close()

@@ -1,6 +1,7 @@
 """Executing weight-transfer plans: trainer FSDP shards -> live vLLM parameters, point to point.
 
-  rendezvous.py    the TCP store every transport meets on (host_store for the head), digest comparison
+  rendezvous.py    the rendezvous store every group forms on (serve_store for the head), digest comparison
+  bus_store.py     that store: a torch.distributed.Store over requests signed with the run's secret
   registry.py      open_group(transport, ...): the transports by name, and the TransferLink they give
   gloo.py          a gloo process group spanning trainer ranks and vLLM workers, digest handshake
   ucx.py           the same over UCX (optional: ucxx)

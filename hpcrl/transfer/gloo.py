@@ -1,12 +1,12 @@
 """The gloo transport of the transfer group: a torch ProcessGroup spanning trainer ranks and vLLM workers.
 
-    group = open_gloo_group(host=..., port=..., rank=r, world_size=w, timeout_s=120)
+    group = open_gloo_group(store=address, rank=r, world_size=w, timeout_s=120)
     group.check_digests(rank=r, digest=plan.digest, describe=...)
     work = group.isend(buf, dst, tag); group.wait(work, timeout)      # execute.py drives these
 
 Formed like vLLM's `stateless_init_torch_distributed_process_group` (vllm/distributed/utils.py: a
-TCPStore, a PrefixStore named after the address, a ProcessGroup with a gloo backend), with torch
-only, so trainer processes need not import vLLM. The store comes from rendezvous.py, which every
+store, a PrefixStore, a ProcessGroup with a gloo backend), with torch only, so trainer processes
+need not import vLLM. The store is the run's authenticated one (rendezvous.py), which every
 transport shares.
 """
 
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.errors import TransferError
+from hpcrl.transfer.bus_store import BusStore
 from hpcrl.transfer.rendezvous import compare_digests, rendezvous_store
 
 DIGEST_BYTES = 32
@@ -30,7 +31,7 @@ class GlooGroup:
     """The gloo process group and the store it rendezvoused on (kept alive together)."""
 
     pg: dist.ProcessGroup
-    store: dist.TCPStore
+    store: BusStore
     transport = "gloo"
     device = torch.device("cpu")
     """Where staging buffers live: host memory (pinned when the tensors are on a GPU)."""
@@ -54,30 +55,31 @@ class GlooGroup:
 
     def close(self) -> None:
         self.pg.shutdown()
+        self.store.close()
 
 
-def open_gloo_group(*, host: str, port: int, rank: int, world_size: int, timeout_s: float,
-                    external_store: bool = False, generation: int = 0) -> GlooGroup:
+def open_gloo_group(*, store: str, rank: int, world_size: int, timeout_s: float,
+                    generation: int = 0) -> GlooGroup:
     """Join the transfer group (blocks until all `world_size` ranks joined, or `timeout_s`).
 
-    Rank 0 serves the rendezvous store at host:port unless `external_store` (see
-    rendezvous.host_store). `generation` tells apart groups formed again on the same store.
+    Every rank meets on the rendezvous store at `store` (rendezvous.serve_store). `generation`
+    tells apart groups formed again on the same store.
     """
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
     timeout = timedelta(seconds=timeout_s)
     try:
-        store, prefix = rendezvous_store(host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s,
-                                         external_store=external_store, generation=generation)
+        client, prefix = rendezvous_store(store=store, rank=rank, world_size=world_size, timeout_s=timeout_s,
+                                          generation=generation)
         pg = dist.ProcessGroup(prefix, rank, world_size)
         backend = ProcessGroupGloo(prefix, rank, world_size, timeout=timeout)
         backend._set_sequence_number_for_group()
         pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
     except Exception as err:  # noqa: BLE001 - re-raised with the rank and address
-        raise TransferError(f"transfer group rank {rank}/{world_size} could not join {host}:{port} within "
+        raise TransferError(f"transfer group rank {rank}/{world_size} could not join through {store} within "
                             f"{timeout_s:g} s: {err}") from err
-    return GlooGroup(pg=pg, store=store)
+    return GlooGroup(pg=pg, store=client)
 
 
 def check_digests(pg: dist.ProcessGroup, *, rank: int, digest: str, describe) -> None:

@@ -1,6 +1,6 @@
 """The NCCL transport of the transfer group: vLLM's PyNcclCommunicator over our rendezvous store.
 
-    group = open_nccl_group(host=..., port=..., rank=r, world_size=w, timeout_s=120)   # on this process's GPU
+    group = open_nccl_group(store=address, rank=r, world_size=w, timeout_s=120)   # on this process's GPU
     with group.round(timeout):                       # execute.py: one round of the shared schedule
         work = group.isend(buf, dst, tag)            # ncclSend / ncclRecv between group_start and group_end
     group.wait(work, timeout)                        # polls a CUDA event; past the deadline: abort, raise
@@ -216,18 +216,19 @@ class NcclGroup:
 
     def close(self) -> None:
         self.abort("closed")
+        self.store.close()
 
 
-def open_nccl_group(*, host: str, port: int, rank: int, world_size: int, timeout_s: float,
-                    external_store: bool = False, generation: int = 0) -> NcclGroup:
+def open_nccl_group(*, store: str, rank: int, world_size: int, timeout_s: float,
+                    generation: int = 0) -> NcclGroup:
     """Join the transfer group over NCCL on this process's device (see the module docstring)."""
     runtime = RUNTIME
     device = runtime.device()
     try:
-        store, prefix = rendezvous_store(host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s,
-                                         external_store=external_store, generation=generation)
+        client, prefix = rendezvous_store(store=store, rank=rank, world_size=world_size, timeout_s=timeout_s,
+                                          generation=generation)
     except Exception as err:  # noqa: BLE001 - re-raised with the rank and address
-        raise TransferError(f"transfer group rank {rank}/{world_size} could not reach the store at {host}:{port} "
+        raise TransferError(f"transfer group rank {rank}/{world_size} could not reach the store at {store} "
                             f"within {timeout_s:g} s: {err}") from err
     group = runtime.stateless_group(rank=rank, world_size=world_size, store=prefix)
     holder: dict[str, Any] = {}
@@ -251,5 +252,5 @@ def open_nccl_group(*, host: str, port: int, rank: int, world_size: int, timeout
         raise TransferError(f"transfer group rank {rank}/{world_size}: the NCCL communicator failed to form: "
                             f"{failure}") from failure
     comm = check_communicator(holder["comm"], rank=rank)
-    return NcclGroup(rank=rank, world_size=world_size, comm=comm, store=store, prefix=prefix, timeout_s=timeout_s,
+    return NcclGroup(rank=rank, world_size=world_size, comm=comm, store=client, prefix=prefix, timeout_s=timeout_s,
                      runtime=runtime)

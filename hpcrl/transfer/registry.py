@@ -1,7 +1,6 @@
 """The transports of the transfer group, by name: `open_group("gloo" | "ucx" | "nccl", ...)`.
 
-    group = open_group(config.weight_transport, host=..., port=..., rank=r, world_size=w,
-                       timeout_s=120, external_store=True)
+    group = open_group(config.weight_transport, store=address, rank=r, world_size=w, timeout_s=120)
     group.check_digests(rank=r, digest=plan.digest, describe=...)      # then execute.py drives it
 
 One module per transport (gloo.py; ucx.py, optional: `pip install ucxx-cu12`; nccl.py, GPUs:
@@ -51,7 +50,7 @@ class TransferLink(Protocol):
     def close(self) -> None: ...
 
 
-#: name -> opener(host=, port=, rank=, world_size=, timeout_s=, external_store=, generation=).
+#: name -> opener(store=, rank=, world_size=, timeout_s=, generation=).
 TRANSPORTS: dict[str, Callable[..., TransferLink]] = {
     "gloo": open_gloo_group,
     "ucx": open_ucx_group,
@@ -59,15 +58,14 @@ TRANSPORTS: dict[str, Callable[..., TransferLink]] = {
 }
 
 
-def open_group(transport: str, *, host: str, port: int, rank: int, world_size: int, timeout_s: float,
-               external_store: bool = False, generation: int = 0) -> TransferLink:
+def open_group(transport: str, *, store: str, rank: int, world_size: int, timeout_s: float,
+               generation: int = 0) -> TransferLink:
     """Join the transfer group over `transport` (blocks until all `world_size` ranks joined, or `timeout_s`).
 
-    Rank 0 serves the rendezvous store at host:port unless `external_store` (rendezvous.host_store);
+    Every rank meets on the rendezvous store at `store` (rendezvous.serve_store);
     `generation` tells apart groups formed again on the same store (after a replica was replaced).
     """
     opener = TRANSPORTS.get(transport)
     if opener is None:
         raise TransferError(f"unknown weight transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
-    return opener(host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s,
-                  external_store=external_store, generation=generation)
+    return opener(store=store, rank=rank, world_size=world_size, timeout_s=timeout_s, generation=generation)

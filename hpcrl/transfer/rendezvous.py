@@ -1,57 +1,110 @@
-"""Where the transfer group meets: the TCP store every transport rendezvouses on, and the plan-digest check.
+"""Where the groups meet: the authenticated rendezvous store every transport forms on, and the plan-digest check.
 
-    store = host_store(host, 0, timeout_s=600)       # the launcher (the head, a test) serves it; pass store.port
-    store, prefix = rendezvous_store(host=..., port=store.port, rank=r, world_size=w, timeout_s=120,
-                                     external_store=True, generation=0)          # every rank, any transport
+    server = serve_store(secret, bind="tcp://0.0.0.0:0")   # the launcher (the head, `hpcrl run`, a test)
+    store, prefix = rendezvous_store(store=address, rank=r, world_size=w, timeout_s=120, generation=0)
     compare_digests(rank=r, digest=plan.digest, digests={rank: digest, ...}, describe=...)
 
-Every transport (gloo.py, ucx.py, nccl.py) joins through `rendezvous_store`, so all agree on the store's
-layout. Under torchrun, TORCHELASTIC_USE_AGENT_STORE is popped around the store creation, or rank 0
-would not host the store (docs/FACTS.md).
+The store is hpcrl.transfer.bus_store: a torch.distributed.Store whose table the launcher keeps and
+whose every request is signed with the run's secret, so no port of the run accepts a peer without
+it (torch's TCPStore, used before, let anyone on the network join or disturb a formation, and the
+groups read pickled objects from it). Every transport (gloo.py, ucx.py, nccl.py) and the trainer
+ranks' own process group join through it, so all agree on its layout.
+
+A client finds the secret in HPCRL_STORE_SECRET_DIR (set by `serve_store` when it made a secret of
+its own: `hpcrl run`, tests, tools; processes started afterwards inherit it), else in the run
+directory HPCRL_RUN_DIR (a job's tasks, and the vLLM workers they start), as `bus.secret` (0600).
 """
 
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
-from datetime import timedelta
+import shutil
+import tempfile
 
 import torch.distributed as dist
 
+from hpcrl.bus.secret import Secret, SecretError, create_secret, load_secret
 from hpcrl.errors import TransferError
+from hpcrl.transfer.bus_store import BusStore, StoreServer
+
+SECRET_DIR_ENV = "HPCRL_STORE_SECRET_DIR"
 
 
-@contextmanager
-def _without_agent_store():
-    saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    try:
-        yield
-    finally:
-        if saved is not None:
-            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
+class ServedStore(StoreServer):
+    """A StoreServer that may own the directory of its secret (removed at close)."""
+
+    own_dir: str | None = None
+
+    def close(self) -> None:
+        super().close()
+        if self.own_dir is not None:
+            shutil.rmtree(self.own_dir, ignore_errors=True)
+            if os.environ.get(SECRET_DIR_ENV) == self.own_dir:
+                del os.environ[SECRET_DIR_ENV]
+            self.own_dir = None
 
 
-def host_store(host: str = "127.0.0.1", port: int = 0, *, timeout_s: float = 300.0) -> dist.TCPStore:
-    """A rendezvous store served by a launcher (the head, a test); port 0 picks a free port with no race.
+def serve_store(secret: Secret | None = None, *, bind: str = "tcp://127.0.0.1:0") -> ServedStore:
+    """Serve a rendezvous store on `bind` (a ZeroMQ address: port 0 picks a free one; ipc:// has none).
 
-    Pass its `.port` to every rank with `external_store=True`; keep the object alive meanwhile.
+    Without `secret` (a process with no run directory: `hpcrl run`, tests, tools) it uses the one in
+    HPCRL_STORE_SECRET_DIR, or makes one in a new private (0700) directory and points
+    HPCRL_STORE_SECRET_DIR at it, for its clients here and in processes started from now on.
+    Pass `.address` to every rank; close() it once the run is over.
     """
-    with _without_agent_store():
-        return dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout_s),
-                             wait_for_workers=False, multi_tenant=True)
+    own_dir = None
+    if secret is None:
+        try:
+            secret = load_secret(os.environ[SECRET_DIR_ENV])
+        except (KeyError, SecretError):
+            own_dir = tempfile.mkdtemp(prefix="hpcrl-store-")
+            secret = create_secret(own_dir)
+            os.environ[SECRET_DIR_ENV] = own_dir
+    server = ServedStore(secret, bind=bind)
+    server.own_dir = own_dir
+    return server
 
 
-def rendezvous_store(*, host: str, port: int, rank: int, world_size: int, timeout_s: float,
-                     external_store: bool, generation: int) -> tuple[dist.TCPStore, dist.PrefixStore]:
-    """The TCP store (rank 0 serves it unless `external_store`) and this formation's prefix in it.
+def serve_private_store() -> ServedStore:
+    """A store with no TCP port, for a run on one machine (`hpcrl run`): an ipc:// socket in a new
+    private (0700) directory that also holds a fresh secret, pointed at by HPCRL_STORE_SECRET_DIR
+    for the processes started from now on (vLLM's). Only this user can reach the socket's file, and
+    a request still needs the secret. close() removes the directory."""
+    own_dir = tempfile.mkdtemp(prefix="hpcrl-store-")
+    try:
+        secret = create_secret(own_dir)
+        server = ServedStore(secret, bind=f"ipc://{own_dir}/store")
+    except BaseException:
+        shutil.rmtree(own_dir, ignore_errors=True)
+        raise
+    server.own_dir = own_dir
+    os.environ[SECRET_DIR_ENV] = own_dir
+    return server
+
+
+def store_secret() -> Secret:
+    """The key of the run's rendezvous store, as a client finds it (see the module docstring)."""
+    where = os.environ.get(SECRET_DIR_ENV) or os.environ.get("HPCRL_RUN_DIR")
+    if not where:
+        raise TransferError(f"this process has no key for the rendezvous store: neither {SECRET_DIR_ENV} nor "
+                            "HPCRL_RUN_DIR is set (a job's head sets HPCRL_RUN_DIR for its tasks; serve_store sets "
+                            f"{SECRET_DIR_ENV} for processes started after it)")
+    return load_secret(where)
+
+
+def client_store(store: str, *, timeout_s: float) -> BusStore:
+    """A client of the rendezvous store at `store` (a ZeroMQ address), keyed with store_secret()."""
+    return BusStore(store, store_secret(), timeout_s=timeout_s)
+
+
+def rendezvous_store(*, store: str, rank: int, world_size: int, timeout_s: float,
+                     generation: int) -> tuple[BusStore, dist.PrefixStore]:
+    """A client of the store at `store` and this formation's prefix in it.
 
     `generation` tells apart groups formed again on the same store (after a replica was replaced).
     """
-    with _without_agent_store():
-        store = dist.TCPStore(host, port, world_size, is_master=rank == 0 and not external_store,
-                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False, multi_tenant=True)
-    name = f"hpcrl-transfer/{host}:{port}" + (f"/g{generation}" if generation else "")
-    return store, dist.PrefixStore(name, store)
+    client = client_store(store, timeout_s=timeout_s)
+    return client, dist.PrefixStore(f"hpcrl-transfer/g{generation}", client)
 
 
 def store_digests(prefix: dist.Store, *, rank: int, world_size: int, digest: str, describe, timeout_s: float,

@@ -1,6 +1,6 @@
 """The trainer side of a weight transfer: send from local FSDP2 shards, never `full_tensor()`.
 
-    sender = TrainerSender.connect(plan, rank=rank, host=host, port=port, timeout_s=120)   # transport="gloo"
+    sender = TrainerSender.connect(plan, rank=rank, store=address, timeout_s=120)   # transport="gloo"
     sender.send({name: shard.tensor for name, shard in engine.local_shards().items()})    # every step, every rank
 
 `send` takes each planned parameter's local shard under its HF name (the trainer engine's
@@ -29,13 +29,13 @@ class TrainerSender:
         self.last_seconds = 0.0
 
     @classmethod
-    def connect(cls, plan: TransferPlan, *, rank: int, host: str, port: int, timeout_s: float = 120.0,
-                external_store: bool = False, generation: int = 0, transport: str = "gloo") -> TrainerSender:
+    def connect(cls, plan: TransferPlan, *, rank: int, store: str, timeout_s: float = 120.0,
+                generation: int = 0, transport: str = "gloo") -> TrainerSender:
         world = plan.trainer.world_size + plan.inference.replicas * plan.inference.tensor_parallel
         if not 0 <= rank < plan.trainer.world_size:
             raise TransferError(f"trainer rank {rank} is outside the plan's {plan.trainer.world_size} trainer ranks")
-        group = open_group(transport, host=host, port=port, rank=rank, world_size=world, timeout_s=timeout_s,
-                           external_store=external_store, generation=generation)
+        group = open_group(transport, store=store, rank=rank, world_size=world, timeout_s=timeout_s,
+                           generation=generation)
         group.check_digests(rank=rank, digest=plan.digest, describe=lambda r: execute.describe_group_rank(plan, r))
         return cls(plan, group, rank=rank, timeout_s=timeout_s)
 

@@ -1,10 +1,10 @@
 """The UCX transport of the transfer group (optional): the one hpcrl module that imports ucxx.
 
-    group = open_ucx_group(host=..., port=..., rank=r, world_size=w, timeout_s=120)
+    group = open_ucx_group(store=address, rank=r, world_size=w, timeout_s=120)
 
 Install with `pip install ucxx-cu12` (RAPIDS' UCX bindings; on a machine without GPUs it moves
 host memory over shared memory or TCP). Every rank makes one UCX worker and publishes its worker
-address in the transfer group's TCP store; a sender makes an endpoint to a receiver from that
+address in the transfer group's rendezvous store; a sender makes an endpoint to a receiver from that
 address the first time it sends to it (`create_from_worker_address`: no listener, no port).
 Receives are posted on the worker (not on an endpoint) with a tag that carries both the sender's
 group rank and the message number, `(src << 32) | tag`, so every receive matches exactly one
@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.errors import TransferError
+from hpcrl.transfer.bus_store import BusStore
 from hpcrl.transfer.rendezvous import rendezvous_store, store_digests
 
 _TAG_BITS = 32
@@ -66,7 +67,7 @@ class UcxGroup:
 
     rank: int
     world_size: int
-    store: dist.TCPStore
+    store: BusStore
     prefix: dist.PrefixStore
     timeout_s: float
     transport = "ucx"
@@ -142,15 +143,16 @@ class UcxGroup:
     def close(self) -> None:
         self._endpoints.clear()
         self._worker = self._context = None
+        self.store.close()
 
 
-def open_ucx_group(*, host: str, port: int, rank: int, world_size: int, timeout_s: float,
-                   external_store: bool = False, generation: int = 0) -> UcxGroup:
+def open_ucx_group(*, store: str, rank: int, world_size: int, timeout_s: float,
+                   generation: int = 0) -> UcxGroup:
     """Make this rank's UCX worker and publish its address (see the module docstring)."""
     try:
-        store, prefix = rendezvous_store(host=host, port=port, rank=rank, world_size=world_size,
-                                         timeout_s=timeout_s, external_store=external_store, generation=generation)
+        client, prefix = rendezvous_store(store=store, rank=rank, world_size=world_size,
+                                          timeout_s=timeout_s, generation=generation)
     except Exception as err:  # noqa: BLE001 - re-raised with the rank and address
-        raise TransferError(f"transfer group rank {rank}/{world_size} could not reach the store at {host}:{port} "
+        raise TransferError(f"transfer group rank {rank}/{world_size} could not reach the store at {store} "
                             f"within {timeout_s:g} s: {err}") from err
-    return UcxGroup(rank=rank, world_size=world_size, store=store, prefix=prefix, timeout_s=timeout_s)
+    return UcxGroup(rank=rank, world_size=world_size, store=client, prefix=prefix, timeout_s=timeout_s)

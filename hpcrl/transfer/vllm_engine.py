@@ -81,12 +81,12 @@ def check_unquantized(model: torch.nn.Module, quantization: str | None, *, where
                                 f"float32, bfloat16 or float16). Fix: {fix}")
 
 
-def init_info(*, host: str, port: int, replica: int, trainer: TrainerLayout, inference: InferenceLayout,
-              wire_dtype: str, bucket_bytes: int, timeout_s: float = 120.0, external_store: bool = False,
+def init_info(*, store: str, replica: int, trainer: TrainerLayout, inference: InferenceLayout,
+              wire_dtype: str, bucket_bytes: int, timeout_s: float = 120.0,
               digest: str = "", generation: int = 0, transport: str = "gloo") -> dict[str, Any]:
     """The `init_info` dict for `LLM.init_weight_transfer_engine` (plain data: crosses collective_rpc)."""
-    return dict(host=host, port=port, replica=replica, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes,
-                timeout_s=timeout_s, external_store=external_store, digest=digest, generation=generation,
+    return dict(store=store, replica=replica, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes,
+                timeout_s=timeout_s, digest=digest, generation=generation,
                 transport=transport,
                 trainer=dict(dp_replicate=trainer.dp_replicate, dp_shard=trainer.dp_shard, naming=trainer.naming,
                              fuse_qkv=trainer.fuse_qkv),
@@ -96,15 +96,14 @@ def init_info(*, host: str, port: int, replica: int, trainer: TrainerLayout, inf
 
 @dataclass
 class HpcrlInitInfo(WeightTransferInitInfo):
-    host: str
-    port: int
+    store: str
+    """The rendezvous store's ZeroMQ address (hpcrl.transfer.rendezvous; its key: the run's secret)."""
     replica: int
     trainer: dict
     inference: dict
     wire_dtype: str
     bucket_bytes: int
     timeout_s: float = 120.0
-    external_store: bool = False
     digest: str = ""
     """When set, the digest the caller planned with; a worker that plans differently fails at once."""
     generation: int = 0
@@ -160,9 +159,8 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         self.timeout_s = info.timeout_s
         rank = execute.inference_group_rank(plan, self.replica, self.tp_rank)
         world = plan.trainer.world_size + inference.replicas * inference.tensor_parallel
-        self.group = group = open_group(info.transport, host=info.host, port=info.port, rank=rank, world_size=world,
-                                        timeout_s=info.timeout_s, external_store=info.external_store,
-                                        generation=info.generation)
+        self.group = group = open_group(info.transport, store=info.store, rank=rank, world_size=world,
+                                        timeout_s=info.timeout_s, generation=info.generation)
         group.check_digests(rank=rank, digest=plan.digest, describe=lambda r: execute.describe_group_rank(plan, r))
 
     # -- one update -----------------------------------------------------------------------

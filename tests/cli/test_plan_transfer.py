@@ -146,7 +146,7 @@ def test_the_cli_prints_the_plan_line_and_digest_that_the_runs_head_logs(config,
     assert done.returncode == 0, done.stderr
     printed = done.stdout.splitlines()[0]
     with caplog.at_level(logging.INFO, logger="hpcrl.rl.ports"):
-        BusPorts(load_config(config, overrides=overrides), _Head(), store_host="127.0.0.1", store_port=1)
+        BusPorts(load_config(config, overrides=overrides), _Head(), store="tcp://127.0.0.1:29500")
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight transfer plan ")]
     assert logged == [printed]
     if overrides:  # the CPU run transfers what vLLM serves there, not the model's dtype

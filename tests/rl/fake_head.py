@@ -2,7 +2,7 @@
 
     head = FakeHead()
     job = FakeJob(config, head)              # trainer ranks, inference replicas and reward, registered
-    ports = BusPorts(config, head, store_host="127.0.0.1", store_port=29500)
+    ports = BusPorts(config, head, store="tcp://127.0.0.1:29500")
     await ports.connect(timeout=5)
     job.kill_replica(1)                      # the head counts it dead; the launcher starts it again
 

@@ -339,7 +339,7 @@ async def connected(config: Config, **job_options) -> tuple[FakeJob, BusPorts]:
     """The real BusPorts over a fake job, connected, every replica on weight version 0."""
     head = FakeHead()
     job = FakeJob(config, head, **job_options)
-    ports = BusPorts(config, head, store_host="127.0.0.1", store_port=29500)
+    ports = BusPorts(config, head, store="tcp://127.0.0.1:29500")
     await ports.connect(timeout=5)
     await ports.sync_weights(0)
     return job, ports
@@ -440,7 +440,7 @@ def test_a_lost_replica_that_never_comes_back_fails_the_push_after_run_rejoin_ti
 
     async def scenario() -> None:
         job, ports = await connected(config, relaunch=False)
-        assert BusPorts(derived, FakeHead(), store_host="127.0.0.1", store_port=0).rejoin_timeout_s == 300
+        assert BusPorts(derived, FakeHead(), store="tcp://127.0.0.1:29500").rejoin_timeout_s == 300
         job.kill_replica(1)
         trained(job, 1)
         loop = asyncio.get_running_loop()
@@ -456,7 +456,7 @@ async def bus_run(config: Config, *, on_call=None) -> FakeJob:
     job = FakeJob(config, head, reward=FakeReward(broken_sample))
     if on_call is not None:
         job.on_call = on_call(job)
-    ports = BusPorts(config, head, store_host="127.0.0.1", store_port=29500)
+    ports = BusPorts(config, head, store="tcp://127.0.0.1:29500")
     await ports.connect(timeout=5)
     await run_loop(config, ports)
     return job

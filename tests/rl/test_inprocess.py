@@ -11,7 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
+from listening import HPCRL_RUN, check_listening, listening
 
 from hpcrl.rl import inprocess
 from hpcrl.rl.metrics import read_metrics
@@ -43,7 +45,8 @@ def test_embedded_default_learns_and_inference_matches_the_trainer_after_every_s
 
 
 @pytest.mark.timeout(300)
-def test_hpcrl_run_leaves_vllms_cpus_to_vllm_and_no_engine_process_behind_when_killed(tiny_model, tmp_path: Path):
+def test_hpcrl_run_leaves_vllms_cpus_to_vllm_listens_on_loopback_only_and_leaves_no_engine_process_when_killed(
+        tiny_model, tmp_path: Path):
     run = subprocess.Popen(
         [sys.executable, "-m", "hpcrl", "run", "configs/tiny_grpo.toml", "--set", f"run.run_dir={tmp_path / 'run'}",
          "--set", f"model.path={tiny_model}", "--set", "trainer.checkpoint_interval=0"],
@@ -71,6 +74,14 @@ def test_hpcrl_run_leaves_vllms_cpus_to_vllm_and_no_engine_process_behind_when_k
             if cpus != set(trainer):
                 elsewhere[f"{name} ({t})"] = cpus
         assert elsewhere == {}, f"threads of hpcrl run off the trainer's CPUs {trainer}"
+        # Issue 28: the rendezvous store has no TCP port (an ipc socket in a private directory), and every
+        # TCP listener left (gloo's, vLLM's: tests/rl/listening.py) is on the loopback address.
+        roles: dict[int, str | None] = {pid: None for pid in below} | {run.pid: "hpcrl run supervisor",
+                                                                      task: "hpcrl run task"}
+        check_listening(listening(roles), HPCRL_RUN, loopback_only=True)
+        stores = [c.laddr for c in psutil.Process(task).net_connections(kind="unix")
+                  if c.laddr and Path(c.laddr).name == "store" and Path(c.laddr).parent.name.startswith("hpcrl-store-")]
+        assert stores and all(Path(s).parent.stat().st_mode & 0o777 == 0o700 for s in stores), stores
         os.kill(task, signal.SIGKILL)
         assert run.wait(timeout=60) == -signal.SIGKILL
         left = live(below)

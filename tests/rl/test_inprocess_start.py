@@ -10,7 +10,6 @@ import pytest
 
 import hpcrl.inference.engine as engine_module
 import hpcrl.rl.inprocess as inprocess
-import hpcrl.transfer.rendezvous as rendezvous
 from hpcrl.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,10 +32,6 @@ class Part:
         self.closed.append(self.name)
 
 
-class Store:
-    port = 0
-
-
 @pytest.fixture
 def parts(monkeypatch):
     """Stand-ins for the three parts; returns (closed names, a setter of which part fails)."""
@@ -47,7 +42,6 @@ def parts(monkeypatch):
     monkeypatch.setattr(inprocess, "OneProcessTrainer", make("trainer"))
     monkeypatch.setattr(inprocess, "make_scorer", make("reward"))
     monkeypatch.setattr(engine_module.VllmEngine, "from_config", make("inference"))
-    monkeypatch.setattr(rendezvous, "host_store", lambda: Store())
     monkeypatch.setattr(inprocess.InProcessPorts, "_join_transfer", lambda self, transport: None)
     return closed, failing
 

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from listening import JOB, check_listening, job_processes, listening, speaks_zeromq
 from run_helpers import head_log, wait_for
 
 from hpcrl.launch import follow as jobs
@@ -52,8 +53,19 @@ def rows_of(run_dir: Path) -> list[tuple]:
 def test_hpcrl_resume_continues_a_checkpoint_of_two_trainer_ranks_on_one(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     base = ("--set", "trainer.steps=6", "--set", "trainer.checkpoint_interval=0")
-    first = submit(run_dir, tiny_model, *local(*base, "--set", "trainer.nodes=2"), "--steps", "3")
+    first = submit(run_dir, tiny_model, *local(*base, "--set", "trainer.nodes=2"), "--steps", "3", wait=False)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    try:
+        # Issue 28: once both groups formed, every TCP listener of the job is listed (tests/rl/listening.py):
+        # the head's two are signed with the run's secret, the rest gloo's and vLLM's.
+        wait_for(lambda: "weight-transfer group formed" in head_log(run_dir), "the transfer group", 300, poll_s=0.05)
+        sockets = listening(job_processes(run_dir))
+        head = [port for role, _, _, port in sockets if role == "head"]
+        assert len(head) == 2 and all(speaks_zeromq(port) for port in head), sockets  # signed; no TCPStore
+        check_listening(sockets, JOB, loopback_only=False)
+        assert jobs.wait(run_dir, timeout_s=600).state == "COMPLETED"
+    finally:
+        cancel_unless_done(run_dir, dict(os.environ))
     second = subprocess.run([sys.executable, "-m", "hpcrl", "resume", str(run_dir), "--set", "trainer.nodes=1",
                              "--wait"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
                             text=True, timeout=600)

@@ -280,7 +280,7 @@ def test_the_vllm_side_plans_the_same_transfer_from_the_init_info_the_check_send
 
     for preset in ("llama3-1b", "qwen2.5-0.5b"):
         plan = gpu_check_ranks.make_plan(PRESETS[preset], "bfloat16")
-        info = HpcrlInitInfo(**init_info(host="127.0.0.1", port=1, replica=0, **gpu_check_ranks.init_info_args(plan)))
+        info = HpcrlInitInfo(**init_info(store="tcp://127.0.0.1:1", replica=0, **gpu_check_ranks.init_info_args(plan)))
         # What HpcrlWeightTransferEngine.init_transfer_engine plans in each vLLM worker.
         theirs = plan_transfer(TrainerLayout(**info.trainer), InferenceLayout(**info.inference), PRESETS[preset],
                                wire_dtype=info.wire_dtype, bucket_bytes=info.bucket_bytes)

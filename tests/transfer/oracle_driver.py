@@ -75,7 +75,7 @@ def titan_module(ckpt: str, preset: str):
     return model, list(model.layers.children())
 
 
-def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_port: int, transfer_port: int, results) -> None:
+def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_store: str, transfer_store: str, results) -> None:
     try:
         import torch.distributed as dist
         from hf_module import checkpoint_module, local_shards
@@ -84,9 +84,10 @@ def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_port: int, t
         from hpcrl.config.model_shapes import PRESETS
         from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
         from hpcrl.plan.transfer_planner import plan as plan_transfer
+        from hpcrl.transfer.rendezvous import client_store
         from hpcrl.transfer.trainer import TrainerSender
 
-        store = dist.TCPStore("127.0.0.1", fsdp_port, world, is_master=False)
+        store = client_store(fsdp_store, timeout_s=120)
         dist.init_process_group("gloo", store=dist.PrefixStore("fsdp", store), rank=rank, world_size=world)
         naming = spec.get("naming", "hf")
         if naming == "torchtitan":
@@ -102,8 +103,8 @@ def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_port: int, t
         assert all(type(p.data).__name__ == "DTensor" for p in model.parameters())
         p = plan_transfer(TrainerLayout(dp_shard=world, naming=naming), InferenceLayout(tensor_parallel=spec["tp"]),
                           PRESETS[spec["preset"]], wire_dtype=spec["wire"], bucket_bytes=spec["bucket"])
-        sender = TrainerSender.connect(p, rank=rank, host="127.0.0.1", port=transfer_port, timeout_s=120,
-                                       external_store=True, transport=spec.get("transport", "gloo"))
+        sender = TrainerSender.connect(p, rank=rank, store=transfer_store, timeout_s=120,
+                                       transport=spec.get("transport", "gloo"))
         sent = sender.send(shards)
         results.put((rank, "ok", {"sent": sent, "seconds": sender.last_seconds,
                                   "local_rows": {k: list(v.shape) for k, v in list(shards.items())[:3]}}))
@@ -138,10 +139,11 @@ def main() -> int:
     from hpcrl.config.model_shapes import PRESETS
     from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
     from hpcrl.plan.transfer_planner import plan as plan_transfer
-    from hpcrl.transfer.rendezvous import host_store
+    from hpcrl.transfer.rendezvous import serve_store
     from hpcrl.transfer.vllm_engine import init_info
 
     t0 = time.perf_counter()
+    _keeper = serve_store()  # before vLLM starts: its workers inherit the stores' secret (HPCRL_STORE_SECRET_DIR)
     kwargs = dict(model=args.model, tensor_parallel_size=args.tp, dtype=args.wire, seed=0, max_model_len=128,
                   gpu_memory_utilization=0.15, enforce_eager=True, enable_prefix_caching=False,
                   worker_extension_cls="hpcrl.inference.vllm_worker.HpcrlWorkerExtension",
@@ -172,9 +174,9 @@ def main() -> int:
             reference, rounded = as_bfloat16(ckpt, work / f"{ckpt.name}-bf16")
         spec = {"preset": args.preset, "tp": args.tp, "bucket": args.bucket, "naming": naming, "transport": transport,
                 "wire": args.wire}
-        fsdp_store, transfer_store = host_store(), host_store()
+        fsdp_store, transfer_store = serve_store(), serve_store()
         results = ctx.Queue()
-        procs = [ctx.Process(target=trainer_rank, args=(str(ckpt), spec, r, k, fsdp_store.port, transfer_store.port,
+        procs = [ctx.Process(target=trainer_rank, args=(str(ckpt), spec, r, k, fsdp_store.address, transfer_store.address,
                                                         results)) for r in range(k)]
         for p in procs:
             p.start()
@@ -182,8 +184,8 @@ def main() -> int:
                           PRESETS[args.preset],
                           wire_dtype=args.wire, bucket_bytes=args.bucket)
         llm.init_weight_transfer_engine({"init_info": init_info(
-            host="127.0.0.1", port=transfer_store.port, replica=0, trainer=p.trainer, inference=p.inference,
-            wire_dtype=args.wire, bucket_bytes=args.bucket, timeout_s=120, external_store=True, digest=p.digest,
+            store=transfer_store.address, replica=0, trainer=p.trainer, inference=p.inference,
+            wire_dtype=args.wire, bucket_bytes=args.bucket, timeout_s=120, digest=p.digest,
             transport=transport)})
         t1 = time.perf_counter()
         llm.start_weight_update()

@@ -46,7 +46,7 @@ def transport(spec: dict) -> str:
     return name
 
 
-def trainer(spec: dict, rank: int, port: int, results) -> None:
+def trainer(spec: dict, rank: int, store: str, results) -> None:
     import time
 
     from hpcrl.transfer.trainer import TrainerSender
@@ -54,8 +54,8 @@ def trainer(spec: dict, rank: int, port: int, results) -> None:
         t0 = time.monotonic()
         try:
             p, shape = _plan(spec)
-            sender = TrainerSender.connect(p, rank=rank, host="127.0.0.1", port=port, timeout_s=60,
-                                           external_store=True, transport=transport(spec), generation=generation)
+            sender = TrainerSender.connect(p, rank=rank, store=store, timeout_s=60,
+                                           transport=transport(spec), generation=generation)
             sender.timeout_s = spec.get("timeout", 60)  # the transfer's deadline (forming may take longer)
             if spec.get("die_before_send") == rank:
                 import os
@@ -72,7 +72,7 @@ def trainer(spec: dict, rank: int, port: int, results) -> None:
                          time.monotonic() - t0))
 
 
-def receiver(spec: dict, replica: int, tp_rank: int, port: int, results) -> None:
+def receiver(spec: dict, replica: int, tp_rank: int, store: str, results) -> None:
     import time
     for generation in range(2 if "stall" in spec else 1):
         t0 = time.monotonic()
@@ -86,8 +86,8 @@ def receiver(spec: dict, replica: int, tp_rank: int, port: int, results) -> None
             p, shape = _plan(spec_here)
             rank = execute.inference_group_rank(p, replica, tp_rank)
             world = p.trainer.world_size + p.inference.replicas * p.inference.tensor_parallel
-            group = open_group(transport(spec), host="127.0.0.1", port=port, rank=rank, world_size=world,
-                               timeout_s=60, external_store=True, generation=generation)
+            group = open_group(transport(spec), store=store, rank=rank, world_size=world,
+                               timeout_s=60, generation=generation)
             group.check_digests(rank=rank, digest=p.digest, describe=lambda r, p=p: execute.describe_group_rank(p, r))
             dests = {d.name: torch.full(d.local_shape, -1.0) for d in p.dests}
             t0 = time.monotonic()
@@ -105,7 +105,7 @@ def receiver(spec: dict, replica: int, tp_rank: int, port: int, results) -> None
                          time.monotonic() - t0))
 
 
-def fake_scenario(scenario: str, rank: int, port: int, results) -> None:
+def fake_scenario(scenario: str, rank: int, store: str, results) -> None:
     """One rank of a two-rank exchange over the strict fake PyNccl (test_fake_pynccl.py)."""
     try:
         import time
@@ -117,8 +117,7 @@ def fake_scenario(scenario: str, rank: int, port: int, results) -> None:
         from vllm.distributed.utils import StatelessProcessGroup
 
         from hpcrl.transfer.rendezvous import rendezvous_store
-        store, prefix = rendezvous_store(host="127.0.0.1", port=port, rank=rank, world_size=2, timeout_s=60,
-                                         external_store=True, generation=0)
+        client, prefix = rendezvous_store(store=store, rank=rank, world_size=2, timeout_s=60, generation=0)
         comm = fake_pynccl.StrictFakePyNccl(StatelessProcessGroup(rank=rank, world_size=2, store=prefix),
                                             torch.device("cpu"), op_timeout=timedelta(seconds=3))
         assert isinstance(prefix, dist.PrefixStore)

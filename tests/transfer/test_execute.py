@@ -14,17 +14,17 @@ import torch
 
 from hpcrl.errors import TransferError
 from hpcrl.transfer import execute
-from hpcrl.transfer.rendezvous import host_store
+from hpcrl.transfer.rendezvous import client_store, serve_store
 
 
 def run(spec: dict, *, deadline: float = 90.0) -> list[tuple]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    store = host_store(timeout_s=deadline)
+    store = serve_store()
     t, inf = spec["trainer"], spec["inference"]
     world = t.get("dp_replicate", 1) * t["dp_shard"]
-    children = [ctx.Process(target=procs.trainer, args=(spec, r, store.port, results)) for r in range(world)]
-    children += [ctx.Process(target=procs.receiver, args=(spec, j, r, store.port, results))
+    children = [ctx.Process(target=procs.trainer, args=(spec, r, store.address, results)) for r in range(world)]
+    children += [ctx.Process(target=procs.receiver, args=(spec, j, r, store.address, results))
                  for j in range(inf.get("replicas", 1)) for r in range(inf["tensor_parallel"])]
     for c in children:
         c.start()
@@ -166,7 +166,7 @@ def test_a_disabled_pynccl_is_refused_before_anything_is_sent():
 
     from hpcrl.transfer.nccl import check_communicator
 
-    store = host_store(timeout_s=10)
+    store = client_store(serve_store().address, timeout_s=10)
     group = StatelessProcessGroup(rank=0, world_size=2, store=torch.distributed.PrefixStore("t", store))
     real = PyNcclCommunicator(group, device=0)
     assert real.disabled  # no CUDA NCCL here: the condition the guard exists for
@@ -181,9 +181,9 @@ def test_a_disabled_pynccl_is_refused_before_anything_is_sent():
 def test_the_nccl_transport_refuses_to_open_without_a_cuda_device():
     from hpcrl.transfer.registry import open_group
 
-    store = host_store(timeout_s=10)
+    store = serve_store()
     with pytest.raises(TransferError, match="needs a CUDA device"):
-        open_group("nccl", host="127.0.0.1", port=store.port, rank=0, world_size=2, timeout_s=5, external_store=True)
+        open_group("nccl", store=store.address, rank=0, world_size=2, timeout_s=5)
 
 
 def test_a_round_that_cannot_be_issued_names_every_peer_of_the_round():

@@ -10,13 +10,13 @@ import pytest
 import torch
 from fake_pynccl import FakeNcclError, StrictFakePyNccl
 
-from hpcrl.transfer.rendezvous import host_store
+from hpcrl.transfer.rendezvous import serve_store
 
 
 def exchange(scenario: str) -> dict[int, tuple]:
     ctx = mp.get_context("spawn")
-    results, store = ctx.Queue(), host_store(timeout_s=60)
-    children = [ctx.Process(target=procs.fake_scenario, args=(scenario, r, store.port, results)) for r in (0, 1)]
+    results, store = ctx.Queue(), serve_store()
+    children = [ctx.Process(target=procs.fake_scenario, args=(scenario, r, store.address, results)) for r in (0, 1)]
     for c in children:
         c.start()
     try:
