@@ -13,6 +13,7 @@ listener fails the test that folds this check in (tests/rl/test_inprocess.py, te
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import socket
 from pathlib import Path
@@ -25,7 +26,8 @@ HPCRL_RUN = {
                           "group's life and authenticates no peer; on the loopback address here)"),
     "VLLM::EngineCore": (14, "vLLM's: the TCPStore of its own one-process world group and gloo's listeners of its "
                              "CPU groups (world, TP, PP, DP, EP, ...), plus the transfer group's vLLM end (gloo); "
-                             "vLLM binds them to the loopback address"),
+                             "on the address the host name resolves to: loopback for hpcrl run here, the "
+                             "node's address in a job on the local cluster"),
 }
 
 #: A job's processes on one machine (the local executor or cluster): role -> (most listeners per
@@ -39,6 +41,12 @@ JOB = {
     "reward": (0, "none"),
     "VLLM::EngineCore": HPCRL_RUN["VLLM::EngineCore"],
 }
+
+
+#: The same job under Slurm: each group's srun too (Slurm's own listeners, for its step's messages and
+#: I/O, authenticated by Slurm: munge credentials, and the step's I/O key for the I/O connections).
+SLURM_JOB = {**JOB, "srun": (4, "Slurm's: srun's listeners for its step's messages from slurmd/slurmstepd and its "
+                                "tasks' I/O connections, authenticated by Slurm (munge, the step's I/O key)")}
 
 
 def job_processes(run_dir: Path) -> dict[int, str | None]:
@@ -85,19 +93,47 @@ def is_loopback(ip: str) -> bool:
     return ipaddress.ip_address(ip.split("%")[0]).is_loopback
 
 
+def _listeners_of(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of the TCP sockets process `pid` listens on, read from /proc/<pid>/net/tcp{,6}:
+    the tables of the process's own network namespace (psutil reads the caller's, and the local
+    cluster's nodes each have their own), matched by socket inode to the process's descriptors."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        try:
+            rows = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: TCP_LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)
+            # /proc prints each 32-bit word of the address in host (little-endian) order
+            packed = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            ip = socket.inet_ntop(socket.AF_INET if width == 4 else socket.AF_INET6, packed)
+            found.append((ip, int(port, 16)))
+    return found
+
+
 def listening(roles: dict[int, str | None]) -> list[tuple[str, int, str, int]]:
     """(role, pid, address, port) of every TCP socket the processes `roles` (pid -> role, or None: the
     process's name, e.g. VLLM::EngineCore) listen on."""
     found = []
     for pid, role in roles.items():
         try:
-            process = psutil.Process(pid)
-            role = role or process.name()  # the whole name (/proc's comm is cut at 15 characters)
-            conns = process.net_connections(kind="tcp")
-        except psutil.NoSuchProcess:
+            role = role or psutil.Process(pid).name()  # the whole name (/proc's comm is cut at 15 characters)
+            found += [(role, pid, ip, port) for ip, port in _listeners_of(pid)]
+        except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
             continue
-        found += [(role, pid, c.laddr.ip, c.laddr.port) for c in conns
-                  if c.status == psutil.CONN_LISTEN and c.family in (socket.AF_INET, socket.AF_INET6)]
     return sorted(found)
 
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from listening import JOB, check_listening, job_processes, listening, speaks_zeromq
+from listening import JOB, SLURM_JOB, check_listening, job_processes, listening, speaks_zeromq
 from run_helpers import head_log, wait_for
 
 from hpcrl.launch import follow as jobs
@@ -205,6 +205,12 @@ def test_killing_the_inference_replica_loses_no_rollout_and_it_is_back_on_curren
     assert queued.returncode == 0, queued.stderr
     try:
         wait_for(lambda: "step   10/" in head_log(run_dir), "step 10", 300)
+        # Issue 28: every TCP listener of a hetjob on the local cluster is listed (tests/rl/listening.py).
+        sockets = listening(job_processes(run_dir))
+        print("listening:\n" + "\n".join(f"  {role} (pid {p}): {ip}:{port}" for role, p, ip, port in sockets))
+        head = [port for role, _, _, port in sockets if role == "head"]
+        assert len(head) == 2, sockets  # the bus and the signed rendezvous store; no TCPStore
+        check_listening(sockets, SLURM_JOB, loopback_only=False)
         pid = reported_pid(run_dir, "inference", rank=0)
         # Right after a step's line the next batch is being generated (~0.1-0.2 s): kill it then.
         wait_for(lambda: "step   15/" in head_log(run_dir), "step 15", 120, poll_s=0.01)
