@@ -67,6 +67,8 @@ CHANGEABLE_KEYS = (
     "inference.gpu_memory_utilization", "inference.kv_cache_gib", "inference.enforce_eager",
     "inference.transfer_round_mib", "inference.weight_transport", "trainer.activation_checkpointing",
     "reward.workers",
+    # evaluation on the held-out prompts: it changes no training step (hpcrl.rl.controller)
+    "eval.*",
     # where the run is recorded
     "run.run_dir", "run.wandb_project", "run.wandb_entity", "run.wandb_mode", "run.ignore_memory_plan",
 )
