@@ -77,6 +77,20 @@ def test_eval_keys_are_checked_and_eval_without_held_out_prompts_is_refused_nami
     assert (config.eval.interval, config.eval.greedy, config.eval.pass_k, config.eval.at_start) == (10, True, 4, True)
 
 
+def test_evaluation_may_be_turned_on_or_changed_for_a_run_that_has_checkpoints():
+    """It changes no training step, so a run continues its checkpoints with it (the held-out fraction of a
+    file, which takes prompts from training, is still a change of the run)."""
+    from hpcrl.launch.submit import config_changes
+
+    tiny = REPO / "configs" / "tiny_grpo.toml"
+    old = load_config(tiny)
+    evaluated = load_config(tiny, overrides=["eval.interval=10", "eval.n=8", "data.eval_source=builtin:echo",
+                                             "data.eval_size=16", "data.eval_split=test"])
+    assert config_changes(old, evaluated) == []
+    assert [key for key, _, _ in config_changes(old, load_config(tiny, overrides=["data.split=other"]))] == \
+        ["data.split"]
+
+
 # -- what the user sees ------------------------------------------------------------------------------
 def test_an_evaluated_step_shows_its_pass_at_1_in_the_progress_line_and_the_run_ends_with_the_rise():
     rows = [{"step": 0, "weight_version": 0, "eval/pass@1": 0.0625, "eval/pass@4": 0.2, "eval/reward_mean": 0.0625,
