@@ -30,7 +30,8 @@ Evaluation ([eval], hpcrl.rl.evaluation): after step s's weight sync, when s + 1
 eval.interval (or the last step), and before batch s + 1 + lag is generated, the held-out prompts are
 generated with version s + 1 (the one just synced; the inference group is otherwise idle: batch
 s + lag was generated and is scored) and scored, and the figures join step s + 1's metrics. With
-eval.at_start, version 0 is evaluated too, before batch 0, into a row of its own (step 0). It takes no
+eval.at_start, version 0 is evaluated too, before step 0 (batches 0 .. lag - 1 generated), into a row
+of its own (step 0); a resumed run does not repeat it. It takes no
 prompt from the stream, its seed is eval_seed(run.seed, s + 1), not a batch's, and it touches neither
 the buffer nor the trainer, so every training figure is the same with it on or off; its cost,
 eval/time_s, is not part of time_step_s.

@@ -617,6 +617,15 @@ def test_an_evaluation_sample_whose_reward_failed_is_counted_and_its_prompt_left
     assert evaluations(runs)[-1]["eval/pass@1"] == 1.0  # the nine scored prompts pass; a zero would make it 0.9
 
 
+def test_an_evaluation_generated_with_other_weights_than_the_step_made_fails_the_loop(runs):
+    ports = FakePorts()
+    ports.inference.ignored_versions = {2}  # on-policy, batch 2 would be the first to show it: the evaluation is
+    with pytest.raises(ControllerError, match=r"the evaluation after step 2 was generated with weight versions "
+                                              r"\[1\], expected 2: the inference group missed a weight sync"):
+        loop_once(with_eval(config_for(runs, lag=0), interval=2), ports)
+    assert ("train", 2, "begin") not in ports.events
+
+
 def test_a_resumed_run_repeats_the_evaluations_of_an_uninterrupted_one(runs, logged):
     config = with_eval(config_for(runs / "whole"), interval=2, n=4, k=3)
     loop_once(config, FakePorts())
