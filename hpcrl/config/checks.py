@@ -37,6 +37,7 @@ def check_config(config: Config) -> ModelShape:
     _check_weight_transport(config)
     _check_reward(config)
     _check_data(config)
+    _check_eval(config)
     return shape
 
 
@@ -264,6 +265,17 @@ def _check_data(config: Config) -> None:
               'give the path of a JSONL or Parquet file, a `datasets` save_to_disk directory, '
               'or a builtin task such as "builtin:arithmetic"')
     _check_eval_source(config.data.eval_source)
+
+
+def _check_eval(config: Config) -> None:
+    """eval.interval > 0 needs held-out prompts to evaluate on."""
+    data = config.data
+    if config.eval.interval and not (data.eval_source or data.eval_fraction):
+        builtin = data.source.startswith("builtin:")
+        _fail("eval.interval", f"is {config.eval.interval} but the run has no evaluation prompts",
+              f'set data.eval_source = "{data.source}" (its test split)' if builtin else
+              "set data.eval_fraction = 0.05 (5% of data.source held out) or data.eval_source = a file of "
+              "prompts; or eval.interval = 0")
 
 
 def _check_eval_source(source: str) -> None:

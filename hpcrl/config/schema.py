@@ -5,7 +5,7 @@ A run is one TOML file (see configs/), merged over a cluster profile (see launch
 each field carries a one-line docstring, and each class checks its own values in
 `__post_init__` (cross-table rules live in `hpcrl.config.checks`).
 
-    [run] [model] [trainer] [checkpoint] [inference] [reward] [algorithm] [data] [cluster] [groups.<name>]
+    [run] [model] [trainer] [checkpoint] [inference] [reward] [algorithm] [data] [eval] [cluster] [groups.<name>]
 """
 
 from __future__ import annotations
@@ -443,6 +443,48 @@ class DataConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """[eval]: evaluation on the held-out prompts (data.eval_source or data.eval_fraction) while the run trains.
+    Every `interval` steps, after the step's weight sync, the inference group generates for those prompts with
+    the weights just synced (version = the step), the run's reward scores them, and the step's metrics row gets
+    eval/pass@1, eval/pass@K (K = `k`), eval/reward_mean, eval/length_mean, eval/prompts, eval/reward_errors and
+    eval/time_s. It draws no training prompt and no training seed, so the training metrics are the same with it
+    on or off; its own sampling seed is fixed by (run.seed, step), so a resumed run repeats its figures."""
+
+    interval: int = 0
+    """Evaluate after every this many steps, and after the last one; 0 = no evaluation."""
+    at_start: bool = True
+    """Also evaluate the initial weights before step 1 (a row of its own, step 0), so the rise shows."""
+    greedy: bool = True
+    """One greedy completion per prompt: eval/pass@1 (and reward_mean, length_mean) are of it."""
+    n: int = 0
+    """Completions sampled per prompt at `temperature`, for eval/pass@K (and pass@1 when greedy = false)."""
+    k: int = 0
+    """K of eval/pass@K, at most n; 0 = n. The unbiased estimator 1 - C(n-c, K) / C(n, K), averaged over prompts."""
+    temperature: float = 1.0
+    """Temperature of the n sampled completions (greedy ignores it)."""
+    max_prompts: int = 0
+    """Evaluation prompts used (the first ones of the held-out list); 0 = all of them."""
+    pass_threshold: float = 1.0
+    """A completion passes when its reward is at least this (1.0: fully correct under a 0/1 verifier)."""
+
+    def __post_init__(self) -> None:
+        for key in ("interval", "n", "k", "max_prompts"):
+            _positive(getattr(self, key), key, allow_zero=True)
+        _require(self.greedy or self.n > 0, "n", "is 0 and greedy = false: evaluation would generate nothing",
+                 "set greedy = true, or n = 8 (sampled completions per prompt)")
+        _require(self.k <= self.n, "k", f"is {self.k}, above n = {self.n}: pass@k needs at least k samples",
+                 f"set k to at most {self.n}, or raise n")
+        _require(self.temperature > 0, "temperature", f"must be above 0, got {self.temperature}",
+                 "set temperature = 1.0 (greedy = true gives the greedy completion)")
+
+    @property
+    def pass_k(self) -> int:
+        """K of eval/pass@K: `k`, or n when k is 0 (0 when nothing is sampled)."""
+        return self.k or self.n
+
+
+@dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
     name: str = "none"
     """Name of the cluster profile (set by launch/<name>.toml)."""
@@ -580,6 +622,8 @@ class Config:
     """[reward]: how completions are scored."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """[algorithm]: GRPO settings."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """[eval]: pass@1 / pass@k on the held-out prompts every eval.interval steps."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """[cluster]: the cluster profile (usually from launch/<name>.toml)."""
     groups: dict[str, GroupConfig] = field(default_factory=dict)

@@ -112,7 +112,8 @@ class VllmEngine:
                    temperature=inf.temperature, top_p=inf.top_p, top_k=inf.top_k, max_tokens=inf.max_tokens,
                    kv_cache_gib=inf.kv_cache_gib, weight_transfer=weight_transfer, cpu_binding=cpu_binding)
 
-    def generate(self, prompts: list[Prompt], *, n: int, seed: int, offset: int = 0) -> list[list[Completion]]:
+    def generate(self, prompts: list[Prompt], *, n: int, seed: int, offset: int = 0,
+                 temperature: float | None = None) -> list[list[Completion]]:
         """`n` completions of every prompt, as one list per prompt, in prompt order.
 
         The list is one chunk of a batch: prompt k is prompt `offset + k` of the batch. Its tokens are
@@ -121,7 +122,9 @@ class VllmEngine:
         from vllm import RequestOutput, SamplingParams
 
         llm = self.llm
-        params = SamplingParams(n=n, logprobs=0, **self._sampling)  # no seed: the batched sampler
+        # temperature: an evaluation's (hpcrl.rl.evaluation; 0.0 is greedy), else the rollouts' inference.temperature.
+        sampling = self._sampling if temperature is None else {**self._sampling, "temperature": temperature}
+        params = SamplingParams(n=n, logprobs=0, **sampling)  # no seed: the batched sampler
         if self.prefix_caching and not llm.reset_prefix_cache():
             raise InferenceError("vLLM could not empty its prefix cache before a generate (requests still running?)")
         llm.collective_rpc("hpcrl_seed_sampling", args=(chunk_seed(seed, offset),))

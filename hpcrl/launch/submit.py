@@ -67,6 +67,9 @@ CHANGEABLE_KEYS = (
     "inference.gpu_memory_utilization", "inference.kv_cache_gib", "inference.enforce_eager",
     "inference.transfer_round_mib", "inference.weight_transport", "trainer.activation_checkpointing",
     "reward.workers",
+    # evaluation on the held-out prompts: it changes no training step (hpcrl.rl.controller); data.eval_fraction,
+    # which takes prompts from training, is not among them
+    "eval.*", "data.eval_source", "data.eval_split", "data.eval_size",
     # where the run is recorded
     "run.run_dir", "run.wandb_project", "run.wandb_entity", "run.wandb_mode", "run.ignore_memory_plan",
 )
@@ -187,7 +190,7 @@ def refuse_changed_config(run_dir: Path, config: Config, *, command: str = "hpcr
                           f"config; {command} would continue them with {len(changes)} key(s) changed: {listed}",
                           fix=f"continue them on purpose with `hpcrl resume {run_dir} --set KEY=VALUE` for each key "
                           "(hpcrl run: add --resume), or set run.run_dir to a new directory to start afresh. Steps, "
-                          "checkpointing, time limits, placement and memory settings may change freely")
+                          "checkpointing, evaluation, time limits, placement and memory settings may change freely")
 
 
 def submit_run(config: Config, *, dry_run: bool = False, hold_s: float = 0.0,

@@ -26,6 +26,16 @@ round ends before the batch enters the buffer, so a resumed run generates the sa
 A checkpoint after step s holds the trainer state (version s + 1), the prompt cursor and the
 scored batches s + 1 .. s + lag already in the buffer; resuming re-pushes version s + 1 and goes on.
 
+Evaluation ([eval], hpcrl.rl.evaluation): after step s's weight sync, when s + 1 is a multiple of
+eval.interval (or the last step), and before batch s + 1 + lag is generated, the held-out prompts are
+generated with version s + 1 (the one just synced; the inference group is otherwise idle: batch
+s + lag was generated and is scored) and scored, and the figures join step s + 1's metrics. With
+eval.at_start, version 0 is evaluated too, before step 0 (batches 0 .. lag - 1 generated), into a row
+of its own (step 0); a resumed run does not repeat it. It takes no
+prompt from the stream, its seed is eval_seed(run.seed, s + 1), not a batch's, and it touches neither
+the buffer nor the trainer, so every training figure is the same with it on or off; its cost,
+eval/time_s, is not part of time_step_s.
+
 `logprob_mismatch` = mean |logprob_vllm - logprob_trainer| over the tokens the policy generated (the
 rollouts' policy masks), under the same
 weights: the check that the syncs deliver exactly the trainer's weights. At lag 0 the step's batch
@@ -41,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -53,6 +64,7 @@ from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
 from hpcrl.reward.types import RewardResult, Sample
 from hpcrl.rl.buffer import ReplayBuffer, ScoredGroup
+from hpcrl.rl.evaluation import PromptOutcome, eval_metrics, eval_seed, prompt_outcomes
 from hpcrl.rl.rollouts import batch_from_groups, samples_for, score_groups
 from hpcrl.rl.startup import StartupClock
 from hpcrl.trainer.types import TrainBatch
@@ -66,9 +78,11 @@ class ControllerError(HpcrlError):
 
 
 class Ports(Protocol):
-    """What the controller needs from the groups."""
+    """What the controller needs from the groups. generate's temperature: None = inference.temperature
+    (rollouts); the evaluation passes its own (0.0 = greedy)."""
 
-    async def generate(self, prompts: list[Prompt], *, n: int, seed: int) -> list[list[Completion]]: ...
+    async def generate(self, prompts: list[Prompt], *, n: int, seed: int,
+                       temperature: float | None = None) -> list[list[Completion]]: ...
     async def score(self, samples: list[Sample]) -> list[RewardResult]: ...
     async def train_step(self, batch: TrainBatch, *, step: int) -> dict[str, float]: ...
     async def sync_weights(self, version: int) -> None: ...
@@ -108,6 +122,8 @@ class Controller:
         self.buffer = ReplayBuffer(max_policy_lag=self.lag)
         self.state = LoopState()
         self.on_step = on_step  # called with (state, metrics) after each step: checkpoints, metrics
+        self.on_eval: Callable[[Controller, dict], Awaitable[None]] | None = None
+        """Called with (controller, metrics) after the evaluation of the initial weights (eval.at_start): row 0."""
         self.startup = startup
         """The ports' start-up clock: the first sync is timed into it, and its figures join the first step's metrics."""
 
@@ -223,6 +239,12 @@ class Controller:
         if stream is not None and self.state.step == 0:
             startup = {**startup, "prompts_dropped_too_long": float(stream.dropped),
                        "eval_prompts_dropped_too_long": float(stream.eval_dropped)}
+        if self.state.step == 0 and self.config.eval.interval and self.config.eval.at_start:
+            # Version 0, synced above; batches 0 .. lag - 1 are scored and in the buffer (a resume skips this:
+            # its metrics.jsonl kept row 0).
+            initial = {"step": 0, "weight_version": 0, **await self._evaluate(0)}
+            if self.on_eval is not None:
+                await self.on_eval(self, initial)
         while self.state.step < steps:
             step = self.state.step
             started = time.monotonic()
@@ -255,9 +277,11 @@ class Controller:
                 raise
             if generation is not None:
                 await generation  # batch step + lag scored and in the buffer: what a checkpoint of this step holds
+            elapsed = time.monotonic() - started
+            # The inference group holds version step + 1 and has nothing else to do until the next step.
+            evaluation = await self._evaluate(step + 1) if self._eval_due(step + 1) else {}
             self.state.step = step + 1
             rollout = self.state.rollout_metrics.pop(str(step), {})
-            elapsed = time.monotonic() - started
             busy = (train_done - train_started) + (sync_done - sync_started)
             # The reward of every scored rollout, also of groups that zero-variance filtering drops (and,
             # with dynamic sampling, of every round).
@@ -269,7 +293,7 @@ class Controller:
                 "groups_held_out_total": self.state.held_out_groups, "logprob_mismatch": mismatch,
                 "time_train_s": train_done - train_started, "time_weight_sync_s": sync_done - sync_started,
                 "time_step_s": elapsed, "train_tokens": sum(len(s) for s in batch.input_ids),
-                **train_metrics, **rollout, **startup,
+                **train_metrics, **rollout, **startup, **evaluation,
             }
             startup = {}
             generate_time = metrics.get("time_generate_s", 0.0) + metrics.get("time_reward_s", 0.0)
@@ -280,6 +304,51 @@ class Controller:
             metrics["train_tokens_per_s"] = metrics["train_tokens"] / max(metrics["time_train_s"], 1e-9)
             if self.on_step is not None:
                 await self.on_step(self, metrics)
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def _eval_due(self, step: int) -> bool:
+        """Whether the weights after `step` are evaluated: every eval.interval steps, and the last step."""
+        interval = self.config.eval.interval
+        return bool(interval) and (step % interval == 0 or step == self.config.trainer.steps)
+
+    def _eval_prompts(self) -> list[Prompt]:
+        assert self.stream is not None  # read when run() starts
+        prompts = self.stream.eval_prompts()
+        if self.config.eval.max_prompts:
+            prompts = prompts[:self.config.eval.max_prompts]
+        if not prompts:
+            dropped = f" (all {self.stream.eval_dropped} are longer than data.max_prompt_tokens)" \
+                if self.stream.eval_dropped else ""
+            raise ControllerError(f"eval.interval = {self.config.eval.interval} but no evaluation prompt is "
+                                  f"left{dropped}. Fix: raise data.max_prompt_tokens, give other prompts in "
+                                  "data.eval_source, or set eval.interval = 0")
+        return prompts
+
+    async def _evaluate(self, version: int) -> dict:
+        """Generate for the held-out prompts with weight version `version` (greedy and/or eval.n samples),
+        score them with the run's reward, and return the eval/ metrics (module docstring)."""
+        settings = self.config.eval
+        prompts = self._eval_prompts()
+        started = time.monotonic()
+        seed = eval_seed(self.config.run.seed, version)
+        greedy = sampled = None
+        if settings.greedy:
+            greedy = await self._eval_round(prompts, version, n=1, seed=seed, temperature=0.0)
+        if settings.n:
+            sampled = await self._eval_round(prompts, version, n=settings.n, seed=seed,
+                                             temperature=settings.temperature)
+        metrics = eval_metrics(greedy=greedy, sampled=sampled, k=settings.pass_k, threshold=settings.pass_threshold)
+        return {**metrics, "eval/time_s": time.monotonic() - started}
+
+    async def _eval_round(self, prompts: list[Prompt], version: int, *, n: int, seed: int,
+                          temperature: float) -> list[PromptOutcome]:
+        completions = await self.ports.generate(prompts, n=n, seed=seed, temperature=temperature)
+        versions = {c.weight_version for g in completions for c in g}
+        if versions != {version}:
+            raise ControllerError(f"the evaluation after step {version} was generated with weight versions "
+                                  f"{sorted(versions)}, expected {version}: the inference group missed a weight sync")
+        results = await self.ports.score(samples_for(prompts, completions))
+        return prompt_outcomes(prompts, completions, results)
 
     async def _mismatch(self, step: int, groups: list, train_metrics: dict) -> float | None:
         """`logprob_mismatch` of step `step` (module docstring); None on a step that measures none."""

@@ -234,8 +234,9 @@ class InProcessPorts:
             joined.result()
 
     # -- Ports ---------------------------------------------------------------------------------
-    async def generate(self, prompts: list[Prompt], *, n: int, seed: int) -> list[list[Completion]]:
-        return await asyncio.to_thread(self.inference.generate, prompts, n=n, seed=seed)
+    async def generate(self, prompts: list[Prompt], *, n: int, seed: int,
+                       temperature: float | None = None) -> list[list[Completion]]:
+        return await asyncio.to_thread(self.inference.generate, prompts, n=n, seed=seed, temperature=temperature)
 
     async def score(self, samples: list[Sample]) -> list[RewardResult]:
         return await asyncio.to_thread(self.rewards.score, samples)

@@ -6,8 +6,10 @@ Resumes from the newest complete checkpoint of the run directory (a corrupt or p
 reported and moved to checkpoints/corrupt/; when none verifies the run stops, see
 checkpoint.on_unusable), rewinds metrics.jsonl to that step (or empties it), writes metrics.jsonl (and TensorBoard, and W&B when run.wandb_project is
 set), logs a progress line per step (logger hpcrl.progress: on a terminal it rewrites itself, and
-every tenth of the run it stays), and checkpoints every trainer.checkpoint_interval steps and
-after the last one.
+every tenth of the run it stays; a step evaluated ([eval]) shows its eval pass@1), and checkpoints
+every trainer.checkpoint_interval steps and after the last one. The evaluation of the initial
+weights (eval.at_start) is row 0 of metrics.jsonl. At the end it logs the reward curve and, when
+the run evaluated, its eval pass@1 from first to last.
 Ports must also offer `save_trainer(directory)` and `load_trainer(directory)`.
 """
 
@@ -27,7 +29,7 @@ from hpcrl.rl.checkpointing import (
     store_for,
 )
 from hpcrl.rl.controller import Controller
-from hpcrl.rl.metrics import MetricsLog, WandbTarget, read_metrics, reward_curve
+from hpcrl.rl.metrics import MetricsLog, WandbTarget, eval_summary, read_metrics, reward_curve
 from hpcrl.rl.startup import startup_summary
 
 log = logging.getLogger(__name__)
@@ -41,9 +43,14 @@ def progress_line(metrics: dict, total: int | None = None) -> str:
         value = metrics.get(key)
         return "-" if value is None else format(value, fmt)
     of = f"/{total}" if total else ""
+    # A step evaluated ([eval]) shows its pass@1 and what the evaluation took.
+    evaluated = f"  eval pass@1 {num('eval/pass@1', '.3f')} ({num('eval/time_s', '.2f')}s)" \
+        if "eval/pass@1" in metrics else ""
+    if metrics["step"] == 0:  # the evaluation of the initial weights (eval.at_start), before step 1
+        return f"step {0:>4}{of}  initial weights{evaluated}"
     return (f"step {metrics['step']:>4}{of}  reward {num('reward_mean', '.3f')}  loss {num('loss', '+.4f')}  "
             f"mismatch {num('logprob_mismatch', '.1e')}  gen {num('time_generate_s', '.2f')}s  "
-            f"train {num('time_train_s', '.2f')}s  sync {num('time_weight_sync_s', '.2f')}s")
+            f"train {num('time_train_s', '.2f')}s  sync {num('time_weight_sync_s', '.2f')}s{evaluated}")
 
 
 class _StopAfter(Exception):
@@ -110,12 +117,22 @@ async def run_loop(config: Config, ports, *, steps: int | None = None,
         if stopping:
             raise Preempted(step)
 
+    async def on_eval(ctl: Controller, metrics: dict) -> None:
+        """The evaluation of the initial weights (eval.at_start): row 0 of metrics.jsonl, a line that stays."""
+        metrics_log.write(metrics)
+        progress.info(progress_line(metrics, total), extra={"keep": True})
+
     controller.on_step = on_step
+    controller.on_eval = on_eval
     try:
         await controller.run()
     except _StopAfter:
         pass
     finally:
         metrics_log.close()
-    log.info(reward_curve(read_metrics(config.run_dir)))
+    rows = read_metrics(config.run_dir)
+    log.info(reward_curve(rows))
+    evaluated = eval_summary(rows)
+    if evaluated is not None:
+        log.info(evaluated)
     return controller

@@ -184,3 +184,36 @@ def reward_curve(rows: list[dict], *, window: int = 10, points: int = 20) -> str
     lines += [f"  step {step:>5}  {mean:5.3f}  {'#' * round(mean * 40)}" for step, mean in shown]
     return "\n".join(lines)
 
+
+
+def _pass_keys(rows: list[dict]) -> list[str]:
+    """The eval/pass@K keys of `rows`, pass@1 first, then by K."""
+    keys = {k for r in rows for k in r if k.startswith("eval/pass@")}
+    return sorted(keys, key=lambda k: int(k.removeprefix("eval/pass@")))
+
+
+def eval_summary(rows: list[dict], *, points: int = 20) -> str | None:
+    """The run's evaluations as text (hpcrl.rl.evaluation): eval/pass@1 from the first to the last and its
+    best, then up to `points` evaluations with their figures; None when the run evaluated nothing."""
+    evals = [r for r in rows if "eval/pass@1" in r]
+    if not evals:
+        return None
+    keys = _pass_keys(evals)
+
+    def num(value, fmt: str = ".3f") -> str:
+        return "-" if value is None else format(value, fmt)
+    first, last = evals[0], evals[-1]
+    scored = [r for r in evals if r["eval/pass@1"] is not None]
+    best = f", best {num(max(scored, key=lambda r: r['eval/pass@1'])['eval/pass@1'])} at step " \
+           f"{max(scored, key=lambda r: r['eval/pass@1'])['step']}" if scored else ""
+    lines = [f"eval pass@1 ({last.get('eval/prompts', '?')} prompts): {num(first['eval/pass@1'])} at step "
+             f"{first['step']} -> {num(last['eval/pass@1'])} at step {last['step']}{best}"]
+    stride = max(1, -(-len(evals) // points))
+    shown = evals[::stride]
+    if shown[-1] is not last:
+        shown.append(last)
+    for r in shown:
+        figures = "  ".join(f"{k.removeprefix('eval/')} {num(r.get(k))}" for k in keys)
+        lines.append(f"  step {r['step']:>5}  {figures}  reward {num(r.get('eval/reward_mean'))}  "
+                     f"length {num(r.get('eval/length_mean'), '.1f')}  {num(r.get('eval/time_s'), '.1f')} s")
+    return "\n".join(lines)

@@ -9,7 +9,8 @@
                   dies goes to another, or waits until the head has started the lost one again and
                   it was caught up (group formed again, current weights pushed); a chunk's tokens
                   depend on its prompts, its place in the batch and the seed, so where it runs
-                  changes nothing (with the same number of replicas: hpcrl.inference.engine)
+                  changes nothing (with the same number of replicas: hpcrl.inference.engine); an
+                  evaluation's prompts are split the same way, at its own temperature
   score           the reward group (route)
   train_step      every trainer rank (call_all), each takes its share of the batch
   sync_weights    trainer ranks send, every inference replica receives (point to point, the transfer plan)
@@ -211,12 +212,15 @@ class BusPorts:
                 await asyncio.sleep(RETRY_PAUSE_S)
 
     # -- Ports ---------------------------------------------------------------------------------
-    async def generate(self, prompts: list[Prompt], *, n: int, seed: int) -> list[list[Completion]]:
+    async def generate(self, prompts: list[Prompt], *, n: int, seed: int,
+                       temperature: float | None = None) -> list[list[Completion]]:
         size = -(-len(prompts) // self.replicas)
         chunks = [(k, prompts[k:k + size]) for k in range(0, len(prompts), size)]
+        # An evaluation's temperature (0.0: greedy); rollouts send none and sample at inference.temperature.
+        extra = {} if temperature is None else {"temperature": temperature}
         parts = await asyncio.gather(*(
             self._call_inference("generate", {"prompts": [asdict(p) for p in chunk], "n": n, "seed": seed,
-                                              "offset": offset})
+                                              "offset": offset, **extra})
             for offset, chunk in chunks))
         return [[Completion(**c) for c in group] for part in parts for group in part]
 

@@ -1,6 +1,8 @@
 """`python -m hpcrl.roles inference`: one inference replica (a vLLM engine), serving the head.
 
-    generate {prompts, n, seed, offset}   n completions per prompt, tagged with the weight version
+    generate {prompts, n, seed, offset[, temperature]}
+                                          n completions per prompt, tagged with the weight version
+                                          (temperature: an evaluation's, 0.0 greedy; else inference.temperature)
     logprobs {sequences}                  logprob of every token after the first, live weights
     connect_transfer {host, port, ...}    join the weight-transfer group (hpcrl's vLLM weight-transfer engine)
     receive_weights {version}             receive one update from the trainer ranks, then serve it
@@ -42,8 +44,10 @@ class InferenceRole(Role):
     async def generate(self, call) -> list[list[dict]]:
         args = call.args
         prompts = [Prompt(**p) for p in args["prompts"]]
-        groups = await self.on_engine(lambda: self.engine.generate(prompts, n=int(args["n"]), seed=int(args["seed"]),
-                                                                   offset=int(args.get("offset", 0))))
+        temperature = args.get("temperature")  # an evaluation's (0.0: greedy); None: inference.temperature
+        groups = await self.on_engine(lambda: self.engine.generate(
+            prompts, n=int(args["n"]), seed=int(args["seed"]), offset=int(args.get("offset", 0)),
+            temperature=None if temperature is None else float(temperature)))
         return [[asdict(c) for c in group] for group in groups]
 
     async def logprobs(self, call) -> list[list[float]]:

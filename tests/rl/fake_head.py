@@ -321,7 +321,7 @@ class FakeReplica:
         self.job.on_call(self, "generate", args)
         await asyncio.sleep(0)
         groups = self.engine.generate([Prompt(**p) for p in args["prompts"]], n=args["n"], seed=args["seed"],
-                                      offset=args["offset"])
+                                      offset=args["offset"], temperature=args.get("temperature"))
         return [[asdict(c) for c in group] for group in groups]
 
     async def logprobs(self, args: dict) -> list[list[float]]:

@@ -59,9 +59,16 @@ def _features(target: int | None, digit: int) -> tuple[float, float, float]:
     return float(digit == target), digit / 9, float(digit % 2 == 0)
 
 
-def _probabilities(weights, target: int | None) -> list[float]:
+def _logits(weights, target: int | None) -> list[float]:
     w0, w1, w2 = weights
-    exps = [math.exp(w0 * (d == target) + w1 * d / 9 + w2 * (d % 2 == 0)) for d in range(10)]
+    return [w0 * (d == target) + w1 * d / 9 + w2 * (d % 2 == 0) for d in range(10)]
+
+
+def _probabilities(weights, target: int | None, temperature: float = 1.0) -> list[float]:
+    logits = _logits(weights, target)
+    if temperature != 1.0:  # an evaluation's; rollouts sample at 1.0, computed exactly as ever
+        logits = [x / temperature for x in logits]
+    exps = [math.exp(x) for x in logits]
     total = sum(exps)
     return [e / total for e in exps]
 
@@ -156,19 +163,27 @@ class FakeEngine:
             return
         self.version, self.weights = version, list(weights)
 
-    def generate(self, prompts: list[Prompt], *, n: int, seed: int, offset: int = 0) -> list[list[Completion]]:
+    def generate(self, prompts: list[Prompt], *, n: int, seed: int, offset: int = 0,
+                 temperature: float | None = None) -> list[list[Completion]]:
+        """temperature: None samples at 1.0 (the rollouts' inference.temperature), 0.0 is greedy (the likeliest
+        digit), anything else scales the logits, as vLLM does for an evaluation."""
         version = self.version if self.claimed_version is None else self.claimed_version
         groups = []
         for k, prompt in enumerate(prompts):
             context = list(prompt.text.encode())
-            probs = _probabilities(self.weights, _target(context))
+            target = _target(context)
+            probs = _probabilities(self.weights, target)
+            drawn = probs if not temperature else _probabilities(self.weights, target, temperature)
             group = []
             for s in range(n):
-                rng = random.Random((seed * 1_000_003 + offset + k) * 1009 + s)  # chunk-invariant (docstring)
-                u, digit = rng.random(), 0
-                while digit < 9 and u >= probs[digit]:
-                    u -= probs[digit]
-                    digit += 1
+                if temperature == 0.0:  # greedy: the likeliest digit, the smallest of a tie
+                    digit = max(range(10), key=lambda d: (probs[d], -d))
+                else:
+                    rng = random.Random((seed * 1_000_003 + offset + k) * 1009 + s)  # chunk-invariant (docstring)
+                    u, digit = rng.random(), 0
+                    while digit < 9 and u >= drawn[digit]:
+                        u -= drawn[digit]
+                        digit += 1
                 token = 48 + digit
                 group.append(Completion(prompt_id=prompt.id, index=s, prompt_token_ids=context, token_ids=[token],
                                         logprobs=[math.log(probs[digit])], text=str(digit),
@@ -200,7 +215,8 @@ class FakePorts:
 
     Every call yields to the event loop once, so a generation the controller started as a task runs
     while the train step is in progress, as over the bus. `events` records, in order:
-    ("generate", seed), ("train", step, "begin" | "end"), ("sync", version).
+    ("generate", seed) (an evaluation's: ("generate", seed, temperature)), ("train", step, "begin" | "end"),
+    ("sync", version).
     """
 
     def __init__(self, *, reward: FakeReward | None = None) -> None:
@@ -209,10 +225,11 @@ class FakePorts:
         self.reward = reward or FakeReward()
         self.events: list[tuple] = []
 
-    async def generate(self, prompts: list[Prompt], *, n: int, seed: int) -> list[list[Completion]]:
-        self.events.append(("generate", seed))
+    async def generate(self, prompts: list[Prompt], *, n: int, seed: int,
+                       temperature: float | None = None) -> list[list[Completion]]:
+        self.events.append(("generate", seed) if temperature is None else ("generate", seed, temperature))
         await asyncio.sleep(0)
-        return self.inference.generate(prompts, n=n, seed=seed)
+        return self.inference.generate(prompts, n=n, seed=seed, temperature=temperature)
 
     async def score(self, samples: list[Sample]) -> list[RewardResult]:
         await asyncio.sleep(0)

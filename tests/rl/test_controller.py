@@ -110,7 +110,8 @@ def logged():
 
 def outcome(run_dir: Path) -> list[dict]:
     """Every step's metrics, without wall times (which differ between any two runs)."""
-    return [{k: v for k, v in row.items() if not (k.startswith(("time_", "startup_")) or k.endswith("_per_s"))}
+    return [{k: v for k, v in row.items()
+             if not (k.startswith(("time_", "startup_")) or k.endswith("_per_s") or k == "eval/time_s")}
             for row in read_metrics(run_dir)]
 
 
@@ -531,3 +532,117 @@ def test_the_step_deadline_is_ten_times_the_recent_median_between_a_floor_and_th
     for seconds in times:
         deadline.observe(seconds)
     assert deadline.seconds() == pytest.approx(expected)
+
+
+# -- evaluation on the held-out prompts ([eval]) -----------------------------------------------------
+EVAL_PROMPTS = 10
+
+
+def with_eval(config: Config, **keys) -> Config:
+    """`config` evaluating on the first EVAL_PROMPTS prompts of builtin:echo's test split; `keys` are [eval] keys."""
+    from hpcrl.config.schema import EvalConfig
+
+    return dataclasses.replace(config, eval=EvalConfig(**{"interval": 2, **keys}),
+                               data=dataclasses.replace(config.data, eval_source="builtin:echo",
+                                                        eval_size=EVAL_PROMPTS))
+
+
+def training(run_dir: Path) -> list[dict]:
+    """outcome() of the training alone: no evaluation row nor figure."""
+    return [{k: v for k, v in row.items() if not k.startswith("eval/")} for row in outcome(run_dir) if row["step"]]
+
+
+def evaluations(run_dir: Path) -> list[dict]:
+    """The eval/ figures of every row that has them, with its step, without the evaluation's wall time."""
+    return [{"step": row["step"], **{k: v for k, v in row.items() if k.startswith("eval/") and k != "eval/time_s"}}
+            for row in read_metrics(run_dir) if "eval/pass@1" in row]
+
+
+def eval_versions(ports: FakePorts) -> dict[str, set[int]]:
+    """Which weight versions generated for the evaluation prompts, by the seed of the call."""
+    versions: dict[str, set[int]] = {}
+    for seed, prompt, version in ports.inference.generated:
+        if prompt.startswith("echo-test-"):
+            versions.setdefault(str(seed), set()).add(version)
+    return versions
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_a_run_with_evaluation_trains_exactly_as_the_same_run_without(uninterrupted, runs, lag):
+    """The evaluation draws no prompt from the stream and no training seed and touches neither buffer nor
+    trainer: every training figure and the final weights are the same, bit for bit, at every policy lag."""
+    whole, whole_dir = uninterrupted(lag)
+    ports = FakePorts(reward=FakeReward(broken_sample))
+    loop_once(with_eval(config_for(runs, lag=lag), interval=2, n=4, k=2), ports)
+    assert training(runs) == outcome(whole_dir)
+    assert ports.trainer.weights == whole.trainer.weights
+    assert [e for e in ports.events if len(e) == 2 or e[0] != "generate"] == whole.events  # the same calls, in order
+    assert [r["step"] for r in evaluations(runs)] == [0, 2, 4, 6]
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_the_evaluation_after_step_s_uses_weight_version_s_and_its_figures_join_row_s(runs, lag):
+    ports = FakePorts()
+    config = with_eval(config_for(runs, lag=lag, steps=7), interval=3)  # 3, 6 and the last step, 7
+    loop_once(config, ports)
+    rows = read_metrics(runs)
+    assert [r["step"] for r in rows] == list(range(8))  # row 0: the initial weights (eval.at_start)
+    evaluated = [r["step"] for r in rows if "eval/pass@1" in r]
+    assert evaluated == [0, 3, 6, 7]
+    assert rows[0].keys() == {"step", "weight_version", "eval/pass@1", "eval/reward_mean", "eval/length_mean",
+                              "eval/prompts", "eval/reward_errors", "eval/time_s"}
+    # one greedy call per evaluation, each with the version the step made (just synced), its seed from the step
+    from hpcrl.rl.evaluation import eval_seed
+    assert eval_versions(ports) == {str(eval_seed(SEED, step)): {step} for step in evaluated}
+    assert all(r["eval/prompts"] == EVAL_PROMPTS and r["eval/length_mean"] == 1.0 for r in rows if r["step"] in evaluated)
+    # The fake policy learns to echo: greedy at the initial weights picks "0" (every digit ties), then the digit asked.
+    answers = [p.answer for p in eval_set()]
+    assert rows[0]["eval/pass@1"] == answers.count("0") / EVAL_PROMPTS < rows[7]["eval/pass@1"] == 1.0
+
+
+def eval_set() -> list[Prompt]:
+    """The evaluation prompts of with_eval's configs."""
+    from hpcrl.config.schema import DataConfig
+    from hpcrl.data.prompts import PromptStream
+
+    return PromptStream.from_config(DataConfig(source="builtin:echo", eval_source="builtin:echo",
+                                               eval_size=EVAL_PROMPTS)).eval_prompts()
+
+
+def test_an_evaluation_sample_whose_reward_failed_is_counted_and_its_prompt_left_out_not_scored_zero(runs):
+    ports = FakePorts(reward=FakeReward({"echo-test-2/0"}))  # prompt 2's greedy completion, and its first sample
+    loop_once(with_eval(config_for(runs), interval=3, n=4, k=2), ports)
+    for row in evaluations(runs):
+        assert (row["eval/prompts"], row["eval/reward_errors"]) == (EVAL_PROMPTS - 1, 2), row
+    assert evaluations(runs)[-1]["eval/pass@1"] == 1.0  # the nine scored prompts pass; a zero would make it 0.9
+
+
+def test_an_evaluation_generated_with_other_weights_than_the_step_made_fails_the_loop(runs):
+    ports = FakePorts()
+    ports.inference.ignored_versions = {2}  # on-policy, batch 2 would be the first to show it: the evaluation is
+    with pytest.raises(ControllerError, match=r"the evaluation after step 2 was generated with weight versions "
+                                              r"\[1\], expected 2: the inference group missed a weight sync"):
+        loop_once(with_eval(config_for(runs, lag=0), interval=2), ports)
+    assert ("train", 2, "begin") not in ports.events
+
+
+def test_a_resumed_run_repeats_the_evaluations_of_an_uninterrupted_one(runs, logged):
+    config = with_eval(config_for(runs / "whole"), interval=2, n=4, k=3)
+    loop_once(config, FakePorts())
+    split = dataclasses.replace(config, run=dataclasses.replace(config.run, run_dir=str(runs / "split")))
+    loop_once(split, FakePorts(), steps=3)
+    assert [r["step"] for r in evaluations(runs / "split")] == [0, 2]
+    second = FakePorts()
+    loop_once(split, second)
+    assert f"resumed from {runs / 'split' / 'checkpoints' / 'step_3'} (step 3)" in logged
+    assert outcome(runs / "split") == outcome(runs / "whole")  # row 0 once, each evaluation's figures the same
+    assert {v for vs in eval_versions(second).values() for v in vs} == {4, 6}  # the initial weights not again
+
+
+def test_over_bus_ports_the_evaluation_is_shared_by_the_replicas_and_gives_the_in_memory_figures(runs):
+    """The greedy and sampled calls cross the bus with their temperature, split between the replicas as a batch is."""
+    loop_once(with_eval(config_for(runs / "memory"), interval=3, n=4, k=2), FakePorts(reward=FakeReward(broken_sample)))
+    job = run(bus_run(with_eval(bus_config(runs / "bus"), interval=3, n=4, k=2)))
+    assert outcome(runs / "bus") == outcome(runs / "memory")
+    served = {p.replica for p in job.processes for _, prompt, _ in p.engine.generated if prompt.startswith("echo-test")}
+    assert served == {0, 1}

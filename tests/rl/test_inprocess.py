@@ -29,10 +29,17 @@ def test_embedded_default_learns_and_inference_matches_the_trainer_after_every_s
     done = subprocess.run(
         [sys.executable, "-m", "hpcrl", "run", "configs/tiny_grpo.toml", "--set", f"run.run_dir={run_dir}",
          "--set", f"model.path={tiny_model}", "--set", "trainer.checkpoint_interval=0",
-         "--set", "algorithm.mismatch_every=1"],  # the weights checked after every sync
+         "--set", "algorithm.mismatch_every=1",  # the weights checked after every sync
+         # greedy pass@1 on 16 held-out prompts at steps 0, 50, ..., 200 (0.2 s each)
+         "--set", "data.eval_source=builtin:echo", "--set", "data.eval_size=16", "--set", "eval.interval=50"],
         cwd=REPO, capture_output=True, text=True, timeout=880)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = read_metrics(run_dir)
+    evals = [(r["step"], r["eval/pass@1"]) for r in rows if "eval/pass@1" in r]
+    assert [step for step, _ in evals] == [0, 50, 100, 150, 200]
+    assert evals[0][1] < 0.2 and max(p for _, p in evals[1:]) >= 0.8, evals  # the rise, on prompts never trained on
+    assert "eval pass@1 (16 prompts): " in done.stdout
+    rows = [r for r in rows if r["step"]]  # row 0: the initial weights' evaluation
     rewards = [r["reward_mean"] for r in rows]
     assert len(rows) == len(rewards) >= 100
     # near chance at the start (one character in ~100), learnt at the end
