@@ -166,12 +166,17 @@ class PromptStream:
         return self._cursor
 
     @property
+    def format(self) -> str:
+        """How prompts reach the model: "chat" (rendered with its chat template, hpcrl.data.chat) or "text"."""
+        return "text" if self._chat is None else "chat"
+
+    @property
     def size(self) -> int | None:
         """Training prompts in one epoch (None: a builtin task, unbounded)."""
         return None if self._prompts is None else len(self._prompts)
 
     def state_dict(self) -> dict:
-        state = {"cursor": self._cursor, "seed": self._seed, "split": self._split}
+        state = {"cursor": self._cursor, "seed": self._seed, "split": self._split, "format": self.format}
         if self._prompts is not None:
             state["prompts"] = len(self._prompts)
         return state
@@ -181,12 +186,18 @@ class PromptStream:
             raise DataError(f"checkpoint's prompt order (seed {state.get('seed')}, split {state.get('split')!r}) "
                             f"differs from the config's (seed {self._seed}, split {self._split!r}). Fix: resume "
                             "with the run's own config")
+        # Checkpoints from before the format was kept were made in the text format.
+        if state.get("format", "text") != self.format:
+            raise DataError(f"checkpoint's prompts were given to the model in the {state.get('format', 'text')} "
+                            f"format, the config gives the {self.format} format (data.format), so the resumed policy "
+                            "would see its prompts otherwise. Fix: set data.format = "
+                            f"\"{state.get('format', 'text')}\" (a checkpoint made before the chat format was text)")
         # Checkpoints from before the count was kept have none: they are taken as they are.
         if "prompts" in state and state["prompts"] != self.size:
             raise DataError(f"checkpoint's prompt order is over {state['prompts']} prompts, the config gives "
-                            f"{self.size} (the data file, data.columns, the eval split or data.max_prompt_tokens "
-                            "changed), so the resumed run would not see the prompts it would have. Fix: resume "
-                            "with the run's own data and config")
+                            f"{self.size} (the data file, data.columns, the eval split, data.max_prompt_tokens or "
+                            "data.system_prompt changed), so the resumed run would not see the prompts it would have. "
+                            "Fix: resume with the run's own data and config")
         self._cursor = int(state["cursor"])
 
 

@@ -124,3 +124,19 @@ def test_the_chat_tokens_leave_a_text_prompts_ids_as_they_were(tokenizer):
               "Hello, World! ~{}": [1, 43, 72, 79, 79, 82, 15, 98, 58, 82, 85, 79, 71, 4, 98, 97, 94, 96]}
     assert {text: tokenizer(text)["input_ids"] for text in before} == before
     assert tokenizer.decode([1, SYS, 86, END, ASSISTANT], skip_special_tokens=True) == "s"
+
+
+def test_a_checkpoint_of_the_text_format_does_not_resume_in_the_chat_format(tiny_model: Path):
+    text = PromptStream.from_config(DataConfig(source="builtin:echo", format="text"))
+    text.next_batch(4)
+    state = json.loads(json.dumps(text.state_dict()))
+    data = DataConfig(source="builtin:echo", format="chat")
+    chat = PromptStream.from_config(data, chat=chat_template_for(data, str(tiny_model)))
+    with pytest.raises(DataError, match=r'in the text format, the config gives the chat format \(data.format\).*'
+                                        r'set data.format = "text"'):
+        chat.load_state_dict(state)
+    del state["format"]  # a checkpoint from before the chat format
+    with pytest.raises(DataError, match="in the text format"):
+        chat.load_state_dict(state)
+    text.load_state_dict(state)
+    assert text.cursor == 4

@@ -114,7 +114,7 @@ def test_a_chat_prompt_with_a_system_prompt_reaches_vllm_and_the_trainer_as_the_
     from hpcrl.rl.rollouts import batch_from_groups, score_groups
     from hpcrl.trainer import TrainerEngine
 
-    chat = ChatTemplate(str(tiny_model), system_prompt="Answer with one digit.")
+    chat = ChatTemplate(str(tiny_model), system_prompt="one")  # 15 tokens: the engine takes 16 (tiny_grpo.toml)
     prompts = chat.with_ids([Prompt(id="c", text="say 7:", answer="7"), Prompt(
         id="m", text="", answer="3", messages=[{"role": "user", "content": "say 3:"}])])
     sent = []
