@@ -70,10 +70,11 @@ def prompt_format(data: DataConfig, model_path: str) -> Literal["chat", "text"]:
         return "text"
     if has_chat_template(model_path):
         return "chat"
-    if data.format == "chat":
-        raise DataError(f'data.format = "chat" but the tokenizer in {model_path} has no chat template '
-                        "(no chat_template.jinja, and none in tokenizer_config.json). Fix: set data.format = "
-                        '"text", or point model.path at an instruct model whose tokenizer has one')
+    if data.format == "chat" or data.system_prompt:
+        why = 'data.format = "chat"' if data.format == "chat" else "data.system_prompt is set"
+        raise DataError(f"{why} but the tokenizer in {model_path} has no chat template (no chat_template.jinja, "
+                        'and none in tokenizer_config.json). Fix: set data.format = "text" (without a system prompt), '
+                        "or point model.path at an instruct model whose tokenizer has one")
     return "text"
 
 

@@ -102,6 +102,8 @@ def test_auto_is_chat_for_a_tokenizer_with_a_template_and_text_without_and_chat_
     assert chat_template_for(DataConfig(source="builtin:echo", format="text"), str(tiny_model)) is None
     with pytest.raises(DataError, match=r'data.format = "chat" but the tokenizer in .*bare has no chat template'):
         prompt_format(DataConfig(source="builtin:echo", format="chat"), str(bare))
+    with pytest.raises(DataError, match=r"data.system_prompt is set but the tokenizer in .*bare has no chat template"):
+        prompt_format(DataConfig(source="builtin:echo", system_prompt=SYSTEM), str(bare))
 
 
 def test_the_format_and_a_system_prompt_without_a_chat_turn_are_config_errors():
