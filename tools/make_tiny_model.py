@@ -3,6 +3,9 @@
 Nothing can be downloaded from a model hub on our machines, so tests and the embedded default
 use a model made here. The tokenizer is character-level (a BPE trained with `tokenizers` on
 text from the builtin tasks, with no merges), which gives a tiny policy a dense enough signal.
+Where the preset's vocabulary has room (tiny-llama: 128 ids, 99 used), the tokenizer also gets a
+small chat template whose turns are marked by four added special tokens (CHAT_TOKENS, ids 99-102),
+so `data.format = "chat"` runs on it; a text prompt never holds them, so its ids are unchanged.
 
     python tools/make_tiny_model.py                          # models/tiny-llama
     python tools/make_tiny_model.py --preset tiny-qwen2 --out models/tiny-qwen2
@@ -28,6 +31,18 @@ from hpcrl.data.builtin import BUILTIN_TASKS  # noqa: E402
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 #: Every printable ASCII character but tabs and newlines: 95 symbols.
 ALPHABET = [c for c in string.printable if c not in "\t\n\r\x0b\x0c"]
+#: The chat template's turn markers, added special tokens after the alphabet.
+CHAT_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+#: <bos>, then each message as <|role|>content<|end|>, then <|assistant|> to generate the answer: the
+#: end-of-turn token is <|end|>, not <eos> (as Llama-3's <|eot_id|>), so vLLM is told to stop at it.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}"
+                 "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+                 "{{ raise_exception('the tiny chat template knows the roles system, user and assistant, not ' "
+                 "+ message['role']) }}{% endif %}"
+                 "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+#: What the marker file says of a model made here; a model with another marker is made again.
+TOKENIZER_VERSION = 2  # 2: the chat template
 
 
 def training_corpus(examples_per_task: int = 200) -> list[str]:
@@ -63,8 +78,16 @@ def make_tokenizer(vocab_size: int):
         raise SystemExit(f"tokenizer training gave {tok.get_vocab_size()} tokens, wanted {size} (no merges)")
     bos = tok.token_to_id("<bos>")
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
+    chat = size + len(CHAT_TOKENS) <= vocab_size
+    if chat:
+        tok.add_special_tokens(CHAT_TOKENS)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
-                                   pad_token="<pad>", unk_token="<unk>")
+                                   pad_token="<pad>", unk_token="<unk>",
+                                   chat_template=CHAT_TEMPLATE if chat else None)
+
+
+def marker(preset: str, seed: int) -> dict:
+    return {"preset": preset, "seed": seed, "tokenizer": TOKENIZER_VERSION}
 
 
 def make_model(preset: str, out: Path, seed: int) -> Path:
@@ -83,7 +106,7 @@ def make_model(preset: str, out: Path, seed: int) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    (tmp / "hpcrl_tiny_model.json").write_text(json.dumps({"preset": preset, "seed": seed}) + "\n")
+    (tmp / "hpcrl_tiny_model.json").write_text(json.dumps(marker(preset, seed)) + "\n")
     if out.exists():
         import shutil
         shutil.rmtree(out)
@@ -100,8 +123,8 @@ def main() -> int:
     parser.add_argument("--force", action="store_true", help="remake even if the model exists")
     args = parser.parse_args()
     out = (args.out or REPO / "models" / args.preset).absolute()
-    marker = out / "hpcrl_tiny_model.json"
-    if marker.is_file() and not args.force and json.loads(marker.read_text()) == {"preset": args.preset, "seed": args.seed}:
+    made = out / "hpcrl_tiny_model.json"
+    if made.is_file() and not args.force and json.loads(made.read_text()) == marker(args.preset, args.seed):
         print(f"{out}: already made ({args.preset}, seed {args.seed})")
         return 0
     make_model(args.preset, out, args.seed)

@@ -402,8 +402,15 @@ class DataConfig:
     """Older name of columns.prompt, still read; write columns.prompt instead."""
     answer_key: str = ""
     """Older name of columns.answer, still read; write columns.answer instead."""
+    format: str = "auto"
+    """How prompts reach the model: "chat" renders each row (its messages, or its prompt as one user message)
+    with the tokenizer's chat template; "text" gives the prompt text as it is; "auto" is "chat" when the
+    model's tokenizer has a chat template, else "text" (hpcrl.data.chat)."""
+    system_prompt: str = ""
+    """In the chat format: a system message put before each row's messages (a row's own system message wins)."""
     max_prompt_tokens: int = 256
-    """Prompts longer than this (the model's tokens) are dropped at start, counted and reported once."""
+    """Prompts longer than this (the model's tokens; in the chat format, rendered) are dropped at start,
+    counted and reported once."""
     eval_source: str = ""
     """Held-out prompts for evaluation: a file or directory as `source` (same columns), or "builtin:NAME"."""
     eval_split: str = "test"
@@ -418,6 +425,11 @@ class DataConfig:
         _require(bool(self.source), "source", "is empty",
                  'set source = "builtin:arithmetic" or a path to a JSONL or Parquet file')
         _positive(self.max_prompt_tokens, "max_prompt_tokens")
+        _require(self.format in ("auto", "chat", "text"), "format", f"must be auto, chat or text, got {self.format!r}",
+                 'set format = "chat" (the tokenizer\'s chat template), "text" (the prompt as it is) or "auto"')
+        _require(not (self.system_prompt and self.format == "text"), "system_prompt",
+                 'is set, but data.format = "text" has no system turn to put it in',
+                 'set format = "chat" (or "auto" for a model with a chat template), or remove system_prompt')
         _seed(self.shuffle_seed, "shuffle_seed")
         for old, new in (("prompt_key", "prompt"), ("answer_key", "answer")):
             value, default = getattr(self, old), getattr(DataColumns(), new)

@@ -1,7 +1,8 @@
 """The prompt stream of a run: a fixed, seeded order over a data file or a builtin task, with a cursor.
 
-    stream = PromptStream.from_config(config.data, measure=token_counter(config.model.path))
-    batch = stream.next_batch(8)          # [Prompt(id, text, answer, messages, extra), ...]
+    stream = PromptStream.from_config(config.data, measure=token_counter(config.model.path),
+                                      chat=chat_template_for(config.data, config.model.path))
+    batch = stream.next_batch(8)          # [Prompt(id, text, answer, messages, extra, token_ids), ...]
     state = stream.state_dict()           # {"cursor": 8, ...}: all a checkpoint needs
     PromptStream.from_config(config.data).load_state_dict(state)   # continues with prompt 9
     stream.eval_prompts()                 # the held-out prompts, a fixed list (data.eval_*)
@@ -11,12 +12,19 @@ At start a file source (hpcrl.data.sources) is read whole, then, in this order:
 1. data.eval_fraction holds out that share of its rows, drawn from shuffle_seed alone (data.eval_source
    reads a second source instead): evaluation prompts are never trained on.
 2. `measure` gives every prompt's length in tokens, all in one batched call; prompts longer than
-   data.max_prompt_tokens are dropped (vLLM would refuse them), counted, and logged once.
+   data.max_prompt_tokens are dropped (vLLM would refuse them), counted, and logged once. In the chat
+   format (`chat`, hpcrl.data.chat) the length is that of the rendered template, system prompt included.
 3. Every epoch over the prompts kept is a new permutation drawn from (shuffle_seed, epoch).
 So the order is a pure function of the seed and the cursor, given the same data and config: a resumed
 run sees exactly the prompts it would have (the checkpoint holds the number of prompts, and a
 resume over a different number is refused). Builtin tasks are unbounded, each index its own
-deterministic example, and not measured (their prompts are a few characters).
+deterministic example, and not measured (their prompts are a few characters; in the chat format a
+batch whose rendering is over max_prompt_tokens is an error naming the prompt).
+
+In the chat format next_batch and eval_prompts hand out prompts with their token ids (Prompt.token_ids),
+rendered batch by batch (a batch takes milliseconds), not kept for the whole file: 100k prompts of
+~200 tokens would hold ~700 MB of Python ints on the head. The rendering is a pure function of the
+row and the tokenizer, so the ids measured at start are the ids generated from.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from pathlib import Path
 
 from hpcrl.config.schema import DataConfig
 from hpcrl.data.builtin import builtin_task
+from hpcrl.data.chat import ChatTemplate
 from hpcrl.data.sources import read_prompts
 from hpcrl.data.types import DataError, Prompt
 
@@ -62,7 +71,8 @@ class PromptStream:
     """Prompts in a seeded order; see the module docstring."""
 
     def __init__(self, *, prompts: list[Prompt] | None, task: str | None, split: str, seed: int,
-                 eval_prompts: Sequence[Prompt] = (), dropped: int = 0, eval_dropped: int = 0) -> None:
+                 eval_prompts: Sequence[Prompt] = (), dropped: int = 0, eval_dropped: int = 0,
+                 chat: ChatTemplate | None = None, max_prompt_tokens: int = 0) -> None:
         if prompts is not None and not prompts:
             raise DataError("no prompts are left to train on. Fix: check data.source and data.max_prompt_tokens")
         self._prompts = prompts
@@ -72,14 +82,23 @@ class PromptStream:
         self._cursor = 0
         self._eval = list(eval_prompts)
         self._order: tuple[int, list[int]] = (-1, [])  # the permutation of the epoch last read
+        self._chat = chat
+        self._limit = max_prompt_tokens
+        if chat is not None:
+            self._eval = self._rendered(self._eval)
         self.dropped = dropped
         """Training prompts left out for being longer than data.max_prompt_tokens."""
         self.eval_dropped = eval_dropped
         """Evaluation prompts left out for the same reason."""
 
     @classmethod
-    def from_config(cls, data: DataConfig, *, measure: Measure | None = None) -> PromptStream:
-        """The stream of `data`; `measure` counts prompt tokens (None: nothing is dropped for length)."""
+    def from_config(cls, data: DataConfig, *, measure: Measure | None = None,
+                    chat: ChatTemplate | None = None) -> PromptStream:
+        """The stream of `data`; `measure` counts prompt tokens (None: nothing is dropped for length);
+        `chat` renders prompts in the chat format (hpcrl.data.chat.chat_template_for), and measures them
+        in place of `measure`."""
+        if chat is not None:
+            measure = chat
         builtin = data.source.startswith("builtin:")
         prompts = None if builtin else read_prompts(Path(data.source), split=data.split, columns=data.column_names)
         evals: list[Prompt] = []
@@ -103,7 +122,7 @@ class PromptStream:
             evals = evals[:data.eval_size]
         return cls(prompts=prompts, task=data.source.removeprefix("builtin:") if builtin else None,
                    split=data.split, seed=data.shuffle_seed, eval_prompts=evals, dropped=dropped,
-                   eval_dropped=eval_dropped)
+                   eval_dropped=eval_dropped, chat=chat, max_prompt_tokens=data.max_prompt_tokens)
 
     def _at(self, position: int) -> Prompt:
         if self._task is not None:
@@ -119,8 +138,23 @@ class PromptStream:
 
     def next_batch(self, size: int) -> list[Prompt]:
         batch = [self._at(self._cursor + i) for i in range(size)]
+        if self._chat is not None:
+            batch = self._rendered(batch)
         self._cursor += size
         return batch
+
+    def _rendered(self, prompts: list[Prompt]) -> list[Prompt]:
+        """`prompts` with their chat-format token ids, checked against max_prompt_tokens (a file's prompts
+        over it were dropped at start; a builtin task's are not measured, so their first check is here)."""
+        assert self._chat is not None
+        rendered = self._chat.with_ids(prompts)
+        if self._limit:
+            for prompt in rendered:
+                if prompt.token_ids is not None and len(prompt.token_ids) > self._limit:
+                    raise DataError(f"prompt {prompt.id!r} is {len(prompt.token_ids)} tokens in the chat format, "
+                                    f"over data.max_prompt_tokens = {self._limit}. Fix: raise max_prompt_tokens "
+                                    "(the template and data.system_prompt count)")
+        return rendered
 
     def eval_prompts(self) -> list[Prompt]:
         """The held-out evaluation prompts (data.eval_source or data.eval_fraction, at most data.eval_size),
@@ -132,12 +166,17 @@ class PromptStream:
         return self._cursor
 
     @property
+    def format(self) -> str:
+        """How prompts reach the model: "chat" (rendered with its chat template, hpcrl.data.chat) or "text"."""
+        return "text" if self._chat is None else "chat"
+
+    @property
     def size(self) -> int | None:
         """Training prompts in one epoch (None: a builtin task, unbounded)."""
         return None if self._prompts is None else len(self._prompts)
 
     def state_dict(self) -> dict:
-        state = {"cursor": self._cursor, "seed": self._seed, "split": self._split}
+        state = {"cursor": self._cursor, "seed": self._seed, "split": self._split, "format": self.format}
         if self._prompts is not None:
             state["prompts"] = len(self._prompts)
         return state
@@ -147,12 +186,18 @@ class PromptStream:
             raise DataError(f"checkpoint's prompt order (seed {state.get('seed')}, split {state.get('split')!r}) "
                             f"differs from the config's (seed {self._seed}, split {self._split!r}). Fix: resume "
                             "with the run's own config")
+        # Checkpoints from before the format was kept were made in the text format.
+        if state.get("format", "text") != self.format:
+            raise DataError(f"checkpoint's prompts were given to the model in the {state.get('format', 'text')} "
+                            f"format, the config gives the {self.format} format (data.format), so the resumed policy "
+                            "would see its prompts otherwise. Fix: set data.format = "
+                            f"\"{state.get('format', 'text')}\" (a checkpoint made before the chat format was text)")
         # Checkpoints from before the count was kept have none: they are taken as they are.
         if "prompts" in state and state["prompts"] != self.size:
             raise DataError(f"checkpoint's prompt order is over {state['prompts']} prompts, the config gives "
-                            f"{self.size} (the data file, data.columns, the eval split or data.max_prompt_tokens "
-                            "changed), so the resumed run would not see the prompts it would have. Fix: resume "
-                            "with the run's own data and config")
+                            f"{self.size} (the data file, data.columns, the eval split, data.max_prompt_tokens or "
+                            "data.system_prompt changed), so the resumed run would not see the prompts it would have. "
+                            "Fix: resume with the run's own data and config")
         self._cursor = int(state["cursor"])
 
 

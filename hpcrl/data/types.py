@@ -29,3 +29,6 @@ class Prompt:
     """The row's OpenAI-style [{role, content}, ...] conversation, or None for a plain text prompt."""
     extra: dict[str, Any] = field(default_factory=dict)
     """data.columns.extra: column name -> the row's value, for rewards."""
+    token_ids: list[int] | None = None
+    """In the chat format: the prompt rendered with the model's chat template (hpcrl.data.chat), the ids
+    vLLM generates from as they are; None in the text format, where vLLM tokenizes `text`."""

@@ -31,6 +31,11 @@ pure function of (weights, prompts, seed) by fixing everything else a draw depen
              resumed run and a replica a chunk fails over to. Nothing is lost: the cache is stale
              after every weight swap anyway, and each batch is generated once per weight version.
 
+Chat-format prompts (hpcrl.data.chat) come rendered: vLLM generates from their token ids as they are
+(a TokensPrompt; vLLM does not tokenize them again, and answers with the same ids, which is checked),
+and stops at the template's end-of-turn token where it would not already (data.chat.turn_stop_ids).
+A text prompt is given as text, and vLLM tokenizes it with a BOS, as before.
+
 A rerun, a resumed run and a failed-over chunk therefore draw the same tokens. The tokens depend
 on how the batch is cut into chunks (the number of replicas): runs are compared only with the
 same replica count. Scoring (`token_logprobs`) asks for prompt logprobs, which vLLM never reads
@@ -99,6 +104,8 @@ class VllmEngine:
         self._sampling: dict[str, Any] = dict(temperature=temperature, top_p=top_p, top_k=top_k,
                                               max_tokens=max_tokens)
         self.weight_version = 0
+        self.model_path = model_path
+        self._turn_stops: list[int] | None = None  # chat prompts' stop tokens (turn_stop_ids)
 
     @classmethod
     def from_config(cls, config: Config, *, model_path: str | None = None, weight_transfer: bool = False,
@@ -120,17 +127,26 @@ class VllmEngine:
         a function of (weights, prompts, seed, offset) only (module docstring): the same chunk
         generated again, here or on another replica, draws the same tokens."""
         from vllm import RequestOutput, SamplingParams
+        from vllm.inputs import TokensPrompt
 
         llm = self.llm
+        chat = [p.token_ids is not None for p in prompts]
+        if any(chat) and not all(chat):
+            raise InferenceError("a chunk mixes chat-format prompts (token ids) with text prompts; a run has one "
+                                 "data.format")
         # temperature: an evaluation's (hpcrl.rl.evaluation; 0.0 is greedy), else the rollouts' inference.temperature.
-        sampling = self._sampling if temperature is None else {**self._sampling, "temperature": temperature}
+        sampling = dict(self._sampling) if temperature is None else {**self._sampling, "temperature": temperature}
+        if any(chat) and self.turn_stop_ids():
+            sampling["stop_token_ids"] = self.turn_stop_ids()
         params = SamplingParams(n=n, logprobs=0, **sampling)  # no seed: the batched sampler
+        inputs = [TokensPrompt(prompt_token_ids=list(p.token_ids)) if p.token_ids is not None else p.text
+                  for p in prompts]
         if self.prefix_caching and not llm.reset_prefix_cache():
             raise InferenceError("vLLM could not empty its prefix cache before a generate (requests still running?)")
         llm.collective_rpc("hpcrl_seed_sampling", args=(chunk_seed(seed, offset),))
         llm.sleep(level=0)  # pause scheduling: the chunk's requests are queued, none runs yet
         try:
-            ids = llm.enqueue([p.text for p in prompts], params, use_tqdm=False)
+            ids = llm.enqueue(inputs, params, use_tqdm=False)
         finally:
             llm.wake_up(tags=["scheduling"])
         # In request order; enqueue's ids are the outputs' ids with a suffix vLLM adds ("0" -> "0-1f2e...").
@@ -144,6 +160,8 @@ class VllmEngine:
                 raise InferenceError(f"vLLM returned {len(output.outputs)} of {n} completions for {where}")
             if output.prompt_token_ids is None:
                 raise InferenceError(f"vLLM returned no prompt token ids for {where}")
+            if prompt.token_ids is not None and list(output.prompt_token_ids) != list(prompt.token_ids):
+                raise InferenceError(f"vLLM generated {where} from other token ids than the head rendered")
             group = []
             for sample in sorted(output.outputs, key=lambda c: c.index):
                 if sample.logprobs is None or len(sample.logprobs) != len(sample.token_ids):
@@ -155,6 +173,17 @@ class VllmEngine:
                     finish_reason=str(sample.finish_reason), weight_version=self.weight_version))
             groups.append(group)
         return groups
+
+    def turn_stop_ids(self) -> list[int]:
+        """The stop tokens of chat-format requests: the template's end-of-turn token where vLLM would not
+        stop at it already (hpcrl.data.chat.turn_stop_ids); found once, from vLLM's own tokenizer."""
+        if self._turn_stops is None:
+            from hpcrl.data.chat import generation_eos, turn_stop_ids
+
+            tokenizer = self.llm.get_tokenizer()
+            self._turn_stops = turn_stop_ids(tokenizer, generation_eos(self.model_path)) \
+                if getattr(tokenizer, "chat_template", None) else []
+        return self._turn_stops
 
     def connect_transfer(self, plan: TransferPlan, *, store: str, replica: int = 0, generation: int = 0,
                          transport: str = "gloo", timeout_s: float = 120.0) -> None:

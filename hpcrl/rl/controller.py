@@ -58,6 +58,7 @@ from typing import Protocol
 from hpcrl.algorithms import load_algorithm
 from hpcrl.algorithms.base import Settings
 from hpcrl.config.schema import Config
+from hpcrl.data.chat import chat_template_for
 from hpcrl.data.prompts import Prompt, PromptStream
 from hpcrl.data.tokens import token_counter
 from hpcrl.errors import HpcrlError
@@ -148,7 +149,8 @@ class Controller:
         once, and counted in stream.dropped; a builtin task's are not measured."""
         if self.stream is None:
             stream = await asyncio.to_thread(PromptStream.from_config, self.config.data,
-                                             measure=token_counter(self.config.model.path))
+                                             measure=token_counter(self.config.model.path),
+                                             chat=chat_template_for(self.config.data, self.config.model.path))
             if self.state.prompts:  # restored from a checkpoint
                 stream.load_state_dict(self.state.prompts)
             self.stream = stream

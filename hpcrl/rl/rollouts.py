@@ -24,7 +24,9 @@ from hpcrl.trainer.types import TrainBatch
 
 
 def samples_for(prompts: list[Prompt], completions: list[list[Completion]]) -> list[Sample]:
-    """The reward requests of a batch: one per completion, ids "prompt_id/k"."""
+    """The reward requests of a batch: one per completion, ids "prompt_id/k". The prompt is the row's text in
+    both formats, never the chat template's rendering (hpcrl.data.chat); the trainer's tokens are the
+    completion's prompt_token_ids, the rendered ids vLLM generated from (score_groups)."""
     return [Sample(id=f"{p.id}/{c.index}", prompt_id=p.id, prompt=p.text, completion=c.text, answer=p.answer)
             for p, group in zip(prompts, completions) for c in group]
 

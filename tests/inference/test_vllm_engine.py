@@ -104,6 +104,45 @@ def test_generate_sends_one_unseeded_request_per_prompt_with_n_the_group_size(en
 
 
 @pytest.mark.timeout(300)
+def test_a_chat_prompt_with_a_system_prompt_reaches_vllm_and_the_trainer_as_the_same_ids(engine, tiny_model,
+                                                                                         monkeypatch):
+    """The head renders once; vLLM generates from those ids (told to stop at the template's <|end|>) and
+    the trainer trains on them: its logprobs of the sampled tokens equal vLLM's (CPU, fp32)."""
+    from hpcrl.algorithms.base import Selection
+    from hpcrl.data.chat import ChatTemplate
+    from hpcrl.reward.types import RewardResult
+    from hpcrl.rl.rollouts import batch_from_groups, score_groups
+    from hpcrl.trainer import TrainerEngine
+
+    chat = ChatTemplate(str(tiny_model), system_prompt="one")  # 15 tokens: the engine takes 16 (tiny_grpo.toml)
+    prompts = chat.with_ids([Prompt(id="c", text="say 7:", answer="7"), Prompt(
+        id="m", text="", answer="3", messages=[{"role": "user", "content": "say 3:"}])])
+    sent = []
+    enqueue = engine.llm.enqueue
+
+    def spy(inputs, params, **kwargs):
+        sent.append((list(inputs), params))
+        return enqueue(inputs, params, **kwargs)
+
+    monkeypatch.setattr(engine.llm, "enqueue", spy)
+    groups = engine.generate(prompts, n=4, seed=5)
+    (inputs, params), = sent
+    assert [i["prompt_token_ids"] for i in inputs] == [p.token_ids for p in prompts]  # not tokenized again
+    assert params.stop_token_ids == [102]  # <|end|>: not the eos token, nor in generation_config.json
+    assert all(c.prompt_token_ids == p.token_ids for p, g in zip(prompts, groups) for c in g)
+    results = [RewardResult(id=f"{p.id}/{c.index}", prompt_id=p.id, reward=float(c.index)) for p, g in
+               zip(prompts, groups) for c in g]
+    scored, _ = score_groups(prompts, groups, results, weight_version=0)
+    batch = batch_from_groups(scored, Selection(kept=[0, 1], advantages=[[1.0] * 4] * 2))
+    assert [ids[:len(p.token_ids or [])] for ids, p in zip(batch.input_ids[::4], prompts)] == \
+        [p.token_ids for p in prompts]
+    config = load_config(REPO / "configs" / "tiny_grpo.toml", overrides=[f"model.path={tiny_model}"])
+    rows = batch.rows()
+    trainer = TrainerEngine.from_config(config, max_seq_len=64).logprobs(rows)
+    assert (trainer - rows.old_logprobs)[rows.completion_mask].abs().max().item() < 1e-6
+
+
+@pytest.mark.timeout(300)
 def test_token_logprobs_of_a_sampled_completion_equal_its_sampling_logprobs(engine):
     group = engine.generate(PROMPTS[:1], n=2, seed=3)[0]
     sequences = [c.prompt_token_ids + c.token_ids for c in group]

@@ -35,6 +35,8 @@ def test_tiny_model_has_the_preset_shape_and_a_character_tokenizer(preset: str, 
 
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert len(tokenizer) <= PRESETS[preset].vocab_size
+    # A chat template where the vocabulary has room for its four turn tokens (tiny-qwen2 has 100 ids).
+    assert bool(tokenizer.chat_template) == (preset == "tiny-llama")
     for task in BUILTIN_TASKS.values():
         example = task("train", 3)
         text = example["prompt"] + example["answer"]
