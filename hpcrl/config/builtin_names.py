@@ -11,4 +11,4 @@ BUILTIN_TASK_NAMES = ("echo", "arithmetic", "reverse", "parity")
 
 #: The module of the built-in reward functions, and `reward.function = "hpcrl.reward.builtin:NAME"` names.
 BUILTIN_REWARD_MODULE = "hpcrl.reward.builtin"
-BUILTIN_REWARD_FUNCTIONS = ("exact_match", "math_answer", "format_ok", "math_verify", "code_tests")
+BUILTIN_REWARD_FUNCTIONS = ("exact_match", "math_answer", "format_ok", "boxed_format", "math_verify", "code_tests")

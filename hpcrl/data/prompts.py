@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from hpcrl.config.schema import DataConfig
@@ -134,9 +135,13 @@ class PromptStream:
             order = list(range(len(self._prompts)))
             random.Random(self._seed * 10_007 + epoch).shuffle(order)
             self._order = (epoch, order)
-        return self._prompts[self._order[1][offset]]
+        prompt = self._prompts[self._order[1][offset]]
+        # After the first epoch a row's id carries its epoch ("row-3~e1"): a file smaller than a batch
+        # repeats rows within one batch, and every prompt of a batch (every completion scored) needs its own id.
+        return replace(prompt, id=f"{prompt.id}~e{epoch}") if epoch else prompt
 
     def next_batch(self, size: int) -> list[Prompt]:
+        """The next `size` prompts."""
         batch = [self._at(self._cursor + i) for i in range(size)]
         if self._chat is not None:
             batch = self._rendered(batch)

@@ -62,6 +62,25 @@ def format_ok(prompt: str, completion: str, answer: str) -> float:
     return float(bool(stripped.strip()) and "\n" not in stripped)
 
 
+def boxed_format(prompt: str, completion: str, answer: str) -> float:
+    """1 when the completion puts one final answer in \\boxed{...} and stops soon after it (at most 64
+    characters follow): the format reward paired with math_verify, as instruct models are prompted
+    ("put your final answer within \\boxed{}"). The answer's correctness is math_verify's to score."""
+    ends = []
+    start = completion.find("\\boxed{")
+    while start >= 0:
+        depth, at = 0, start + len("\\boxed")
+        for at in range(at, len(completion)):  # the matching brace: answers nest them (\\frac{1}{2})
+            depth += {"{": 1, "}": -1}.get(completion[at], 0)
+            if depth == 0:
+                break
+        if depth:
+            return 0.0  # unclosed
+        ends.append(at + 1)
+        start = completion.find("\\boxed{", at + 1)
+    return float(len(ends) == 1 and len(completion) - ends[0] <= 64)
+
+
 class _Overtime(BaseException):
     """Raised by math_verify's timer. A BaseException, so that math-verify's own `except Exception`
     clauses (which turn errors into a silent False) let it through."""

@@ -13,6 +13,7 @@ from hpcrl.config.model_shapes import PRESETS, from_hf_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))
+EXAMPLES = sorted((REPO / "examples").glob("*/*.toml"))
 PROFILES = sorted((REPO / "launch").glob("*.toml"))
 
 
@@ -27,7 +28,7 @@ def test_the_shipped_configs_and_profiles_are_there():
     assert {p.name for p in PROFILES} >= {"local.toml", "generic.toml"}
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CONFIGS + EXAMPLES, ids=lambda p: p.name)
 def test_every_shipped_config_loads(path: Path):
     config = load_config(path)
     assert config.run.name
