@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 
 from hpcrl.config.load import load_config_and_shape
 from hpcrl.config.schema import Config
@@ -101,15 +102,23 @@ def render_text(plan: ResourcePlan) -> str:
 
 
 def check_data_columns(config, config_path: str) -> None:
-    """The data files hold the columns data.columns names, where this machine can read them (a login node
-    may not see the compute nodes' file system: then the job checks at its start). Costs the read of a
-    Parquet footer or a `datasets` directory's metadata; nothing for builtin tasks."""
+    """The data files hold the columns data.columns names, and a chat format's tokenizer has a template,
+    where this machine can read them (a login node may not see the compute nodes' file system: then the
+    job checks at its start). Costs the read of a Parquet footer or a `datasets` directory's metadata and
+    of the tokenizer's files; nothing for builtin tasks."""
+    from hpcrl.data.chat import prompt_format
     from hpcrl.data.sources import check_columns
-    from hpcrl.errors import ConfigError
+    from hpcrl.data.types import DataError
     try:
         check_columns(config.data)
     except ConfigError as err:
         raise err.located(file=config_path, line=None) from None
+    if config.model.path and Path(config.model.path).is_dir():  # the chat format needs the tokenizer's template
+        try:
+            prompt_format(config.data, config.model.path)
+        except DataError as err:
+            raise ConfigError(file=config_path, key="data.format", problem=str(err).split(". Fix: ")[0],
+                              fix=str(err).partition(". Fix: ")[2] or "set data.format = \"text\"") from None
 
 
 def run(args: argparse.Namespace) -> int:

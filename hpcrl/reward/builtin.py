@@ -70,10 +70,11 @@ def boxed_format(prompt: str, completion: str, answer: str) -> float:
     start = completion.find("\\boxed{")
     while start >= 0:
         depth, at = 0, start + len("\\boxed")
-        for at in range(at, len(completion)):  # the matching brace: answers nest them (\\frac{1}{2})
+        while at < len(completion):  # the matching brace: answers nest them (\\frac{1}{2})
             depth += {"{": 1, "}": -1}.get(completion[at], 0)
             if depth == 0:
                 break
+            at += 1
         if depth:
             return 0.0  # unclosed
         ends.append(at + 1)

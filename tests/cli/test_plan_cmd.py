@@ -188,3 +188,15 @@ def test_plan_and_submit_name_a_missing_data_column_with_the_file_and_the_column
         assert "Traceback" not in done.stderr
     done = hpcrl("plan", str(config), *sets, "--set", "data.columns.answer=solution")
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.timeout(60)
+def test_plan_refuses_the_chat_format_for_a_tokenizer_without_a_chat_template(tmp_path: Path):
+    model = tmp_path / "base-model"
+    model.mkdir()
+    (model / "tokenizer_config.json").write_text('{"bos_token": "<s>"}')  # a base model's: no chat_template
+    done = hpcrl("plan", "configs/tiny_grpo.toml", "--set", f"model.path={model}", "--set", "data.format=chat")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "data.format" in done.stderr and "has no chat template" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert hpcrl("plan", "configs/tiny_grpo.toml", "--set", f"model.path={model}").returncode == 0  # text: fine
