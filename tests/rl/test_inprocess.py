@@ -31,7 +31,8 @@ def test_embedded_default_learns_and_inference_matches_the_trainer_after_every_s
          "--set", f"model.path={tiny_model}", "--set", "trainer.checkpoint_interval=0",
          "--set", "algorithm.mismatch_every=1",  # the weights checked after every sync
          # greedy pass@1 on 16 held-out prompts at steps 0, 50, ..., 200 (0.2 s each)
-         "--set", "data.eval_source=builtin:echo", "--set", "data.eval_size=16", "--set", "eval.interval=50"],
+         "--set", "data.eval_source=builtin:echo", "--set", "data.eval_size=16", "--set", "eval.interval=50",
+         "--set", "eval.at_start=true"],
         cwd=REPO, capture_output=True, text=True, timeout=880)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = read_metrics(run_dir)

@@ -200,8 +200,11 @@ def test_killing_the_inference_replica_loses_no_rollout_and_it_is_back_on_curren
         local_slurm, tiny_model, tmp_path):
     """The head starts the replica again (srun --overlap in its component), re-forms the transfer group."""
     run_dir = tmp_path / "run"
+    # In the chat format (issue 29): the head's rendered token ids travel to the replica over the bus,
+    # and the config's evaluation (every 20 steps) generates greedily on it.
     queued = submit(run_dir, tiny_model, "--cluster", "local", "--set", "trainer.steps=40",
-                    "--set", "trainer.checkpoint_interval=0", env=local_slurm, timeout=120, wait=False)
+                    "--set", "trainer.checkpoint_interval=0", "--set", "data.format=chat",
+                    env=local_slurm, timeout=120, wait=False)
     assert queued.returncode == 0, queued.stderr
     try:
         wait_for(lambda: "step   10/" in head_log(run_dir), "step 10", 300)
@@ -236,6 +239,8 @@ def test_killing_the_inference_replica_loses_no_rollout_and_it_is_back_on_curren
     assert all(r["groups"] == 8 and r["reward_errors"] == 0 for r in rows)  # nothing lost, nothing scored zero
     assert rows[-1]["groups_held_out_total"] == 0
     assert all(r["logprob_mismatch"] < 1e-3 for r in rows)  # the new replica serves the trainer's weights
+    evals = [r for r in read_metrics(run_dir) if "eval/pass@1" in r]
+    assert [r["step"] for r in evals] == [20, 40] and all(r["eval/prompts"] == 64 for r in evals), evals
 
 
 @pytest.mark.slurm
