@@ -7,8 +7,9 @@
     server.close()
 
 Why not torch's TCPStore: it accepts any peer that connects, for as long as it serves, and the
-trainer group's collectives and vLLM's StatelessProcessGroup read pickled objects from it. Here
-every request and every answer carries an HMAC-SHA256 of its bytes under the run's secret
+trainer group's collectives and vLLM's StatelessProcessGroup read pickled objects from it. Here a
+connection must first pass ZeroMQ's PLAIN handshake with the run's token (hpcrl.bus.zap: a client
+without it delivers nothing), and then every request and every answer carries an HMAC-SHA256 of its bytes under the run's secret
 (hpcrl.bus.secret, the key of the control bus), checked before anything is unpacked: a peer
 without the secret is dropped unread and counted, and a request is refused if its sequence number
 is not above the last one seen from its client (no replays). The MAC's domain ("hpcrl-store",
