@@ -1,5 +1,8 @@
 """Benchmark: the head under a flood from a client without the secret, against the same head unflooded.
 
+The flooder presents the run's PLAIN token (hpcrl.bus.zap), as a sniffer of the network could:
+without it the head's handshake refuses its connection and nothing reaches the head at all.
+
 The head (this process: a Router with the limits a run's head gets, hpcrl.bus.config.message_limit_for
 for a batch of 64 sequences x 768 tokens: 16 MiB) drives step-like calls on worker processes
 (tests/bus/worker_proc.py, whose echo endpoint sends its argument back):
@@ -74,10 +77,11 @@ async def _block(head, names: list[str], steps: int) -> dict:
     return {"step": statistics.median(step_s), "call": statistics.median(call_s)}
 
 
-async def _flooder(address: str, rate: float) -> subprocess.Popen:
-    """Start the flooder; returns once its burst was sent (the head, on this loop, reads it meanwhile)."""
+async def _flooder(address: str, rate: float, run_dir: str) -> subprocess.Popen:
+    """Start the flooder; returns once its burst was sent (the head, on this loop, reads it meanwhile).
+    It presents the run's PLAIN token, as a sniffer could: without it, nothing would reach the head."""
     proc = subprocess.Popen([sys.executable, str(REPO / "tests/bus/flood_proc.py"), address, "--big-mib", "12",
-                             "--burst", "100", "--rate", str(rate), "--max-gib", "1000"],
+                             "--burst", "100", "--rate", str(rate), "--max-gib", "1000", "--token-of", run_dir],
                             env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline)
@@ -109,7 +113,7 @@ async def main(opts: argparse.Namespace) -> None:
             for kind, rate in kinds.items():
                 before = _kib("VmRSS")
                 _reset_peak()
-                flooder = await _flooder(address, rate) if rate is not None else None
+                flooder = await _flooder(address, rate, run_dir) if rate is not None else None
                 try:
                     figures = await _block(head, names, opts.steps)
                 finally:

@@ -34,6 +34,9 @@ from typing import cast
 
 import zmq
 
+from hpcrl.bus import zap
+from hpcrl.bus.secret import Secret
+
 log = logging.getLogger(__name__)
 
 #: Frames shorter than this are sent by copying (cheaper than a zero-copy zmq.Frame); pyzmq
@@ -55,15 +58,18 @@ def _context() -> zmq.Context:
     return zmq.Context.instance()
 
 
-def bind_router(address: str, *, max_frame_bytes: int, receive_queue: int) -> tuple[zmq.Socket, str]:
-    """Bind a ROUTER to `address` (port 0 or '*' for a free port); return it and the real address.
+def bind_router(address: str, *, secret: Secret, max_frame_bytes: int,
+                receive_queue: int) -> tuple[zmq.Socket, str, zap.Guard]:
+    """Bind a ROUTER to `address` (port 0 or '*' for a free port); return it, the real address and
+    its guard (hpcrl.bus.zap: only connections that present the run's PLAIN token deliver anything).
 
-    Anyone who can reach the port can send to it, so libzmq's own limits bound what a connection
-    makes the head hold before the bus's checks see anything: a frame above `max_frame_bytes`
-    closes its connection (ZMQ_MAXMSGSIZE is per frame, not per multipart message), and at most
-    `receive_queue` whole messages wait per connection (ZMQ_RCVHWM; then libzmq stops reading it
-    and the sender waits: nothing is dropped). See docs/FACTS.md (ZeroMQ) for what they do not bound."""
+    A sniffer of the network learns that token, so libzmq's own limits still bound what an
+    admitted connection makes the head hold before the bus's checks see anything: a frame above
+    `max_frame_bytes` closes its connection (ZMQ_MAXMSGSIZE is per frame, not per multipart
+    message), and at most `receive_queue` whole messages wait per connection (ZMQ_RCVHWM; then
+    libzmq stops reading it and the sender waits: nothing is dropped). See docs/FACTS.md (ZeroMQ)."""
     sock = _context().socket(zmq.ROUTER)
+    gate = zap.guard(sock, secret)  # before bind: no connection is ever served unchecked
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer fails instead of vanishing
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
@@ -73,14 +79,16 @@ def bind_router(address: str, *, max_frame_bytes: int, receive_queue: int) -> tu
         sock.bind(address)
     except zmq.ZMQError as exc:
         sock.close(linger=0)
+        gate.release()
         from hpcrl.bus.errors import BusError
         raise BusError(f"cannot bind the head's bus socket to {address}: {exc}") from None
-    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT), gate
 
 
-def connect_dealer(address: str, *, routing_id: bytes, hard_max_bytes: int) -> zmq.Socket:
+def connect_dealer(address: str, *, secret: Secret, routing_id: bytes, hard_max_bytes: int) -> zmq.Socket:
     """Connect a DEALER to the head at `address`, with a routing id that survives reconnects."""
     sock = _context().socket(zmq.DEALER)
+    zap.as_client(sock, secret)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTING_ID, routing_id)
     sock.setsockopt(zmq.MAXMSGSIZE, hard_max_bytes)
@@ -90,7 +98,7 @@ def connect_dealer(address: str, *, routing_id: bytes, hard_max_bytes: int) -> z
     return sock
 
 
-def send_once(address: str, frames: list, *, timeout: float) -> bool:
+def send_once(address: str, frames: list, *, secret: Secret, timeout: float) -> bool:
     """Connect a throw-away DEALER to `address`, send one message, and wait up to `timeout` in all
     for it to leave this process (blocking; for a process that has no loop, e.g. a task's
     supervisor, which exits with os._exit right after). True once it is out of the process.
@@ -105,8 +113,9 @@ def send_once(address: str, frames: list, *, timeout: float) -> bool:
     sock = ctx.socket(zmq.DEALER)
     linger_ms = 0  # nothing queued: nothing to wait for
     try:
+        zap.as_client(sock, secret)  # the head's PLAIN handshake (hpcrl.bus.zap)
         sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only once connected, so SNDTIMEO covers the connect
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only once connected (handshake passed): SNDTIMEO covers both
         sock.connect(address)
         sock.send_multipart(frames, copy=True)
         linger_ms = max(1, int((deadline - time.monotonic()) * 1000))

@@ -66,4 +66,4 @@ def send_farewell(link: FarewellLink, *, address: str, secret: Secret, code: int
 
     frames = Sealer(secret, link.incarnation, last_seq=FAREWELL_SEQ).seal(
         Kind.BYE, {"reason": reason, "code": code, "by": "supervisor"}, to=head)
-    return send_once(address, frames, timeout=timeout)
+    return send_once(address, frames, secret=secret, timeout=timeout)

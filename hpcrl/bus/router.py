@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpcrl.bus import channel as _channel
+from hpcrl.bus import zap as _zap
 from hpcrl.bus.config import BusConfig
 from hpcrl.bus.errors import (
     BusError,
@@ -138,6 +139,8 @@ class Router:
         self.address = ""
         self.incarnation = secrets.token_bytes(INCARNATION_BYTES)
         self._counters = Counters()
+        self._secret = secret
+        self._gate: _zap.Guard | None = None
         self._sealer = Sealer(secret, self.incarnation)
         self._opener = Opener(secret, me=self.incarnation, counters=self._counters,
                               max_bytes=self.config.max_message_bytes, max_frames=self.config.max_frames)
@@ -166,8 +169,9 @@ class Router:
     async def start(self) -> str:
         """Bind and start serving; returns the real address (the port chosen by the OS)."""
         self._loop = asyncio.get_running_loop()
-        sock, self.address = _channel.bind_router(self._bind, max_frame_bytes=self.config.max_message_bytes,
-                                                  receive_queue=self.config.receive_queue)
+        sock, self.address, self._gate = _channel.bind_router(
+            self._bind, secret=self._secret, max_frame_bytes=self.config.max_message_bytes,
+            receive_queue=self.config.receive_queue)
         self._channel = _channel.Channel(sock, self._on_message, small_frames=2,  # routing id, header
                                          awaiting=self._pending.__len__)
         self._channel.start()
@@ -189,6 +193,8 @@ class Router:
                 pending.future.set_exception(HeadClosedError(
                     f"the call of {pending.endpoint!r} on {pending.peer.name} was abandoned: {reason}"))
         self._channel.close(linger=1.0)  # the goodbyes still go out
+        if self._gate is not None:
+            self._gate.release()
         self._closed_because = reason
 
     async def __aenter__(self) -> Router:
@@ -201,12 +207,19 @@ class Router:
     # ---------------------------------------------------------------- what the head knows
 
     def counters(self) -> dict[str, int]:
-        """Accepted messages, and dropped ones by reason (forged, replayed, too large, ...)."""
-        return self._counters.snapshot()
+        """Accepted messages, and dropped ones by reason (forged, replayed, too large, ...), and
+        `handshake`: connections refused before they could deliver anything (no or a wrong token)."""
+        snap = self._counters.snapshot()
+        snap["handshake"] = self._gate.refused() if self._gate is not None else 0
+        return snap
 
     def refused(self) -> dict[str, int]:
-        """Messages refused so far, by reason (bad_mac, too_large, truncated, ...); only reasons seen."""
-        return self._counters.refused()
+        """Messages refused so far, by reason (bad_mac, too_large, truncated, ...), and connections
+        refused at the handshake (`handshake`); only reasons seen."""
+        refused = self._counters.refused()
+        if self._gate is not None and (handshakes := self._gate.refused()):
+            refused["handshake"] = handshakes
+        return refused
 
     def peers(self, group: str | None = None, *, healthy_only: bool = True) -> list[PeerInfo]:
         """Peers (of `group`); by default only those that serve: healthy and ready."""

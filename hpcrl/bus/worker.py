@@ -80,6 +80,7 @@ class Worker:
         self.config = config or BusConfig()
         self.incarnation = incarnation or secrets.token_bytes(INCARNATION_BYTES)
         self._counters = Counters()
+        self._secret = secret
         self._sealer = Sealer(secret, self.incarnation)
         self._opener = Opener(secret, me=self.incarnation, counters=self._counters,
                               max_bytes=self.config.max_message_bytes, max_frames=self.config.max_frames)
@@ -154,7 +155,7 @@ class Worker:
         self._loop = loop = asyncio.get_running_loop()
         self._welcomed = asyncio.Event()
         self._done = loop.create_future()
-        sock = _channel.connect_dealer(self.address, routing_id=routing_id(self.incarnation),
+        sock = _channel.connect_dealer(self.address, secret=self._secret, routing_id=routing_id(self.incarnation),
                                        hard_max_bytes=4 * self.config.max_message_bytes)
         self._channel = _channel.Channel(sock, self._on_message)
         self._channel.start()

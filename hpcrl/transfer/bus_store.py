@@ -7,8 +7,9 @@
     server.close()
 
 Why not torch's TCPStore: it accepts any peer that connects, for as long as it serves, and the
-trainer group's collectives and vLLM's StatelessProcessGroup read pickled objects from it. Here
-every request and every answer carries an HMAC-SHA256 of its bytes under the run's secret
+trainer group's collectives and vLLM's StatelessProcessGroup read pickled objects from it. Here a
+connection must first pass ZeroMQ's PLAIN handshake with the run's token (hpcrl.bus.zap: a client
+without it delivers nothing), and then every request and every answer carries an HMAC-SHA256 of its bytes under the run's secret
 (hpcrl.bus.secret, the key of the control bus), checked before anything is unpacked: a peer
 without the secret is dropped unread and counted, and a request is refused if its sequence number
 is not above the last one seen from its client (no replays). The MAC's domain ("hpcrl-store",
@@ -50,6 +51,7 @@ import msgpack
 import torch.distributed as dist
 import zmq
 
+from hpcrl.bus import zap
 from hpcrl.bus.secret import Secret
 
 log = logging.getLogger(__name__)
@@ -111,6 +113,7 @@ class StoreServer:
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_BYTES + 1024)
         self._sock.setsockopt(zmq.RCVHWM, _HWM)
         self._sock.setsockopt(zmq.SNDHWM, _HWM)
+        self._gate = zap.guard(self._sock, secret)  # before bind: a client without the run's token delivers nothing
         self._sock.bind(bind)
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         """Where clients connect (the bound address, its port filled in)."""
@@ -123,9 +126,13 @@ class StoreServer:
         self._deadlines: list[_Parked] = []
         self._numbers = itertools.count()
         self.refused: dict[str, int] = {"bad_mac": 0, "replay": 0, "malformed": 0}
-        """Requests dropped unanswered, by reason (a peer without the secret: bad_mac)."""
+        """Requests dropped unanswered, by reason (a peer with the PLAIN token but not the secret: bad_mac)."""
         self._thread = threading.Thread(target=self._serve, name="hpcrl-store", daemon=True)
         self._thread.start()
+
+    def refused_handshakes(self) -> int:
+        """Connections refused at the ZeroMQ handshake (no or a wrong token): they delivered nothing."""
+        return self._gate.refused()
 
     @property
     def port(self) -> int:
@@ -171,6 +178,7 @@ class StoreServer:
             log.exception("the rendezvous store's thread failed")
         finally:
             self._sock.close(linger=0)
+            self._gate.release()
             self._wake_rx.close(linger=0)
 
     def _on_request(self, frames: list[bytes]) -> None:
@@ -295,6 +303,7 @@ class BusStore(dist.Store):
             sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_BYTES + 1024)
+            zap.as_client(sock, self._secret)
             sock.connect(self.address)
             mine = self._local.socket = (sock, secrets.token_bytes(_CLIENT), itertools.count(1))
             with self._lock:

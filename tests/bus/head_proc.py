@@ -8,7 +8,7 @@ until killed (the tests kill it with SIGKILL to check that its workers leave on 
 With --serve-calls it also reads commands from stdin: "measure K" makes K echo calls, one at a
 time, over the ready replicas in turn, and prints one line "measured <json>": the median and
 90th percentile of their round trips (s), the head's refused-message counters, its accepted
-count and its ready peers.
+count and its ready peers; "counters" prints one line "counters <json>": the head's counters.
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ def main() -> int:
             command, _, count = line.partition(" ")
             if command == "measure":
                 print("measured", json.dumps(await measure(head, int(count))), flush=True)
+            elif command.strip() == "counters":
+                print("counters", json.dumps(head.counters()), flush=True)
 
     asyncio.run(serve())
     return 0

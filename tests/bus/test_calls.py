@@ -165,8 +165,9 @@ def test_worker_with_a_wrong_secret_is_never_admitted(secret, address, tmp_path)
             other = create_secret(tmp_path / "other")
             intruder = echo_worker(other, head.address, config=fast_config(register_timeout=0.5))
             assert await intruder.serve() == WorkerExit.UNREACHABLE
-            assert head.peers() == [] and head.counters()["bad_mac"] >= 2
-            assert head.counters()["accepted"] == 0
+            # Its token (derived from its secret) is refused at the handshake: nothing reaches the MAC check.
+            assert head.peers() == [] and head.counters()["handshake"] >= 1
+            assert head.counters()["accepted"] == head.counters()["dropped"] == 0
     run(go())
 
 

@@ -1,7 +1,9 @@
-"""The head under a flood of junk from a client that knows no secret (issue 28): its calls to its
-workers keep their speed, its memory stays bounded, nothing of the flood is accepted, and its
-counters say why each message was refused. Every process is real: the head (head_proc.py), two
-workers (worker_proc.py) and the flooder (flood_proc.py), over TCP on loopback."""
+"""The head under a flood of junk from a client that knows no secret (issue 28). One without the
+run's PLAIN token delivers nothing at all, not even one message of hundreds of frames; one with it
+(a sniffer of the network learns it) is refused by the MAC: the head's calls to its workers keep
+their speed, its memory stays bounded, nothing of the flood is accepted, and its counters say why
+each message was refused. Every process is real: the head (head_proc.py), two workers
+(worker_proc.py) and the flooders (flood_proc.py), over TCP on loopback."""
 
 from __future__ import annotations
 
@@ -68,7 +70,8 @@ def test_a_flood_from_a_client_without_the_secret_leaves_calls_fast_memory_bound
     rss_before = _proc_kib(head.pid, "VmRSS")
 
     flooder = subprocess.Popen([sys.executable, str(HERE / "flood_proc.py"), address, "--big-mib", "12",
-                                "--burst", str(BURST), "--rate", str(RATE), "--max-gib", "3"],
+                                "--burst", str(BURST), "--rate", str(RATE), "--max-gib", "3",
+                                "--token-of", str(run_dir)],  # a sniffer's: it knows the PLAIN token, not the secret
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     procs.append(flooder)
     _read_until(flooder, "flooding")
@@ -86,3 +89,35 @@ def test_a_flood_from_a_client_without_the_secret_leaves_calls_fast_memory_bound
     assert flooded["peers"] == quiet["peers"] == ["inf/0/0", "inf/1/0"]
     assert {"too_large", "bad_mac", "truncated"} <= set(flooded["refused"]), flooded["refused"]
     assert set(flooded["refused"]) <= {"too_large", "bad_mac", "truncated", "version"}, flooded["refused"]
+
+
+@pytest.mark.timeout(60)
+def test_a_client_without_the_runs_token_delivers_nothing_not_even_one_message_of_300_frames(run_dir, procs, tmp_path):
+    from hpcrl.bus import create_secret
+
+    other_run = tmp_path / "other-run"
+    create_secret(other_run)
+    env = {"PYTHONPATH": str(REPO)}
+    head = subprocess.Popen([sys.executable, str(HERE / "head_proc.py"), str(run_dir), "--replicas", "0", "--serve-calls"],
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs.append(head)
+    address = _read_until(head, "address ")
+    _read_until(head, "ready")
+    rss_before = _proc_kib(head.pid, "VmRSS")
+    # No credentials (NULL: refused at the greeting), and another run's token (refused by the handler).
+    flooders = [subprocess.Popen([sys.executable, str(HERE / "flood_proc.py"), address, "--multipart", "300",
+                                  "--big-mib", "1", *token], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for token in ([], ["--token-of", str(other_run)])]
+    procs += flooders
+    for flooder in flooders:
+        _read_until(flooder, "flooding")
+        for _ in range(3):  # refused, and refused again on each of libzmq's retries
+            assert _read_until(flooder, "handshake ") == "failed"
+    head.stdin.write("counters\n")
+    head.stdin.flush()
+    counters = json.loads(_read_until(head, "counters "))
+    growth_mb = (_proc_kib(head.pid, "VmHWM") - rss_before) / 1024
+    print(f"head RSS {rss_before / 1024:.0f} MB, peak +{growth_mb:.1f} MB; counters {counters}")
+    assert counters["accepted"] == counters["dropped"] == 0, counters  # not one message reached the head's checks
+    assert counters["handshake"] >= 3, counters  # the wrong token's tries, refused by the head's handler
+    assert growth_mb < 50, f"the head grew by {growth_mb:.0f} MB under a flood that should not reach it"

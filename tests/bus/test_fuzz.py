@@ -22,6 +22,7 @@ from hpcrl.bus import PeerInfo, Router
 from hpcrl.bus.router import routing_id
 from hpcrl.bus.secret import Secret
 from hpcrl.bus.wire import PROTOCOL_VERSION, TRAILER_BYTES, Counters, Kind, Opener, Sealer, seal_raw
+from hpcrl.bus.zap import as_client, guard
 
 MAX_BYTES, MAX_FRAMES = 4096, 8
 PER_EXAMPLE, EXAMPLES = 60, 100  # 6,000 messages at each of the two targets
@@ -164,6 +165,7 @@ def test_head_drops_every_malformed_forged_and_replayed_frame_and_keeps_serving(
         socks += [peer_sock, attacker_sock]
         for s in socks:
             s.setsockopt(zmq.LINGER, 0)
+            as_client(s, secret)  # the attacker sniffed the PLAIN token (it crosses in clear), not the secret
             s.connect(head.address)
         info = PeerInfo(run_id=RUN_ID, group="captured", replica=0)
         captured = [[bytes(f) for f in genuine.seal(Kind.REGISTER, {"peer": info.to_wire(), "t": time.time(),
@@ -213,6 +215,7 @@ def test_worker_drops_every_malformed_forged_and_replayed_frame_and_keeps_servin
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)  # plays the head, with the run's secret
     router.setsockopt(zmq.LINGER, 0)
+    gate = guard(router, secret)  # workers present the run's PLAIN token
     address = f"ipc://{short_dir}/fuzz-worker"
     router.bind(address)
     try:
@@ -254,4 +257,5 @@ def test_worker_drops_every_malformed_forged_and_replayed_frame_and_keeps_servin
         assert serving.result(5).name == "SHUTDOWN"
     finally:
         router.close(linger=0)
+        gate.release()
         thread.close()

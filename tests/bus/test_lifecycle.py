@@ -13,7 +13,7 @@ import pytest
 import zmq
 from bus_helpers import RUN_ID, fast_config, run, until
 
-from hpcrl.bus import PeerInfo, Router, Worker, WorkerExit
+from hpcrl.bus import PeerInfo, Router, Worker, WorkerExit, zap
 from hpcrl.bus.errors import UnknownEndpointError
 from hpcrl.bus.farewell import FarewellLink, send_farewell
 
@@ -98,24 +98,28 @@ def test_the_exit_code_sent_by_a_supervisor_process_is_accepted_once_and_replays
     run(go())
 
 
-def test_a_message_send_once_called_sent_arrives_even_when_its_process_exits_at_once(address):
+def test_a_message_send_once_called_sent_arrives_even_when_its_process_exits_at_once(address, run_dir, secret):
     # A task's supervisor sends its farewell and then leaves with os._exit; ZeroMQ writes a queued
     # message from its I/O thread, which dies with the process. 64 MiB cannot leave in the moment
     # between the send and the exit, so only a send_once that waits for the message to be out of
     # the process passes this every time (a 300-byte farewell was lost in about 1 run of 10).
     router = zmq.Context.instance().socket(zmq.ROUTER)
+    gate = zap.guard(router, secret)  # the head's handshake, as send_once's farewell meets it
     try:
         router.bind(address)
         payload = os.urandom(64 << 20)
-        code = ("import os, sys\nfrom hpcrl.bus.channel import send_once\n"
-                "sent = send_once(sys.argv[1], [sys.stdin.buffer.read()], timeout=20)\nos._exit(0 if sent else 1)\n")
-        sent = subprocess.run([sys.executable, "-c", code, router.getsockopt_string(zmq.LAST_ENDPOINT)],
+        code = ("import os, sys\nfrom pathlib import Path\nfrom hpcrl.bus import load_secret\n"
+                "from hpcrl.bus.channel import send_once\n"
+                "sent = send_once(sys.argv[1], [sys.stdin.buffer.read()], secret=load_secret(Path(sys.argv[2])), "
+                "timeout=20)\nos._exit(0 if sent else 1)\n")
+        sent = subprocess.run([sys.executable, "-c", code, router.getsockopt_string(zmq.LAST_ENDPOINT), str(run_dir)],
                               input=payload, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=25)
         assert sent.returncode == 0, "send_once said the message could not leave"
         assert router.poll(5000), "the message send_once called sent never arrived"
         assert router.recv_multipart()[1] == payload
     finally:
         router.close(linger=0)
+        gate.release()
 
 
 def test_a_task_never_welcomed_sends_no_farewell(secret):

@@ -21,8 +21,9 @@ import zmq
 
 from hpcrl.bus import PeerInfo
 from hpcrl.bus.router import routing_id
-from hpcrl.bus.secret import Secret
+from hpcrl.bus.secret import Secret, load_secret
 from hpcrl.bus.wire import Kind, Sealer
+from hpcrl.bus.zap import as_client
 from hpcrl.rundir import EXIT_FILE, log_path, read_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,6 +72,8 @@ def test_forged_registrations_and_exit_codes_are_refused_and_counted_and_the_che
         stranger.setsockopt(zmq.LINGER, 2000)
         # Also on a connection whose routing id is a registered peer's own (the incarnation is no secret).
         stranger.setsockopt(zmq.ROUTING_ID, routing_id(secrets.token_bytes(16)))
+        # A sniffer's connection: it learned the PLAIN token (sent in clear), not the secret.
+        as_client(stranger, load_secret(tmp_path))
         stranger.connect(address)
         for message in messages:
             stranger.send_multipart(message)
@@ -107,6 +110,7 @@ def test_the_heads_report_names_new_refusals_by_reason_once_and_feeds_hpcrl_stat
         address = await head.start()
         stranger = zmq.Context.instance().socket(zmq.DEALER)
         stranger.setsockopt(zmq.LINGER, 0)
+        as_client(stranger, load_secret(tmp_path))  # a sniffer's: the PLAIN token, not the secret
         stranger.connect(address)
         for message in forged_frames(run_name="r")[:3] + [[b"x" * (1 << 17)]]:
             stranger.send_multipart(message)

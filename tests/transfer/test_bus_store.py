@@ -20,6 +20,7 @@ import torch.distributed as dist
 import zmq
 
 from hpcrl.bus.secret import Secret, load_secret
+from hpcrl.bus.zap import as_client
 from hpcrl.transfer import bus_store
 from hpcrl.transfer.bus_store import BusStore, StoreServer
 from hpcrl.transfer.rendezvous import SECRET_DIR_ENV, serve_private_store
@@ -94,6 +95,7 @@ def test_a_peer_without_the_secret_is_refused_unread_and_a_replayed_request_too(
     server, client, secret = served
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    as_client(sock, secret)  # a sniffer's connection: the PLAIN token (sent in clear), not the secret
     sock.connect(server.address)
     try:
         me = os.urandom(16)
@@ -119,6 +121,37 @@ def test_a_peer_without_the_secret_is_refused_unread_and_a_replayed_request_too(
     with pytest.raises(dist.DistStoreError, match="did not answer set"):
         outsider.set("owned", "evil")
     assert not client().check(["owned"])
+
+
+def test_a_client_without_the_runs_plain_token_delivers_nothing_not_even_a_signed_request(served):
+    server, client, secret = served
+    signed = bus_store._seal(secret.key, bus_store._REQUEST, [os.urandom(16), 1, "set", ["owned", b"evil"]])
+    socks, monitors = [], []
+    for token in (None, Secret(os.urandom(32))):  # no credentials; another run's token
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if token is not None:
+            as_client(sock, token)
+        sock.setsockopt(zmq.SNDTIMEO, 5000)  # a refused handshake drops the pipe until libzmq reconnects
+        sock.connect(server.address)
+        sock.send_multipart(signed)  # signed with the run's secret: only the handshake can refuse it
+        # libzmq retries a refused connection every 100 ms: the monitor sees a failure after this.
+        monitors.append(sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH))
+        socks.append(sock)
+    try:
+        for monitor in monitors:  # each client's handshake failed (NULL: at the greeting; a wrong token: by ZAP)
+            assert monitor.poll(10_000), "a client's handshake neither failed nor passed"
+            monitor.recv_multipart()
+        assert server.refused_handshakes() >= 1  # the wrong token, counted by the store's handler
+        assert not any(sock.poll(0) for sock in socks)
+    finally:
+        for sock in socks:
+            sock.disable_monitor()
+            sock.close()
+        for monitor in monitors:
+            monitor.close()
+    assert not client().check(["owned"])
+    assert server.refused == {"bad_mac": 0, "replay": 0, "malformed": 0}  # nothing reached the MAC check
 
 
 def test_three_ranks_form_a_gloo_group_through_it_and_allreduce(served):
