@@ -72,8 +72,9 @@ def test_eval_keys_are_checked_and_eval_without_held_out_prompts_is_refused_nami
     tiny = REPO / "configs" / "tiny_grpo.toml"
     with pytest.raises(ConfigError, match=r'eval.interval: is 10 but the run has no evaluation prompts.*'
                                           r'data.eval_source = "builtin:echo"'):
-        load_config(tiny, overrides=["eval.interval=10"])
-    config = load_config(tiny, overrides=["eval.interval=10", "data.eval_source=builtin:echo", "eval.n=4"])
+        load_config(tiny, overrides=["eval.interval=10", 'data.eval_source=""'])
+    config = load_config(tiny, overrides=["eval.interval=10", "data.eval_source=builtin:echo", "eval.n=4",
+                                          "eval.at_start=true"])
     assert (config.eval.interval, config.eval.greedy, config.eval.pass_k, config.eval.at_start) == (10, True, 4, True)
 
 
