@@ -1,12 +1,17 @@
-"""The Qwen3-MoE family: config.json both ways, HF and vLLM parameters, memory terms."""
+"""The Qwen3-MoE family: config.json both ways, HF and vLLM parameters, memory terms, and torchtitan's
+model giving transformers' logits from the same checkpoint."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from hpcrl.config.model_shapes import PRESETS, from_hf_config
+from hpcrl.errors import TrainerError
+from hpcrl.models import ModelShape
 
 #: Qwen/Qwen3-30B-A3B's config.json as published (the keys hpcrl reads; "num_experts" as Qwen spells it).
 QWEN3_30B_A3B = {
@@ -77,3 +82,63 @@ def test_moe_activation_memory_counts_each_token_once_per_routed_expert():
     assert shape.family.activation_values_per_token(shape) == 7 * h + 2 * kv + 8 * (2 * h + 4 * 768) + 2 * 128
     top2 = replace(shape, num_experts_per_tok=2)
     assert top2.family.activation_values_per_token(top2) < shape.family.activation_values_per_token(shape)
+
+
+def test_the_trainer_refuses_one_to_one_copies_of_expert_tensors():
+    pytest.importorskip("torchtitan")
+    from hpcrl.trainer import titan
+
+    with pytest.raises(TrainerError, match="keeps its experts as 3-D stacks"):
+        titan.hf_to_titan_names(MIXED)
+
+
+def test_torchtitan_builds_qwen3_moe_with_every_hf_tensor_in_a_parameter():
+    pytest.importorskip("torchtitan")
+    from hpcrl.trainer import titan
+
+    model = titan.build_model(MIXED, max_seq_len=32, device="meta")
+    params = {titan.clean_name(n): tuple(p.shape) for n, p in model.named_parameters()}
+    names = titan.hf_to_titan_names(MIXED, experts=False)
+    slots = titan.hf_expert_slots(MIXED)
+    assert slots["model.layers.2.mlp.experts.5.up_proj.weight"] == (
+        "layers.2.moe.routed_experts.inner_experts.w3_EFD", 5)
+    assert params["layers.0.moe.routed_experts.inner_experts.w1_EFD"] == (8, 32, 64)
+    assert params["layers.0.moe.routed_experts.inner_experts.w2_EDF"] == (8, 64, 32)
+    assert sorted(params) == sorted(set(names.values()) | {stack for stack, _ in slots.values()})
+
+
+def _save_hf_checkpoint(shape: ModelShape, out: Path) -> None:
+    """A random transformers Qwen3MoeForCausalLM of `shape`, saved as a checkpoint (per-expert names)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = shape.to_hf_config()
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(hf.pop("model_type"), **hf, initializer_range=0.5)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shape", [PRESETS["tiny-qwen3-moe"], MIXED], ids=["tiny", "mixed"])
+def test_torchtitan_qwen3_moe_gives_transformers_logits_from_the_same_checkpoint(shape: ModelShape, tmp_path: Path):
+    pytest.importorskip("torchtitan")
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.trainer import titan
+
+    _save_hf_checkpoint(shape, tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    model = titan.build_model(shape, max_seq_len=64, device="meta")
+    model.to_empty(device="cpu")
+    titan.init_states(model, device=torch.device("cpu"))
+    state = titan.hf_state_dict_to_titan(shape, load_file(tmp_path / "model.safetensors"))
+    assert not model.load_state_dict(state, strict=False).unexpected_keys
+    assert set(state) == {titan.clean_name(n) for n, _ in model.named_parameters()}
+    tokens = torch.randint(0, shape.vocab_size, (3, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="In CPU autocast")  # torchtitan's fp32 router autocast
+        ours, theirs = model.eval()(tokens), reference(tokens).logits
+    assert theirs.abs().max() > 1.0  # large enough weights that a wrong route or expert shows
+    assert (ours - theirs).abs().max() < 1e-5
