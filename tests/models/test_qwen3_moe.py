@@ -56,7 +56,7 @@ def test_moe_layers_list_a_router_and_every_expert_and_dense_layers_a_plain_mlp(
     assert params["model.layers.2.mlp.experts.7.down_proj.weight"] == (64, 32)
     assert params["model.layers.1.mlp.gate_proj.weight"] == (128, 64)  # mlp_only_layers: dense
     assert "model.layers.0.mlp.gate_proj.weight" not in params and "model.layers.1.mlp.gate.weight" not in params
-    attention = 2 * 64 + 2 * 16 + (64 + 2 * 32 + 64) * 64
+    attention = 2 * 64 + 2 * 32 + (128 + 2 * 64 + 128) * 64
     assert MIXED.layer_parameters == attention + 8 * 64 + 8 * 3 * 32 * 64  # the largest block: a MoE one
 
 
