@@ -142,3 +142,52 @@ def test_torchtitan_qwen3_moe_gives_transformers_logits_from_the_same_checkpoint
         ours, theirs = model.eval()(tokens), reference(tokens).logits
     assert theirs.abs().max() > 1.0  # large enough weights that a wrong route or expert shows
     assert (ours - theirs).abs().max() < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_fsdp2_shards_whole_experts_and_keeps_the_logits_and_gradients(tmp_path: Path):
+    pytest.importorskip("torchtitan")
+    import time
+
+    import torch
+    import torch.multiprocessing as mp
+    from moe_fsdp_worker import fsdp_rank
+    from safetensors.torch import load_file
+
+    from hpcrl.trainer import titan
+
+    shape = PRESETS["tiny-qwen3-moe"]
+    _save_hf_checkpoint(shape, tmp_path)
+    state = titan.hf_state_dict_to_titan(shape, load_file(tmp_path / "model.safetensors"))
+    tokens = torch.randint(0, shape.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    model = titan.build_model(shape, max_seq_len=64, device="meta")
+    model.to_empty(device="cpu")
+    titan.init_states(model, device=torch.device("cpu"))
+    model.load_state_dict(state, strict=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="In CPU autocast")
+        logits = model(tokens)
+        logits.float().square().mean().backward()
+    w1 = dict(model.named_parameters())["layers.0.moe.routed_experts.inner_experts.w1_EFD"]
+
+    ranks = 3  # 8 experts over 3 ranks: 3, 3 and 2 whole experts (torch.chunk on dim 0)
+    context = mp.start_processes(fsdp_rank, args=(ranks, str(tmp_path / "store"), str(tmp_path), shape, state,
+                                                  tokens), nprocs=ranks, join=False, start_method="spawn")
+    deadline = time.monotonic() + 150
+    try:
+        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+            assert time.monotonic() < deadline, "the FSDP ranks did not finish in 150 s"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(ranks)]
+    assert [r["w1_local"].shape[0] for r in results] == [3, 3, 2]
+    assert torch.equal(torch.cat([r["w1_local"] for r in results]), w1.detach())
+    assert w1.grad.abs().max() > 1e-4
+    for result in results:
+        assert (result["logits"] - logits).abs().max() < 1e-5
+        # Every rank ran the same tokens, and hpcrl's FSDP sums gradients over ranks (parallel.shard_decoder).
+        assert (result["w1_grad"] - ranks * w1.grad).abs().max() < 1e-6
