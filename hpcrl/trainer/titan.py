@@ -324,34 +324,52 @@ def hf_expert_slots(shape: ModelShape) -> dict[str, tuple[str, int]]:
     return slots
 
 
+def expert_stack_name(hf_expert_name: str) -> tuple[str, int] | None:
+    """(HF-style name of the 3-D stack, expert index) of a per-expert HF name, else None.
+
+    The stack is named as HF names the expert tensor, without the expert index
+    ("model.layers.0.mlp.experts.3.gate_proj.weight" -> "model.layers.0.mlp.experts.gate_proj.weight",
+    3): the trainer's name for torchtitan's w1_EFD / w3_EFD / w2_EDF, and the weight transfer's
+    (hpcrl/plan: a stack viewed 2-D, (E * rows, columns), FSDP chunks whole experts)."""
+    match = _EXPERT.match(hf_expert_name)
+    return (match.group(1) + match.group(3), int(match.group(2))) if match else None
+
+
+_EXPERT = re.compile(r"^(.*\.experts\.)(\d+)\.(.*)$")
+
+
 def hf_state_dict_to_titan(shape: ModelShape, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A torchtitan state dict of `shape` from HF tensors: renamed, and each MoE layer's experts stacked."""
-    slots = hf_expert_slots(shape)
-    names = hf_to_titan_names(shape, experts=False)
-    state = {names[n]: t for n, t in tensors.items() if n not in slots}
+    names, slots = hf_to_titan_names(shape), hf_expert_slots(shape)
+    state: dict[str, torch.Tensor] = {}
     stacks: dict[str, dict[int, torch.Tensor]] = {}
-    for hf_name, (stack, e) in slots.items():
-        stacks.setdefault(stack, {})[e] = tensors[hf_name]
-    for stack, experts in stacks.items():
-        state[stack] = torch.stack([experts[e] for e in range(len(experts))])
+    for name, tensor in tensors.items():
+        stack = expert_stack_name(name) if name in slots else None
+        if stack is None:
+            state[names[name]] = tensor
+        else:
+            stacks.setdefault(stack[0], {})[stack[1]] = tensor
+    for stack_name, experts in stacks.items():
+        state[names[stack_name]] = torch.stack([experts[e] for e in range(len(experts))])
     return state
 
 
-def hf_to_titan_names(shape: ModelShape, *, max_seq_len: int = 16, experts: bool = True) -> dict[str, str]:
+def hf_to_titan_names(shape: ModelShape, *, max_seq_len: int = 16) -> dict[str, str]:
     """Every HF parameter name of `shape` -> the torchtitan parameter name holding the same tensor.
 
-    An expert tensor of a MoE model is one slice of a torchtitan 3-D stack, not a tensor of its
-    own: with `experts=False` they are left out (see `hf_expert_slots`); by default they are a
-    TrainerError, so no caller copies tensors one to one without knowing."""
+    A MoE layer's experts are not tensors of their own in torchtitan: each projection's experts
+    are one 3-D stack, named here as its experts without the index (`expert_stack_name`), in the
+    place of its first expert; hpcrl.trainer.weights reads and writes expert e at dim-0 index e."""
     slots = hf_expert_slots(shape)
-    if slots and experts:
-        raise TrainerError(f"{shape.architecture} keeps its experts as 3-D stacks, which the trainer's "
-                           "one-to-one HF weight copies do not handle yet; train a dense model, or load "
-                           "through hpcrl.trainer.titan.hf_state_dict_to_titan")
     templates = _hf_templates(shape, model_config(shape, max_seq_len=max_seq_len))
     names = {}
     for hf_name, _ in shape.hf_parameters():
         if hf_name in slots:
+            stack = expert_stack_name(hf_name)
+            if stack is None:
+                raise TrainerError(f"{shape.architecture}: expert tensor {hf_name!r} has no '.experts.N.' "
+                                   "in its name; fix the family's expert_stacks (hpcrl/models/)")
+            names[stack[0]] = slots[hf_name][0]
             continue
         layer = re.search(r"\d+", hf_name)
         template = re.sub(r"\d+", "{}", hf_name, count=1) if layer else hf_name

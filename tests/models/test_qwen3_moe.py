@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from hpcrl.config.model_shapes import PRESETS, from_hf_config
-from hpcrl.errors import TrainerError
 from hpcrl.models import ModelShape
 
 #: Qwen/Qwen3-30B-A3B's config.json as published (the keys hpcrl reads; "num_experts" as Qwen spells it).
@@ -84,12 +83,16 @@ def test_moe_activation_memory_counts_each_token_once_per_routed_expert():
     assert top2.family.activation_values_per_token(top2) < shape.family.activation_values_per_token(shape)
 
 
-def test_the_trainer_refuses_one_to_one_copies_of_expert_tensors():
+def test_the_trainer_names_each_expert_stack_as_its_experts_without_the_index():
     pytest.importorskip("torchtitan")
     from hpcrl.trainer import titan
 
-    with pytest.raises(TrainerError, match="keeps its experts as 3-D stacks"):
-        titan.hf_to_titan_names(MIXED)
+    names = titan.hf_to_titan_names(MIXED)
+    assert names["model.layers.2.mlp.experts.down_proj.weight"] == "layers.2.moe.routed_experts.inner_experts.w2_EDF"
+    assert names["model.layers.1.mlp.down_proj.weight"] == "layers.1.feed_forward.w2.weight"
+    assert not any(".experts.0." in name for name in names)
+    assert titan.expert_stack_name("model.layers.0.mlp.experts.11.up_proj.weight") == (
+        "model.layers.0.mlp.experts.up_proj.weight", 11)
 
 
 def test_torchtitan_builds_qwen3_moe_with_every_hf_tensor_in_a_parameter():
@@ -98,13 +101,13 @@ def test_torchtitan_builds_qwen3_moe_with_every_hf_tensor_in_a_parameter():
 
     model = titan.build_model(MIXED, max_seq_len=32, device="meta")
     params = {titan.clean_name(n): tuple(p.shape) for n, p in model.named_parameters()}
-    names = titan.hf_to_titan_names(MIXED, experts=False)
+    names = titan.hf_to_titan_names(MIXED)
     slots = titan.hf_expert_slots(MIXED)
     assert slots["model.layers.2.mlp.experts.5.up_proj.weight"] == (
         "layers.2.moe.routed_experts.inner_experts.w3_EFD", 5)
     assert params["layers.0.moe.routed_experts.inner_experts.w1_EFD"] == (8, 32, 64)
     assert params["layers.0.moe.routed_experts.inner_experts.w2_EDF"] == (8, 64, 32)
-    assert sorted(params) == sorted(set(names.values()) | {stack for stack, _ in slots.values()})
+    assert sorted(params) == sorted(names.values())
 
 
 def _save_hf_checkpoint(shape: ModelShape, out: Path) -> None:
@@ -191,3 +194,37 @@ def test_fsdp2_shards_whole_experts_and_keeps_the_logits_and_gradients(tmp_path:
         assert (result["logits"] - logits).abs().max() < 1e-5
         # Every rank ran the same tokens, and hpcrl's FSDP sums gradients over ranks (parallel.shard_decoder).
         assert (result["w1_grad"] - ranks * w1.grad).abs().max() < 1e-6
+
+
+@pytest.mark.timeout(120)
+def test_the_trainer_engine_loads_trains_and_exports_qwen3_moe_by_hf_names(tmp_path: Path):
+    pytest.importorskip("torchtitan")
+    import torch
+    from safetensors.torch import load_file
+
+    from hpcrl.algorithms.base import LossSettings
+    from hpcrl.trainer import EngineOptions, TrainerEngine
+    from hpcrl.trainer.batch import pad_rows
+
+    _save_hf_checkpoint(MIXED, tmp_path)
+    checkpoint = load_file(tmp_path / "model.safetensors")
+    engine = TrainerEngine(EngineOptions(
+        shape=MIXED, weights_path=str(tmp_path), max_seq_len=64, lr=1e-2, betas=(0.9, 0.99), eps=1e-6,
+        micro_batch_size=2, grad_clip=1.0, total_steps=10,
+        loss=LossSettings(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0)))
+    exported = engine.full_state_dict_hf()
+    assert set(exported) == set(checkpoint)
+    assert all(torch.equal(exported[name], checkpoint[name]) for name in checkpoint)
+    shard = engine.local_shards()["model.layers.0.mlp.experts.down_proj.weight"]
+    assert (shard.global_shape, shard.dim0_offset, tuple(shard.tensor.shape)) == ((8 * 64, 32), 0, (8 * 64, 32))
+    assert torch.equal(shard.tensor[64:128], checkpoint["model.layers.0.mlp.experts.1.down_proj.weight"])
+
+    batch = pad_rows(sequences=[[1, 40, 41, 42, 43, 44], [1, 40, 50, 51]], prompt_lengths=[2, 2],
+                     old_logprobs=[[-4.8, -4.9, -5.0, -4.7], [-4.6, -5.1]], advantages=[1.0, -1.0])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="In CPU autocast")
+        engine.train_step(batch)
+    trained = engine.full_state_dict_hf()
+    changed = {name for name in checkpoint if not torch.equal(trained[name], checkpoint[name])}
+    assert "model.layers.0.mlp.gate.weight" in changed  # the router learns
+    assert any(".mlp.experts." in name for name in changed)  # and the experts tokens went to
