@@ -13,7 +13,7 @@ def fsdp_rank(rank: int, world_size: int, store_path: str, out_dir: str, shape, 
     and save this rank's logits, expert shards and the gathered gradient of one expert stack."""
     import torch.distributed as dist
 
-    from hpcrl.trainer import parallel, titan
+    from hpcrl.trainer import parallel, titan, weights
 
     warnings.filterwarnings("ignore", message="In CPU autocast")
     torch.set_num_threads(1)
@@ -29,8 +29,12 @@ def fsdp_rank(rank: int, world_size: int, store_path: str, out_dir: str, shape, 
         logits.float().square().mean().backward()
         params = {titan.clean_name(n): p for n, p in model.named_parameters()}
         w1 = params["layers.0.moe.routed_experts.inner_experts.w1_EFD"]
+        parallel.reshard(model)
+        down = weights.local_shards(model, titan.hf_to_titan_names(shape), rank=rank, sharded=True)[
+            "model.layers.0.mlp.experts.down_proj.weight"]
         torch.save({"logits": logits.detach(), "w1_local": w1.to_local().detach().clone(),
-                    "w1_grad": w1.grad.full_tensor()},
+                    "w1_grad": w1.grad.full_tensor(),
+                    "down": (down.tensor.clone(), down.global_shape, down.dim0_offset)},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

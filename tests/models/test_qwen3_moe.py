@@ -190,6 +190,10 @@ def test_fsdp2_shards_whole_experts_and_keeps_the_logits_and_gradients(tmp_path:
     assert [r["w1_local"].shape[0] for r in results] == [3, 3, 2]
     assert torch.equal(torch.cat([r["w1_local"] for r in results]), w1.detach())
     assert w1.grad.abs().max() > 1e-4
+    # The weight transfer's view of the down_proj stack: each rank's whole experts as contiguous rows.
+    down = dict(model.named_parameters())["layers.0.moe.routed_experts.inner_experts.w2_EDF"].detach()
+    assert [r["down"][1:] for r in results] == [((8 * 64, 32), 0), ((8 * 64, 32), 3 * 64), ((8 * 64, 32), 6 * 64)]
+    assert torch.equal(torch.cat([r["down"][0] for r in results]), down.reshape(8 * 64, 32))
     for result in results:
         assert (result["logits"] - logits).abs().max() < 1e-5
         # Every rank ran the same tokens, and hpcrl's FSDP sums gradients over ranks (parallel.shard_decoder).
