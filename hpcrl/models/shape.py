@@ -35,6 +35,24 @@ class ModelShape:
     max_position: int = 8192
     rope_theta: float = 500000.0
     rms_norm_eps: float = 1e-5
+    # Mixture-of-Experts (Qwen3-MoE, hpcrl/models/qwen3_moe/); the defaults are a dense model.
+    num_experts: int = 0
+    """Routed experts per MoE layer (0: a dense model)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Each expert's SwiGLU width; dense layers of a MoE model keep `intermediate_size`."""
+    decoder_sparse_step: int = 1
+    """Layer i is a MoE layer when (i + 1) % decoder_sparse_step == 0 (and not in mlp_only_layers)."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layers that keep a dense MLP whatever decoder_sparse_step says."""
+    norm_topk_prob: bool = False
+    """Renormalise the top-k routing weights to sum to 1."""
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` routes to experts (the rule of transformers' and vLLM's Qwen3-MoE)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def family(self) -> Family:

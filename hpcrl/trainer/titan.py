@@ -21,6 +21,17 @@ Qwen3's blocks with q/k/v biases and no q/k norm (torchtitan 0.3.0 has no Qwen2 
 biases and q/k norms follow the shape, whatever the family. Llama 3.1+ "llama3" RoPE frequency
 scaling (`RopeScaling`, read from config.json) is applied to the rotate-half cache the way
 transformers computes it (torchtitan's CosSinRoPE refuses it).
+
+Mixture-of-Experts (Qwen3-MoE, `shape.is_moe_layer`): a MoE block is Qwen3's block with
+torchtitan's `MoE` (softmax top-k router, renormalised when `norm_topk_prob`; no shared expert;
+no auxiliary-loss-free expert bias, which the Hugging Face model lacks) in place of the MLP. Its
+experts are `GroupedExperts`' 3-D stacks w1_EFD / w3_EFD (E, I, H: every expert's gate_proj /
+up_proj) and w2_EDF (E, H, I: down_proj), expert e at dim-0 index e (`hf_expert_slots`). torchtitan's
+GroupedExperts always multiplies in bfloat16; `_ExactGroupedExperts` multiplies in the compute
+dtype instead (the same `torch._grouped_mm`), so fp32 on CPU matches transformers. FSDP2 shards the
+stacks on dim 0 like any parameter (a rank holds whole experts); expert parallelism is not used:
+with FSDP every rank still computes every expert for its own tokens, which needs no all-to-all
+and no dispatcher state to checkpoint.
 """
 
 from __future__ import annotations
@@ -115,6 +126,51 @@ def _scaled_rope_class():
     return Llama3ScaledCosSinRoPE
 
 
+@cache
+def _exact_grouped_experts_class():
+    """torchtitan's GroupedExperts multiplying in the compute dtype, not always bfloat16 (made once)."""
+    from torchtitan.models.common.moe import GroupedExperts
+
+    class ExactGroupedExperts(GroupedExperts):
+        @dataclass(kw_only=True, slots=True)
+        class Config(GroupedExperts.Config):
+            pass
+
+        def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+            w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w
+                          for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+            dtype = w1.dtype
+            x = x_RD.to(dtype)
+            offsets = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+            h = nn.functional.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
+            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets).type_as(x_RD)
+
+    return ExactGroupedExperts
+
+
+def _moe_config(shape: ModelShape, linear: dict, depth: dict):
+    """torchtitan's MoE config of one MoE block of `shape` (see the module docstring)."""
+    from torchtitan.models.common.config_utils import (
+        make_moe_config,
+        make_routed_experts_config,
+        make_router_config,
+    )
+
+    e, k = shape.num_experts, shape.num_experts_per_tok
+    routed = make_routed_experts_config(
+        dim=shape.hidden_size, hidden_dim=shape.moe_intermediate_size, num_experts=e, top_k=k,
+        param_init={"w1_EFD": linear["weight"], "w3_EFD": depth["weight"], "w2_EDF": depth["weight"]},
+        comm_backend="standard")
+    inner = routed.inner_experts
+    routed.inner_experts = _exact_grouped_experts_class().Config(
+        dim=inner.dim, hidden_dim=inner.hidden_dim, num_experts=inner.num_experts, param_init=inner.param_init)
+    return make_moe_config(
+        num_experts=e, load_balance_coeff=None, routed_experts=routed,
+        router=make_router_config(dim=shape.hidden_size, num_experts=e, gate_param_init=linear, top_k=k,
+                                  score_func="softmax", route_norm=shape.norm_topk_prob))
+
+
 def _titan_class(path: str):
     """The torchtitan class at dotted `path` (a model family names its classes so; hpcrl.models)."""
     module, _, name = path.rpartition(".")
@@ -159,7 +215,7 @@ def model_config(shape: ModelShape, *, max_seq_len: int, rope_scaling: RopeScali
     linear, depth, norm = _inits(shape)
     dim, eps = shape.hidden_size, shape.rms_norm_eps
     layers = []
-    for _ in range(shape.num_layers):
+    for i in range(shape.num_layers):
         attention = make_gqa_config(
             dim=dim, n_heads=shape.num_heads, n_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
             wqkv_param_init=linear, wo_param_init=depth,
@@ -175,8 +231,9 @@ def model_config(shape: ModelShape, *, max_seq_len: int, rope_scaling: RopeScali
             attention_norm=RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=norm),
             ffn_norm=RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=norm),
             attention=attention,
-            feed_forward=make_ffn_config(dim=dim, hidden_dim=shape.intermediate_size,
-                                         w1_param_init=linear, w2w3_param_init=depth)))
+            moe=_moe_config(shape, linear, depth) if shape.is_moe_layer(i) else None,
+            feed_forward=None if shape.is_moe_layer(i) else make_ffn_config(
+                dim=dim, hidden_dim=shape.intermediate_size, w1_param_init=linear, w2w3_param_init=depth)))
     return model_cls.Config(
         dim=dim, vocab_size=shape.vocab_size, enable_weight_tying=shape.tie_embeddings,
         tok_embeddings=Embedding.Config(
@@ -255,11 +312,65 @@ def _hf_templates(shape: ModelShape, config) -> dict[str, str | None]:
     return templates
 
 
+def hf_expert_slots(shape: ModelShape) -> dict[str, tuple[str, int]]:
+    """Every HF expert tensor of `shape` -> (torchtitan 3-D stack name, expert index along its dim 0)."""
+    slots = {}
+    for template, stack in shape.family.titan.expert_stacks.items():
+        pattern = re.compile(re.escape(template).replace(r"\{\}", r"(\d+)") + "$")
+        for hf_name, _ in shape.hf_parameters():
+            match = pattern.match(hf_name)
+            if match:
+                slots[hf_name] = (stack.format(match.group(1)), int(match.group(2)))
+    return slots
+
+
+def expert_stack_name(hf_expert_name: str) -> tuple[str, int] | None:
+    """(HF-style name of the 3-D stack, expert index) of a per-expert HF name, else None.
+
+    The stack is named as HF names the expert tensor, without the expert index
+    ("model.layers.0.mlp.experts.3.gate_proj.weight" -> "model.layers.0.mlp.experts.gate_proj.weight",
+    3): the trainer's name for torchtitan's w1_EFD / w3_EFD / w2_EDF, and the weight transfer's
+    (hpcrl/plan: a stack viewed 2-D, (E * rows, columns), FSDP chunks whole experts)."""
+    match = _EXPERT.match(hf_expert_name)
+    return (match.group(1) + match.group(3), int(match.group(2))) if match else None
+
+
+_EXPERT = re.compile(r"^(.*\.experts\.)(\d+)\.(.*)$")
+
+
+def hf_state_dict_to_titan(shape: ModelShape, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A torchtitan state dict of `shape` from HF tensors: renamed, and each MoE layer's experts stacked."""
+    names, slots = hf_to_titan_names(shape), hf_expert_slots(shape)
+    state: dict[str, torch.Tensor] = {}
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        stack = expert_stack_name(name) if name in slots else None
+        if stack is None:
+            state[names[name]] = tensor
+        else:
+            stacks.setdefault(stack[0], {})[stack[1]] = tensor
+    for stack_name, experts in stacks.items():
+        state[names[stack_name]] = torch.stack([experts[e] for e in range(len(experts))])
+    return state
+
+
 def hf_to_titan_names(shape: ModelShape, *, max_seq_len: int = 16) -> dict[str, str]:
-    """Every HF parameter name of `shape` -> the torchtitan parameter name holding the same tensor."""
+    """Every HF parameter name of `shape` -> the torchtitan parameter name holding the same tensor.
+
+    A MoE layer's experts are not tensors of their own in torchtitan: each projection's experts
+    are one 3-D stack, named here as its experts without the index (`expert_stack_name`), in the
+    place of its first expert; hpcrl.trainer.weights reads and writes expert e at dim-0 index e."""
+    slots = hf_expert_slots(shape)
     templates = _hf_templates(shape, model_config(shape, max_seq_len=max_seq_len))
     names = {}
     for hf_name, _ in shape.hf_parameters():
+        if hf_name in slots:
+            stack = expert_stack_name(hf_name)
+            if stack is None:
+                raise TrainerError(f"{shape.architecture}: expert tensor {hf_name!r} has no '.experts.N.' "
+                                   "in its name; fix the family's expert_stacks (hpcrl/models/)")
+            names[stack[0]] = slots[hf_name][0]
+            continue
         layer = re.search(r"\d+", hf_name)
         template = re.sub(r"\d+", "{}", hf_name, count=1) if layer else hf_name
         titan = templates.get(template)

@@ -7,6 +7,8 @@ a rank may hold zero rows). Loading reads only those rows from the safetensors f
 collective, no full tensor in memory); `local_shards` gives them to the weight transfer.
 
     shards = local_shards(model, names)          # {hf_name: LocalShard(tensor, global_shape, dim0_offset)}
+                                                 # (a MoE expert stack: its HF name without the expert
+                                                 # index, seen 2-D as (experts x rows, columns))
     full = full_state_dict_hf(model, names)      # collective: every rank gets every full tensor
 """
 
@@ -21,7 +23,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from hpcrl.errors import TrainerError
-from hpcrl.trainer.titan import RopeScaling, clean_name
+from hpcrl.trainer.titan import RopeScaling, clean_name, expert_stack_name
 
 #: HF checkpoint entries that are not parameters of the model.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -39,9 +41,13 @@ class LocalShard(NamedTuple):
 
 
 def _rows(param: Tensor) -> tuple[Tensor, int]:
-    """(local tensor, first global row) of a parameter, sharded (DTensor) or not."""
+    """(local tensor, first global row) of a parameter, sharded (DTensor) or not.
+
+    A 3-D parameter (a MoE layer's expert stack, (E, rows, columns): hpcrl.trainer.titan) is seen
+    2-D, (E * rows, columns), a view: FSDP2's Shard(0) holds whole experts, so its local rows are
+    still one contiguous range."""
     if not isinstance(param, DTensor):
-        return param.detach(), 0
+        return _as_rows(param.detach()), 0
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local = param.to_local().detach()
@@ -49,7 +55,19 @@ def _rows(param: Tensor) -> tuple[Tensor, int]:
     if tuple(local.shape) != tuple(local_shape) or any(offset[1:]):
         raise TrainerError(f"parameter of shape {tuple(param.shape)} is placed {param.placements}: "
                            "only dim-0 sharding (FSDP2 Shard(0)) is supported by the HF shard view")
-    return local, int(offset[0])
+    item_rows = param.shape[1] if param.dim() == 3 else 1
+    return _as_rows(local), int(offset[0]) * item_rows
+
+
+def _as_rows(tensor: Tensor) -> Tensor:
+    """A 3-D expert stack (E, rows, columns) as (E * rows, columns); other tensors as they are."""
+    return tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() == 3 else tensor
+
+
+def _row_shape(param: Tensor) -> tuple[int, ...]:
+    """The global shape `_rows` views `param` in."""
+    shape = tuple(param.shape)
+    return (shape[0] * shape[1], shape[2]) if len(shape) == 3 else shape
 
 
 def parameters_by_hf_name(model: nn.Module, hf_to_titan: dict[str, str], *, rank: int) -> dict[str, Tensor]:
@@ -76,7 +94,7 @@ def local_shards(model: nn.Module, hf_to_titan: dict[str, str], *, rank: int = 0
             raise TrainerError(f"rank {rank}: {hf_name} is gathered, not sharded; reshard the FSDP "
                                "model (hpcrl.trainer.parallel.reshard) before reading its local shards")
         local, offset = _rows(param)
-        out[hf_name] = LocalShard(local, tuple(param.shape), offset)
+        out[hf_name] = LocalShard(local, _row_shape(param), offset)
     return out
 
 
@@ -84,8 +102,12 @@ def full_state_dict_hf(model: nn.Module, hf_to_titan: dict[str, str], *, rank: i
     """{hf_name: full tensor (CPU)} on every rank. A collective: all ranks call it together."""
     out = {}
     for hf_name, param in parameters_by_hf_name(model, hf_to_titan, rank=rank).items():
-        full = param.full_tensor() if isinstance(param, DTensor) else param
-        out[hf_name] = full.detach().to("cpu", copy=True)
+        full = (param.full_tensor() if isinstance(param, DTensor) else param).detach().to("cpu", copy=True)
+        if full.dim() == 3:  # an expert stack: one tensor per expert, as HF checkpoints hold them
+            prefix, _, suffix = hf_name.rpartition(".experts.")
+            out.update({f"{prefix}.experts.{e}.{suffix}": expert.clone() for e, expert in enumerate(full)})
+        else:
+            out[hf_name] = full
     return out
 
 
@@ -131,6 +153,11 @@ def load_hf_weights(model: nn.Module, hf_to_titan: dict[str, str], path: str | P
             for hf_name in handle.keys():
                 if hf_name.endswith(_IGNORED_SUFFIXES):
                     continue
+                stack = expert_stack_name(hf_name) if hf_name not in params else None
+                if stack is not None and stack[0] in params:
+                    _load_expert(params[stack[0]], stack[1], handle.get_slice(hf_name), hf_name, rank=rank)
+                    seen.add(f"{stack[0]}#{stack[1]}")
+                    continue
                 if hf_name not in params:
                     if hf_name == "lm_head.weight" and "model.embed_tokens.weight" in params:
                         continue  # tied embeddings saved twice: the embedding is the one we keep
@@ -145,9 +172,26 @@ def load_hf_weights(model: nn.Module, hf_to_titan: dict[str, str], path: str | P
                 with torch.no_grad():
                     local.copy_(entry[offset:offset + local.shape[0]])
                 seen.add(hf_name)
-    missing = [name for name in params if name not in seen]
+    missing = [name for name, param in params.items() if name not in seen and not (
+        param.dim() == 3 and all(f"{name}#{e}" in seen for e in range(param.shape[0])))]
     if missing:
         raise TrainerError(f"rank {rank}: {path} lacks {len(missing)} parameters, e.g. {missing[:3]}")
+
+
+def _load_expert(stack: Tensor, expert: int, entry, hf_name: str, *, rank: int) -> None:
+    """Copy one HF expert tensor into index `expert` of a 3-D stack, if this rank holds that expert."""
+    if tuple(entry.get_shape()) != tuple(stack.shape[1:]):
+        raise TrainerError(f"rank {rank}: {hf_name} is {tuple(entry.get_shape())} but the model's experts "
+                           f"are {tuple(stack.shape[1:])}")
+    if expert >= stack.shape[0]:
+        raise TrainerError(f"rank {rank}: {hf_name} names expert {expert}, but the model has {stack.shape[0]}; "
+                           "is model.preset the checkpoint's shape?")
+    local, row = _rows(stack)
+    first = row // stack.shape[1]
+    if first <= expert < first + local.shape[0] // stack.shape[1]:
+        rows = stack.shape[1]
+        with torch.no_grad():
+            local[(expert - first) * rows:(expert - first + 1) * rows].copy_(entry[:])
 
 
 def copy_weights(source: nn.Module, target: nn.Module, hf_to_titan: dict[str, str], *, rank: int = 0) -> None:

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3-moe"])
 def test_tiny_model_has_the_preset_shape_and_a_character_tokenizer(preset: str, tmp_path: Path):
     out = tmp_path / preset
     done = subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny_model.py"), "--preset", preset,
@@ -36,7 +36,7 @@ def test_tiny_model_has_the_preset_shape_and_a_character_tokenizer(preset: str, 
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert len(tokenizer) <= PRESETS[preset].vocab_size
     # A chat template where the vocabulary has room for its four turn tokens (tiny-qwen2 has 100 ids).
-    assert bool(tokenizer.chat_template) == (preset == "tiny-llama")
+    assert bool(tokenizer.chat_template) == (preset != "tiny-qwen2")
     for task in BUILTIN_TASKS.values():
         example = task("train", 3)
         text = example["prompt"] + example["answer"]

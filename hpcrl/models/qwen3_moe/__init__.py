@@ -1,0 +1,5 @@
+"""Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3's attention, and routed experts in place of the MLP."""
+
+from hpcrl.models.qwen3_moe.family import FAMILY, Qwen3Moe
+
+__all__ = ["FAMILY", "Qwen3Moe"]
