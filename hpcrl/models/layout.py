@@ -23,6 +23,9 @@ class SourceTensor:
 
     name: str
     shape: tuple[int, int]
+    shard_rows: int = 1
+    """Rows of one dim-0 item: FSDP2 chunks dim 0 of the real tensor, so a grouped expert stack
+    [E, I, H] seen as (E*I, H) rows is chunked in whole experts (shard_rows = I)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +44,7 @@ def as2d(shape: tuple[int, ...]) -> tuple[int, int]:
     return (shape[0], shape[1]) if len(shape) == 2 else (shape[0], 1)
 
 
-VllmLayer = Literal["vocab", "replicated", "qkv", "merged_column", "row"]
+VllmLayer = Literal["vocab", "replicated", "qkv", "merged_column", "row", "moe_w13", "moe_w2"]
 """The vLLM layer classes whose tensor-parallel sharding hpcrl.plan.transfer_layout models:
 
   vocab          VocabParallelEmbedding / ParallelLMHead: rows split after padding the vocabulary
@@ -49,6 +52,10 @@ VllmLayer = Literal["vocab", "replicated", "qkv", "merged_column", "row"]
   qkv            QKVParallelLinear: q heads split, k/v heads split or replicated (hf = q, k, v)
   merged_column  MergedColumnParallelLinear: each HF tensor's rows split, stacked (hf = gate, up)
   row            RowParallelLinear: columns split
+  moe_w13        FusedMoE w13_weight [experts, 2*I/tp, H]: per expert, gate rows split | up rows split
+                 (hf = e0 gate, e0 up, e1 gate, e1 up, ...); under expert parallel whole experts per rank
+  moe_w2         FusedMoE w2_weight [experts, H, I/tp]: per expert, columns split (hf = e0 down, e1 down,
+                 ...); under expert parallel whole experts per rank
 """
 
 
@@ -59,4 +66,5 @@ class VllmParam:
     name: str
     layer: VllmLayer
     hf: tuple[str, ...]
-    """HF tensor names, in the order vLLM stacks them (q, k, v; gate, up); one for the other layers."""
+    """HF tensor names, in the order vLLM stacks them (q, k, v; gate, up; each expert's gate, up for
+    moe_w13, each expert's down for moe_w2); one for the other layers."""
