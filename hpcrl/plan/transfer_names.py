@@ -59,16 +59,16 @@ def group_experts(sources: list[SourceTensor], pieces: dict[str, list[Piece]]
     grouped = {}
     for name, members in stacks.items():
         rows, cols = members[0].shape
-        if any(m.shape != (rows, cols) for m in members):
+        if any(t.shape != (rows, cols) for t in members):
             raise PlanError(f"experts of {name} differ in shape; a grouped expert stack needs equal experts")
-        want = [EXPERT.match(m.name).group(2) for m in members]  # type: ignore[union-attr]
-        if want != [str(e) for e in range(len(members))]:
+        numbers = [EXPERT.sub(r"\2", t.name) for t in members]
+        if numbers != [str(e) for e in range(len(members))]:
             raise PlanError(f"experts of {name} are not numbered 0..{len(members) - 1} in order")
         grouped[name] = SourceTensor(name=name, shape=(len(members) * rows, cols), shard_rows=rows)
-        for e, m in enumerate(members):
-            pieces[m.name] = [Piece(hf_row0=pc.hf_row0, count=pc.count, source=name,
+        for e, t in enumerate(members):
+            pieces[t.name] = [Piece(hf_row0=pc.hf_row0, count=pc.count, source=name,
                                     src_row0=e * rows + pc.src_row0, src_step=pc.src_step)
-                              for pc in pieces[m.name]]
+                              for pc in pieces[t.name]]
     return [grouped.get(s.name, s) for s in out], pieces
 
 

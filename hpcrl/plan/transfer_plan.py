@@ -34,12 +34,12 @@ DEFAULT_ROUND_BYTES = 256 << 20
 
 #: Layout fields added after PLAN_VERSION 1 with their defaults: left out of the digest's header at
 #: their default, so every plan without experts keeps its digest.
-_LATER_TRAINER = {"grouped_experts": False}
-_LATER_INFERENCE = {"expert_parallel": False, "expert_placement": "linear"}
+_LATER_TRAINER: dict[str, object] = {"grouped_experts": False}
+_LATER_INFERENCE: dict[str, object] = {"expert_parallel": False, "expert_placement": "linear"}
 
 
-def _non_default(layout: object, later: dict[str, object]) -> dict:
-    return {k: v for k, v in asdict(layout).items() if k not in later or later[k] != v}  # type: ignore[call-overload]
+def _non_default(layout: TrainerLayout | InferenceLayout, later: dict[str, object]) -> dict:
+    return {k: v for k, v in asdict(layout).items() if k not in later or later[k] != v}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,6 +19,7 @@ the TP ranks of one replica spread over the groups.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -32,6 +33,8 @@ from hpcrl.plan.transfer_plan import COLUMNS, WIRE_DTYPE_BYTES, TransferPlan
 #: Default message size: 64 MiB, large enough for full link speed, small enough to pipeline.
 DEFAULT_BUCKET_BYTES = 64 << 20
 _LAYER = re.compile(r"layers\.(\d+)\.")
+#: Each source's FSDP row ranges, asked once per piece: cached (a 235B MoE has thousands of pieces).
+_chunks = functools.lru_cache(maxsize=4096)(chunk_source_rows)
 # Template columns before a replica is chosen: shard, tp_rank, then COLUMNS[3:11].
 _T_SHARD, _T_TP, _T_SOURCE, _T_DEST = 0, 1, 2, 3
 
@@ -57,7 +60,7 @@ def _blocks_of(segments: list[tuple[int, Segment]], pieces: list[Piece], src_sha
             if lo >= hi:
                 continue
             rows, cols = src_shape[pc.source]
-            ranges = chunk_source_rows(rows, shards, src_unit[pc.source])
+            ranges = _chunks(rows, shards, src_unit[pc.source])
             size = ranges[0][1] - ranges[0][0]
             k0, k1 = lo - pc.hf_row0, hi - pc.hf_row0  # piece indices
             first = pc.src_row0 + k0 * pc.src_step
