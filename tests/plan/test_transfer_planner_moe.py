@@ -159,3 +159,11 @@ def test_verification_catches_a_plan_that_swaps_an_experts_gate_and_up_rows():
     check_plan(swapped)
     with pytest.raises(PlanError, match="expected id"):
         verify_elements(swapped, shape)
+
+
+def test_the_digest_changes_with_the_expert_layout_of_either_side():
+    shape = moe_shape(4, 4)
+    digests = {make(shape, shard=2, tp=2, ep=ep, grouped=grouped, placement=placement).digest
+               for ep, placement in ((False, "linear"), (True, "linear"), (True, "round_robin"))
+               for grouped in (False, True)}
+    assert len(digests) == 6
