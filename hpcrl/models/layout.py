@@ -23,6 +23,9 @@ class SourceTensor:
 
     name: str
     shape: tuple[int, int]
+    shard_rows: int = 1
+    """Rows of one dim-0 item: FSDP2 chunks dim 0 of the real tensor, so a grouped expert stack
+    [E, I, H] seen as (E*I, H) rows is chunked in whole experts (shard_rows = I)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,9 +52,10 @@ VllmLayer = Literal["vocab", "replicated", "qkv", "merged_column", "row", "moe_w
   qkv            QKVParallelLinear: q heads split, k/v heads split or replicated (hf = q, k, v)
   merged_column  MergedColumnParallelLinear: each HF tensor's rows split, stacked (hf = gate, up)
   row            RowParallelLinear: columns split
-  moe_w13        FusedMoE w13_weight (E, 2I/tp, H): per expert gate's and up's rows split, stacked
-                 (hf = e0.gate, e0.up, e1.gate, ...); expert parallel: whole experts per rank
-  moe_w2         FusedMoE w2_weight (E, H, I/tp): per expert down's columns split (hf = e0.down, ...)
+  moe_w13        FusedMoE w13_weight [experts, 2*I/tp, H]: per expert, gate rows split | up rows split
+                 (hf = e0 gate, e0 up, e1 gate, e1 up, ...); under expert parallel whole experts per rank
+  moe_w2         FusedMoE w2_weight [experts, H, I/tp]: per expert, columns split (hf = e0 down, e1 down,
+                 ...); under expert parallel whole experts per rank
 """
 
 
@@ -62,4 +66,5 @@ class VllmParam:
     name: str
     layer: VllmLayer
     hf: tuple[str, ...]
-    """HF tensor names, in the order vLLM stacks them (q, k, v; gate, up); one for the other layers."""
+    """HF tensor names, in the order vLLM stacks them (q, k, v; gate, up; each expert's gate, up for
+    moe_w13, each expert's down for moe_w2); one for the other layers."""

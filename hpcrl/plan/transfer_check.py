@@ -16,6 +16,7 @@ zero padding); the plan must reproduce them element for element.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,7 @@ import numpy as np
 
 from hpcrl.config.model_shapes import ModelShape
 from hpcrl.errors import PlanError
-from hpcrl.plan.transfer_layout import chunk_rows, pad_vocab_size
+from hpcrl.plan.transfer_layout import chunk_source_rows, pad_vocab_size
 from hpcrl.plan.transfer_plan import TransferPlan
 
 
@@ -69,7 +70,7 @@ def check_plan(plan: TransferPlan) -> None:
     shard = b["src_rank"] % plan.trainer.dp_shard
     numel = np.zeros((len(plan.sources), plan.trainer.dp_shard), np.int64)
     for i, s in enumerate(plan.sources):
-        numel[i] = [(e - a) * s.shape[1] for a, e in chunk_rows(s.shape[0], plan.trainer.dp_shard)]
+        numel[i] = [(e - a) * s.shape[1] for a, e in chunk_source_rows(s.shape[0], plan.trainer.dp_shard, s.shard_rows)]
     src_end = b["src_offset"] + (b["count"] - 1) * b["src_stride"] + b["length"]
     bad = np.nonzero((b["src_offset"] < 0) | (src_end > numel[b["source"], shard])
                      | ((b["count"] > 1) & (b["src_stride"] < b["length"])))[0]
@@ -127,7 +128,34 @@ def _hf_ids(shape: ModelShape) -> dict[str, np.ndarray]:
     return out
 
 
+_EXPERT = re.compile(r"^(.*\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _experts(hf: dict[str, Any]) -> dict[str, dict[str, list[Any]]]:
+    """prefix ("model.layers.3.mlp.experts.") -> projection -> the experts' tensors, in expert order."""
+    out: dict[str, dict[str, list[Any]]] = {}
+    for name, w in hf.items():
+        m = _EXPERT.match(name)
+        if m:
+            lst = out.setdefault(m.group(1), {}).setdefault(m.group(3), [])
+            assert int(m.group(2)) == len(lst), name
+            lst.append(w)
+    return out
+
+
 def _trainer_tensors(plan: TransferPlan, shape: ModelShape, hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out = _trainer_tensors_ungrouped(plan, shape, hf)
+    if plan.trainer.grouped_experts:  # torchtitan's GroupedExperts: torch.stack over experts
+        for prefix, projections in _experts(hf).items():
+            for proj, ws in projections.items():
+                for e in range(len(ws)):
+                    out.pop(f"{prefix}{e}.{proj}_proj.weight", None)
+                out[f"{prefix}{proj}_proj.weight"] = np.stack(ws).reshape(-1, ws[0].shape[1])
+    return out
+
+
+def _trainer_tensors_ungrouped(plan: TransferPlan, shape: ModelShape, hf: dict[str, np.ndarray]
+                               ) -> dict[str, np.ndarray]:
     if plan.trainer.naming == "hf":
         return dict(hf)
     # torchtitan: inverse of its to_hf `_permute` (view(nh, d/2, 2, C).transpose(1, 2)).
@@ -176,7 +204,29 @@ def vllm_expected(plan: TransferPlan, shape: ModelShape, hf: dict[str, Any], r: 
     reps = tp // shape.num_kv_heads if tp >= shape.num_kv_heads else 1
     nkv = max(1, shape.num_kv_heads // tp)
     out = {}
+    for prefix, p in _experts(hf).items():  # FusedMoE's weight_loader, expert by expert
+        num = len(p["gate"])
+        if plan.inference.expert_parallel:  # determine_expert_map, re-derived: whole experts, no TP split
+            if plan.inference.expert_placement == "round_robin":
+                mine = list(range(r, num, tp))
+            else:
+                counts = [num // tp + (1 if k < num % tp else 0) for k in range(tp)]
+                mine = list(range(sum(counts[:r]), sum(counts[:r + 1])))
+            most = -(-num // tp)
+            w13 = [concat([p["gate"][e], p["up"][e]]) for e in mine]
+            w2 = [p["down"][e] for e in mine]
+            rows13, rows2 = 2 * p["gate"][0].shape[0], p["down"][0].shape[0]
+            w13 += [padded((rows13, p["gate"][0].shape[1]), p["gate"][0])] * (most - len(mine))
+            w2 += [padded((rows2, p["down"][0].shape[1]), p["down"][0])] * (most - len(mine))
+        else:  # _load_w13: narrow gate/up rows to the rank's share; _load_w2: narrow down's columns
+            f = p["gate"][0].shape[0] // tp
+            w13 = [concat([g[r * f:(r + 1) * f], u[r * f:(r + 1) * f]]) for g, u in zip(p["gate"], p["up"])]
+            w2 = [w[:, r * f:(r + 1) * f] for w in p["down"]]
+        out[prefix + "w13_weight"] = concat(w13)
+        out[prefix + "w2_weight"] = concat(w2)
     for name, w in hf.items():
+        if _EXPERT.match(name):
+            continue
         if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias",
                           "up_proj.weight")):
             continue
@@ -212,7 +262,7 @@ def verify_elements(plan: TransferPlan, shape: ModelShape) -> None:
     shards = plan.trainer.dp_shard
     local = {}
     for s in plan.sources:
-        chunks = chunk_rows(s.shape[0], shards)
+        chunks = chunk_source_rows(s.shape[0], shards, s.shard_rows)
         local[s.name] = [trainer[s.name][a:e].reshape(-1) for a, e in chunks]
     tp = plan.inference.tensor_parallel
     b = plan.blocks

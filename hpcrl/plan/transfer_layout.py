@@ -23,6 +23,15 @@ Both sides are described in rows of the Hugging Face tensors (a 1-D weight is on
              never written by a transfer. Tied embeddings: lm_head *is* embed_tokens
              (`ParallelLMHead.tie_weights`), one destination.
            - Norms (input/post-attention/final, Qwen3 q_norm/k_norm) replicated on every rank.
+           - FusedMoE (vllm/model_executor/layers/fused_moe/routed_experts.py `_load_w13`,
+             `_load_w2`; config.py FusedMoEConfig asserts intermediate % tp == 0): w13_weight
+             [E, 2*I/T, H] holds per expert gate rows [r*I/T, (r+1)*I/T) then up rows alike (w1 is
+             gate, w3 is up); w2_weight [E, H, I/T] per expert columns [r*I/T, (r+1)*I/T) of down.
+             Under `enable_expert_parallel` (FusedMoEParallelConfig.make: ep_size = T, ep_rank =
+             tp_rank, tp_size 1) rank r holds whole experts, those `determine_expert_map` gives it
+             (expert_map_manager.py): "linear" E // T each, the first E % T ranks one more, in
+             order; "round_robin" experts r, r + T, ... Seen here as 2-D: w13 (E_local*2I/T, H),
+             w2 (E_local*H, I/T); a rank with fewer experts (uneven EP) has fewer real rows.
            (Which of these layers holds which parameter: the family's `vllm_parameters`.)
 
 A `Segment` says: HF rows [hf_row0, hf_row1) x columns [col0, col1) of one HF tensor land in
@@ -55,6 +64,25 @@ def chunk_rows(rows: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
+def chunk_source_rows(rows: int, parts: int, shard_rows: int = 1) -> list[tuple[int, int]]:
+    """`chunk_rows` of a tensor whose dim-0 items are `shard_rows` rows each (a grouped expert stack
+    [E, I, H] seen as (E*I, H)): FSDP2 chunks whole items, so each range is a multiple of shard_rows."""
+    if shard_rows == 1:
+        return chunk_rows(rows, parts)
+    return [(a * shard_rows, e * shard_rows) for a, e in chunk_rows(rows // shard_rows, parts)]
+
+
+def experts_of_rank(num_experts: int, ep: int, rank: int, placement: str = "linear") -> list[int]:
+    """Global experts EP rank `rank` of `ep` holds, in local order (vLLM's `determine_expert_map`)."""
+    if ep == 1:
+        return list(range(num_experts))
+    if placement == "round_robin":
+        return list(range(rank, num_experts, ep))
+    base, extra = divmod(num_experts, ep)
+    start = rank * base + min(rank, extra)
+    return list(range(start, start + base + (1 if rank < extra else 0)))
+
+
 def pad_vocab_size(vocab_size: int, pad_to: int = VOCAB_PADDING) -> int:
     """vLLM's `pad_vocab_size`: round up to a multiple of `pad_to`."""
     return -(-vocab_size // pad_to) * pad_to
@@ -73,6 +101,11 @@ class TrainerLayout:
     fully_shard); 'torchtitan': torchtitan llama3 FQNs with q/k rows permuted for its RoPE."""
     fuse_qkv: bool = True
     """torchtitan only: one `wqkv` per layer laid out per KV group (q heads of the group, k, v)."""
+    grouped_experts: bool = False
+    """False: each expert's gate/up/down is its own trainer tensor (HF names). True: the trainer
+    holds each layer's experts stacked, torchtitan's GroupedExperts w1/w3 [E, I, H] and w2 [E, H, I],
+    named as HF without the expert index (`model.layers.{i}.mlp.experts.gate_proj.weight`, up_proj,
+    down_proj) and FSDP-sharded on the expert dim (whole experts per rank)."""
 
     def __post_init__(self) -> None:
         if self.dp_replicate < 1 or self.dp_shard < 1:
@@ -98,11 +131,19 @@ class InferenceLayout:
     tensor_parallel: int = 1
     vocab_padding: int = VOCAB_PADDING
     """vLLM pads the vocabulary of embed_tokens / lm_head to a multiple of this."""
+    expert_parallel: bool = False
+    """vLLM's `enable_expert_parallel`: the TP ranks hold whole experts (EP size = tensor_parallel);
+    attention and dense layers stay tensor-parallel."""
+    expert_placement: str = "linear"
+    """vLLM's `expert_placement_strategy` under expert parallel: 'linear' or 'round_robin'."""
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.tensor_parallel < 1:
             raise PlanError(f"inference layout needs replicas >= 1 and tensor_parallel >= 1, got "
                             f"{self.replicas} x TP {self.tensor_parallel}")
+        if self.expert_placement not in ("linear", "round_robin"):
+            raise PlanError(f"expert placement {self.expert_placement!r} is unknown; use 'linear' or "
+                            "'round_robin' (vLLM's expert_placement_strategy)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,7 +176,7 @@ def _divide(n: int, d: int, what: str, fix: str) -> int:
 
 _FIX = "pick a tensor_parallel that divides the number of heads and the intermediate size"
 #: The order a layout's divisibility is checked in, so the error names the likeliest cause (heads first).
-_CHECK_ORDER = {"qkv": 0, "merged_column": 1, "row": 1, "vocab": 2, "replicated": 3}
+_CHECK_ORDER = {"qkv": 0, "merged_column": 1, "row": 1, "moe_w13": 1, "moe_w2": 1, "vocab": 2, "replicated": 3}
 
 
 def _heads_per_rank(shape: ModelShape, tp: int) -> tuple[int, int, int]:
@@ -147,9 +188,19 @@ def _heads_per_rank(shape: ModelShape, tp: int) -> tuple[int, int, int]:
     return nh, _divide(shape.num_kv_heads, tp, "num_kv_heads", _FIX), 1
 
 
-def _check(param: VllmParam, dims: dict[str, tuple[int, int]], shape: ModelShape, tp: int, padding: int) -> None:
+def _check(param: VllmParam, dims: dict[str, tuple[int, int]], shape: ModelShape, tp: int, padding: int,
+           expert_parallel: bool = False) -> None:
     """PlanError unless vLLM can shard `param` over `tp` ranks."""
     rows, cols = dims[param.hf[0]]
+    if param.layer in ("moe_w13", "moe_w2"):
+        experts = len(param.hf) // (2 if param.layer == "moe_w13" else 1)
+        if expert_parallel and experts < tp:
+            raise PlanError(f"vLLM expert parallel: {param.name} has {experts} experts for {tp} ranks; "
+                            "use a tensor_parallel of at most the number of experts")
+        if not expert_parallel:
+            inter = rows if param.layer == "moe_w13" else cols
+            _divide(inter, tp, f"moe_intermediate_size of {param.name}",
+                    "pick a tensor_parallel that divides it, or enable expert parallel")
     if param.layer == "qkv":
         _heads_per_rank(shape, tp)
     elif param.layer == "merged_column":
@@ -162,8 +213,8 @@ def _check(param: VllmParam, dims: dict[str, tuple[int, int]], shape: ModelShape
                 "pick a tensor_parallel that divides the padded vocabulary")
 
 
-def vllm_layout(shape: ModelShape, tp: int, padding: int = VOCAB_PADDING
-                ) -> tuple[list[DestTensor], dict[int, list[Segment]]]:
+def vllm_layout(shape: ModelShape, tp: int, padding: int = VOCAB_PADDING, *, expert_parallel: bool = False,
+                expert_placement: str = "linear") -> tuple[list[DestTensor], dict[int, list[Segment]]]:
     """vLLM's parameters at tensor parallelism `tp` and, per TP rank, the segments that fill them.
 
     The model's family lists vLLM's parameters and the layer class of each
@@ -171,7 +222,7 @@ def vllm_layout(shape: ModelShape, tp: int, padding: int = VOCAB_PADDING
     params = list(shape.family.vllm_parameters(shape))
     dims = {name: as2d(d) for name, d in shape.hf_parameters()}
     for param in sorted(params, key=lambda p: _CHECK_ORDER[p.layer]):
-        _check(param, dims, shape, tp, padding)
+        _check(param, dims, shape, tp, padding, expert_parallel)
 
     dests: list[DestTensor] = []
     segs: dict[int, list[Segment]] = {r: [] for r in range(tp)}
@@ -219,4 +270,32 @@ def vllm_layout(shape: ModelShape, tp: int, padding: int = VOCAB_PADDING
             dest(p.name, rows, local_cols)
             for r in range(tp):
                 seg(r, hf, (0, rows), (r * local_cols, (r + 1) * local_cols), p.name, 0)
+        elif p.layer in ("moe_w13", "moe_w2"):
+            w13 = p.layer == "moe_w13"
+            per_expert = [p.hf[2 * e:2 * e + 2] for e in range(len(p.hf) // 2)] if w13 else [(n,) for n in p.hf]
+            # Rows of one expert in the 2-D view (w13: gate then up rows; w2: H rows) and its columns.
+            if expert_parallel:
+                held = [experts_of_rank(len(per_expert), tp, r, expert_placement) for r in range(tp)]
+                width = sum(dims[n][0] for n in per_expert[0])
+                most = max(len(h) for h in held)
+                dest(p.name, most * width, cols, tuple(len(h) * width for h in held))
+                for r in range(tp):
+                    for j, e in enumerate(held[r]):
+                        at = j * width
+                        for name in per_expert[e]:
+                            seg(r, name, (0, dims[name][0]), (0, cols), p.name, at)
+                            at += dims[name][0]
+            elif w13:
+                local = rows // tp
+                dest(p.name, len(per_expert) * 2 * local, cols)
+                for r in range(tp):
+                    for e, (gate, up) in enumerate(per_expert):
+                        seg(r, gate, (r * local, (r + 1) * local), (0, cols), p.name, 2 * e * local)
+                        seg(r, up, (r * local, (r + 1) * local), (0, cols), p.name, (2 * e + 1) * local)
+            else:
+                local_cols = cols // tp
+                dest(p.name, len(per_expert) * rows, local_cols)
+                for r in range(tp):
+                    for e, (down,) in enumerate(per_expert):
+                        seg(r, down, (0, rows), (r * local_cols, (r + 1) * local_cols), p.name, e * rows)
     return dests, segs

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from hpcrl.plan.transfer_layout import DestTensor, InferenceLayout, TrainerLayout, chunk_rows
+from hpcrl.plan.transfer_layout import DestTensor, InferenceLayout, TrainerLayout, chunk_source_rows
 from hpcrl.plan.transfer_names import SourceTensor
 
 PLAN_VERSION = 1
@@ -30,6 +30,16 @@ COLUMNS = ("src_rank", "replica", "tp_rank", "source", "dest", "src_offset", "sr
 WIRE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: Staging bytes per rank and round of the transfer schedule (hpcrl.plan.transfer_rounds), about 256 MB.
 DEFAULT_ROUND_BYTES = 256 << 20
+
+
+#: Layout fields added after PLAN_VERSION 1 with their defaults: left out of the digest's header at
+#: their default, so every plan without experts keeps its digest.
+_LATER_TRAINER: dict[str, object] = {"grouped_experts": False}
+_LATER_INFERENCE: dict[str, object] = {"expert_parallel": False, "expert_placement": "linear"}
+
+
+def _non_default(layout: TrainerLayout | InferenceLayout, later: dict[str, object]) -> dict:
+    return {k: v for k, v in asdict(layout).items() if k not in later or later[k] != v}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,9 +70,11 @@ class TransferPlan:
 
     def header(self) -> dict:
         return {"version": PLAN_VERSION, "model": self.model, "wire_dtype": self.wire_dtype,
-                "bucket_bytes": self.bucket_bytes, "round_bytes": self.round_bytes, "trainer": asdict(self.trainer),
-                "inference": asdict(self.inference),
-                "sources": [[s.name, list(s.shape)] for s in self.sources],
+                "bucket_bytes": self.bucket_bytes, "round_bytes": self.round_bytes,
+                "trainer": _non_default(self.trainer, _LATER_TRAINER),
+                "inference": _non_default(self.inference, _LATER_INFERENCE),
+                "sources": [[s.name, list(s.shape)] + ([s.shard_rows] if s.shard_rows != 1 else [])
+                            for s in self.sources],
                 "dests": [[d.name, list(d.local_shape), list(d.real_rows)] for d in self.dests]}
 
     @property
@@ -78,7 +90,8 @@ class TransferPlan:
     def local_numel(self, source: int, src_rank: int) -> int:
         """Elements of trainer tensor `source` held by `src_rank` (torch.chunk over dp_shard)."""
         rows, cols = self.sources[source].shape
-        start, end = chunk_rows(rows, self.trainer.dp_shard)[src_rank % self.trainer.dp_shard]
+        unit = self.sources[source].shard_rows
+        start, end = chunk_source_rows(rows, self.trainer.dp_shard, unit)[src_rank % self.trainer.dp_shard]
         return (end - start) * cols
 
     def route(self, src_rank: int, replica: int, tp_rank: int) -> dict[str, np.ndarray]:

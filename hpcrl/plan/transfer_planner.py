@@ -19,19 +19,22 @@ the TP ranks of one replica spread over the groups.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
 
 from hpcrl.config.model_shapes import ModelShape
 from hpcrl.errors import PlanError
-from hpcrl.plan.transfer_layout import InferenceLayout, Segment, TrainerLayout, chunk_rows, vllm_layout
+from hpcrl.plan.transfer_layout import InferenceLayout, Segment, TrainerLayout, chunk_source_rows, vllm_layout
 from hpcrl.plan.transfer_names import Piece, trainer_sources
 from hpcrl.plan.transfer_plan import COLUMNS, WIRE_DTYPE_BYTES, TransferPlan
 
 #: Default message size: 64 MiB, large enough for full link speed, small enough to pipeline.
 DEFAULT_BUCKET_BYTES = 64 << 20
 _LAYER = re.compile(r"layers\.(\d+)\.")
+#: Each source's FSDP row ranges, asked once per piece: cached (a 235B MoE has thousands of pieces).
+_chunks = functools.lru_cache(maxsize=4096)(chunk_source_rows)
 # Template columns before a replica is chosen: shard, tp_rank, then COLUMNS[3:11].
 _T_SHARD, _T_TP, _T_SOURCE, _T_DEST = 0, 1, 2, 3
 
@@ -44,7 +47,7 @@ def _abstract(name: str) -> tuple[str, int]:
 
 
 def _blocks_of(segments: list[tuple[int, Segment]], pieces: list[Piece], src_shape: dict[str, tuple[int, int]],
-               dst_cols: dict[str, int], shards: int) -> list[tuple]:
+               dst_cols: dict[str, int], shards: int, src_unit: dict[str, int]) -> list[tuple]:
     """Blocks (shard, tp, source name, dest name, src_off, src_stride, dst_off, dst_stride, length, count)."""
     out = []
     for tp, seg in segments:
@@ -57,7 +60,7 @@ def _blocks_of(segments: list[tuple[int, Segment]], pieces: list[Piece], src_sha
             if lo >= hi:
                 continue
             rows, cols = src_shape[pc.source]
-            ranges = chunk_rows(rows, shards)
+            ranges = _chunks(rows, shards, src_unit[pc.source])
             size = ranges[0][1] - ranges[0][0]
             k0, k1 = lo - pc.hf_row0, hi - pc.hf_row0  # piece indices
             first = pc.src_row0 + k0 * pc.src_step
@@ -104,8 +107,11 @@ def plan(trainer: TrainerLayout, inference: InferenceLayout, shape: ModelShape, 
     if inference.replicas >= 1 << 12 or tp >= 1 << 10 or trainer.world_size >= 1 << 17:
         raise PlanError(f"plan too large to index: {trainer.world_size} trainer ranks, {inference.replicas} "
                         f"replicas, TP {tp} (limits 2^17, 2^12, 2^10)")
-    dests, segs = vllm_layout(shape, tp, inference.vocab_padding)
-    sources, pieces = trainer_sources(shape, naming=trainer.naming, fuse_qkv=trainer.fuse_qkv)
+    dests, segs = vllm_layout(shape, tp, inference.vocab_padding, expert_parallel=inference.expert_parallel,
+                              expert_placement=inference.expert_placement)
+    sources, pieces = trainer_sources(shape, naming=trainer.naming, fuse_qkv=trainer.fuse_qkv,
+                                      grouped_experts=trainer.grouped_experts)
+    src_unit = {s.name: s.shard_rows for s in sources}
     src_index = {s.name: i for i, s in enumerate(sources)}
     dst_index = {d.name: i for i, d in enumerate(dests)}
     src_shape = {s.name: s.shape for s in sources}
@@ -123,7 +129,7 @@ def plan(trainer: TrainerLayout, inference: InferenceLayout, shape: ModelShape, 
         layers_of.setdefault(key, []).append(layer)
         if key in templates:
             continue
-        blocks = _blocks_of(by_hf[hf_name], pieces[hf_name], src_shape, dst_cols, shards)
+        blocks = _blocks_of(by_hf[hf_name], pieces[hf_name], src_shape, dst_cols, shards, src_unit)
         names_s = sorted({b[2] for b in blocks})
         names_d = sorted({b[3] for b in blocks})
         arr = np.array([(b[0], b[1], names_s.index(b[2]), names_d.index(b[3])) + b[4:] for b in blocks],
@@ -161,9 +167,18 @@ def plan(trainer: TrainerLayout, inference: InferenceLayout, shape: ModelShape, 
     model = (f"{shape.architecture} h{shape.hidden_size} f{shape.intermediate_size} L{shape.num_layers} "
              f"heads {shape.num_heads}/{shape.num_kv_heads}x{shape.head_dim} vocab {shape.vocab_size}"
              f"{' tied' if shape.tie_embeddings else ''}{' qkv_bias' if shape.qkv_bias else ''}"
-             f"{' qk_norm' if shape.qk_norm else ''}")
+             f"{' qk_norm' if shape.qk_norm else ''}{_experts(shape)}")
     return TransferPlan(trainer=trainer, inference=inference, model=model, wire_dtype=wire_dtype,
                         bucket_bytes=bucket_bytes, sources=tuple(sources), dests=tuple(dests), blocks=c)
+
+
+def _experts(shape: ModelShape) -> str:
+    """The MoE part of the plan's model summary ('' for a dense model, so dense digests are unchanged)."""
+    experts = getattr(shape, "num_experts", 0)
+    if not experts:
+        return ""
+    return (f" experts {experts} top{getattr(shape, 'num_experts_per_tok', 0)}"
+            f" moe_f{getattr(shape, 'moe_intermediate_size', 0)}")
 
 
 def _bucket(c: dict[str, np.ndarray], bucket: int) -> dict[str, np.ndarray]:
