@@ -313,8 +313,14 @@ class BusStore(dist.Store):
     def _request(self, op: str, args: list, *, wait_s: float = 0.0) -> Any:
         sock, client, seqs = self._socket()
         seq = next(seqs)
-        sock.send_multipart(_seal(self._key, _REQUEST, [client, seq, op, args]))
         deadline = time.monotonic() + wait_s + _GRACE_S
+        # A DEALER with no live connection (the head not up yet or gone, or this process's token refused
+        # at the handshake) blocks a send until one comes: bound it by the request's own deadline.
+        sock.setsockopt(zmq.SNDTIMEO, max(1, int((wait_s + _GRACE_S) * 1000)))
+        try:
+            sock.send_multipart(_seal(self._key, _REQUEST, [client, seq, op, args]))
+        except zmq.Again:
+            deadline = 0.0  # never sent: no answer to wait for
         while (left := deadline - time.monotonic()) > 0:
             if not sock.poll(int(left * 1000) + 1):
                 break
