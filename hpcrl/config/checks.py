@@ -252,19 +252,26 @@ def _check_reward_function(function: str, key: str) -> None:
 
 
 def _check_data(config: Config) -> None:
-    source = config.data.source
+    _check_prompt_source("data.source", config.data.source, "prompt file",
+                         'give the path of a JSONL or Parquet file, a `datasets` save_to_disk directory, '
+                         'or a builtin task such as "builtin:arithmetic"')
+    if config.data.eval_source:
+        _check_prompt_source("data.eval_source", config.data.eval_source, "evaluation prompt file",
+                             "give the path of a JSONL or Parquet file or a `datasets` directory, or set "
+                             "data.eval_fraction to hold out part of data.source instead")
+
+
+def _check_prompt_source(key: str, source: str, what: str, fix: str) -> None:
+    """`source` names a builtin task (did-you-mean on a typo) or a path that exists."""
     if source.startswith("builtin:"):
         name = source.removeprefix("builtin:")
         if name not in BUILTIN_TASK_NAMES:
             close = difflib.get_close_matches(name, BUILTIN_TASK_NAMES, n=1)
             guess = f"did you mean 'builtin:{close[0]}'? " if close else ""
-            _fail("data.source", f"no builtin task {name!r}",
+            _fail(key, f"no builtin task {name!r}",
                   f"{guess}builtin tasks: {', '.join('builtin:' + n for n in BUILTIN_TASK_NAMES)}")
     elif not Path(source).exists():
-        _fail("data.source", f"prompt file {source} does not exist",
-              'give the path of a JSONL or Parquet file, a `datasets` save_to_disk directory, '
-              'or a builtin task such as "builtin:arithmetic"')
-    _check_eval_source(config.data.eval_source)
+        _fail(key, f"{what} {source} does not exist", fix)
 
 
 def _check_eval(config: Config) -> None:
@@ -276,20 +283,3 @@ def _check_eval(config: Config) -> None:
               f'set data.eval_source = "{data.source}" (its test split)' if builtin else
               "set data.eval_fraction = 0.05 (5% of data.source held out) or data.eval_source = a file of "
               "prompts; or eval.interval = 0")
-
-
-def _check_eval_source(source: str) -> None:
-    """data.eval_source, when set, names a builtin task or a path that exists (as data.source does)."""
-    if not source:
-        return
-    if source.startswith("builtin:"):
-        name = source.removeprefix("builtin:")
-        if name not in BUILTIN_TASK_NAMES:
-            close = difflib.get_close_matches(name, BUILTIN_TASK_NAMES, n=1)
-            guess = f"did you mean 'builtin:{close[0]}'? " if close else ""
-            _fail("data.eval_source", f"no builtin task {name!r}",
-                  f"{guess}builtin tasks: {', '.join('builtin:' + n for n in BUILTIN_TASK_NAMES)}")
-    elif not Path(source).exists():
-        _fail("data.eval_source", f"evaluation prompt file {source} does not exist",
-              "give the path of a JSONL or Parquet file or a `datasets` directory, or set data.eval_fraction "
-              "to hold out part of data.source instead")
