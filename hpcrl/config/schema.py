@@ -497,6 +497,32 @@ class EvalConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EnvConfig:
+    """[env]: a multi-turn environment (hpcrl.env). Empty `environment` = single-turn rollouts (prompt ->
+    completion -> reward). With one, each rollout is an episode: the environment's first messages, then
+    policy turns (vLLM, from the episode's token ids so far) and environment steps, run in the reward
+    group's environment worker processes, until the environment says done, `max_turns` policy turns or
+    `max_tokens` ids in all. Needs the chat format (data.format = "chat" or "auto" with a chat template)."""
+
+    environment: str = ""
+    """A built-in environment's name (hpcrl.env ENVIRONMENTS) or "module:Class"; "" = single-turn."""
+    max_turns: int = 4
+    """Policy turns per episode at most; an episode still going after them is cut ("max_turns")."""
+    max_tokens: int = 1024
+    """Token budget of an episode: every id (first prompt, policy turns, environment messages); an episode
+    that reaches it is truncated and marked ("budget")."""
+    step_timeout_s: float = 10.0
+    """Seconds one environment call (reset or step) may take before it is cut and the episode's group held out."""
+    workers: int = 2
+    """Environment worker processes per reward-group task (hpcrl run: processes of its own)."""
+
+    def __post_init__(self) -> None:
+        for key in ("max_turns", "max_tokens", "workers"):
+            _positive(getattr(self, key), key)
+        _positive(self.step_timeout_s, "step_timeout_s")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
     name: str = "none"
     """Name of the cluster profile (set by launch/<name>.toml)."""
@@ -636,6 +662,8 @@ class Config:
     """[algorithm]: GRPO settings."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """[eval]: pass@1 / pass@k on the held-out prompts every eval.interval steps."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """[env]: a multi-turn environment; none by default (single-turn rollouts)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """[cluster]: the cluster profile (usually from launch/<name>.toml)."""
     groups: dict[str, GroupConfig] = field(default_factory=dict)
