@@ -44,10 +44,11 @@ def cluster_tool(env: dict[str, str], *args: str) -> None:
     assert done.returncode == 0, done.stderr
 
 
-def submit(run_dir: Path, model: Path, env: dict[str, str], *, wait: bool) -> subprocess.CompletedProcess:
+def submit(run_dir: Path, model: Path, env: dict[str, str], *, wait: bool, config: str = "configs/tiny_grpo.toml",
+           args: tuple[str, ...] = ARGS) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "hpcrl", "submit", "configs/tiny_grpo.toml", "--set", f"run.run_dir={run_dir}",
-         "--set", f"model.path={model}", *ARGS, *(["--wait"] if wait else [])],
+        [sys.executable, "-m", "hpcrl", "submit", config, "--set", f"run.run_dir={run_dir}",
+         "--set", f"model.path={model}", *args, *(["--wait"] if wait else [])],
         cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600 if wait else 120)
 
 
@@ -128,12 +129,19 @@ def pid_of(run_dir: Path, target: str) -> int:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", CASES, ids=[c.name.replace(" ", "-") for c in CASES])
 def test_the_run_survives_the_fault_and_ends_bitwise_equal(case: Case, namespaced, tiny_model, straight, tmp_path):
+    strike_and_compare(case, tmp_path, tiny_model, namespaced, straight)
+
+
+def strike_and_compare(case: Case, tmp_path: Path, model: Path, namespaced: dict[str, str], straight: list[tuple],
+                       *, config: str = "configs/tiny_grpo.toml", args: tuple[str, ...] = ARGS,
+                       strike: int = STRIKE) -> None:
+    """Submit `config`, hit it with `case` once step `strike` is logged, and compare its rows with `straight`."""
     run_dir = tmp_path / "run"
-    queued = submit(run_dir, tiny_model, namespaced, wait=False)
+    queued = submit(run_dir, model, namespaced, wait=False, config=config, args=args)
     assert queued.returncode == 0, queued.stderr
     undo: list = []
     try:
-        wait_for(lambda: f"step {STRIKE:>4}/" in head_log(run_dir), f"step {STRIKE}", 300, poll_s=0.05)
+        wait_for(lambda: f"step {strike:>4}/" in head_log(run_dir), f"step {strike}", 300, poll_s=0.05)
         node, t0 = node_of(run_dir, case.target), time.time()
         if case.fault == "poweroff":
             cluster_tool(namespaced, "poweroff", node)
@@ -179,3 +187,50 @@ def test_the_run_survives_the_fault_and_ends_bitwise_equal(case: Case, namespace
     if case.bound_s is not None:
         assert resumed and back_s <= case.bound_s, (resumed, after[:20])
     assert rows_of(run_dir) == straight  # every step once, bitwise equal
+
+
+# -- the same faults on other kinds of run: a multi-turn environment (issue 32), a Mixture-of-Experts model (31) --
+# Shorter runs (their own uninterrupted run each), to keep the matrix within CI's time.
+VARIANT_STEPS, VARIANT_INTERVAL, VARIANT_STRIKE = 16, 5, 7
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    config: str
+    model: str
+    """The fixture that makes the config's model."""
+    case: Case
+    extra: tuple[str, ...] = ()
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        return ("--cluster", "local", "--set", "trainer.nodes=2", "--set",
+                f"trainer.checkpoint_interval={VARIANT_INTERVAL}", "--set", f"trainer.steps={VARIANT_STEPS}",
+                *self.extra)
+
+
+VARIANTS = [
+    # The environment workers live in the reward group: its node is the environment node.
+    Variant("multi-turn environment", "configs/tiny_env_grpo.toml", "tiny_model",
+            Case("power loss of the environment node", "reward:0", "poweroff", 120)),
+    Variant("Mixture-of-Experts", "configs/tiny_moe_grpo.toml", "tiny_moe_model",
+            Case("power loss of a trainer node", "trainer:1", "poweroff", 120),
+            ("--set", "inference.tensor_parallel=2")),
+]
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v.name.replace(" ", "-") for v in VARIANTS])
+def test_other_kinds_of_run_survive_a_power_loss_and_end_bitwise_equal(variant: Variant, namespaced, request,
+                                                                       tmp_path):
+    model = request.getfixturevalue(variant.model)
+    run_dir = tmp_path / "straight"
+    done = submit(run_dir, model, namespaced, wait=True, config=variant.config, args=variant.args)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    straight = rows_of(run_dir)
+    assert [r[0] for r in straight] == list(range(1, VARIANT_STEPS + 1))
+    struck = tmp_path / "struck"
+    struck.mkdir()
+    strike_and_compare(variant.case, struck, model, namespaced, straight, config=variant.config,
+                       args=variant.args, strike=VARIANT_STRIKE)
