@@ -40,7 +40,7 @@ from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 from hpcrl.config.schema import EnvConfig
 from hpcrl.env.base import RESET_ROLES, Malformed, check_at_start, checked_messages, checked_step, resolve
@@ -61,7 +61,7 @@ def _worker_main(spec: str, conn: Connection) -> None:
         conn.send_bytes(json.dumps({"fatal": str(err)}).encode())
         return
     conn.send_bytes(b'{"ready": true}')
-    held: OrderedDict[str, object] = OrderedDict()
+    held: OrderedDict[str, Any] = OrderedDict()
     while True:
         try:
             calls = json.loads(conn.recv_bytes())
@@ -74,7 +74,7 @@ def _worker_main(spec: str, conn: Connection) -> None:
             conn.send_bytes(json.dumps(reply).encode())
 
 
-def _serve(cls: type, held: OrderedDict[str, object], call: dict, most: int) -> dict:
+def _serve(cls: type, held: OrderedDict[str, Any], call: dict, most: int) -> dict:
     """One call on the episode's instance (built by reset when this worker does not hold it): the
     reply's fields, or {"error"} naming the method that failed and why."""
     episode, row = call["episode"], call["row"]
@@ -83,13 +83,13 @@ def _serve(cls: type, held: OrderedDict[str, object], call: dict, most: int) -> 
     try:
         if call["op"] == "reset" or instance is None:
             instance = cls()
-            first = checked_messages(instance.reset(row), what="reset", roles=RESET_ROLES)  # type: ignore[attr-defined]
+            first = checked_messages(instance.reset(row), what="reset", roles=RESET_ROLES)
             if not first:
                 raise Malformed("reset returned no messages: the policy needs a conversation to answer")
             reply: dict = {"messages": first}
         if call["op"] == "step":
             phase = "step"
-            result = checked_step(instance.step(call["messages"]))  # type: ignore[attr-defined]
+            result = checked_step(instance.step(call["messages"]))
             reply = {"messages": result.messages, "reward": result.reward, "done": result.done}
     except Malformed as err:
         return {"error": str(err)}
