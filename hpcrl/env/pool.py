@@ -189,6 +189,10 @@ class EnvPool:
         self._inbox: deque[_Job] = deque()
         self._lock = threading.Lock()
         self._closing = False
+        self._broken: BaseException | None = None
+        """What ended the pool's thread other than close() (a bug): every later call raises it."""
+        self._woken = False
+        """A wake-up is in the pipe and the inbox not yet taken: callers need not write another."""
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
         self._thread = threading.Thread(target=self._run, name="hpcrl-env-pool", daemon=True)
         self._thread.start()
@@ -215,10 +219,13 @@ class EnvPool:
                                f"conversation so far (got {len(request.messages)} messages)")
         jobs = [_Job(op, request) for request in requests]
         with self._lock:
-            if self._closing:
-                raise EnvError("the environment pool is closed")
+            if self._closing or self._broken:
+                raise EnvError("the environment pool is closed" if self._closing else
+                               f"the environment pool's thread failed: {self._broken!r}")
             self._inbox.extend(jobs)
-        self._wake_w.send_bytes(b"")
+            wake, self._woken = not self._woken, True
+        if wake:
+            self._wake_w.send_bytes(b"")
         return [job.future for job in jobs]
 
     def close(self) -> None:
@@ -228,13 +235,10 @@ class EnvPool:
             self._closing = True
         self._wake_w.send_bytes(b"")
         self._thread.join()
+        self._fail_all(EnvError("the environment pool was closed during the call"))
         for worker in self._workers:
             if worker is not None:
-                for job in (*worker.sent, *worker.backlog):
-                    job.future.set_exception(EnvError("the environment pool was closed during the call"))
                 worker.kill()
-        for job in self._inbox:
-            job.future.set_exception(EnvError("the environment pool was closed during the call"))
         self._workers = []
         self._wake_r.close()
         self._wake_w.close()
@@ -247,14 +251,39 @@ class EnvPool:
 
     # ---------------------------------------------------------------- the pool's thread
 
+    def _fail_all(self, error: BaseException) -> None:
+        """Every call not answered yet raises `error` in its caller."""
+        with self._lock:
+            jobs, self._inbox = list(self._inbox), deque()
+        for worker in self._workers:
+            if worker is not None:
+                jobs += [*worker.sent, *worker.backlog]
+                worker.sent.clear()
+                worker.backlog.clear()
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(error)
+
     def _run(self) -> None:
+        try:
+            self._serve_calls()
+        except BaseException as err:  # noqa: BLE001 - a bug here must not leave callers waiting for ever
+            with self._lock:
+                self._broken = err
+            self._fail_all(EnvError(f"the environment pool's thread failed: {err!r}"))
+            raise
+
+    def _serve_calls(self) -> None:
         """Route queued calls, send each idle worker its share, read replies, cut calls past their deadline."""
         while True:
             with self._lock:
                 if self._closing:
                     return
                 jobs, self._inbox = self._inbox, deque()
+                self._woken = False
             for job in jobs:
+                if not job.future.set_running_or_notify_cancel():  # its caller gave up on it (a cancelled bus call)
+                    continue
                 index = zlib.crc32(job.request.episode.encode()) % len(self._workers)
                 if self._workers[index] is None:  # the last replacement failed: try again
                     self._workers[index] = self._start_replacement()
