@@ -7,6 +7,7 @@ import importlib.util
 
 import pytest
 
+from hpcrl.config.builtin_names import BUILTIN_ENVIRONMENTS
 from hpcrl.config.schema import EnvConfig
 from hpcrl.data.builtin import guess
 from hpcrl.env.base import ENVIRONMENTS, resolve
@@ -98,7 +99,7 @@ def test_python_tool_runs_each_call_in_the_sandbox_returns_its_output_and_ends_a
                           {"role": "tool", "content": "not run: at most 2 tool calls a turn", "name": "python"}]
 
 
-def test_every_registered_environment_resolves_to_a_class_with_reset_and_step():
-    assert sorted(ENVIRONMENTS) == ["feedback", "python_tool"]
+def test_every_registered_environment_resolves_to_a_class_with_reset_and_step_and_config_knows_its_name():
+    assert tuple(ENVIRONMENTS) == BUILTIN_ENVIRONMENTS
     for name in ENVIRONMENTS:
         assert callable(resolve(name)().reset)
