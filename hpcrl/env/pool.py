@@ -48,6 +48,9 @@ from hpcrl.env.types import EnvError, EnvReply, EnvRequest
 
 Op = Literal["reset", "step"]
 
+#: The largest reply an environment may give one call, as JSON: a batch of replies is one bus message.
+MAX_REPLY_BYTES = 1 << 20
+
 
 def _worker_main(spec: str, conn: Connection) -> None:
     """Worker loop: a JSON list of calls in, one JSON reply out per call as each is served, in order,
@@ -96,9 +99,12 @@ def _serve(cls: type, held: OrderedDict[str, Any], call: dict, most: int) -> dic
     except Exception as err:  # noqa: BLE001 - the environment's own failure is the reply, with the episode
         return {"error": _raised(phase, err)}
     try:
-        json.dumps(reply, allow_nan=False)  # what cannot cross the pipe is the environment's error, here
+        size = len(json.dumps(reply, allow_nan=False))  # what cannot cross the pipe is the environment's error, here
     except (TypeError, ValueError) as err:
         return {"error": f"{phase} returned messages that are not plain JSON data: {err}"}
+    if size > MAX_REPLY_BYTES:
+        return {"error": f"{phase} returned {size} bytes of messages; a reply may hold {MAX_REPLY_BYTES >> 20} MiB "
+                         "(hpcrl.env.pool.MAX_REPLY_BYTES: the head sends every message back with each step)"}
     if not reply.get("done"):
         held[episode] = instance
         while len(held) > most:

@@ -8,7 +8,7 @@ Misbehave: its step does what the policy's last turn says (the row's "answer" is
     "exit"     os._exit(7)
     "segv"     a segmentation fault (reads address 0 through ctypes)
     "kill"     SIGKILLs its own process
-    "notlist" / "norole" / "assistant" / "nan" / "done?" / "set"   malformed returns
+    "notlist" / "norole" / "assistant" / "nan" / "done?" / "set" / "huge"   malformed returns
 SlowReset's reset takes 0.5 s and its step echoes the conversation's length: a step on a worker that
 does not hold the episode is 0.5 s slower, with the same reply.
 """
@@ -55,6 +55,8 @@ class Misbehave:
             return [], float("nan"), True
         if what == "done?":
             return [], 1.0, "yes"
+        if what == "huge":
+            return [{"role": "user", "content": "x" * (2 << 20)}], None, False
         if what == "set":
             return [{"role": "user", "content": "x", "tool_calls": {1, 2}}], None, False
         return StepResult(messages=[{"role": "user", "content": "?"}])

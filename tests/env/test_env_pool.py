@@ -101,7 +101,7 @@ def test_an_environment_that_raises_is_an_error_naming_the_episode_and_the_line_
 
 def test_malformed_returns_are_errors_saying_what_was_wrong():
     with pool(workers=1) as p:
-        turns = ["notlist", "norole", "assistant", "nan", "done?", "set"]
+        turns = ["notlist", "norole", "assistant", "nan", "done?", "set", "huge"]
         steps = p.step([request(f"s{i}/0", t) for i, t in enumerate(turns)])
         resets = p.reset([request("r0/0", prompt="reset raises"), request("r1/0", prompt="reset empty")])
         assert p.restarts == 0
@@ -113,8 +113,9 @@ def test_malformed_returns_are_errors_saying_what_was_wrong():
     assert errors[3] == "step returned reward nan, not a finite number"
     assert errors[4] == "step returned done = 'yes', not True or False"
     assert errors[5].startswith("step returned messages that are not plain JSON data: Object of type set")
-    assert errors[6].startswith("reset raised RuntimeError: no episode today (envs_for_tests.py:")
-    assert errors[7] == "reset returned no messages: the policy needs a conversation to answer"
+    assert errors[6].startswith("step returned 2097230 bytes of messages; a reply may hold 1 MiB")
+    assert errors[7].startswith("reset raised RuntimeError: no episode today (envs_for_tests.py:")
+    assert errors[8] == "reset returned no messages: the policy needs a conversation to answer"
     assert all(r.messages is None and r.reward is None and not r.done for r in steps + resets)
 
 
