@@ -29,7 +29,6 @@ requests and wait on futures, so concurrent calls share the workers instead of q
 from __future__ import annotations
 
 import json
-import math
 import multiprocessing as mp
 import os
 import threading
@@ -197,6 +196,8 @@ class EnvPool:
         self._closing = False
         self._broken: BaseException | None = None
         """What ended the pool's thread other than close() (a bug): every later call raises it."""
+        self._start_error = ""
+        """Why the last worker started in place of a lost one did not start."""
         self._woken = False
         """A wake-up is in the pipe and the inbox not yet taken: callers need not write another."""
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
@@ -295,7 +296,8 @@ class EnvPool:
                     self._workers[index] = self._start_replacement()
                 worker = self._workers[index]
                 if worker is None:
-                    self._answer(job, {"error": "no worker could be started in place of a lost one"})
+                    self._answer(job, {"error": f"no worker could be started in place of a lost one: "
+                                                f"{self._start_error}"})
                 else:
                     worker.backlog.append(job)
             for index, worker in enumerate(self._workers):
@@ -336,11 +338,8 @@ class EnvPool:
     def _answer(self, job: _Job, reply: dict) -> None:
         episode = job.request.episode
         error = reply.get("error")
-        reward = reply.get("reward")
-        if error is None and reward is not None and not math.isfinite(reward):  # JSON let it through; never here
-            error = f"step returned reward {reward!r}"
         job.future.set_result(EnvReply(
-            episode=episode, messages=None if error else reply["messages"], reward=None if error else reward,
+            episode=episode, messages=None if error else reply["messages"], reward=None if error else reply.get("reward"),
             done=bool(reply.get("done")) and not error, seconds=float(reply.get("seconds", 0.0)),
             error=f"environment {self.environment!r}, episode {episode}: {error}" if error else None))
 
@@ -358,15 +357,17 @@ class EnvPool:
             if fresh is not None:
                 fresh.backlog.append(job)
             else:
-                self._answer(job, {"error": "its worker was lost and none could be started in its place"})
+                self._answer(job, {"error": f"its worker was lost and none could be started in its place: "
+                                            f"{self._start_error}"})
 
     def _start_replacement(self) -> _Worker | None:
         self.restarts += 1
         fresh = _Worker(self._ctx, self._spec)
         try:
             fresh.wait_ready(self._start_timeout_s)
-        except EnvError:
+        except EnvError as err:
             fresh.kill()
+            self._start_error = str(err)
             return None
         return fresh
 

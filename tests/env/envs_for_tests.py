@@ -92,3 +92,12 @@ class CannotRunHere:
     @staticmethod
     def check_at_start():
         raise RuntimeError("this node lacks what the environment needs")
+
+
+class BreaksOnRestart(Misbehave):
+    """Misbehave whose workers cannot start while HPCRL_TEST_ENV_BROKEN is set (a node that broke mid-run)."""
+
+    @staticmethod
+    def check_at_start():
+        if os.environ.get("HPCRL_TEST_ENV_BROKEN"):
+            raise RuntimeError("the node broke")

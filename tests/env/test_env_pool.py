@@ -173,3 +173,17 @@ def test_an_environment_that_cannot_be_used_stops_the_pool_at_start(environment,
     with pytest.raises(EnvError) as raised:
         pool(environment, workers=1)
     assert error in str(raised.value)
+
+
+def test_a_worker_that_cannot_be_replaced_fails_its_calls_with_the_reason_until_one_starts_again(monkeypatch):
+    with pool("envs_for_tests:BreaksOnRestart", workers=1) as p:
+        monkeypatch.setenv("HPCRL_TEST_ENV_BROKEN", "1")
+        died, after = p.step([request("a/0", "exit"), request("b/0", "done")])
+        assert "its worker process died (exit code 7)" in died.error
+        assert after.error.endswith("episode b/0: its worker was lost and none could be started in its place: "
+                                    "environment 'envs_for_tests:BreaksOnRestart' cannot run here: RuntimeError: "
+                                    "the node broke")
+        assert "no worker could be started in place of a lost one" in p.step([request("c/0", "done")])[0].error
+        monkeypatch.delenv("HPCRL_TEST_ENV_BROKEN")
+        assert p.step([request("d/0", "done")])[0].reward == 1.0
+        assert p.restarts == 3
