@@ -4,7 +4,8 @@ feedback      the toy multi-turn task of the tiny character-level model (data.so
               the policy guesses a hidden digit; a wrong first guess gets "no, it is D", and the second
               guess is scored. Reward 1.0 for a right guess at either try, else 0.0: a policy that
               copies the digit it was told scores 1.0 whatever its first guess.
-python_tool   a math task for chat models with a Python tool (Hermes tool calls, hpcrl.env.tools): each
+python_tool   a math task for chat models with a Python tool (Hermes tool calls, hpcrl.env.tools): the row's
+              prompt (or its "messages") after a system message listing the tool; each
               "python" call runs its code in code_tests' sandbox (hpcrl.reward.sandbox) and its output
               comes back as a tool message; a turn without a tool call is the final answer, scored by
               the run's [reward] (e.g. math_verify).
@@ -72,8 +73,14 @@ class PythonTool:
         check_sandbox()
 
     def reset(self, row: dict) -> list[Message]:
-        return [{"role": "system", "content": tools_system_prompt(self.TOOLS, self.PREAMBLE)},
-                {"role": "user", "content": row["prompt"]}]
+        """The row's conversation (its "messages" if it has them, else its prompt as a user message) after a
+        system message listing the tool; a system message of the row's own replaces PREAMBLE in it."""
+        given = row.get("messages")
+        conversation = [dict(m) for m in given] if given else [{"role": "user", "content": row["prompt"]}]
+        preamble = self.PREAMBLE
+        if conversation[0].get("role") == "system":
+            preamble = conversation.pop(0)["content"]
+        return [{"role": "system", "content": tools_system_prompt(self.TOOLS, preamble)}, *conversation]
 
     def step(self, messages: list[Message]) -> StepResult:
         calls = parse_tool_calls(_last_policy_turn(messages))

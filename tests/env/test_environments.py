@@ -103,3 +103,14 @@ def test_every_registered_environment_resolves_to_a_class_with_reset_and_step_an
     assert tuple(ENVIRONMENTS) == BUILTIN_ENVIRONMENTS
     for name in ENVIRONMENTS:
         assert callable(resolve(name)().reset)
+
+
+def test_python_tool_lists_its_tool_before_the_rows_own_conversation_and_keeps_the_rows_system_prompt():
+    env = resolve("python_tool")()
+    plain = env.reset({"id": "a", "prompt": "1+1?", "answer": "2"})
+    assert plain[0]["content"].startswith(env.PREAMBLE + "\n\n# Tools\n") and plain[1:] == [{"role": "user",
+                                                                                              "content": "1+1?"}]
+    chat = env.reset({"id": "a", "prompt": "Be terse.\n1+1?", "answer": "2",
+                      "messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "1+1?"}]})
+    assert chat[0]["content"].startswith("Be terse.\n\n# Tools\n") and chat[1:] == [{"role": "user",
+                                                                                     "content": "1+1?"}]
