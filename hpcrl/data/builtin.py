@@ -49,11 +49,19 @@ def parity(split: str, index: int) -> Example:
     return {"id": f"parity-{split}-{index}", "prompt": f"par {bits}:", "answer": str(bits.count("1") % 2)}
 
 
+def guess(split: str, index: int) -> Example:
+    """"guess:" -> a hidden digit: the "feedback" environment's task (hpcrl.env.builtin), where a wrong
+    first guess is told the digit and the second try is scored."""
+    rng = _rng(split, index, 5)
+    return {"id": f"guess-{split}-{index}", "prompt": "guess:", "answer": str(rng.randrange(10))}
+
+
 BUILTIN_TASKS: dict[str, Callable[[str, int], Example]] = {
     "echo": echo,
     "arithmetic": arithmetic,
     "reverse": reverse,
     "parity": parity,
+    "guess": guess,
 }
 
 

@@ -2,6 +2,7 @@
 
     outcome = run_tests(extract_code(completion), tests, Limits(cpu_s=4, wall_s=6))
     outcome.passed, outcome.reason        # True, ""   or   False, "killed at the CPU-time limit (4 s)"
+    outcome, output = run_code(code, Limits())   # code alone, and what it printed (hpcrl.env's python tool)
 
 The reward pool's worker (never the head) starts `python -I _sandbox_boot.py` in a new session, in a
 fresh temporary directory (removed afterwards) holding solution.py (the code) and tests.py (the
@@ -91,6 +92,16 @@ def extract_code(completion: str) -> str:
 
 def run_tests(code: str, tests: str, limits: Limits = Limits()) -> Outcome:
     """Run `code` then `tests` in a sandbox (module docstring); raises SandboxError when none can be built."""
+    return _sandboxed(code, tests, limits)[0]
+
+
+def run_code(code: str, limits: Limits = Limits(), *, output_chars: int = 4000) -> tuple[Outcome, str]:
+    """Run `code` alone in a sandbox: whether it ran to its end (with the reason if not) and the last
+    `output_chars` of what it printed, stdout then stderr (the python_tool environment's tool)."""
+    return _sandboxed(code, "", limits, output_chars)
+
+
+def _sandboxed(code: str, tests: str, limits: Limits, output_chars: int = 0) -> tuple[Outcome, str]:
     workdir = Path(tempfile.mkdtemp(prefix="hpcrl-code-"))
     status_r, status_w = os.pipe()
     os.set_blocking(status_r, False)
@@ -123,10 +134,11 @@ def run_tests(code: str, tests: str, limits: Limits = Limits()) -> Outcome:
                                "namespaces for this user (sysctl user.max_user_namespaces > 0; on Debian/Ubuntu also "
                                "kernel.unprivileged_userns_clone = 1 and kernel.apparmor_restrict_unprivileged_userns "
                                "= 0), or score code elsewhere")
+        output = _output(workdir, output_chars) if output_chars else ""
         if any(r.get("passed") == nonce for r in reports):
-            return Outcome(True, "")
+            return Outcome(True, ""), output
         ended: dict = next((r for r in reversed(reports) if "signal" in r or "exit" in r), {})
-        return Outcome(False, _why(ended, timed_out, limits, workdir / ".stderr"))
+        return Outcome(False, _why(ended, timed_out, limits, workdir / ".stderr")), output
     finally:
         if process is not None and process.poll() is None:
             _kill(process, None)
@@ -202,6 +214,21 @@ def _why(ended: dict, timed_out: bool, limits: Limits, stderr: Path) -> str:
     if "Resource temporarily unavailable" in last:
         return f"{last} (process limit {limits.processes})"
     return last or f"exit code {ended['exit']}"
+
+
+def _output(workdir: Path, chars: int) -> str:
+    """The last `chars` characters of the run's stdout then stderr."""
+    text = "".join(_tail(workdir / name, chars * 4) for name in (".stdout", ".stderr"))
+    return text[-chars:]
+
+
+def _tail(path: Path, size: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - size))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _last_line(path: Path, tail: int = 4096) -> str:

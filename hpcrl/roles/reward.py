@@ -2,6 +2,15 @@
 
     score {samples}     one RewardResult per sample; a verifier that raises, hangs or dies gives an
                         error record naming the sample (never a silent zero), and the pool goes on
+    env_reset {requests}   with [env] environment set: one EnvReply per EnvRequest, in order (hpcrl.env):
+    env_step {requests}    the episodes' first messages / the environment's answer to each conversation;
+                        an environment that raises, hangs or dies gives a reply with `error`, never an exception
+
+The environments run in an EnvPool of worker processes of this task, beside the reward pool. Their
+calls do not go through the engine thread: the pool's own thread does the pipe I/O and the endpoints
+await its futures, so a slow environment never delays scoring, and concurrent env calls (episodes of
+several replicas) share the environment workers. Both are idempotent: an episode's state follows from
+its row and conversation, so a call whose reward task died is served again by another one.
 
 reward.kind = "function": a RewardPool of worker processes; "model": a reward model (vLLM's pooling
 runner, hpcrl.reward.model), on the task's GPUs when [groups.reward] gpus_per_node > 0 (the task sees
@@ -10,6 +19,7 @@ them as cuda:0..), float32 on CPU otherwise.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import asdict
 
 from hpcrl.config.schema import Config
@@ -28,9 +38,21 @@ class RewardRole(Role):
         self.replica = identity.replica
         # A RewardPool of the function, or a reward model (vLLM runs it in its own processes).
         self.pool = make_scorer(config.reward, device=device, dtype=config.model.dtype)
+        self.env = None
+        if config.env.environment:
+            from hpcrl.env.pool import EnvPool
+
+            try:
+                self.env = EnvPool(config.env)
+            except BaseException:
+                self.pool.close()
+                raise
 
     def endpoints(self) -> dict[str, Endpoint]:
-        return {"score": (self.score, True)}
+        endpoints: dict[str, Endpoint] = {"score": (self.score, True)}
+        if self.env is not None:
+            endpoints |= {"env_reset": (self.env_reset, True), "env_step": (self.env_step, True)}
+        return endpoints
 
     async def score(self, call) -> list[dict]:
         from hpcrl.reward.types import Sample
@@ -39,6 +61,22 @@ class RewardRole(Role):
         results = await self.on_engine(self.pool.score, samples)
         return [asdict(r) for r in results]
 
+    async def env_reset(self, call) -> list[dict]:
+        return await self._env_call("reset", call.args["requests"])
+
+    async def env_step(self, call) -> list[dict]:
+        return await self._env_call("step", call.args["requests"])
+
+    async def _env_call(self, op, requests: list[dict]) -> list[dict]:
+        from hpcrl.env.types import EnvRequest
+
+        assert self.env is not None
+        futures = self.env.submit(op, [EnvRequest(**r) for r in requests])
+        replies = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        return [r.to_dict() for r in replies]
+
     def close(self) -> None:
         super().close()
         self.pool.close()
+        if self.env is not None:
+            self.env.close()
