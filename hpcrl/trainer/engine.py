@@ -328,7 +328,7 @@ class TrainerEngine:
                                "there is no routing to report")
         rows = pad_rows(sequences, [1] * len(sequences), [[0.0] * (len(s) - 1) for s in sequences],
                         [0.0] * len(sequences))
-        tap = routing.RouterTap(self.model)
+        tap = routing.RouterTap(self.model, keep_ids=True, differentiable=False)
         out: list[Tensor] = []
         with torch.no_grad():
             for mb in self._micro_batches(rows):
@@ -367,7 +367,7 @@ class TrainerEngine:
         # load-balancing share: device tensors, read once after the loop (a read inside it would
         # wait for the device)
         sums = torch.zeros(8, dtype=torch.float64, device=self.device)
-        tap = routing.RouterTap(self.model) if self.moe else None
+        tap = routing.RouterTap(self.model, differentiable=o.moe_aux_loss_coef > 0) if self.moe else None
         for mb in self._micro_batches(batch):
             ref = mb.ref_logprobs
             if o.loss.kl_coef > 0 and ref is None:
@@ -376,6 +376,7 @@ class TrainerEngine:
             if tap is None:
                 logp, entropy = self._forward_logprobs(self.model, mb, entropy=True)
             else:
+                tap.valid = routing.valid_tokens(mb.completion_mask)
                 with tap:
                     logp, entropy = self._forward_logprobs(self.model, mb, entropy=True)
             mask = mb.completion_mask
@@ -385,9 +386,7 @@ class TrainerEngine:
             if tap is not None:
                 # this micro-batch's token-weighted share of the step's load-balancing loss: a
                 # metric, and with a coefficient > 0 a term of the loss
-                valid = routing.valid_tokens(mask)
-                with torch.set_grad_enabled(o.moe_aux_loss_coef > 0):
-                    balance = routing.load_balancing_loss(tap.records, valid) * (valid.sum() / max(float(counts[2]), 1.0))
+                balance = routing.load_balancing_loss(tap.records) * (tap.valid.sum() / max(float(counts[2]), 1.0))
                 tap.records = []
                 if o.moe_aux_loss_coef > 0:
                     loss = loss + o.moe_aux_loss_coef * balance

@@ -53,18 +53,18 @@ def _batch():
 
 
 def test_the_load_balancing_loss_of_a_hand_worked_example_leaves_padding_out():
-    record = routing.RouterRecord(layer=0, scores=SCORES, expert_ids=CHOSEN)
-    assert routing.load_balancing_loss([record], VALID).item() == pytest.approx(2.55, abs=1e-6)
+    record = routing.block_record(0, SCORES, CHOSEN, VALID)
+    assert record.fraction.tolist() == [1.0, 0.5, 0.5, 0.0]
+    assert routing.load_balancing_loss([record]).item() == pytest.approx(2.55, abs=1e-6)
     # transformers' Qwen3-MoE computes the same for one block (it pools blocks, hpcrl averages them)
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     theirs = load_balancing_loss_func((SCORES.log()[0],), num_experts=4, top_k=2, attention_mask=VALID.long())
     assert float(theirs) == pytest.approx(2.55, abs=1e-6)
     # a perfectly balanced block gives k = 2, and blocks are averaged
-    balanced = routing.RouterRecord(layer=1, scores=torch.full((1, 3, 4), 0.25),
-                                    expert_ids=torch.tensor([[[0, 1], [2, 3], [0, 1]]]))
-    assert routing.load_balancing_loss([balanced], VALID).item() == pytest.approx(2.0, abs=1e-6)
-    assert routing.load_balancing_loss([record, balanced], VALID).item() == pytest.approx((2.55 + 2.0) / 2, abs=1e-6)
+    balanced = routing.block_record(1, torch.full((1, 3, 4), 0.25), torch.tensor([[[0, 1], [2, 3], [0, 1]]]), VALID)
+    assert routing.load_balancing_loss([balanced]).item() == pytest.approx(2.0, abs=1e-6)
+    assert routing.load_balancing_loss([record, balanced]).item() == pytest.approx((2.55 + 2.0) / 2, abs=1e-6)
 
 
 def test_valid_tokens_run_to_each_rows_last_completion_token():
@@ -84,7 +84,7 @@ def test_the_load_balancing_loss_sends_its_gradient_to_the_routers_and_not_to_th
     with _quiet(), routing.RouterTap(model) as tap:
         titan.hidden_states(model, tokens)
     assert [r.layer for r in tap.records] == [0, 2]
-    routing.load_balancing_loss(tap.records, torch.ones(2, 12, dtype=torch.bool)).backward()
+    routing.load_balancing_loss(tap.records).backward()
     params = dict(model.named_parameters())
     assert params["layers.2.moe.router.gate.weight"].grad.abs().max() > 0
     assert params["layers.0.moe.router.gate.weight"].grad.abs().max() > 0
@@ -146,7 +146,7 @@ def test_the_trainers_top_k_per_block_is_what_its_routers_chose_with_minus_one_a
         routed = engine.routed_experts(sequences)
         for seq, ids in zip(sequences, routed):
             assert tuple(ids.shape) == (len(seq), 3, 2)
-            with torch.no_grad(), routing.RouterTap(engine.model) as tap:  # the sequence alone, no padding
+            with torch.no_grad(), routing.RouterTap(engine.model, keep_ids=True) as tap:  # alone, no padding
                 titan.hidden_states(engine.model, torch.tensor([seq]))
             assert torch.equal(ids, tap.top_k(3)[0])
             assert (ids[:, 1] == -1).all() and (ids[:, 0] >= 0).all() and (ids[:, 2] < 8).all()
