@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from hpcrl.trainer import routing
 from hpcrl.trainer.batch import pad_rows
 
 pytest.importorskip("torchtitan")
+
+REPO = Path(__file__).resolve().parents[2]
 
 #: Three blocks, the middle one dense: routing is reported for blocks 0 and 2 only.
 MIXED = replace(PRESETS["tiny-qwen3-moe"], num_layers=3, mlp_only_layers=(1,))
@@ -131,7 +134,7 @@ def test_a_coefficient_on_a_dense_model_is_refused_with_the_fix_at_config_check_
     from hpcrl.trainer import EngineOptions
 
     with pytest.raises(ConfigError, match="algorithm.moe_aux_loss_coef.*no Mixture-of-Experts block"):
-        load_config("configs/tiny_grpo.toml", overrides=["algorithm.moe_aux_loss_coef=0.01"])
+        load_config(REPO / "configs" / "tiny_grpo.toml", overrides=["algorithm.moe_aux_loss_coef=0.01"])
     with pytest.raises(TrainerError, match="moe_aux_loss_coef = 0"):
         EngineOptions(shape=PRESETS["tiny-llama"], moe_aux_loss_coef=0.01)
 
@@ -161,3 +164,14 @@ def test_routing_mismatch_counts_tokens_and_blocks_whose_expert_sets_differ():
     numpy = pytest.importorskip("numpy")  # vLLM's routed_experts is a numpy array, the trainer's a tensor
     assert routing.routing_mismatch(torch.tensor(trainer), numpy.array(inference), moe_layers=[0, 2]) == 1 / 4
     assert routing.routing_mismatch(trainer, [], moe_layers=[0, 2]) == 0.0
+
+
+def test_the_tiny_moe_config_gives_the_engine_gspo_and_the_load_balancing_coefficient():
+    from hpcrl.config import load_config
+    from hpcrl.trainer import EngineOptions
+
+    config = load_config(REPO / "configs" / "tiny_moe_grpo.toml", overrides=["algorithm.moe_aux_loss_coef=0.01"])
+    options = EngineOptions.from_config(config, weights_path="")  # the shapes of the preset, no checkpoint
+    assert options.shape == PRESETS["tiny-qwen3-moe"]
+    assert (options.loss.algorithm, options.moe_aux_loss_coef) == ("gspo", 0.01)
+    assert load_config(REPO / "configs" / "tiny_moe_grpo.toml").algorithm.moe_aux_loss_coef == 0.0
