@@ -383,7 +383,7 @@ class TrainerEngine:
             share = algorithm.loss(logprobs=logp, old_logprobs=mb.old_logprobs, advantages=mb.advantages,
                                    mask=mask, settings=o.loss, norm=norm, ref_logprobs=ref)
             loss, balance = share.loss, torch.zeros((), device=self.device)
-            if tap is not None:
+            if tap is not None and tap.valid is not None:
                 # this micro-batch's token-weighted share of the step's load-balancing loss: a
                 # metric, and with a coefficient > 0 a term of the loss
                 balance = routing.load_balancing_loss(tap.records) * (tap.valid.sum() / max(float(counts[2]), 1.0))

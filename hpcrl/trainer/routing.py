@@ -134,6 +134,7 @@ class RouterTap:
         assert first is not None
         out = torch.full((*first.shape[:2], num_layers, first.shape[-1]), -1, dtype=torch.long, device=first.device)
         for record in kept:
+            assert record.expert_ids is not None
             out[:, :, record.layer] = record.expert_ids
         return out
 
