@@ -175,3 +175,30 @@ def test_the_tiny_moe_config_gives_the_engine_gspo_and_the_load_balancing_coeffi
     assert options.shape == PRESETS["tiny-qwen3-moe"]
     assert (options.loss.algorithm, options.moe_aux_loss_coef) == ("gspo", 0.01)
     assert load_config(REPO / "configs" / "tiny_moe_grpo.toml").algorithm.moe_aux_loss_coef == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_fsdp_ranks_take_the_one_process_step_with_the_load_balancing_loss(tmp_path: Path):
+    """The routers' hooks on FSDP2-wrapped blocks, the token weights over ranks and the idle
+    micro-batch of the rank with fewer rows: the same step and moe_aux_loss as one process."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from trainer_workers import engine_options, run_ranks, toy_batch
+
+    from hpcrl.trainer import TrainerEngine
+
+    hf = MIXED.to_hf_config()
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(hf.pop("model_type"), **hf, initializer_range=0.2)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "model")
+    model = str(tmp_path / "model")
+    with _quiet():
+        engine = TrainerEngine(engine_options(model, moe_aux_loss_coef=0.5))
+        metrics = engine.train_step(toy_batch()).as_dict()
+        full = engine.full_state_dict_hf()
+    ranks = run_ranks(2, tmp_path, model, timeout_s=200, moe_aux_loss_coef=0.5)
+    assert 2.0 < metrics["moe_aux_loss"] < 8.0
+    for key in ("loss", "moe_aux_loss", "grad_norm"):
+        assert ranks[0]["metrics"][key] == pytest.approx(metrics[key], rel=1e-5), key
+    for result in ranks:
+        assert max((result["full"][n] - full[n]).abs().max().item() for n in full) < 1e-5
