@@ -9,6 +9,7 @@ runs unsharded in one process (same API, float32 only: mixed precision is FSDP2'
     -----------                            ------------------
     batch = RolloutBatch(...)   --->       engine.train_step(batch.shard(rank, world)) -> StepMetrics
                                            engine.logprobs(batch)        (mismatch vs vLLM)
+                                           engine.routed_experts(seqs)   (MoE: top-k vs vLLM's)
                                            engine.local_shards()         (weight transfer source)
                                            engine.save_checkpoint(dir)   (DCP; load_checkpoint resumes)
 
