@@ -182,8 +182,8 @@ def test_the_tiny_moe_config_gives_the_engine_gspo_and_the_load_balancing_coeffi
 def test_two_fsdp_ranks_take_the_one_process_step_with_the_load_balancing_loss(tmp_path: Path):
     """The routers' hooks on FSDP2-wrapped blocks, the token weights over ranks and the idle
     micro-batch of the rank with fewer rows: the same step and moe_aux_loss as one process."""
-    from transformers import AutoConfig, AutoModelForCausalLM
     from trainer_workers import engine_options, run_ranks, toy_batch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from hpcrl.trainer import TrainerEngine
 
