@@ -31,6 +31,7 @@ def check_config(config: Config) -> ModelShape:
     _check_inference_layout(config, shape)
     _check_batches(config)
     _check_sequence_lengths(config, shape)
+    _check_moe_keys(config, shape)
     _check_groups_against_roles(config)
     _check_cluster(config)
     make_components(config)  # what each task gets of its node: raises when a node cannot hold it
@@ -283,3 +284,10 @@ def _check_eval(config: Config) -> None:
               f'set data.eval_source = "{data.source}" (its test split)' if builtin else
               "set data.eval_fraction = 0.05 (5% of data.source held out) or data.eval_source = a file of "
               "prompts; or eval.interval = 0")
+
+
+def _check_moe_keys(config: Config, shape: ModelShape) -> None:
+    if config.algorithm.moe_aux_loss_coef > 0 and not any(shape.is_moe_layer(i) for i in range(shape.num_layers)):
+        _fail("algorithm.moe_aux_loss_coef",
+              f"is {config.algorithm.moe_aux_loss_coef} but {shape.architecture} has no Mixture-of-Experts block "
+              "(no router to balance)", "set algorithm.moe_aux_loss_coef = 0, or train a MoE model")

@@ -68,7 +68,9 @@ PRESETS: dict[str, ModelShape] = {
                            num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
                            vocab_size=151936, qk_norm=True, max_position=40960,
                            rope_theta=1000000.0, rms_norm_eps=1e-6),
-    # Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B config.json: 128 experts, top-8, no shared expert.
+    # Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B config.json: 128 experts, top-8, no shared expert,
+    # untied embeddings, every block MoE (mlp_only_layers [], decoder_sparse_step 1); 30.53B / 235.09B
+    # parameters, 3.35B / 22.19B activated per token (the model cards: 30.5B, 3.3B; 235B, 22B).
     "qwen3-30b-a3b": _qwen3_moe(hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
                                 num_kv_heads=4, head_dim=128, vocab_size=151936, max_position=40960,
                                 rope_theta=1000000.0, num_experts=128, num_experts_per_tok=8,

@@ -340,6 +340,10 @@ class AlgorithmConfig:
     """The overlong penalty at inference.max_tokens."""
     max_policy_lag: int = 1
     """Most optimizer steps a rollout's weights may lag the trainer; 0 = fully on-policy."""
+    moe_aux_loss_coef: float = 0.0
+    """Mixture-of-Experts models: weight of the routers' load-balancing loss (Switch / Qwen: E x
+    sum_e f_e x P_e per MoE block, averaged; hpcrl/trainer/routing.py) added to the step loss;
+    0 = not added (it is still reported as `moe_aux_loss`). Qwen3-MoE was pretrained with 0.001."""
     mismatch_every: int = 1
     """With max_policy_lag > 0: measure `logprob_mismatch` (a trainer forward and a vLLM scoring call
     of one group after the weight sync) every this many steps; the other steps report none. At lag 0
@@ -356,6 +360,7 @@ class AlgorithmConfig:
             value = getattr(self, key)
             _require(0 < value < 1, key, f"must be in (0, 1), got {value}", f"set {key} = 0.2")
         _positive(self.kl_coef, "kl_coef", allow_zero=True)
+        _positive(self.moe_aux_loss_coef, "moe_aux_loss_coef", allow_zero=True)
         _positive(self.max_policy_lag, "max_policy_lag", allow_zero=True)
         _positive(self.mismatch_every, "mismatch_every")
         _positive(self.max_sampling_rounds, "max_sampling_rounds")

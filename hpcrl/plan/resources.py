@@ -18,6 +18,12 @@ Memory estimates (per GPU, or per node on CPU) are deliberately simple and on th
               activation checkpointing (plus one block recomputed)
             + fp32 logits and their log-softmax for one micro-batch
             + a fixed runtime overhead (CUDA context, NCCL buffers)
+            Mixture-of-Experts (Qwen3-MoE): every expert is a parameter like any other, so the fp32
+              state above counts all E experts of every block / dp_shard (FSDP2 shards whole
+              experts, no expert parallelism in the trainer); a gathered block holds all E experts;
+              a token's activations count its top k experts (`activation_values_per_token`: k
+              dispatched copies of 2h + 4 moe_f, plus the router's E scores), not all E. The
+              load-balancing loss keeps [E] per block (hpcrl.trainer.routing): nothing per token.
   inference weights / TP (embedding and head vocab-split), then the KV-cache budget
             gpu_memory_utilization x memory - weights - activation reserve, or kv_cache_gib when set.
 
@@ -35,6 +41,7 @@ from typing import TypedDict
 from hpcrl.config.components import Component, make_components
 from hpcrl.config.model_shapes import DTYPE_BYTES, ModelShape
 from hpcrl.config.schema import Config
+from hpcrl.models.shape import numel
 from hpcrl.plan.transfer_speed import host_round_trip_warning
 
 GIB = 1024**3
@@ -173,6 +180,22 @@ def _inference_memory(config: Config, shape: ModelShape) -> tuple[MemoryEstimate
     return estimate, tokens
 
 
+def expert_parameters(shape: ModelShape) -> int:
+    """Parameters of the routed experts of every MoE block (0 for a dense model)."""
+    return sum(numel(size) for name, size in shape.hf_parameters() if ".mlp.experts." in name)
+
+
+def _moe_note(config: Config, shape: ModelShape) -> str:
+    t = config.trainer
+    shard = t.world_size // t.dp_replicate if t.dp_shard == -1 else t.dp_shard
+    experts = expert_parameters(shape)
+    per_rank = -(-shape.num_experts // shard)
+    return (f"experts: {experts / 1e9:.2f} B of the {shape.num_parameters / 1e9:.2f} B parameters "
+            f"({100 * experts / shape.num_parameters:.0f}%), FSDP-sharded whole: up to {per_rank} of every "
+            f"block's {shape.num_experts} per trainer rank; activations count each token through its "
+            f"top {shape.num_experts_per_tok}")
+
+
 def plan_resources(config: Config, shape: ModelShape) -> ResourcePlan:
     """The resource plan of a validated config (see the module docstring for the estimates)."""
     t, inf = config.trainer, config.inference
@@ -191,6 +214,8 @@ def plan_resources(config: Config, shape: ModelShape) -> ResourcePlan:
     if not inference_memory.fits:
         notes.append(f"inference does NOT fit: {inference_memory.total / GIB:.1f} GiB per {inference_memory.device} > "
                      f"{inference_memory.capacity / GIB:.1f} GiB; raise tensor_parallel, or lower kv_cache_gib")
+    if shape.num_experts:
+        notes.append(_moe_note(config, shape))
     if kv_tokens < max_len:
         notes.append(f"inference does NOT fit: the KV cache holds {kv_tokens} tokens per replica, "
                      f"fewer than one sequence of {max_len}; raise tensor_parallel, gpu_memory_utilization or kv_cache_gib")

@@ -9,6 +9,7 @@ runs unsharded in one process (same API, float32 only: mixed precision is FSDP2'
     -----------                            ------------------
     batch = RolloutBatch(...)   --->       engine.train_step(batch.shard(rank, world)) -> StepMetrics
                                            engine.logprobs(batch)        (mismatch vs vLLM)
+                                           engine.routed_experts(seqs)   (MoE: top-k vs vLLM's)
                                            engine.local_shards()         (weight transfer source)
                                            engine.save_checkpoint(dir)   (DCP; load_checkpoint resumes)
 
@@ -44,7 +45,7 @@ from hpcrl.algorithms.base import LossSettings
 from hpcrl.algorithms.terms import Normaliser, local_counts
 from hpcrl.config.model_shapes import ModelShape, load_shape
 from hpcrl.errors import TrainerError
-from hpcrl.trainer import checkpoint, titan, weights
+from hpcrl.trainer import checkpoint, routing, titan, weights
 from hpcrl.trainer.batch import RolloutBatch, pad_rows
 from hpcrl.trainer.loss import DEFAULT_CHUNK_TOKENS, linear_logprobs
 from hpcrl.trainer.parallel import make_dp_mesh, reshard, shard_decoder
@@ -105,6 +106,10 @@ class EngineOptions:
     logprob_recompute: bool = False
     """Recompute each chunk's logits in the backward instead of keeping [tokens, vocab] logits in
     the compute dtype (saves that memory for one more lm_head matmul)."""
+    moe_aux_loss_coef: float = 0.0
+    """Weight of the routers' load-balancing loss (hpcrl.trainer.routing) added to the step loss of a
+    Mixture-of-Experts model; 0 = not added (the loss is then exactly the algorithm's). Qwen3-MoE was
+    pretrained with 0.001 (router_aux_loss_coef in its config.json)."""
     compile_logprobs: bool | None = None
     """torch.compile the float32 part of each chunk; None = on CUDA, off on CPU. Measured on an H200
     (Llama-3 1B, bf16, batch 4 x 2048): the step 186.5 ms eager, 168.8 ms compiled, beside 168.3 ms
@@ -122,6 +127,11 @@ class EngineOptions:
             raise TrainerError(f"micro_batch_size must be at least 1, got {self.micro_batch_size}")
         if self.logprob_chunk_tokens < 1:
             raise TrainerError(f"logprob_chunk_tokens must be at least 1, got {self.logprob_chunk_tokens}")
+        if not self.moe_aux_loss_coef >= 0:
+            raise TrainerError(f"moe_aux_loss_coef must be >= 0, got {self.moe_aux_loss_coef}")
+        if self.moe_aux_loss_coef > 0 and not _has_moe(self.shape):
+            raise TrainerError(f"moe_aux_loss_coef = {self.moe_aux_loss_coef} but {self.shape.architecture} has "
+                               "no Mixture-of-Experts block (no router to balance); set algorithm.moe_aux_loss_coef = 0")
         if self.weights_path and self.rope_scaling is None:
             # The checkpoint decides: a Llama 3.1+ config.json asks for scaled RoPE frequencies.
             object.__setattr__(self, "rope_scaling", weights.read_rope_scaling(self.weights_path))
@@ -144,7 +154,8 @@ class EngineOptions:
             min_lr_ratio=t.min_lr_ratio, total_steps=t.steps, micro_batch_size=t.micro_batch_size,
             grad_clip=t.grad_clip, activation_checkpointing=t.activation_checkpointing,
             dp_replicate=t.dp_replicate, dp_shard=t.dp_shard,
-            loss=LossSettings.from_config(config.algorithm, max_tokens=config.inference.max_tokens))
+            loss=LossSettings.from_config(config.algorithm, max_tokens=config.inference.max_tokens),
+            moe_aux_loss_coef=config.algorithm.moe_aux_loss_coef)
         values.update(overrides)
         return cls(**values)
 
@@ -176,6 +187,10 @@ class StepMetrics:
     """Token-mean |trainer logprob - vLLM's sampling logprob| of the batch's completion tokens, from the
     step's own forward (before the update). At policy lag 0 the batch was sampled with exactly these
     weights, so this is the train-inference mismatch; at lag > 0 it adds the policy's drift since."""
+    moe_aux_loss: float = 0.0
+    """Mixture-of-Experts models: the routers' load-balancing loss of the step (hpcrl.trainer.routing:
+    k when balanced, up to E when collapsed), a token-weighted mean over the micro-batches, measured
+    whether or not moe_aux_loss_coef adds it to the loss; 0 for a dense model."""
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -197,6 +212,7 @@ class TrainerEngine:
             raise TrainerError("mixed precision runs through FSDP: initialise torch.distributed first "
                                "(a world of 1 is fine), or use dtype float32")
         self.hf_names = titan.hf_to_titan_names(options.shape)
+        self.moe = _has_moe(options.shape)
         self.mesh = make_dp_mesh(dp_replicate=options.dp_replicate, dp_shard=options.dp_shard,
                                  device_type=self.device.type) if self.distributed else None
         self.model = self._build(trainable=True)
@@ -303,6 +319,28 @@ class TrainerEngine:
         values = self.logprobs(rows)
         return [values[i, 1:len(seq)].tolist() for i, seq in enumerate(sequences)]
 
+    def routed_experts(self, sequences: list[list[int]]) -> list[Tensor]:
+        """The trainer's top-k experts of every token of each sequence under the current policy:
+        [len(sequence), num_layers, K] int64 each, -1 at blocks without experts; vLLM's
+        CompletionOutput.routed_experts has the same layout (hpcrl.trainer.routing.routing_mismatch
+        compares them). Collective: every rank passes the same sequences."""
+        if not self.moe:
+            raise TrainerError(f"{self.options.shape.architecture} has no Mixture-of-Experts block: "
+                               "there is no routing to report")
+        rows = pad_rows(sequences, [1] * len(sequences), [[0.0] * (len(s) - 1) for s in sequences],
+                        [0.0] * len(sequences))
+        tap = routing.RouterTap(self.model, keep_ids=True, differentiable=False)
+        out: list[Tensor] = []
+        with torch.no_grad():
+            for mb in self._micro_batches(rows):
+                with tap:
+                    titan.hidden_states(self.model, mb.tokens)
+                ids = tap.top_k(self.options.shape.num_layers).cpu()
+                out.extend(ids[i] for i in range(mb.size))
+        self._reshard(self.model)
+        # idle micro-batches come last and are dropped here
+        return [out[i][:len(seq)] for i, seq in enumerate(sequences)]
+
     def ref_logprobs(self, batch: RolloutBatch) -> Tensor:
         """[B, T] logprobs under the frozen reference (needs kl_coef > 0). Collective."""
         if self.reference is None:
@@ -326,33 +364,49 @@ class TrainerEngine:
         lr = self.lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        # loss, policy, kl, clipped low, clipped high, entropy sum, |logp - old logp| sum: device
-        # tensors, read once after the loop (a read inside it would wait for the device)
-        sums = torch.zeros(7, dtype=torch.float64, device=self.device)
+        # loss, policy, kl, clipped low, clipped high, entropy sum, |logp - old logp| sum, MoE
+        # load-balancing share: device tensors, read once after the loop (a read inside it would
+        # wait for the device)
+        sums = torch.zeros(8, dtype=torch.float64, device=self.device)
+        tap = routing.RouterTap(self.model, differentiable=o.moe_aux_loss_coef > 0) if self.moe else None
         for mb in self._micro_batches(batch):
             ref = mb.ref_logprobs
             if o.loss.kl_coef > 0 and ref is None:
                 with torch.no_grad():
                     ref = self._forward_logprobs(self.reference, mb)[0]
-            logp, entropy = self._forward_logprobs(self.model, mb, entropy=True)
+            if tap is None:
+                logp, entropy = self._forward_logprobs(self.model, mb, entropy=True)
+            else:
+                tap.valid = routing.valid_tokens(mb.completion_mask)
+                with tap:
+                    logp, entropy = self._forward_logprobs(self.model, mb, entropy=True)
             mask = mb.completion_mask
             share = algorithm.loss(logprobs=logp, old_logprobs=mb.old_logprobs, advantages=mb.advantages,
                                    mask=mask, settings=o.loss, norm=norm, ref_logprobs=ref)
-            share.loss.backward()
+            loss, balance = share.loss, torch.zeros((), device=self.device)
+            if tap is not None and tap.valid is not None:
+                # this micro-batch's token-weighted share of the step's load-balancing loss: a
+                # metric, and with a coefficient > 0 a term of the loss
+                balance = routing.load_balancing_loss(tap.records) * (tap.valid.sum() / max(float(counts[2]), 1.0))
+                tap.records = []
+                if o.moe_aux_loss_coef > 0:
+                    loss = loss + o.moe_aux_loss_coef * balance
+            loss.backward()
             with torch.no_grad():  # masked by multiplying (where: padding may hold -inf), never by indexing
                 assert entropy is not None
                 diff = torch.where(mask, (logp - mb.old_logprobs).abs(), 0.0)
-                sums += torch.stack([share.loss.detach().double(), share.policy_loss, share.kl,
+                sums += torch.stack([loss.detach().double(), share.policy_loss, share.kl,
                                      share.clipped_low, share.clipped_high,
-                                     (entropy * mask).sum().double(), diff.sum().double()])
-            del logp, entropy, share
+                                     (entropy * mask).sum().double(), diff.sum().double(),
+                                     balance.detach().double()])
+            del logp, entropy, share, loss, balance
         if self.reference is not None:
             self._reshard(self.reference)  # its no-grad forwards left the root gathered
         # the step's one read of the device: metrics and gradient norm together, before the
         # optimizer step (a non-finite norm must stop it)
         totals = torch.cat([self._all_reduce(sums, read=False),
                             self._clip_gradients().to(self.device, torch.float64).view(1)]).cpu()
-        grad_norm = self._check_grad_norm(float(totals[7]))
+        grad_norm = self._check_grad_norm(float(totals[8]))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -364,7 +418,7 @@ class TrainerEngine:
             clip_fraction_low=float(totals[3]) / tokens, clip_fraction_high=float(totals[4]) / tokens,
             grad_norm=grad_norm, lr=lr, completion_tokens=int(norm.tokens), sequences=int(norm.sequences),
             tokens_per_s=float(counts[2]) / elapsed, step_time_s=elapsed,
-            sampling_logprob_diff=float(totals[6]) / tokens)
+            sampling_logprob_diff=float(totals[6]) / tokens, moe_aux_loss=float(totals[7]))
 
     def _clip_gradients(self) -> Tensor:
         """Clip the gradients to options.grad_clip; the global norm before clipping (not read)."""
@@ -401,6 +455,10 @@ class TrainerEngine:
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
+
+
+def _has_moe(shape: ModelShape) -> bool:
+    return any(shape.is_moe_layer(i) for i in range(shape.num_layers))
 
 
 def _idle_batch(like: RolloutBatch) -> RolloutBatch:

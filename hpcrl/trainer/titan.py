@@ -304,6 +304,26 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return list(cast(_Decoder, model).layers.values())
 
 
+def moe_routers(model: nn.Module) -> dict[int, nn.Module]:
+    """{block index: its router} for every MoE block (none for a dense model).
+
+    torchtitan's `TokenChoiceTopKRouter.forward` returns (top-k scores [B, L, K], top-k expert ids
+    [B, L, K], softmax scores of every expert [B, L, E], float32): a forward hook on it sees the
+    block's routing without touching the forward (hpcrl.trainer.routing)."""
+    supply_missing_torch_names()
+    from torchtitan.models.common.moe import TokenChoiceTopKRouter
+
+    routers = {}
+    for name, module in model.named_modules():
+        if isinstance(module, TokenChoiceTopKRouter):
+            match = re.match(r"layers\.(\d+)\.", clean_name(name))
+            if match is None:
+                raise TrainerError(f"router {name!r} is not inside a block 'layers.N.'; "
+                                   "hpcrl/trainer/titan.py moe_routers expects torchtitan's decoder layout")
+            routers[int(match.group(1))] = module
+    return routers
+
+
 def _hf_templates(shape: ModelShape, config) -> dict[str, str | None]:
     """HF name template -> torchtitan name template: the family's state-dict adapter's, and its extras."""
     titan = shape.family.titan

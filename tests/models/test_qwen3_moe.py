@@ -11,6 +11,7 @@ import pytest
 
 from hpcrl.config.model_shapes import PRESETS, from_hf_config
 from hpcrl.models import ModelShape
+from hpcrl.models.shape import numel
 
 #: Qwen/Qwen3-30B-A3B's config.json as published (the keys hpcrl reads; "num_experts" as Qwen spells it).
 QWEN3_30B_A3B = {
@@ -46,6 +47,23 @@ def test_transformers_reads_the_config_json_the_family_writes():
 def test_qwen3_moe_presets_have_the_published_parameter_counts():
     assert round(PRESETS["qwen3-30b-a3b"].num_parameters / 1e9, 2) == 30.53
     assert round(PRESETS["qwen3-235b-a22b"].num_parameters / 1e9, 2) == 235.09
+
+
+@pytest.mark.parametrize("preset, non_embedding, active", [("qwen3-30b-a3b", 29.9, 3.3),
+                                                           ("qwen3-235b-a22b", 234, 22)])
+def test_qwen3_moe_presets_have_the_model_cards_non_embedding_and_activated_counts(preset, non_embedding, active):
+    """Qwen's model cards: 30.5B total, 29.9B non-embedding, 3.3B activated; 235B, 234B, 22B (here
+    29.91, 3.35; 233.85, 22.19). The
+    activated count (every tensor but the experts, plus k of E experts per block) pins the expert
+    width and top-k; the non-embedding one the attention and vocabulary."""
+    shape = PRESETS[preset]
+    params = dict(shape.hf_parameters())
+    experts = sum(numel(size) for name, size in params.items() if ".mlp.experts." in name)
+    embeddings = numel(params["model.embed_tokens.weight"]) + numel(params["lm_head.weight"])
+    activated = shape.num_parameters - experts + experts * shape.num_experts_per_tok // shape.num_experts
+    # to the cards' last digit (they round 233.85 up to 234 and 3.35 down to 3.3)
+    assert (shape.num_parameters - embeddings) / 1e9 == pytest.approx(non_embedding, abs=0.06 if non_embedding < 100 else 0.6)
+    assert activated / 1e9 == pytest.approx(active, abs=0.06 if active < 10 else 0.6)
 
 
 def test_moe_layers_list_a_router_and_every_expert_and_dense_layers_a_plain_mlp():

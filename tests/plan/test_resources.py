@@ -182,3 +182,31 @@ def test_a_set_kv_cache_size_replaces_what_gpu_memory_utilization_leaves_on_gpus
 def test_a_negative_kv_cache_size_is_refused_with_the_key_and_a_fix():
     with pytest.raises(ConfigError, match=r"inference.kv_cache_gib: must be zero or more, got -1.0.*Fix: set"):
         plan_of("tiny_grpo.toml", "inference.kv_cache_gib=-1")
+
+
+def test_a_moe_trainer_estimate_shards_every_expert_and_counts_each_token_through_its_top_k():
+    from dataclasses import replace
+
+    from hpcrl.plan.resources import expert_parameters
+
+    config, shape = load_config_and_shape(REPO / "configs" / "qwen3-30b-a3b_grpo.toml")
+    parts = plan_resources(config, shape).trainer_memory.parts
+    # all 128 experts of all 48 blocks are in the sharded fp32 state: 28.99 B of the 30.53 B parameters
+    assert expert_parameters(shape) == 48 * 128 * 3 * 768 * 2048
+    assert parts["params_fp32"] == 4 * shape.num_parameters // 16 and parts["adamw_states"] == 2 * parts["params_fp32"]
+    assert parts["gathered_blocks"] == 2 * 2 * shape.layer_parameters  # a gathered block holds all its experts
+    assert shape.layer_parameters > 128 * 3 * 768 * 2048
+    # activations: each token through k experts, so top-2 saves 6 of the 8 dispatched copies (2h + 4f each)
+    tokens = config.trainer.micro_batch_size * (config.data.max_prompt_tokens + config.inference.max_tokens)
+    top2 = plan_resources(config, replace(shape, num_experts_per_tok=2)).trainer_memory.parts
+    assert parts["activations"] - top2["activations"] == tokens * 6 * (2 * 2048 + 4 * 768) * 2  # bf16, checkpointed
+
+
+def test_the_qwen3_30b_a3b_plan_fits_two_nodes_of_80_gib_gpus_and_says_where_the_experts_are():
+    plan = plan_of("qwen3-30b-a3b_grpo.toml", cluster="generic")
+    assert plan.fits
+    assert plan.trainer_mesh == {"world_size": 16, "dp_replicate": 1, "dp_shard": 16}
+    assert (plan.inference_layout["replicas"], plan.inference_layout["tensor_parallel"]) == (2, 4)
+    assert 40 * GIB < plan.trainer_memory.total < 48 * GIB
+    assert any(n.startswith("experts: 28.99 B of the 30.53 B parameters (95%)") and "up to 8 of every block's 128"
+               in n for n in plan.notes)
