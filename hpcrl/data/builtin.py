@@ -49,11 +49,19 @@ def parity(split: str, index: int) -> Example:
     return {"id": f"parity-{split}-{index}", "prompt": f"par {bits}:", "answer": str(bits.count("1") % 2)}
 
 
+def guess(split: str, index: int) -> Example:
+    """"guess:" -> a digit: the multi-turn toy of the "feedback" environment ([env]), which tells a wrong first
+    guess the digit to say on the second try."""
+    digit = _rng(split, index, 5).randrange(10)
+    return {"id": f"guess-{split}-{index}", "prompt": "guess:", "answer": str(digit)}
+
+
 BUILTIN_TASKS: dict[str, Callable[[str, int], Example]] = {
     "echo": echo,
     "arithmetic": arithmetic,
     "reverse": reverse,
     "parity": parity,
+    "guess": guess,
 }
 
 

@@ -61,12 +61,14 @@ from hpcrl.config.schema import Config
 from hpcrl.data.chat import chat_template_for
 from hpcrl.data.prompts import Prompt, PromptStream
 from hpcrl.data.tokens import token_counter
+from hpcrl.env.types import EnvReply, EnvRequest
 from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
 from hpcrl.reward.types import RewardResult, Sample
 from hpcrl.rl.buffer import ReplayBuffer, ScoredGroup
+from hpcrl.rl.episodes import EpisodeRunner, EpisodeStats, episode_outcomes, samples_to_score, scored_groups
 from hpcrl.rl.evaluation import PromptOutcome, eval_metrics, eval_seed, prompt_outcomes
-from hpcrl.rl.rollouts import batch_from_groups, samples_for, score_groups
+from hpcrl.rl.rollouts import ScoreStats, batch_from_groups, samples_for, score_groups
 from hpcrl.rl.startup import StartupClock
 from hpcrl.trainer.types import TrainBatch
 
@@ -80,10 +82,16 @@ class ControllerError(HpcrlError):
 
 class Ports(Protocol):
     """What the controller needs from the groups. generate's temperature: None = inference.temperature
-    (rollouts); the evaluation passes its own (0.0 = greedy)."""
+    (rollouts); the evaluation passes its own (0.0 = greedy). With [env] (hpcrl.rl.episodes): generate_turn
+    generates one turn of a chunk's episodes on one replica (prompts carry the episodes' ids so far, one
+    max_tokens each), env_reset / env_step call the environment workers (the reward group's)."""
 
     async def generate(self, prompts: list[Prompt], *, n: int, seed: int,
                        temperature: float | None = None) -> list[list[Completion]]: ...
+    async def generate_turn(self, prompts: list[Prompt], *, n: int, seed: int, max_tokens: list[int],
+                            temperature: float | None = None) -> list[list[Completion]]: ...
+    async def env_reset(self, requests: list[EnvRequest]) -> list[EnvReply]: ...
+    async def env_step(self, requests: list[EnvRequest]) -> list[EnvReply]: ...
     async def score(self, samples: list[Sample]) -> list[RewardResult]: ...
     async def train_step(self, batch: TrainBatch, *, step: int) -> dict[str, float]: ...
     async def sync_weights(self, version: int) -> None: ...
@@ -125,6 +133,8 @@ class Controller:
         self.on_step = on_step  # called with (state, metrics) after each step: checkpoints, metrics
         self.on_eval: Callable[[Controller, dict], Awaitable[None]] | None = None
         """Called with (controller, metrics) after the evaluation of the initial weights (eval.at_start): row 0."""
+        self._runner: EpisodeRunner | None = None
+        """[env]: the episodes' runner (_episodes); None until the first batch needs it."""
         self.startup = startup
         """The ports' start-up clock: the first sync is timed into it, and its figures join the first step's metrics."""
 
@@ -170,6 +180,7 @@ class Controller:
         tokens = rounds = held_out = 0
         errors: list[str] = []
         parts: dict[str, list[float]] = {}
+        episodes = EpisodeStats() if self.config.env.environment else None
         count = self.prompts_per_step
         try:
             while count:
@@ -177,25 +188,39 @@ class Controller:
                 started = time.monotonic()
                 seed = self.config.run.seed * 1_000_003 + index + rounds * ROUND_SEED_STRIDE
                 try:
-                    completions = await self.ports.generate(prompts, n=self.config.algorithm.group_size, seed=seed)
+                    if episodes is not None:
+                        made, round_stats = await (await self._episodes()).run(
+                            prompts, n=self.config.algorithm.group_size, seed=seed)
+                        episodes.merge(round_stats)
+                        versions, made_tokens = round_stats.versions, round_stats.generate_tokens
+                    else:
+                        completions = await self.ports.generate(prompts, n=self.config.algorithm.group_size,
+                                                                seed=seed)
+                        versions = {c.weight_version for g in completions for c in g}
+                        made_tokens = sum(len(c.token_ids) for g in completions for c in g)
                 finally:
                     if inference_done is not None and not rounds_later:
                         inference_done.set()
                 rounds += 1
                 # Normally every completion is of `version`; a replica started again after a loss is caught
                 # up to the trainer's newest weights, so a batch it finishes may be fresher (a smaller lag).
-                versions = {c.weight_version for g in completions for c in g}
                 if versions and (min(versions) < version or max(versions) > self.state.step + 1):
                     raise ControllerError(f"batch {index} was generated with weight versions {sorted(versions)}, "
                                           f"expected {version} (at most {self.state.step + 1}): the inference "
                                           "group missed a weight sync")
                 generated = time.monotonic()
-                results = await self.ports.score(samples_for(prompts, completions))
-                scored, stats = score_groups(prompts, completions, results, weight_version=version, batch=index)
+                scored: list[ScoredGroup]
+                stats: ScoreStats
+                if episodes is not None:
+                    results = await self.ports.score(samples_to_score(made))
+                    scored, stats = scored_groups(made, results, weight_version=version, batch=index)
+                else:
+                    results = await self.ports.score(samples_for(prompts, completions))
+                    scored, stats = score_groups(prompts, completions, results, weight_version=version, batch=index)
                 groups += scored
                 generate_s += generated - started
                 reward_s += time.monotonic() - generated
-                tokens += sum(len(c.token_ids) for g in completions for c in g)
+                tokens += made_tokens
                 held_out += stats.groups_with_errors
                 errors += stats.errors
                 for name, values in stats.parts.items():
@@ -213,9 +238,24 @@ class Controller:
                    "reward_errors": len(errors), "reward_error_example": errors[0] if errors else None}
         if rounds_later:
             metrics["sampling_rounds"] = rounds
+        if episodes is not None:
+            # The share of the batch's rollout time in which every replica waited on environments.
+            metrics.update(episodes.metrics(), env_wait_share=episodes.time_env_wait_s / max(generate_s, 1e-9))
         # reward.functions: each function's unweighted mean over the batch's scored samples.
         metrics.update({f"reward_mean/{name}": sum(values) / len(values) for name, values in parts.items()})
         self.state.rollout_metrics[str(index)] = metrics
+
+    async def _episodes(self) -> EpisodeRunner:
+        """The runner of [env] episodes, with the run's chat template (hpcrl.config.checks: [env] needs the chat
+        format); its tokenizer is loaded in a thread, as the stream's (see _load_stream)."""
+        if self._runner is None:
+            chat = chat_template_for(self.config.data, self.config.model.path)
+            if chat is None:
+                raise ControllerError("[env] needs the chat format, but the run's prompts are text. Fix: set "
+                                      'data.format = "chat" and model.path to a model whose tokenizer has a chat template')
+            await asyncio.to_thread(chat.tokenizer)
+            self._runner = EpisodeRunner(self.config, self.ports, chat)
+        return self._runner
 
     # -- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -344,6 +384,13 @@ class Controller:
 
     async def _eval_round(self, prompts: list[Prompt], version: int, *, n: int, seed: int,
                           temperature: float) -> list[PromptOutcome]:
+        if self.config.env.environment:  # the held-out prompts as episodes (greedy ones at temperature 0)
+            made, stats = await (await self._episodes()).run(prompts, n=n, seed=seed, temperature=temperature)
+            if stats.versions and stats.versions != {version}:
+                raise ControllerError(f"the evaluation after step {version} was generated with weight versions "
+                                      f"{sorted(stats.versions)}, expected {version}: the inference group missed "
+                                      "a weight sync")
+            return episode_outcomes(made, await self.ports.score(samples_to_score(made)))
         completions = await self.ports.generate(prompts, n=n, seed=seed, temperature=temperature)
         versions = {c.weight_version for g in completions for c in g}
         if versions != {version}:
