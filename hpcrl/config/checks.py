@@ -38,6 +38,7 @@ def check_config(config: Config) -> ModelShape:
     _check_reward(config)
     _check_data(config)
     _check_eval(config)
+    _check_env(config, shape)
     return shape
 
 
@@ -283,3 +284,32 @@ def _check_eval(config: Config) -> None:
               f'set data.eval_source = "{data.source}" (its test split)' if builtin else
               "set data.eval_fraction = 0.05 (5% of data.source held out) or data.eval_source = a file of "
               "prompts; or eval.interval = 0")
+
+
+def _check_env(config: Config, shape: ModelShape) -> None:
+    """[env] (multi-turn episodes, hpcrl.rl.episodes): chat prompts, environment workers in the reward group, an
+    episode's token budget that vLLM and the model can hold, and no single-completion length shaping."""
+    env = config.env
+    if not env.environment:
+        return
+    if config.data.format == "text" or not config.model.path:
+        _fail("data.format", "[env] renders an environment's messages with the model's chat template, but the run's "
+                             f"prompts are text (data.format = {config.data.format!r}"
+                             f"{', no model.path' if not config.model.path else ''})",
+              'set data.format = "chat" (or "auto") and model.path to a model whose tokenizer has a chat template')
+    if config.reward.tasks == 0:
+        _fail("reward.tasks", "[env] runs its environments in the reward group's worker processes, never in the "
+                              "head's, but reward.tasks = 0 has no reward group",
+              "set reward.tasks = 1 or more")
+    if config.inference.max_model_len and config.inference.max_model_len < env.max_tokens:
+        _fail("inference.max_model_len", f"max_model_len = {config.inference.max_model_len} is shorter than an "
+                                         f"episode's budget, env.max_tokens = {env.max_tokens}",
+              f"set max_model_len = {env.max_tokens} or 0 (derived), or lower env.max_tokens")
+    if env.max_tokens > shape.max_position:
+        _fail("env.max_tokens", f"an episode of {env.max_tokens} tokens exceeds the model's {shape.max_position} "
+                                "positions", f"set env.max_tokens to at most {shape.max_position}")
+    if config.algorithm.overlong_buffer_fraction > 0:
+        _fail("algorithm.overlong_buffer_fraction",
+              f"is {config.algorithm.overlong_buffer_fraction}: overlong shaping measures one completion against "
+              "inference.max_tokens, and an episode's policy tokens span several turns (env.max_tokens bounds them)",
+              "set algorithm.overlong_buffer_fraction = 0.0")

@@ -5,6 +5,7 @@
     inference  one VllmEngine (its own engine-core / worker processes, as vLLM always starts them)
     reward     a RewardPool (spawned worker processes, per-sample timeout), or a reward model (its own
                vLLM engine; on CPU unless [groups.reward] gpus_per_node > 0)
+    env        [env]: an EnvPool (hpcrl.env.pool: env.workers processes of its own, per-step timeout)
     weights    trainer -> vLLM workers through hpcrl's transfer plan and weight-transfer engine over
                gloo: the same planner, digest handshake and receive path as in a heterogeneous job
 
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from hpcrl.config.schema import Config
 from hpcrl.data.prompts import Prompt
+from hpcrl.env.types import EnvReply, EnvRequest
 from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
 from hpcrl.reward.model import make_scorer, reward_device
@@ -114,6 +116,13 @@ def _outcome(fn: Callable[..., T], *args: Any, **kwargs: Any) -> _Outcome[T]:
         return _Outcome(value=fn(*args, **kwargs))
     except BaseException as err:  # noqa: BLE001 - raised again once every started part is registered for closing
         return _Outcome(error=err)
+
+
+def _env_pool(config: Config) -> Any:
+    """[env]'s environment workers: processes of their own, as in a job's reward group (hpcrl.env.pool)."""
+    from hpcrl.env.pool import EnvPool  # type: ignore[import-not-found,unused-ignore]  # the environment side
+
+    return EnvPool(config.env)
 
 
 def _use_cpus(cpus: list[int]) -> None:
@@ -211,6 +220,9 @@ class InProcessPorts:
         for failed in (built.error, inference.error, scoring.error if scoring is not None else None):
             if failed is not None:
                 raise failed
+        if config.env.environment:
+            self.environments = clock.timed("env", _env_pool, config)
+            self._closing.callback(self.environments.close)
         self.plan = plan_for_config(config)
         log.info(describe_plan(self.plan))  # the digest `hpcrl plan --transfer` prints for this config
         clock.timed("weights", self._join_transfer, transport)
@@ -237,6 +249,17 @@ class InProcessPorts:
     async def generate(self, prompts: list[Prompt], *, n: int, seed: int,
                        temperature: float | None = None) -> list[list[Completion]]:
         return await asyncio.to_thread(self.inference.generate, prompts, n=n, seed=seed, temperature=temperature)
+
+    async def generate_turn(self, prompts: list[Prompt], *, n: int, seed: int, max_tokens: list[int],
+                            temperature: float | None = None) -> list[list[Completion]]:
+        return await asyncio.to_thread(self.inference.generate, prompts, n=n, seed=seed, temperature=temperature,
+                                       max_tokens=max_tokens)
+
+    async def env_reset(self, requests: list[EnvRequest]) -> list[EnvReply]:
+        return await asyncio.to_thread(self.environments.reset, requests)
+
+    async def env_step(self, requests: list[EnvRequest]) -> list[EnvReply]:
+        return await asyncio.to_thread(self.environments.step, requests)
 
     async def score(self, samples: list[Sample]) -> list[RewardResult]:
         return await asyncio.to_thread(self.rewards.score, samples)

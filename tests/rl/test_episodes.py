@@ -203,3 +203,48 @@ def test_the_loss_and_its_gradient_do_not_change_when_environment_tokens_change(
         other_loss, other_grad = loss_and_grad(noise)
         assert torch.equal(other_loss, loss) and torch.equal(other_grad, grad)
     assert grad[~mask].abs().max() == 0 and grad[mask].abs().max() > 0
+
+
+@pytest.mark.timeout(60)
+def test_over_bus_ports_episodes_spread_over_the_replicas_and_give_the_in_memory_figures(runs, tiny_model):
+    """Two replicas, four chunks: each turn's generate goes to one replica and the environment calls to the reward
+    group; where a chunk's turn runs changes nothing (its seed is the chunk's and the turn's)."""
+    from fake_head import FakeHead, FakeJob
+
+    from hpcrl.rl.ports import BusPorts
+
+    def two_replicas(run_dir: Path) -> Config:
+        config = env_config(run_dir, tiny_model, steps=4)
+        return dataclasses.replace(config, inference=dataclasses.replace(config.inference, replicas=2))
+
+    loop_once(two_replicas(runs / "memory"), FakePorts(env=FakeEnvironment({"guess-train-4/1"}.__contains__)))
+
+    async def over_the_bus() -> FakeJob:
+        config, head = two_replicas(runs / "bus"), FakeHead()
+        job = FakeJob(config, head, env=FakeEnvironment({"guess-train-4/1"}.__contains__))
+        ports = BusPorts(config, head, store="tcp://127.0.0.1:29500")
+        await ports.connect(timeout=5)
+        await run_loop(config, ports)
+        return job
+    job = asyncio.run(asyncio.wait_for(over_the_bus(), 30))
+    assert untimed(runs / "bus") == untimed(runs / "memory")
+    assert {p.replica for p in job.processes if p.engine.turns} == {0, 1}
+    assert read_metrics(runs / "bus")[1]["env_errors"] == 1
+
+
+@pytest.mark.parametrize("override, key, fix", [
+    ("data.format=text", "data.format", 'set data.format = "chat"'),
+    ("reward.tasks=0", "reward.tasks", "set reward.tasks = 1 or more"),
+    ("inference.max_model_len=32", "inference.max_model_len", "set max_model_len = 64 or 0"),
+    ("algorithm.overlong_buffer_fraction=0.2", "algorithm.overlong_buffer_fraction", "= 0.0"),
+])
+def test_an_env_config_that_cannot_run_episodes_is_refused_at_load_naming_the_key_and_fix(override, key, fix):
+    from hpcrl.config import load_config
+    from hpcrl.errors import ConfigError
+
+    repo = Path(__file__).resolve().parents[2]
+    config = load_config(repo / "configs" / "tiny_env_grpo.toml")
+    assert config.env.environment == "feedback" and config.max_model_len == 64
+    with pytest.raises(ConfigError, match=key) as refused:
+        load_config(repo / "configs" / "tiny_env_grpo.toml", overrides=[override])
+    assert fix in str(refused.value)
