@@ -12,3 +12,7 @@ BUILTIN_TASK_NAMES = ("echo", "arithmetic", "reverse", "parity", "guess")
 #: The module of the built-in reward functions, and `reward.function = "hpcrl.reward.builtin:NAME"` names.
 BUILTIN_REWARD_MODULE = "hpcrl.reward.builtin"
 BUILTIN_REWARD_FUNCTIONS = ("exact_match", "math_answer", "format_ok", "boxed_format", "math_verify", "code_tests")
+
+#: `env.environment = "NAME"`: the built-in environments of hpcrl.env.base.ENVIRONMENTS, in its order
+#: (anything else must be "module:Class").
+BUILTIN_ENVIRONMENTS = ("feedback", "python_tool")

@@ -11,7 +11,12 @@ import importlib.util
 import os
 from pathlib import Path
 
-from hpcrl.config.builtin_names import BUILTIN_REWARD_FUNCTIONS, BUILTIN_REWARD_MODULE, BUILTIN_TASK_NAMES
+from hpcrl.config.builtin_names import (
+    BUILTIN_ENVIRONMENTS,
+    BUILTIN_REWARD_FUNCTIONS,
+    BUILTIN_REWARD_MODULE,
+    BUILTIN_TASK_NAMES,
+)
 from hpcrl.config.components import make_components
 from hpcrl.config.model_shapes import ModelShape, load_shape
 from hpcrl.config.schema import GROUP_NAMES, Config
@@ -292,6 +297,21 @@ def _check_env(config: Config, shape: ModelShape) -> None:
     env = config.env
     if not env.environment:
         return
+    if ":" in env.environment:
+        module = env.environment.partition(":")[0]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            _fail("env.environment", f"module {module!r} cannot be found on the Python path",
+                  "check the module name, or add its directory to PYTHONPATH (built-ins: "
+                  f"{', '.join(BUILTIN_ENVIRONMENTS)})")
+    elif env.environment not in BUILTIN_ENVIRONMENTS:
+        close = difflib.get_close_matches(env.environment, BUILTIN_ENVIRONMENTS, n=1)
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        _fail("env.environment", f"no built-in environment {env.environment!r}",
+              f'{guess}built-ins: {", ".join(BUILTIN_ENVIRONMENTS)}; or "module:Class" for one of your own')
     if config.data.format == "text" or not config.model.path:
         _fail("data.format", "[env] renders an environment's messages with the model's chat template, but the run's "
                              f"prompts are text (data.format = {config.data.format!r}"

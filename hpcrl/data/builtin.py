@@ -50,10 +50,10 @@ def parity(split: str, index: int) -> Example:
 
 
 def guess(split: str, index: int) -> Example:
-    """"guess:" -> a digit: the multi-turn toy of the "feedback" environment ([env]), which tells a wrong first
-    guess the digit to say on the second try."""
-    digit = _rng(split, index, 5).randrange(10)
-    return {"id": f"guess-{split}-{index}", "prompt": "guess:", "answer": str(digit)}
+    """"guess:" -> a hidden digit: the "feedback" environment's task (hpcrl.env.builtin), where a wrong
+    first guess is told the digit and the second try is scored."""
+    rng = _rng(split, index, 5)
+    return {"id": f"guess-{split}-{index}", "prompt": "guess:", "answer": str(rng.randrange(10))}
 
 
 BUILTIN_TASKS: dict[str, Callable[[str, int], Example]] = {

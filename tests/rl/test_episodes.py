@@ -237,6 +237,8 @@ def test_over_bus_ports_episodes_spread_over_the_replicas_and_give_the_in_memory
     ("reward.tasks=0", "reward.tasks", "set reward.tasks = 1 or more"),
     ("inference.max_model_len=32", "inference.max_model_len", "set max_model_len = 64 or 0"),
     ("algorithm.overlong_buffer_fraction=0.2", "algorithm.overlong_buffer_fraction", "= 0.0"),
+    ("env.environment=feedbak", "env.environment", "did you mean 'feedback'?"),
+    ("env.environment=no_such_module:Env", "env.environment", "add its directory to PYTHONPATH"),
 ])
 def test_an_env_config_that_cannot_run_episodes_is_refused_at_load_naming_the_key_and_fix(override, key, fix):
     from hpcrl.config import load_config
