@@ -23,6 +23,10 @@ dynamic sampling (DAPO) asks for more rounds until enough groups carry a signal.
 draws the next prompts of the stream and samples with a seed fixed by (run.seed, b, r), and every
 round ends before the batch enters the buffer, so a resumed run generates the same rounds.
 
+With [env] a round's rollouts are multi-turn episodes (hpcrl.rl.episodes): Ports.generate_turn per chunk
+and turn, the environment's steps between turns, and the inference group is released for the weight sync
+only once the batch's last turn is generated, so a batch's episodes finish on the weights they started with.
+
 A checkpoint after step s holds the trainer state (version s + 1), the prompt cursor and the
 scored batches s + 1 .. s + lag already in the buffer; resuming re-pushes version s + 1 and goes on.
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -120,7 +121,7 @@ def _outcome(fn: Callable[..., T], *args: Any, **kwargs: Any) -> _Outcome[T]:
 
 def _env_pool(config: Config) -> Any:
     """[env]'s environment workers: processes of their own, as in a job's reward group (hpcrl.env.pool)."""
-    from hpcrl.env.pool import EnvPool  # type: ignore[import-not-found,unused-ignore]  # the environment side
+    from hpcrl.env.pool import EnvPool  # type: ignore[import-not-found,import-untyped,unused-ignore]  # env side
 
     return EnvPool(config.env)
 
@@ -160,6 +161,7 @@ class InProcessPorts:
                              "the run as a job (hpcrl submit)")
         transport = config.one_process_weight_transport()  # before anything loads
         self.config = config
+        self._inference_turn = threading.Lock()
         self.startup = StartupClock()
         """Seconds of each part of the start-up (hpcrl.rl.startup): the run log and the first step's metrics."""
         # Everything below is ended by close() in the reverse order of its making (see close()),
@@ -246,14 +248,21 @@ class InProcessPorts:
             joined.result()
 
     # -- Ports ---------------------------------------------------------------------------------
+    def _on_inference(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn on the vLLM engine, one call at a time: vLLM's LLM is not thread-safe (two generate calls at once,
+        e.g. two chunks' turns of episodes, abort the process in ZeroMQ), as a replica's engine thread is not."""
+        with self._inference_turn:
+            return fn(*args, **kwargs)
+
     async def generate(self, prompts: list[Prompt], *, n: int, seed: int,
                        temperature: float | None = None) -> list[list[Completion]]:
-        return await asyncio.to_thread(self.inference.generate, prompts, n=n, seed=seed, temperature=temperature)
+        return await asyncio.to_thread(self._on_inference, self.inference.generate, prompts, n=n, seed=seed,
+                                       temperature=temperature)
 
     async def generate_turn(self, prompts: list[Prompt], *, n: int, seed: int, max_tokens: list[int],
                             temperature: float | None = None) -> list[list[Completion]]:
-        return await asyncio.to_thread(self.inference.generate, prompts, n=n, seed=seed, temperature=temperature,
-                                       max_tokens=max_tokens)
+        return await asyncio.to_thread(self._on_inference, self.inference.generate, prompts, n=n, seed=seed,
+                                       temperature=temperature, max_tokens=max_tokens)
 
     async def env_reset(self, requests: list[EnvRequest]) -> list[EnvReply]:
         return await asyncio.to_thread(self.environments.reset, requests)
@@ -287,7 +296,7 @@ class InProcessPorts:
         return await self.on_trainer.run(self.trainer.sequence_logprobs, sequences)
 
     async def inference_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return await asyncio.to_thread(self.inference.token_logprobs, sequences)
+        return await asyncio.to_thread(self._on_inference, self.inference.token_logprobs, sequences)
 
     # -- checkpoints ---------------------------------------------------------------------------
     async def save_trainer(self, directory: Path) -> None:

@@ -24,6 +24,8 @@ weights shows in the weights, the logprobs and the metrics, the same places a re
 Faults are set on the parts: `inference.ignored_versions` (a replica that misses a push),
 `inference.claimed_version` (one that reports a version it was not given), `trainer.during_step`
 (called in the middle of a train step: raise there to crash the run, or ask it to stop).
+Episodes ([env], hpcrl.rl.episodes): FakeEngine.generate_turn generates a turn from an episode's ids,
+FakeEnvironment is the "feedback" environment in memory (hpcrl.env's runs in worker processes).
 The same parts serve as the workers behind the fake bus of fake_head.py.
 """
 
@@ -295,8 +297,9 @@ class FakePorts:
 
     Every call yields to the event loop once, so a generation the controller started as a task runs
     while the train step is in progress, as over the bus. `events` records, in order:
-    ("generate", seed) (an evaluation's: ("generate", seed, temperature)), ("train", step, "begin" | "end"),
-    ("sync", version).
+    ("generate", seed) (an evaluation's: ("generate", seed, temperature)), ("turn", seed[, temperature]) (an
+    episode's turn, generate_turn), ("train", step, "begin" | "end"), ("sync", version). With `env` (a
+    FakeEnvironment) the ids are the tiny tokenizer's and env_reset / env_step serve its episodes.
     """
 
     def __init__(self, *, reward: FakeReward | None = None, env: FakeEnvironment | None = None) -> None:
