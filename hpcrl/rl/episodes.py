@@ -230,6 +230,8 @@ class EpisodeRunner:
                   temperature: float | None = None) -> tuple[list[list[Episode]], EpisodeStats]:
         """`n` episodes of every prompt, as one list per prompt in prompt order, and the batch's figures."""
         groups = [[Episode(prompt=p, index=k) for k in range(n)] for p in prompts]
+        if not prompts:
+            return groups, EpisodeStats()
         chunks = min(len(prompts), CHUNKS_PER_REPLICA * self.config.inference.replicas) or 1
         size = -(-len(prompts) // chunks)
         stats, clock = EpisodeStats(), _Clock()
