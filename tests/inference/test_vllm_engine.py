@@ -202,6 +202,28 @@ def test_an_episode_grows_from_the_ids_vllm_returned_and_the_trainer_scores_its_
 
 
 @pytest.mark.timeout(300)
+def test_hpcrl_runs_ports_take_two_chunks_turns_at_once_to_vllm_one_after_the_other(engine):
+    """Episodes' chunks call generate_turn concurrently; two calls into one LLM from two threads abort the process
+    in ZeroMQ (docs/FACTS.md), so InProcessPorts makes them one at a time: both answer, as they would alone."""
+    import asyncio
+    import threading
+
+    from hpcrl.rl.inprocess import InProcessPorts
+
+    ports = object.__new__(InProcessPorts)  # its engines without starting a trainer: the module's vLLM engine
+    ports.inference = engine
+    ports._inference_turn = threading.Lock()
+    asked = [Prompt(id=f"t{k}", text="", answer="", token_ids=[1, 100, 20 + k, 102, 101]) for k in range(2)]
+
+    async def both():
+        return await asyncio.gather(*(ports.generate_turn([p], n=2, seed=k, max_tokens=[2]) for k, p in enumerate(asked)))
+
+    together = asyncio.run(both())
+    alone = [engine.generate([p], n=2, seed=k, max_tokens=[2]) for k, p in enumerate(asked)]
+    assert [[c.token_ids for c in g[0]] for g in together] == [[c.token_ids for c in g[0]] for g in alone]
+
+
+@pytest.mark.timeout(300)
 def test_token_logprobs_of_a_sampled_completion_equal_its_sampling_logprobs(engine):
     group = engine.generate(PROMPTS[:1], n=2, seed=3)[0]
     sequences = [c.prompt_token_ids + c.token_ids for c in group]
