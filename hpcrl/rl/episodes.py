@@ -295,6 +295,11 @@ class EpisodeRunner:
                 episode.messages.append({"role": "assistant", "content": completion.text})
             await self._step([e for e, _ in pairs], [c for _, c in pairs], last=turn + 1 == self.env.max_turns,
                              stats=stats, clock=clock)
+            for group in groups:  # a group with an episode without outcome is held out: its others stop here
+                if any(e.error is not None for e in group):
+                    for episode in group:
+                        if not episode.ended:
+                            episode.error = "held out with its group"
 
     def _limit(self, episode: Episode) -> int:
         return min(self.config.inference.max_tokens, self.env.max_tokens - len(episode.tokens))

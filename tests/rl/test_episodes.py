@@ -114,6 +114,8 @@ def test_an_environment_error_holds_its_group_out_of_training_and_counts_it(runs
     assert rows[2]["env_error_example"] == "guess-train-7 (reset): worker died"
     assert [r["groups"] for r in rows] == [3, 2, 2, 3, 3, 3]
     assert all(r["reward_errors"] == 0 for r in rows)
+    # The failed episode's group stops at once: no second turn of guess-train-4 is generated.
+    assert not [p for _, p, _ in ports.inference.generated if p.startswith("guess-train-4/")]
 
 
 @pytest.mark.timeout(60)
