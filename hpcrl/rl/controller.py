@@ -46,7 +46,8 @@ weights: the check that the syncs deliver exactly the trainer's weights. At lag 
 was sampled with the weights the trainer holds when the step starts, so the train step's own forward
 measures it over the whole batch (`sampling_logprob_diff`), at no cost. At lag > 0 (or on a step
 with nothing to train) a probe does, every `algorithm.mismatch_every` steps: the first group of the
-step's batch, scored by both sides after the weight sync (one more trainer forward, one vLLM call).
+step's batch, scored by both sides after the weight sync (one more trainer forward, one vLLM call), which
+also gives `logprob_mismatch_max`, the largest difference over those tokens (every turn of an episode's).
 
 The controller talks to the groups only through `Ports`; `hpcrl.rl.ports` binds them to the bus.
 """
@@ -316,7 +317,7 @@ class Controller:
             try:
                 await self.ports.sync_weights(step + 1)
                 sync_done = time.monotonic()
-                mismatch = await self._mismatch(step, groups, train_metrics)
+                mismatch, mismatch_max = await self._mismatch(step, groups, train_metrics)
             except BaseException:
                 if generation is not None:
                     generation.cancel()  # the step failed: its scoring is not waited for
@@ -337,6 +338,7 @@ class Controller:
                 "reward_mean": sum(rewards) / len(rewards) if rewards else None,
                 "reward_std": _std(rewards), "groups": len(groups), "groups_dropped_zero_variance": dropped,
                 "groups_held_out_total": self.state.held_out_groups, "logprob_mismatch": mismatch,
+                **({"logprob_mismatch_max": mismatch_max} if mismatch_max is not None else {}),
                 "time_train_s": train_done - train_started, "time_weight_sync_s": sync_done - sync_started,
                 "time_step_s": elapsed, "train_tokens": sum(len(s) for s in batch.input_ids),
                 **train_metrics, **rollout, **startup, **evaluation,
@@ -403,19 +405,20 @@ class Controller:
         results = await self.ports.score(samples_for(prompts, completions))
         return prompt_outcomes(prompts, completions, results)
 
-    async def _mismatch(self, step: int, groups: list, train_metrics: dict) -> float | None:
-        """`logprob_mismatch` of step `step` (module docstring); None on a step that measures none."""
+    async def _mismatch(self, step: int, groups: list, train_metrics: dict) -> tuple[float | None, float | None]:
+        """`logprob_mismatch` of step `step` and, from a probe, its largest difference (module docstring); None on
+        a step that measures none."""
         if self.lag == 0 and "sampling_logprob_diff" in train_metrics:
-            return train_metrics["sampling_logprob_diff"]
+            return train_metrics["sampling_logprob_diff"], None
         if (step + 1) % self.config.algorithm.mismatch_every:
-            return None
+            return None, None
         return await self._probe_mismatch(groups)
 
-    async def _probe_mismatch(self, groups: list) -> float | None:
-        """Mean |logprob_vllm - logprob_trainer| over the tokens the policy generated in the step's first
-        group (scored under the freshly synced weights, whether or not the group was trained on)."""
+    async def _probe_mismatch(self, groups: list) -> tuple[float | None, float | None]:
+        """Mean and largest |logprob_vllm - logprob_trainer| over the tokens the policy generated in the step's
+        first group (scored under the freshly synced weights, whether or not the group was trained on)."""
         if not groups:
-            return None
+            return None, None
         rollouts = groups[0].rollouts
         sequences = [r.tokens for r in rollouts]
         trainer_lp, inference_lp = await asyncio.gather(self.ports.trainer_logprobs(sequences),
@@ -424,7 +427,7 @@ class Controller:
         for rollout, t_lp, i_lp in zip(rollouts, trainer_lp, inference_lp):
             # Both sides give the logprob of every token after the first.
             diffs += [abs(a - b) for flag, a, b in zip(rollout.policy_mask[1:], t_lp, i_lp, strict=True) if flag]
-        return sum(diffs) / len(diffs) if diffs else None
+        return (sum(diffs) / len(diffs), max(diffs)) if diffs else (None, None)
 
 
 def _std(values: list[float]) -> float | None:

@@ -89,6 +89,8 @@ def test_the_ids_trained_on_are_the_ids_vllm_generated_each_turn_from_and_produc
     rows_metrics = read_metrics(runs)
     assert all(1.0 <= r["turns_mean"] <= 2.0 and r["env_errors"] == 0 for r in rows_metrics)
     assert {"time_env_s", "env_wait_share", "time_turn_s", "episodes_truncated"} <= set(rows_metrics[0])
+    # The probe (lag 1) compares trainer and sampler on every policy token of every turn: the largest difference.
+    assert [r["logprob_mismatch_max"] for r in rows_metrics] == [0.0] * STEPS
 
 
 @pytest.mark.timeout(60)
