@@ -11,7 +11,12 @@ import importlib.util
 import os
 from pathlib import Path
 
-from hpcrl.config.builtin_names import BUILTIN_REWARD_FUNCTIONS, BUILTIN_REWARD_MODULE, BUILTIN_TASK_NAMES
+from hpcrl.config.builtin_names import (
+    BUILTIN_ENVIRONMENTS,
+    BUILTIN_REWARD_FUNCTIONS,
+    BUILTIN_REWARD_MODULE,
+    BUILTIN_TASK_NAMES,
+)
 from hpcrl.config.components import make_components
 from hpcrl.config.model_shapes import ModelShape, load_shape
 from hpcrl.config.schema import GROUP_NAMES, Config
@@ -39,6 +44,7 @@ def check_config(config: Config) -> ModelShape:
     _check_reward(config)
     _check_data(config)
     _check_eval(config)
+    _check_env(config, shape)
     return shape
 
 
@@ -291,3 +297,47 @@ def _check_moe_keys(config: Config, shape: ModelShape) -> None:
         _fail("algorithm.moe_aux_loss_coef",
               f"is {config.algorithm.moe_aux_loss_coef} but {shape.architecture} has no Mixture-of-Experts block "
               "(no router to balance)", "set algorithm.moe_aux_loss_coef = 0, or train a MoE model")
+
+
+def _check_env(config: Config, shape: ModelShape) -> None:
+    """[env] (multi-turn episodes, hpcrl.rl.episodes): chat prompts, environment workers in the reward group, an
+    episode's token budget that vLLM and the model can hold, and no single-completion length shaping."""
+    env = config.env
+    if not env.environment:
+        return
+    if ":" in env.environment:
+        module = env.environment.partition(":")[0]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            _fail("env.environment", f"module {module!r} cannot be found on the Python path",
+                  "check the module name, or add its directory to PYTHONPATH (built-ins: "
+                  f"{', '.join(BUILTIN_ENVIRONMENTS)})")
+    elif env.environment not in BUILTIN_ENVIRONMENTS:
+        close = difflib.get_close_matches(env.environment, BUILTIN_ENVIRONMENTS, n=1)
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        _fail("env.environment", f"no built-in environment {env.environment!r}",
+              f'{guess}built-ins: {", ".join(BUILTIN_ENVIRONMENTS)}; or "module:Class" for one of your own')
+    if config.data.format == "text" or not config.model.path:
+        _fail("data.format", "[env] renders an environment's messages with the model's chat template, but the run's "
+                             f"prompts are text (data.format = {config.data.format!r}"
+                             f"{', no model.path' if not config.model.path else ''})",
+              'set data.format = "chat" (or "auto") and model.path to a model whose tokenizer has a chat template')
+    if config.reward.tasks == 0:
+        _fail("reward.tasks", "[env] runs its environments in the reward group's worker processes, never in the "
+                              "head's, but reward.tasks = 0 has no reward group",
+              "set reward.tasks = 1 or more")
+    if config.inference.max_model_len and config.inference.max_model_len < env.max_tokens:
+        _fail("inference.max_model_len", f"max_model_len = {config.inference.max_model_len} is shorter than an "
+                                         f"episode's budget, env.max_tokens = {env.max_tokens}",
+              f"set max_model_len = {env.max_tokens} or 0 (derived), or lower env.max_tokens")
+    if env.max_tokens > shape.max_position:
+        _fail("env.max_tokens", f"an episode of {env.max_tokens} tokens exceeds the model's {shape.max_position} "
+                                "positions", f"set env.max_tokens to at most {shape.max_position}")
+    if config.algorithm.overlong_buffer_fraction > 0:
+        _fail("algorithm.overlong_buffer_fraction",
+              f"is {config.algorithm.overlong_buffer_fraction}: overlong shaping measures one completion against "
+              "inference.max_tokens, and an episode's policy tokens span several turns (env.max_tokens bounds them)",
+              "set algorithm.overlong_buffer_fraction = 0.0")

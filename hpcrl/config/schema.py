@@ -704,5 +704,7 @@ class Config:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence (prompt + completion) vLLM serves: inference.max_model_len, or the data's."""
-        return self.inference.max_model_len or self.data.max_prompt_tokens + self.inference.max_tokens
+        """Longest sequence (prompt + completion) vLLM serves: inference.max_model_len, or the data's (with [env],
+        at least an episode's budget, env.max_tokens)."""
+        derived = self.data.max_prompt_tokens + self.inference.max_tokens
+        return self.inference.max_model_len or (max(derived, self.env.max_tokens) if self.env.environment else derived)

@@ -25,6 +25,15 @@ content (<|im_end|> for Qwen's ChatML, <|eot_id|> for Llama 3, <|end|> for the t
 it to vLLM as a stop token unless vLLM already stops there (the tokenizer's eos token and the ids of
 generation_config.json's eos_token_id, which vLLM adds itself).
 
+An episode (hpcrl.rl.episodes, [env]) grows its ids turn by turn and never renders earlier turns again:
+`ChatTemplate.opening` renders the environment's first messages like a prompt, and after each policy
+turn `ChatTemplate.continuation` gives the ids to append: the rest of the template's end of the
+assistant's turn (all of it when vLLM stopped without generating its end-of-turn token, e.g. at
+max_tokens), the environment's new messages and the generation prompt. It renders the conversation
+with and without the new messages and takes the difference, with the policy's turn written as a probe
+string, since its tokens are already in the episode (a template may render an earlier turn's content
+differently, e.g. Qwen3 dropping reasoning, but not the turn's ending).
+
 The reward's `prompt` stays Prompt.text (the prompt string, or a messages row's contents one per
 line), never the rendered template: a reward written for the text format reads the same in the chat
 format, and does not depend on the model's template.
@@ -136,6 +145,42 @@ class ChatTemplate:
             raise DataError(f"the chat template of {self.model_path} failed on prompts {first}: {err}. Fix: check "
                             "the rows' roles and contents, or set data.format = \"text\"") from err
         return [texts] if isinstance(texts, str) else list(texts)
+
+    def opening(self, prompt: Prompt, messages: list[dict]) -> tuple[list[dict], list[int]]:
+        """An episode's first messages (an environment's reset) with data.system_prompt put first as for a
+        prompt, and their ids with the generation prompt: what the policy's first turn is generated from."""
+        first = replace(prompt, messages=list(messages), token_ids=None)
+        return conversation(first, self.system_prompt), self.render([first])[0]
+
+    def continuation(self, messages: list[dict], new: list[dict], generated: list[int]) -> list[int]:
+        """The ids that follow a policy turn in an episode (module docstring). `messages`: the conversation
+        with the policy's turn last (role "assistant"), `new`: the messages that follow it (a tool's output,
+        feedback), `generated`: the turn's ids as vLLM returned them."""
+        if not messages or messages[-1].get("role") != "assistant":
+            raise DataError("continuation needs the conversation with the policy's turn (role \"assistant\") last")
+        tokenizer = self.tokenizer()
+        probe = [*messages[:-1], {**messages[-1], "content": _SENTINEL}]
+        try:
+            before = tokenizer.apply_chat_template(probe, tokenize=False)
+            after = tokenizer.apply_chat_template([*probe, *new], add_generation_prompt=True, tokenize=False)
+        except Exception as err:  # the template's own raise_exception, or a Jinja error
+            roles = sorted({m.get("role", "?") for m in new})
+            raise DataError(f"the chat template of {self.model_path} failed on an environment's messages (roles "
+                            f"{roles}): {err}. Fix: have the environment answer in roles the template knows "
+                            "(\"user\" where it has no \"tool\" role)") from err
+        at = before.rfind(_SENTINEL)
+        if at < 0 or not after.startswith(before):
+            raise DataError(f"the chat template of {self.model_path} renders an episode's earlier turns differently "
+                            "once messages follow them, so its ids cannot grow turn by turn. Fix: use a model whose "
+                            "template renders a conversation as the concatenation of its turns")
+        close = self._encode(tokenizer, before[at + len(_SENTINEL):])
+        if close and generated[-1:] == close[:1]:  # vLLM stopped at the end-of-turn token and returned it
+            close = close[1:]
+        return close + self._encode(tokenizer, after[len(before):])
+
+    @staticmethod
+    def _encode(tokenizer: Any, text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
     def __call__(self, prompts: Sequence[Prompt]) -> list[int]:
         return [len(ids) for ids in self.render(prompts)]

@@ -120,12 +120,14 @@ class VllmEngine:
                    kv_cache_gib=inf.kv_cache_gib, weight_transfer=weight_transfer, cpu_binding=cpu_binding)
 
     def generate(self, prompts: list[Prompt], *, n: int, seed: int, offset: int = 0,
-                 temperature: float | None = None) -> list[list[Completion]]:
+                 temperature: float | None = None, max_tokens: list[int] | None = None) -> list[list[Completion]]:
         """`n` completions of every prompt, as one list per prompt, in prompt order.
 
         The list is one chunk of a batch: prompt k is prompt `offset + k` of the batch. Its tokens are
         a function of (weights, prompts, seed, offset) only (module docstring): the same chunk
-        generated again, here or on another replica, draws the same tokens."""
+        generated again, here or on another replica, draws the same tokens. `max_tokens`: one limit per
+        prompt (an episode's turn: what is left of its token budget, hpcrl.rl.episodes), else
+        inference.max_tokens for all; vLLM takes one SamplingParams per prompt in the same step."""
         from vllm import RequestOutput, SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -138,7 +140,12 @@ class VllmEngine:
         sampling = dict(self._sampling) if temperature is None else {**self._sampling, "temperature": temperature}
         if any(chat) and self.turn_stop_ids():
             sampling["stop_token_ids"] = self.turn_stop_ids()
-        params = SamplingParams(n=n, logprobs=0, **sampling)  # no seed: the batched sampler
+        params: SamplingParams | list[SamplingParams] = SamplingParams(n=n, logprobs=0, **sampling)  # no seed
+        if max_tokens is not None:
+            if len(max_tokens) != len(prompts) or min(max_tokens, default=1) < 1:
+                raise InferenceError(f"max_tokens {max_tokens} for {len(prompts)} prompts: give one limit of at "
+                                     "least 1 per prompt")
+            params = [SamplingParams(n=n, logprobs=0, **{**sampling, "max_tokens": int(m)}) for m in max_tokens]
         inputs = [TokensPrompt(prompt_token_ids=list(p.token_ids)) if p.token_ids is not None else p.text
                   for p in prompts]
         if self.prefix_caching and not llm.reset_prefix_cache():

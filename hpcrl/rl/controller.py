@@ -23,6 +23,10 @@ dynamic sampling (DAPO) asks for more rounds until enough groups carry a signal.
 draws the next prompts of the stream and samples with a seed fixed by (run.seed, b, r), and every
 round ends before the batch enters the buffer, so a resumed run generates the same rounds.
 
+With [env] a round's rollouts are multi-turn episodes (hpcrl.rl.episodes): Ports.generate_turn per chunk
+and turn, the environment's steps between turns, and the inference group is released for the weight sync
+only once the batch's last turn is generated, so a batch's episodes finish on the weights they started with.
+
 A checkpoint after step s holds the trainer state (version s + 1), the prompt cursor and the
 scored batches s + 1 .. s + lag already in the buffer; resuming re-pushes version s + 1 and goes on.
 
@@ -42,7 +46,8 @@ weights: the check that the syncs deliver exactly the trainer's weights. At lag 
 was sampled with the weights the trainer holds when the step starts, so the train step's own forward
 measures it over the whole batch (`sampling_logprob_diff`), at no cost. At lag > 0 (or on a step
 with nothing to train) a probe does, every `algorithm.mismatch_every` steps: the first group of the
-step's batch, scored by both sides after the weight sync (one more trainer forward, one vLLM call).
+step's batch, scored by both sides after the weight sync (one more trainer forward, one vLLM call), which
+also gives `logprob_mismatch_max`, the largest difference over those tokens (every turn of an episode's).
 
 The controller talks to the groups only through `Ports`; `hpcrl.rl.ports` binds them to the bus.
 """
@@ -61,12 +66,14 @@ from hpcrl.config.schema import Config
 from hpcrl.data.chat import chat_template_for
 from hpcrl.data.prompts import Prompt, PromptStream
 from hpcrl.data.tokens import token_counter
+from hpcrl.env.types import EnvReply, EnvRequest
 from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
 from hpcrl.reward.types import RewardResult, Sample
 from hpcrl.rl.buffer import ReplayBuffer, ScoredGroup
+from hpcrl.rl.episodes import EpisodeRunner, EpisodeStats, episode_outcomes, samples_to_score, scored_groups
 from hpcrl.rl.evaluation import PromptOutcome, eval_metrics, eval_seed, prompt_outcomes
-from hpcrl.rl.rollouts import batch_from_groups, samples_for, score_groups
+from hpcrl.rl.rollouts import ScoreStats, batch_from_groups, samples_for, score_groups
 from hpcrl.rl.startup import StartupClock
 from hpcrl.trainer.types import TrainBatch
 
@@ -80,10 +87,16 @@ class ControllerError(HpcrlError):
 
 class Ports(Protocol):
     """What the controller needs from the groups. generate's temperature: None = inference.temperature
-    (rollouts); the evaluation passes its own (0.0 = greedy)."""
+    (rollouts); the evaluation passes its own (0.0 = greedy). With [env] (hpcrl.rl.episodes): generate_turn
+    generates one turn of a chunk's episodes on one replica (prompts carry the episodes' ids so far, one
+    max_tokens each), env_reset / env_step call the environment workers (the reward group's)."""
 
     async def generate(self, prompts: list[Prompt], *, n: int, seed: int,
                        temperature: float | None = None) -> list[list[Completion]]: ...
+    async def generate_turn(self, prompts: list[Prompt], *, n: int, seed: int, max_tokens: list[int],
+                            temperature: float | None = None) -> list[list[Completion]]: ...
+    async def env_reset(self, requests: list[EnvRequest]) -> list[EnvReply]: ...
+    async def env_step(self, requests: list[EnvRequest]) -> list[EnvReply]: ...
     async def score(self, samples: list[Sample]) -> list[RewardResult]: ...
     async def train_step(self, batch: TrainBatch, *, step: int) -> dict[str, float]: ...
     async def sync_weights(self, version: int) -> None: ...
@@ -125,6 +138,8 @@ class Controller:
         self.on_step = on_step  # called with (state, metrics) after each step: checkpoints, metrics
         self.on_eval: Callable[[Controller, dict], Awaitable[None]] | None = None
         """Called with (controller, metrics) after the evaluation of the initial weights (eval.at_start): row 0."""
+        self._runner: EpisodeRunner | None = None
+        """[env]: the episodes' runner (_episodes); None until the first batch needs it."""
         self.startup = startup
         """The ports' start-up clock: the first sync is timed into it, and its figures join the first step's metrics."""
 
@@ -170,6 +185,7 @@ class Controller:
         tokens = rounds = held_out = 0
         errors: list[str] = []
         parts: dict[str, list[float]] = {}
+        episodes = EpisodeStats() if self.config.env.environment else None
         count = self.prompts_per_step
         try:
             while count:
@@ -177,25 +193,39 @@ class Controller:
                 started = time.monotonic()
                 seed = self.config.run.seed * 1_000_003 + index + rounds * ROUND_SEED_STRIDE
                 try:
-                    completions = await self.ports.generate(prompts, n=self.config.algorithm.group_size, seed=seed)
+                    if episodes is not None:
+                        made, round_stats = await (await self._episodes()).run(
+                            prompts, n=self.config.algorithm.group_size, seed=seed)
+                        episodes.merge(round_stats)
+                        versions, made_tokens = round_stats.versions, round_stats.generate_tokens
+                    else:
+                        completions = await self.ports.generate(prompts, n=self.config.algorithm.group_size,
+                                                                seed=seed)
+                        versions = {c.weight_version for g in completions for c in g}
+                        made_tokens = sum(len(c.token_ids) for g in completions for c in g)
                 finally:
                     if inference_done is not None and not rounds_later:
                         inference_done.set()
                 rounds += 1
                 # Normally every completion is of `version`; a replica started again after a loss is caught
                 # up to the trainer's newest weights, so a batch it finishes may be fresher (a smaller lag).
-                versions = {c.weight_version for g in completions for c in g}
                 if versions and (min(versions) < version or max(versions) > self.state.step + 1):
                     raise ControllerError(f"batch {index} was generated with weight versions {sorted(versions)}, "
                                           f"expected {version} (at most {self.state.step + 1}): the inference "
                                           "group missed a weight sync")
                 generated = time.monotonic()
-                results = await self.ports.score(samples_for(prompts, completions))
-                scored, stats = score_groups(prompts, completions, results, weight_version=version, batch=index)
+                scored: list[ScoredGroup]
+                stats: ScoreStats
+                if episodes is not None:
+                    results = await self.ports.score(samples_to_score(made))
+                    scored, stats = scored_groups(made, results, weight_version=version, batch=index)
+                else:
+                    results = await self.ports.score(samples_for(prompts, completions))
+                    scored, stats = score_groups(prompts, completions, results, weight_version=version, batch=index)
                 groups += scored
                 generate_s += generated - started
                 reward_s += time.monotonic() - generated
-                tokens += sum(len(c.token_ids) for g in completions for c in g)
+                tokens += made_tokens
                 held_out += stats.groups_with_errors
                 errors += stats.errors
                 for name, values in stats.parts.items():
@@ -213,9 +243,24 @@ class Controller:
                    "reward_errors": len(errors), "reward_error_example": errors[0] if errors else None}
         if rounds_later:
             metrics["sampling_rounds"] = rounds
+        if episodes is not None:
+            # The share of the batch's rollout time in which every replica waited on environments.
+            metrics.update(episodes.metrics(), env_wait_share=episodes.time_env_wait_s / max(generate_s, 1e-9))
         # reward.functions: each function's unweighted mean over the batch's scored samples.
         metrics.update({f"reward_mean/{name}": sum(values) / len(values) for name, values in parts.items()})
         self.state.rollout_metrics[str(index)] = metrics
+
+    async def _episodes(self) -> EpisodeRunner:
+        """The runner of [env] episodes, with the run's chat template (hpcrl.config.checks: [env] needs the chat
+        format); its tokenizer is loaded in a thread, as the stream's (see _load_stream)."""
+        if self._runner is None:
+            chat = chat_template_for(self.config.data, self.config.model.path)
+            if chat is None:
+                raise ControllerError("[env] needs the chat format, but the run's prompts are text. Fix: set "
+                                      'data.format = "chat" and model.path to a model whose tokenizer has a chat template')
+            await asyncio.to_thread(chat.tokenizer)
+            self._runner = EpisodeRunner(self.config, self.ports, chat)
+        return self._runner
 
     # -- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -272,7 +317,7 @@ class Controller:
             try:
                 await self.ports.sync_weights(step + 1)
                 sync_done = time.monotonic()
-                mismatch = await self._mismatch(step, groups, train_metrics)
+                mismatch, mismatch_max = await self._mismatch(step, groups, train_metrics)
             except BaseException:
                 if generation is not None:
                     generation.cancel()  # the step failed: its scoring is not waited for
@@ -293,6 +338,7 @@ class Controller:
                 "reward_mean": sum(rewards) / len(rewards) if rewards else None,
                 "reward_std": _std(rewards), "groups": len(groups), "groups_dropped_zero_variance": dropped,
                 "groups_held_out_total": self.state.held_out_groups, "logprob_mismatch": mismatch,
+                **({"logprob_mismatch_max": mismatch_max} if mismatch_max is not None else {}),
                 "time_train_s": train_done - train_started, "time_weight_sync_s": sync_done - sync_started,
                 "time_step_s": elapsed, "train_tokens": sum(len(s) for s in batch.input_ids),
                 **train_metrics, **rollout, **startup, **evaluation,
@@ -344,6 +390,13 @@ class Controller:
 
     async def _eval_round(self, prompts: list[Prompt], version: int, *, n: int, seed: int,
                           temperature: float) -> list[PromptOutcome]:
+        if self.config.env.environment:  # the held-out prompts as episodes (greedy ones at temperature 0)
+            made, stats = await (await self._episodes()).run(prompts, n=n, seed=seed, temperature=temperature)
+            if stats.versions and stats.versions != {version}:
+                raise ControllerError(f"the evaluation after step {version} was generated with weight versions "
+                                      f"{sorted(stats.versions)}, expected {version}: the inference group missed "
+                                      "a weight sync")
+            return episode_outcomes(made, await self.ports.score(samples_to_score(made)))
         completions = await self.ports.generate(prompts, n=n, seed=seed, temperature=temperature)
         versions = {c.weight_version for g in completions for c in g}
         if versions != {version}:
@@ -352,19 +405,20 @@ class Controller:
         results = await self.ports.score(samples_for(prompts, completions))
         return prompt_outcomes(prompts, completions, results)
 
-    async def _mismatch(self, step: int, groups: list, train_metrics: dict) -> float | None:
-        """`logprob_mismatch` of step `step` (module docstring); None on a step that measures none."""
+    async def _mismatch(self, step: int, groups: list, train_metrics: dict) -> tuple[float | None, float | None]:
+        """`logprob_mismatch` of step `step` and, from a probe, its largest difference (module docstring); None on
+        a step that measures none."""
         if self.lag == 0 and "sampling_logprob_diff" in train_metrics:
-            return train_metrics["sampling_logprob_diff"]
+            return train_metrics["sampling_logprob_diff"], None
         if (step + 1) % self.config.algorithm.mismatch_every:
-            return None
+            return None, None
         return await self._probe_mismatch(groups)
 
-    async def _probe_mismatch(self, groups: list) -> float | None:
-        """Mean |logprob_vllm - logprob_trainer| over the tokens the policy generated in the step's first
-        group (scored under the freshly synced weights, whether or not the group was trained on)."""
+    async def _probe_mismatch(self, groups: list) -> tuple[float | None, float | None]:
+        """Mean and largest |logprob_vllm - logprob_trainer| over the tokens the policy generated in the step's
+        first group (scored under the freshly synced weights, whether or not the group was trained on)."""
         if not groups:
-            return None
+            return None, None
         rollouts = groups[0].rollouts
         sequences = [r.tokens for r in rollouts]
         trainer_lp, inference_lp = await asyncio.gather(self.ports.trainer_logprobs(sequences),
@@ -373,7 +427,7 @@ class Controller:
         for rollout, t_lp, i_lp in zip(rollouts, trainer_lp, inference_lp):
             # Both sides give the logprob of every token after the first.
             diffs += [abs(a - b) for flag, a, b in zip(rollout.policy_mask[1:], t_lp, i_lp, strict=True) if flag]
-        return sum(diffs) / len(diffs) if diffs else None
+        return (sum(diffs) / len(diffs), max(diffs)) if diffs else (None, None)
 
 
 def _std(values: list[float]) -> float | None:

@@ -5,6 +5,7 @@
     inference  one VllmEngine (its own engine-core / worker processes, as vLLM always starts them)
     reward     a RewardPool (spawned worker processes, per-sample timeout), or a reward model (its own
                vLLM engine; on CPU unless [groups.reward] gpus_per_node > 0)
+    env        [env]: an EnvPool (hpcrl.env.pool: env.workers processes of its own, per-step timeout)
     weights    trainer -> vLLM workers through hpcrl's transfer plan and weight-transfer engine over
                gloo: the same planner, digest handshake and receive path as in a heterogeneous job
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from hpcrl.config.schema import Config
 from hpcrl.data.prompts import Prompt
+from hpcrl.env.types import EnvReply, EnvRequest
 from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
 from hpcrl.reward.model import make_scorer, reward_device
@@ -116,6 +119,13 @@ def _outcome(fn: Callable[..., T], *args: Any, **kwargs: Any) -> _Outcome[T]:
         return _Outcome(error=err)
 
 
+def _env_pool(config: Config) -> Any:
+    """[env]'s environment workers: processes of their own, as in a job's reward group (hpcrl.env.pool)."""
+    from hpcrl.env.pool import EnvPool  # type: ignore[import-not-found,import-untyped,unused-ignore]  # env side
+
+    return EnvPool(config.env)
+
+
 def _use_cpus(cpus: list[int]) -> None:
     import torch
 
@@ -151,6 +161,7 @@ class InProcessPorts:
                              "the run as a job (hpcrl submit)")
         transport = config.one_process_weight_transport()  # before anything loads
         self.config = config
+        self._inference_turn = threading.Lock()
         self.startup = StartupClock()
         """Seconds of each part of the start-up (hpcrl.rl.startup): the run log and the first step's metrics."""
         # Everything below is ended by close() in the reverse order of its making (see close()),
@@ -211,6 +222,9 @@ class InProcessPorts:
         for failed in (built.error, inference.error, scoring.error if scoring is not None else None):
             if failed is not None:
                 raise failed
+        if config.env.environment:
+            self.environments = clock.timed("env", _env_pool, config)
+            self._closing.callback(self.environments.close)
         self.plan = plan_for_config(config)
         log.info(describe_plan(self.plan))  # the digest `hpcrl plan --transfer` prints for this config
         clock.timed("weights", self._join_transfer, transport)
@@ -234,9 +248,27 @@ class InProcessPorts:
             joined.result()
 
     # -- Ports ---------------------------------------------------------------------------------
+    def _on_inference(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn on the vLLM engine, one call at a time: vLLM's LLM is not thread-safe (two generate calls at once,
+        e.g. two chunks' turns of episodes, abort the process in ZeroMQ), as a replica's engine thread is not."""
+        with self._inference_turn:
+            return fn(*args, **kwargs)
+
     async def generate(self, prompts: list[Prompt], *, n: int, seed: int,
                        temperature: float | None = None) -> list[list[Completion]]:
-        return await asyncio.to_thread(self.inference.generate, prompts, n=n, seed=seed, temperature=temperature)
+        return await asyncio.to_thread(self._on_inference, self.inference.generate, prompts, n=n, seed=seed,
+                                       temperature=temperature)
+
+    async def generate_turn(self, prompts: list[Prompt], *, n: int, seed: int, max_tokens: list[int],
+                            temperature: float | None = None) -> list[list[Completion]]:
+        return await asyncio.to_thread(self._on_inference, self.inference.generate, prompts, n=n, seed=seed,
+                                       temperature=temperature, max_tokens=max_tokens)
+
+    async def env_reset(self, requests: list[EnvRequest]) -> list[EnvReply]:
+        return await asyncio.to_thread(self.environments.reset, requests)
+
+    async def env_step(self, requests: list[EnvRequest]) -> list[EnvReply]:
+        return await asyncio.to_thread(self.environments.step, requests)
 
     async def score(self, samples: list[Sample]) -> list[RewardResult]:
         return await asyncio.to_thread(self.rewards.score, samples)
@@ -264,7 +296,7 @@ class InProcessPorts:
         return await self.on_trainer.run(self.trainer.sequence_logprobs, sequences)
 
     async def inference_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return await asyncio.to_thread(self.inference.token_logprobs, sequences)
+        return await asyncio.to_thread(self._on_inference, self.inference.token_logprobs, sequences)
 
     # -- checkpoints ---------------------------------------------------------------------------
     async def save_trainer(self, directory: Path) -> None:

@@ -11,6 +11,12 @@
                   depend on its prompts, its place in the batch and the seed, so where it runs
                   changes nothing (with the same number of replicas: hpcrl.inference.engine); an
                   evaluation's prompts are split the same way, at its own temperature
+  generate_turn   [env]: one turn of a chunk of episodes (hpcrl.rl.episodes) on one replica, the least busy
+                  serving one, as a chunk of generate (the same failover); its prompts are the episodes' ids
+                  so far, each with its max_tokens, its seed the chunk's and the turn's
+  env_reset/step  [env]: the reward group's environment workers (route; the calls are idempotent: a request
+                  holds the row and the whole conversation); never in the head's process (config.checks
+                  refuses [env] with reward.tasks = 0)
   score           the reward group (route)
   train_step      every trainer rank (call_all), each takes its share of the batch
   sync_weights    trainer ranks send, every inference replica receives (point to point, the transfer plan)
@@ -29,6 +35,7 @@ from dataclasses import asdict
 from hpcrl.bus.errors import DeadlineExceeded
 from hpcrl.config.schema import Config
 from hpcrl.data.prompts import Prompt
+from hpcrl.env.types import EnvReply, EnvRequest
 from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
 from hpcrl.reward.types import RewardResult, Sample
@@ -223,6 +230,24 @@ class BusPorts:
                                               "offset": offset, **extra})
             for offset, chunk in chunks))
         return [[Completion(**c) for c in group] for part in parts for group in part]
+
+    async def generate_turn(self, prompts: list[Prompt], *, n: int, seed: int, max_tokens: list[int],
+                            temperature: float | None = None) -> list[list[Completion]]:
+        extra = {} if temperature is None else {"temperature": temperature}
+        groups = await self._call_inference("generate", {"prompts": [asdict(p) for p in prompts], "n": n,
+                                                         "seed": seed, "offset": 0, "max_tokens": list(max_tokens),
+                                                         **extra})
+        return [[Completion(**c) for c in group] for group in groups]
+
+    async def env_reset(self, requests: list[EnvRequest]) -> list[EnvReply]:
+        return await self._env("env_reset", requests)
+
+    async def env_step(self, requests: list[EnvRequest]) -> list[EnvReply]:
+        return await self._env("env_step", requests)
+
+    async def _env(self, endpoint: str, requests: list[EnvRequest]) -> list[EnvReply]:
+        out = await self.reward.route(endpoint, {"requests": [r.to_dict() for r in requests]}, timeout=CALL_TIMEOUT_S)
+        return [EnvReply(**r) for r in out]
 
     async def score(self, samples: list[Sample]) -> list[RewardResult]:
         if self.local_scorer is not None:

@@ -1,8 +1,9 @@
 """`python -m hpcrl.roles inference`: one inference replica (a vLLM engine), serving the head.
 
-    generate {prompts, n, seed, offset[, temperature]}
+    generate {prompts, n, seed, offset[, temperature][, max_tokens]}
                                           n completions per prompt, tagged with the weight version
-                                          (temperature: an evaluation's, 0.0 greedy; else inference.temperature)
+                                          (temperature: an evaluation's, 0.0 greedy; else inference.temperature;
+                                          max_tokens: one limit per prompt, an episode's turn, else inference's)
     logprobs {sequences}                  logprob of every token after the first, live weights
     connect_transfer {host, port, ...}    join the weight-transfer group (hpcrl's vLLM weight-transfer engine)
     receive_weights {version}             receive one update from the trainer ranks, then serve it
@@ -45,9 +46,11 @@ class InferenceRole(Role):
         args = call.args
         prompts = [Prompt(**p) for p in args["prompts"]]
         temperature = args.get("temperature")  # an evaluation's (0.0: greedy); None: inference.temperature
+        limits = args.get("max_tokens")  # an episode's turn (hpcrl.rl.episodes): one per prompt
         groups = await self.on_engine(lambda: self.engine.generate(
             prompts, n=int(args["n"]), seed=int(args["seed"]), offset=int(args.get("offset", 0)),
-            temperature=None if temperature is None else float(temperature)))
+            temperature=None if temperature is None else float(temperature),
+            max_tokens=None if limits is None else [int(m) for m in limits]))
         return [[asdict(c) for c in group] for group in groups]
 
     async def logprobs(self, call) -> list[list[float]]:

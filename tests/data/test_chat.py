@@ -142,3 +142,56 @@ def test_a_checkpoint_of_the_text_format_does_not_resume_in_the_chat_format(tiny
         chat.load_state_dict(state)
     text.load_state_dict(state)
     assert text.cursor == 4
+
+
+# -- an episode's ids, turn by turn (hpcrl.rl.episodes) -----------------------------------------------
+#: A Qwen-style ChatML template: a newline after each turn's end token, and no end token at the generation prompt.
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chatml_model(tiny_model: Path, tmp_path_factory) -> Path:
+    """The tiny tokenizer with <|im_start|> / <|im_end|> as special tokens and the ChatML template."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("chatml")
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("template", ["tiny", "chatml"])
+@pytest.mark.parametrize("stopped", [True, False], ids=["stopped-at-end-of-turn", "cut-at-max-tokens"])
+def test_an_episode_grown_turn_by_turn_has_the_ids_of_its_whole_conversation_rendered_at_once(
+        tiny_model: Path, chatml_model: Path, template: str, stopped: bool):
+    """The policy's turns are its own ids (never rendered again); the ids between them close its turn (all of the
+    template's ending when vLLM stopped without its end-of-turn token) and open the next, so the episode is what
+    the template makes of the whole conversation."""
+    from transformers import AutoTokenizer
+
+    path = str(tiny_model if template == "tiny" else chatml_model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    end = tokenizer.convert_tokens_to_ids("<|end|>" if template == "tiny" else "<|im_end|>")
+    chat = ChatTemplate(path, system_prompt=SYSTEM)
+    messages, ids = chat.opening(Prompt(id="g", text="guess:", answer="7"), [{"role": "user", "content": "guess:"}])
+    for answer, feedback in [("3", "no, it is 7"), ("7", "yes")]:
+        turn = tokenizer(answer, add_special_tokens=False)["input_ids"] + ([end] if stopped else [])
+        ids = ids + turn
+        messages = [*messages, {"role": "assistant", "content": answer}]
+        new = [{"role": "user", "content": feedback}]
+        ids = ids + chat.continuation(messages, new, turn)
+        messages = [*messages, *new]
+    whole = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert messages[0] == {"role": "system", "content": SYSTEM}
+    assert ids == list(whole)
+    assert ids.count(end) == 6  # system, user, assistant, user, assistant, user: each turn ended once
+
+
+def test_an_environment_message_in_a_role_the_template_refuses_is_a_data_error_naming_the_fix(tiny_model: Path):
+    chat = ChatTemplate(str(tiny_model))
+    with pytest.raises(DataError, match=r"roles \['tool'\].*Fix: have the environment answer in roles the template"):
+        chat.continuation([{"role": "user", "content": "x"}, {"role": "assistant", "content": "1"}],
+                          [{"role": "tool", "content": "2"}], [20])

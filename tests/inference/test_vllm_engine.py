@@ -142,6 +142,87 @@ def test_a_chat_prompt_with_a_system_prompt_reaches_vllm_and_the_trainer_as_the_
     assert (trainer - rows.old_logprobs)[rows.completion_mask].abs().max().item() < 1e-6
 
 
+class _TwoTurnPorts:
+    """The episodes' ports over the module's engine and a two-try environment in this process (the environment
+    workers are hpcrl.env's): reset says "g"; a first turn gets "x" back; a second ends the episode, unrewarded."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.calls = engine, []
+
+    async def generate_turn(self, prompts, *, n, seed, max_tokens, temperature=None):
+        self.calls.append(([list(p.token_ids) for p in prompts], list(max_tokens)))
+        return self.engine.generate(prompts, n=n, seed=seed, max_tokens=max_tokens, temperature=temperature)
+
+    async def env_reset(self, requests):
+        from hpcrl.env.types import EnvReply
+        return [EnvReply(episode=r.episode, messages=[{"role": "user", "content": "g"}]) for r in requests]
+
+    async def env_step(self, requests):
+        from hpcrl.env.types import EnvReply
+        return [EnvReply(episode=r.episode, messages=[], done=True) if len(r.messages) > 3 else
+                EnvReply(episode=r.episode, messages=[{"role": "user", "content": "x"}]) for r in requests]
+
+
+@pytest.mark.timeout(300)
+def test_an_episode_grows_from_the_ids_vllm_returned_and_the_trainer_scores_its_turns_as_vllm_sampled(engine,
+                                                                                                       tiny_model):
+    """[env] over real vLLM: each turn is generated from the episode's ids so far, which vLLM echoes unchanged;
+    a turn's max_tokens is what the budget leaves; the trainer's logprobs of every policy token, over both turns,
+    equal the sampling ones (fp32 on CPU: < 1e-6)."""
+    import asyncio
+
+    from hpcrl.algorithms.base import Selection
+    from hpcrl.data.chat import ChatTemplate
+    from hpcrl.reward.types import RewardResult
+    from hpcrl.rl.episodes import EpisodeRunner, samples_to_score, scored_groups
+    from hpcrl.rl.rollouts import batch_from_groups
+    from hpcrl.trainer import TrainerEngine
+
+    config = load_config(REPO / "configs" / "tiny_grpo.toml", overrides=[
+        f"model.path={tiny_model}", "data.format=chat", "env.environment=feedback", "env.max_tokens=17",
+        "inference.max_tokens=4", "algorithm.filter_zero_variance=false"])
+    ports = _TwoTurnPorts(engine)
+    runner = EpisodeRunner(config, ports, ChatTemplate(str(tiny_model)))
+    prompts = [Prompt(id="e", text="g", answer="1")]
+    groups, stats = asyncio.run(runner.run(prompts, n=3, seed=4))
+    episodes = groups[0]
+    assert ports.calls[0] == ([[1, 100, 74, 102, 101]], [4])  # <bos><|user|>g<|end|><|assistant|>: one request, n=3
+    for ids, limits in ports.calls[1:]:  # the second turn: from each episode's own ids, within the budget
+        assert limits == [min(4, 17 - len(i)) for i in ids]
+        assert all(any(e.tokens[:len(i)] == i for e in episodes) for i in ids)
+    assert max(e.turns for e in episodes) == 2 and stats.env_errors == []
+    assert all(len(e.tokens) <= 17 and e.finish_reason in ("done", "budget") for e in episodes)
+    results = [RewardResult(id=s.id, prompt_id=s.prompt_id, reward=float(k)) for k, s in
+               enumerate(samples_to_score(groups))]
+    scored, _ = scored_groups(groups, results, weight_version=0)
+    rows = batch_from_groups(scored, Selection(kept=[0], advantages=[[1.0] * 3])).rows()
+    trainer = TrainerEngine.from_config(config, max_seq_len=64).logprobs(rows)
+    assert rows.completion_mask.sum().item() == sum(sum(e.mask) for e in episodes)
+    assert (trainer - rows.old_logprobs)[rows.completion_mask].abs().max().item() < 1e-6
+
+
+@pytest.mark.timeout(300)
+def test_hpcrl_runs_ports_take_two_chunks_turns_at_once_to_vllm_one_after_the_other(engine):
+    """Episodes' chunks call generate_turn concurrently; two calls into one LLM from two threads abort the process
+    in ZeroMQ (docs/FACTS.md), so InProcessPorts makes them one at a time: both answer, as they would alone."""
+    import asyncio
+    import threading
+
+    from hpcrl.rl.inprocess import InProcessPorts
+
+    ports = object.__new__(InProcessPorts)  # its engines without starting a trainer: the module's vLLM engine
+    ports.inference = engine
+    ports._inference_turn = threading.Lock()
+    asked = [Prompt(id=f"t{k}", text="", answer="", token_ids=[1, 100, 20 + k, 102, 101]) for k in range(2)]
+
+    async def both():
+        return await asyncio.gather(*(ports.generate_turn([p], n=2, seed=k, max_tokens=[2]) for k, p in enumerate(asked)))
+
+    together = asyncio.run(both())
+    alone = [engine.generate([p], n=2, seed=k, max_tokens=[2]) for k, p in enumerate(asked)]
+    assert [[c.token_ids for c in g[0]] for g in together] == [[c.token_ids for c in g[0]] for g in alone]
+
+
 @pytest.mark.timeout(300)
 def test_token_logprobs_of_a_sampled_completion_equal_its_sampling_logprobs(engine):
     group = engine.generate(PROMPTS[:1], n=2, seed=3)[0]

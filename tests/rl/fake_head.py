@@ -32,7 +32,15 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-from fake_ports import FakeEngine, FakeGroupError, FakeReward, FakeTrainer
+from fake_ports import (
+    DIGIT0,
+    EPISODE_DIGIT0,
+    FakeEngine,
+    FakeEnvironment,
+    FakeGroupError,
+    FakeReward,
+    FakeTrainer,
+)
 
 from hpcrl.bus.config import BusConfig
 from hpcrl.bus.errors import (
@@ -46,6 +54,7 @@ from hpcrl.bus.errors import (
 from hpcrl.bus.peer import PeerInfo
 from hpcrl.config.schema import Config
 from hpcrl.data.prompts import Prompt
+from hpcrl.env.types import EnvRequest
 from hpcrl.plan.for_config import plan_for_config
 from hpcrl.reward.types import Sample
 
@@ -310,7 +319,7 @@ class FakeReplica:
         self.job, self.replica, self.pid = job, replica, pid
         self.info = PeerInfo(run_id=RUN_ID, group="inference", replica=replica, host=f"node-i{replica}", pid=pid)
         self.name = f"{self.info.name}@{pid}"
-        self.engine = FakeEngine()
+        self.engine = FakeEngine(digit0=job.trainer.digit0, turn_end=job.turn_end)
 
     def endpoints(self) -> dict[str, tuple[Endpoint, bool]]:
         return {"generate": (self.generate, True), "logprobs": (self.logprobs, True),
@@ -320,8 +329,13 @@ class FakeReplica:
     async def generate(self, args: dict) -> list[list[dict]]:
         self.job.on_call(self, "generate", args)
         await asyncio.sleep(0)
-        groups = self.engine.generate([Prompt(**p) for p in args["prompts"]], n=args["n"], seed=args["seed"],
-                                      offset=args["offset"], temperature=args.get("temperature"))
+        prompts = [Prompt(**p) for p in args["prompts"]]
+        if args.get("max_tokens") is not None:  # a turn of episodes (BusPorts.generate_turn)
+            groups = self.engine.generate_turn(prompts, n=args["n"], seed=args["seed"], max_tokens=args["max_tokens"],
+                                               temperature=args.get("temperature"))
+        else:
+            groups = self.engine.generate(prompts, n=args["n"], seed=args["seed"], offset=args["offset"],
+                                          temperature=args.get("temperature"))
         return [[asdict(c) for c in group] for group in groups]
 
     async def logprobs(self, args: dict) -> list[list[float]]:
@@ -395,12 +409,16 @@ class FakeJob:
     """
 
     def __init__(self, config: Config, head: FakeHead, *, reward: FakeReward | None = None,
-                 relaunch: bool = True) -> None:
+                 env: FakeEnvironment | None = None, relaunch: bool = True) -> None:
+        """With `env` the reward process serves its environment too, and the model's ids are the tiny tokenizer's
+        (as FakePorts(env=...))."""
         self.config, self.head = config, head
         self.digest = plan_for_config(config).digest
         self.world = config.trainer.world_size
         self.transfer_size = self.world + config.inference.replicas
-        self.trainer = FakeTrainer()
+        self.trainer = FakeTrainer(digit0=EPISODE_DIGIT0 if env is not None else DIGIT0)
+        self.turn_end = 102 if env is not None else None
+        self.env = env or FakeEnvironment()
         self.transfer = _TransferGroup(self.trainer)
         self.reward = reward or FakeReward()
         self.on_call: Callable[[Any, str, dict], None] = lambda process, endpoint, args: None
@@ -409,7 +427,8 @@ class FakeJob:
         for rank in self.ranks:
             head.register(rank.info, rank.endpoints())
         head.register(PeerInfo(run_id=RUN_ID, group="reward", replica=0, host="node-r0", pid=next(self._pids)),
-                      {"score": (self._score, True)})
+                      {"score": (self._score, True), "env_reset": (self._env_reset, True),
+                       "env_step": (self._env_step, True)})
         self.replicas: dict[int, FakeReplica] = {}
         self.processes: list[FakeReplica] = []
         for replica in range(config.inference.replicas):
@@ -439,6 +458,14 @@ class FakeJob:
     def _relaunch(self, info: PeerInfo) -> None:
         if info.group == "inference":
             self.start_replica(info.replica)
+
+    async def _env_reset(self, args: dict) -> list[dict]:
+        await asyncio.sleep(0)
+        return [r.to_dict() for r in self.env.reset([EnvRequest(**q) for q in args["requests"]])]
+
+    async def _env_step(self, args: dict) -> list[dict]:
+        await asyncio.sleep(0)
+        return [r.to_dict() for r in self.env.step([EnvRequest(**q) for q in args["requests"]])]
 
     async def _score(self, args: dict) -> list[dict]:
         await asyncio.sleep(0)

@@ -24,6 +24,8 @@ weights shows in the weights, the logprobs and the metrics, the same places a re
 Faults are set on the parts: `inference.ignored_versions` (a replica that misses a push),
 `inference.claimed_version` (one that reports a version it was not given), `trainer.during_step`
 (called in the middle of a train step: raise there to crash the run, or ask it to stop).
+Episodes ([env], hpcrl.rl.episodes): FakeEngine.generate_turn generates a turn from an episode's ids,
+FakeEnvironment is the "feedback" environment in memory (hpcrl.env's runs in worker processes).
 The same parts serve as the workers behind the fake bus of fake_head.py.
 """
 
@@ -37,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpcrl.data.prompts import Prompt
+from hpcrl.env.types import EnvReply, EnvRequest
 from hpcrl.fsio import write_atomic
 from hpcrl.inference.types import Completion
 from hpcrl.reward.builtin import exact_match
@@ -51,8 +54,14 @@ class FakeGroupError(RuntimeError):
 
 
 # -- the model: logits(d) = w0 [d is the context's last digit] + w1 d / 9 + w2 [d is even] ----------
-def _target(context: list[int]) -> int | None:
-    return next((t - 48 for t in reversed(context) if 48 <= t <= 57), None)
+#: The token id of digit 0 (digits are 10 consecutive ids): bytes, as the prompts' ids here are; an episode's
+#: ids come from the tiny tokenizer's chat template, where "0" is id 19 (EPISODE_DIGIT0).
+DIGIT0 = 48
+EPISODE_DIGIT0 = 19
+
+
+def _target(context: list[int], digit0: int = DIGIT0) -> int | None:
+    return next((t - digit0 for t in reversed(context) if digit0 <= t < digit0 + 10), None)
 
 
 def _features(target: int | None, digit: int) -> tuple[float, float, float]:
@@ -73,30 +82,32 @@ def _probabilities(weights, target: int | None, temperature: float = 1.0) -> lis
     return [e / total for e in exps]
 
 
-def token_logprob(weights, context: list[int], token: int) -> float:
+def token_logprob(weights, context: list[int], token: int, digit0: int = DIGIT0) -> float:
     """Log-probability of `token` after `context`; the model is certain of non-digit text (prompts)."""
-    if not 48 <= token <= 57:
+    if not digit0 <= token < digit0 + 10:
         return 0.0
-    return math.log(_probabilities(weights, _target(context))[token - 48])
+    return math.log(_probabilities(weights, _target(context, digit0))[token - digit0])
 
 
-def sequence_logprobs(weights, sequence: list[int]) -> list[float]:
+def sequence_logprobs(weights, sequence: list[int], digit0: int = DIGIT0) -> list[float]:
     """The logprob of every token after the first, as trainer and vLLM both report them."""
-    return [token_logprob(weights, sequence[:j], sequence[j]) for j in range(1, len(sequence))]
+    return [token_logprob(weights, sequence[:j], sequence[j], digit0) for j in range(1, len(sequence))]
 
 
 # -- the groups ------------------------------------------------------------------------------------
 class FakeTrainer:
     """The trainer group: weights, a version counter, and GRPO-like updates (see the module docstring)."""
 
-    def __init__(self, *, lr: float = 2.0, clip: tuple[float, float] = (0.2, 0.28)) -> None:
-        self.lr, self.clip = lr, clip
+    def __init__(self, *, lr: float = 2.0, clip: tuple[float, float] = (0.2, 0.28), digit0: int = DIGIT0) -> None:
+        self.lr, self.clip, self.digit0 = lr, clip, digit0
         self.weights = list(INITIAL_WEIGHTS)
         self.version = 0
         """Weight version = optimizer steps made."""
         self.trained: dict[int, list[str]] = {}
         """step -> prompt ids of its batch (per sequence), for the tests."""
         self.during_step: Callable[[int], None] | None = None
+        self.batches: dict[int, dict] = {}
+        """step -> the batch it trained on (TrainBatch.to_dict()), for the tests."""
 
     def train(self, batch: dict, step: int) -> dict[str, float]:
         if step < self.version:
@@ -110,7 +121,7 @@ class FakeTrainer:
                 if not flags[j]:
                     continue  # only the tokens the policy generated are trained on
                 context, token = ids[:j], ids[j]
-                logprob = token_logprob(self.weights, context, token)
+                logprob = token_logprob(self.weights, context, token, self.digit0)
                 diff += abs(logprob - old[j])
                 ratio = math.exp(logprob - old[j])
                 ratio_max = max(ratio_max, ratio)
@@ -118,22 +129,23 @@ class FakeTrainer:
                 tokens += 1
                 if (adv > 0 and ratio > high) or (adv < 0 and ratio < low):
                     continue  # clipped: no gradient
-                target = _target(context)
+                target = _target(context, self.digit0)
                 expected = [0.0, 0.0, 0.0]  # E_p[features], for the gradient of log p(token)
                 for d, p in enumerate(_probabilities(self.weights, target)):
                     for k, f in enumerate(_features(target, d)):
                         expected[k] += p * f
-                for k, f in enumerate(_features(target, token - 48)):
+                for k, f in enumerate(_features(target, token - self.digit0)):
                     grad[k] += adv * ratio * (f - expected[k])
         if tokens:
             self.weights = [w + self.lr * g / tokens for w, g in zip(self.weights, grad)]
         self.version = step + 1
         self.trained[step] = list(batch["prompt_ids"])
+        self.batches[step] = batch
         return {"loss": loss / max(tokens, 1), "grad_norm": math.sqrt(sum(g * g for g in grad)) / max(tokens, 1),
                 "ratio_max": ratio_max, "sampling_logprob_diff": diff / max(tokens, 1)}
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return [sequence_logprobs(self.weights, s) for s in sequences]
+        return [sequence_logprobs(self.weights, s, self.digit0) for s in sequences]
 
     def save(self, directory: Path) -> None:
         directory = Path(directory)
@@ -148,7 +160,9 @@ class FakeTrainer:
 class FakeEngine:
     """One inference replica: serves the weights it last received, tagged with their version."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, digit0: int = DIGIT0, turn_end: int | None = None) -> None:
+        self.digit0, self.turn_end = digit0, turn_end
+        """Episodes: the ids of the digits and of the template's end-of-turn token (generate_turn)."""
         self.weights = list(INITIAL_WEIGHTS)  # what a replica loads from the model files at start
         self.version = 0
         self.ignored_versions: set[int] = set()
@@ -157,6 +171,8 @@ class FakeEngine:
         """A version this replica reports instead of the one it holds."""
         self.generated: list[tuple[int, str, int]] = []
         """(seed, prompt id, weight version) of every prompt it generated for."""
+        self.turns: list[tuple[list[int], list[int], list[float]]] = []
+        """Episodes: (prompt ids, generated ids, their logprobs) of every completion of generate_turn."""
 
     def receive(self, version: int, weights) -> None:
         if version in self.ignored_versions:
@@ -192,8 +208,74 @@ class FakeEngine:
             self.generated.append((seed, prompt.id, version))
         return groups
 
+    def generate_turn(self, prompts: list[Prompt], *, n: int, seed: int, max_tokens: list[int],
+                      temperature: float | None = None) -> list[list[Completion]]:
+        """One turn of episodes, from their ids so far (vLLM's TokensPrompt): a digit drawn as generate draws it
+        (seeded by (seed, the prompt's place in the call, sample)), then the end-of-turn token (the model is
+        certain of it, logprob 0) where max_tokens leaves room for it ("stop"), else the digit alone ("length")."""
+        version = self.version if self.claimed_version is None else self.claimed_version
+        if len(max_tokens) != len(prompts) or min(max_tokens, default=1) < 1:
+            raise FakeGroupError(f"max_tokens {max_tokens} for {len(prompts)} prompts: vLLM needs one >= 1 each")
+        groups = []
+        for k, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
+            if prompt.token_ids is None:
+                raise FakeGroupError(f"turn prompt {prompt.id} has no token ids: episodes are generated from ids")
+            context = list(prompt.token_ids)
+            probs = _probabilities(self.weights, _target(context, self.digit0))
+            group = []
+            for s in range(n):
+                if temperature == 0.0:
+                    digit = max(range(10), key=lambda d: (probs[d], -d))
+                else:
+                    u, digit = random.Random((seed * 1_000_003 + k) * 1009 + s).random(), 0
+                    while digit < 9 and u >= probs[digit]:
+                        u -= probs[digit]
+                        digit += 1
+                ids, logprobs = [self.digit0 + digit], [math.log(probs[digit])]
+                if limit > 1 and self.turn_end is not None:
+                    ids, logprobs = ids + [self.turn_end], logprobs + [0.0]
+                self.turns.append((context, ids, logprobs))
+                group.append(Completion(prompt_id=prompt.id, index=s, prompt_token_ids=context, token_ids=ids,
+                                        logprobs=logprobs, text=str(digit),
+                                        finish_reason="stop" if len(ids) > 1 else "length", weight_version=version))
+            groups.append(group)
+            self.generated.append((seed, prompt.id, version))
+        return groups
+
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return [sequence_logprobs(self.weights, s) for s in sequences]
+        return [sequence_logprobs(self.weights, s, self.digit0) for s in sequences]
+
+
+class FakeEnvironment:
+    """The "feedback" environment of hpcrl.env (a digit to guess in two tries) in memory: reset asks "guess:";
+    a right digit ends the episode with reward 1; the first wrong one gets "no, it is D"; the second try ends it
+    with 1 or 0. `broken(episode id)`: the call fails as a crashed or hung worker's does (an EnvReply error);
+    `unrewarded`: the episodes end without a reward (the run's [reward] scores them)."""
+
+    def __init__(self, broken: Callable[[str], bool] = lambda episode: False, *, unrewarded: bool = False) -> None:
+        self.broken, self.unrewarded = broken, unrewarded
+        self.calls: list[tuple[str, list[str]]] = []
+        """("reset" | "step", the episode ids of the call), in order."""
+
+    def reset(self, requests: list[EnvRequest]) -> list[EnvReply]:
+        self.calls.append(("reset", [r.episode for r in requests]))
+        return [EnvReply(episode=r.episode, error="worker died") if self.broken(r.episode) else
+                EnvReply(episode=r.episode, messages=[{"role": "user", "content": r.row["prompt"]}])
+                for r in requests]
+
+    def step(self, requests: list[EnvRequest]) -> list[EnvReply]:
+        self.calls.append(("step", [r.episode for r in requests]))
+        return [self._step(r) for r in requests]
+
+    def _step(self, request: EnvRequest) -> EnvReply:
+        if self.broken(request.episode):
+            return EnvReply(episode=request.episode, error="timed out after 10 s")
+        tries = [m["content"].strip() for m in request.messages if m["role"] == "assistant"]
+        answer = request.row["answer"]
+        if tries[-1] == answer or len(tries) >= 2:
+            reward = None if self.unrewarded else float(tries[-1] == answer)
+            return EnvReply(episode=request.episode, messages=[], reward=reward, done=True)
+        return EnvReply(episode=request.episode, messages=[{"role": "user", "content": f"no, it is {answer}"}])
 
 
 class FakeReward:
@@ -215,14 +297,18 @@ class FakePorts:
 
     Every call yields to the event loop once, so a generation the controller started as a task runs
     while the train step is in progress, as over the bus. `events` records, in order:
-    ("generate", seed) (an evaluation's: ("generate", seed, temperature)), ("train", step, "begin" | "end"),
-    ("sync", version).
+    ("generate", seed) (an evaluation's: ("generate", seed, temperature)), ("turn", seed[, temperature]) (an
+    episode's turn, generate_turn), ("train", step, "begin" | "end"), ("sync", version). With `env` (a
+    FakeEnvironment) the ids are the tiny tokenizer's and env_reset / env_step serve its episodes.
     """
 
-    def __init__(self, *, reward: FakeReward | None = None) -> None:
-        self.trainer = FakeTrainer()
-        self.inference = FakeEngine()
+    def __init__(self, *, reward: FakeReward | None = None, env: FakeEnvironment | None = None) -> None:
+        """With `env`, episodes' ids are the tiny tokenizer's (EPISODE_DIGIT0; its <|end|> is 102)."""
+        digit0 = EPISODE_DIGIT0 if env is not None else DIGIT0
+        self.trainer = FakeTrainer(digit0=digit0)
+        self.inference = FakeEngine(digit0=digit0, turn_end=102 if env is not None else None)
         self.reward = reward or FakeReward()
+        self.env = env or FakeEnvironment()
         self.events: list[tuple] = []
 
     async def generate(self, prompts: list[Prompt], *, n: int, seed: int,
@@ -230,6 +316,20 @@ class FakePorts:
         self.events.append(("generate", seed) if temperature is None else ("generate", seed, temperature))
         await asyncio.sleep(0)
         return self.inference.generate(prompts, n=n, seed=seed, temperature=temperature)
+
+    async def generate_turn(self, prompts: list[Prompt], *, n: int, seed: int, max_tokens: list[int],
+                            temperature: float | None = None) -> list[list[Completion]]:
+        self.events.append(("turn", seed) if temperature is None else ("turn", seed, temperature))
+        await asyncio.sleep(0)
+        return self.inference.generate_turn(prompts, n=n, seed=seed, max_tokens=max_tokens, temperature=temperature)
+
+    async def env_reset(self, requests: list[EnvRequest]) -> list[EnvReply]:
+        await asyncio.sleep(0)
+        return self.env.reset(requests)
+
+    async def env_step(self, requests: list[EnvRequest]) -> list[EnvReply]:
+        await asyncio.sleep(0)
+        return self.env.step(requests)
 
     async def score(self, samples: list[Sample]) -> list[RewardResult]:
         await asyncio.sleep(0)

@@ -1,0 +1,395 @@
+"""A batch's rollouts as multi-turn episodes ([env]): policy turns on vLLM, environment steps between them.
+
+    runner = EpisodeRunner(config, ports, chat)                 # chat: the run's hpcrl.data.chat.ChatTemplate
+    groups, stats = await runner.run(prompts, n=group_size, seed=batch_seed)
+    samples = samples_to_score(groups)                          # episodes the environment left unrewarded
+    scored, score_stats = scored_groups(groups, await ports.score(samples), weight_version=v, batch=b)
+
+One episode, as token ids that only grow (the trainer trains on exactly the ids vLLM saw and produced):
+
+    reset      per prompt, one Ports.env_reset: the environment's first messages, shared by the prompt's
+               group_size episodes; data.system_prompt first as for a prompt; rendered with the chat template
+               (ChatTemplate.opening), mask 0
+    turn t     the episode's ids so far go to vLLM as they are (Prompt.token_ids; earlier turns are never
+               rendered again): turn 0 one request per prompt with n = group_size, later turns one request
+               per episode with n = 1, max_tokens = min(inference.max_tokens, env.max_tokens - ids so far);
+               the turn's ids are appended with mask 1 and vLLM's logprobs
+    step       Ports.env_step with the conversation (the policy's turn last, as text): done (with or without
+               a reward), or messages to append: ChatTemplate.continuation's ids (the rest of the policy's turn
+               ending, the messages, the generation prompt), mask 0
+    end        the environment says done; or env.max_turns policy turns were made ("max_turns": cut); or the
+               next turn would have no token left of env.max_tokens ("budget": truncated)
+
+Reward: the environment's when it gives one; otherwise (done without a reward, cut, truncated) the run's
+[reward] scores the episode's last policy turn (Ports.score, completion = that turn's text). An episode whose
+environment call failed (an EnvReply error: it raised, hung, its worker died) or whose reward failed has no
+outcome: its whole group is held out of training and counted, never scored zero.
+
+Scheduling, the same whatever the timing (a resumed run draws the same tokens): the batch's prompts are cut
+into contiguous chunks, CHUNKS_PER_REPLICA per inference replica, and each chunk runs in waves: one
+Ports.generate_turn call for its live episodes of turn t (to one replica; the seed fixed by the batch's
+seed, the chunk and the turn, so which replica serves it changes nothing), then one env_step call for them,
+then turn t + 1. Chunks run concurrently, so while one chunk waits on its environments a replica serves
+another. The batch's episodes finish on the weights they started with: the controller releases the
+inference group for the weight sync only after the batch's last turn (docs/ARCHITECTURE.md, "A rollout").
+
+Figures (EpisodeStats): turns per episode, episodes truncated at the budget and cut at max_turns, environment
+errors, time_env_s (wall time with any environment call outstanding), time_env_wait_s (wall time with an
+environment call outstanding and no turn generating: the inference replicas idle, waiting on environments),
+time_turn_s (mean wall time of one turn's generate call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from hpcrl.algorithms.base import Rollout
+from hpcrl.config.schema import Config
+from hpcrl.data.prompts import Prompt
+from hpcrl.env.types import EnvReply, EnvRequest
+from hpcrl.errors import HpcrlError
+from hpcrl.inference.types import Completion
+from hpcrl.reward.types import RewardResult, Sample
+from hpcrl.rl.buffer import ScoredGroup
+from hpcrl.rl.evaluation import PromptOutcome
+from hpcrl.rl.rollouts import ScoreStats
+
+if TYPE_CHECKING:
+    from hpcrl.data.chat import ChatTemplate
+
+#: Chunks of a batch per inference replica: with two, a replica has another chunk's turn to generate while
+#: one chunk waits on its environments.
+CHUNKS_PER_REPLICA = 2
+
+
+class EpisodeError(HpcrlError):
+    """The environment or vLLM answered something an episode cannot go on from (a schedule invariant broke)."""
+
+
+class EpisodePorts(Protocol):
+    """What episodes need of the groups (a part of hpcrl.rl.controller.Ports)."""
+
+    async def generate_turn(self, prompts: list[Prompt], *, n: int, seed: int, max_tokens: list[int],
+                            temperature: float | None = None) -> list[list[Completion]]: ...
+    async def env_reset(self, requests: list[EnvRequest]) -> list[EnvReply]: ...
+    async def env_step(self, requests: list[EnvRequest]) -> list[EnvReply]: ...
+
+
+def turn_seed(seed: int, chunk: int, turn: int) -> int:
+    """The sampling seed of turn `turn` of chunk `chunk` of a batch generated with `seed` (63 bits of sha256)."""
+    digest = hashlib.sha256(f"hpcrl-episode:{seed}:{chunk}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def env_row(prompt: Prompt) -> dict:
+    """The prompt's row as an environment sees it (hpcrl.env.types.EnvRequest.row)."""
+    row = {**prompt.extra, "id": prompt.id, "prompt": prompt.text, "answer": prompt.answer}
+    if prompt.messages:
+        row["messages"] = [dict(m) for m in prompt.messages]
+    return row
+
+
+@dataclass
+class Episode:
+    """One episode as it grows: the conversation (for the environment) and its ids (for vLLM and the trainer)."""
+
+    prompt: Prompt
+    index: int
+    """Which of the prompt's episodes (its place in the group)."""
+    messages: list[dict] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: int = 0
+    text: str = ""
+    """The last policy turn's text: what the run's [reward] scores when the environment gives no reward."""
+    reward: float | None = None
+    finish_reason: str = ""
+    """"done" (the environment ended it), "max_turns" (cut), "budget" (truncated at env.max_tokens)."""
+    error: str | None = None
+    """Why the episode has no outcome (an environment call failed): its group is held out."""
+    versions: set[int] = field(default_factory=set)
+    """The weight versions its turns were generated with."""
+
+    @property
+    def id(self) -> str:
+        return f"{self.prompt.id}/{self.index}"
+
+    @property
+    def ended(self) -> bool:
+        return bool(self.finish_reason) or self.error is not None
+
+    def append(self, ids: list[int], *, logprobs: list[float] | None = None) -> None:
+        """Ids of the policy (with their logprobs: mask 1) or of anything else (mask 0)."""
+        self.tokens += ids
+        self.mask += [1 if logprobs is not None else 0] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+
+    def rollout(self, reward: float) -> Rollout:
+        return Rollout(tokens=list(self.tokens), policy_mask=list(self.mask), logprobs=list(self.logprobs),
+                       reward=reward, finish_reason=self.finish_reason)
+
+
+@dataclass
+class EpisodeStats:
+    """A batch's episodes in figures (module docstring)."""
+
+    turns: list[int] = field(default_factory=list)
+    truncated: int = 0
+    cut: int = 0
+    env_errors: list[str] = field(default_factory=list)
+    """"episode: why", for the log and the metrics' example."""
+    time_env_s: float = 0.0
+    time_env_wait_s: float = 0.0
+    turn_times: list[float] = field(default_factory=list)
+    generate_tokens: int = 0
+    versions: set[int] = field(default_factory=set)
+
+    def merge(self, other: EpisodeStats) -> None:
+        """Add another round's figures (dynamic sampling)."""
+        self.turns += other.turns
+        self.truncated += other.truncated
+        self.cut += other.cut
+        self.env_errors += other.env_errors
+        self.time_env_s += other.time_env_s
+        self.time_env_wait_s += other.time_env_wait_s
+        self.turn_times += other.turn_times
+        self.generate_tokens += other.generate_tokens
+        self.versions |= other.versions
+
+    def metrics(self) -> dict:
+        count = len(self.turns)
+        return {"turns_mean": sum(self.turns) / count if count else None, "episodes": count,
+                "episodes_truncated": self.truncated, "episodes_cut_max_turns": self.cut,
+                "env_errors": len(self.env_errors), "env_error_example": self.env_errors[0] if self.env_errors else None,
+                "time_env_s": self.time_env_s, "time_env_wait_s": self.time_env_wait_s,
+                "time_turn_s": sum(self.turn_times) / len(self.turn_times) if self.turn_times else None}
+
+
+class _Clock:
+    """Wall time with an environment call outstanding, and of that, with no generate call outstanding."""
+
+    def __init__(self) -> None:
+        self.generating = self.stepping = 0
+        self.env_s = self.wait_s = 0.0
+        self._since = time.monotonic()
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if self.stepping:
+            self.env_s += now - self._since
+            if not self.generating:
+                self.wait_s += now - self._since
+        self._since = now
+
+    @asynccontextmanager
+    async def generate(self) -> AsyncIterator[None]:
+        self._tick()
+        self.generating += 1
+        try:
+            yield
+        finally:
+            self._tick()
+            self.generating -= 1
+
+    @asynccontextmanager
+    async def env(self) -> AsyncIterator[None]:
+        self._tick()
+        self.stepping += 1
+        try:
+            yield
+        finally:
+            self._tick()
+            self.stepping -= 1
+
+
+def _replies(replies: list[EnvReply], requests: list[EnvRequest], call: str) -> list[EnvReply]:
+    """The replies in request order, each for its request's episode."""
+    if len(replies) != len(requests) or any(r.episode != q.episode for r, q in zip(replies, requests)):
+        raise EpisodeError(f"{call} answered episodes {[r.episode for r in replies]} to "
+                           f"{[q.episode for q in requests]}: the environment group broke the request order")
+    return replies
+
+
+class EpisodeRunner:
+    """Runs a batch's episodes over `ports` (module docstring)."""
+
+    def __init__(self, config: Config, ports: EpisodePorts, chat: ChatTemplate) -> None:
+        self.config = config
+        self.ports = ports
+        self.chat = chat
+        self.env = config.env
+
+    async def run(self, prompts: list[Prompt], *, n: int, seed: int,
+                  temperature: float | None = None) -> tuple[list[list[Episode]], EpisodeStats]:
+        """`n` episodes of every prompt, as one list per prompt in prompt order, and the batch's figures."""
+        groups = [[Episode(prompt=p, index=k) for k in range(n)] for p in prompts]
+        if not prompts:
+            return groups, EpisodeStats()
+        chunks = min(len(prompts), CHUNKS_PER_REPLICA * self.config.inference.replicas) or 1
+        size = -(-len(prompts) // chunks)
+        stats, clock = EpisodeStats(), _Clock()
+        await asyncio.gather(*(self._chunk(c, groups[at:at + size], n=n, seed=seed, temperature=temperature,
+                                           stats=stats, clock=clock)
+                               for c, at in enumerate(range(0, len(prompts), size))))
+        clock._tick()
+        stats.time_env_s, stats.time_env_wait_s = clock.env_s, clock.wait_s
+        for group in groups:
+            for episode in group:
+                stats.versions |= episode.versions
+                if episode.error is None:
+                    stats.turns.append(episode.turns)
+                    stats.truncated += episode.finish_reason == "budget"
+                    stats.cut += episode.finish_reason == "max_turns"
+        return groups, stats
+
+    async def _chunk(self, chunk: int, groups: list[list[Episode]], *, n: int, seed: int,
+                     temperature: float | None, stats: EpisodeStats, clock: _Clock) -> None:
+        if not groups:
+            return
+        requests = [EnvRequest(episode=group[0].prompt.id, row=env_row(group[0].prompt)) for group in groups]
+        async with clock.env():
+            replies = _replies(await self.ports.env_reset(requests), requests, "env_reset")
+        for group, reply in zip(groups, replies):
+            if reply.error is not None or reply.messages is None:
+                stats.env_errors.append(f"{reply.episode} (reset): {reply.error or 'no messages'}")
+                for episode in group:
+                    episode.error = f"reset: {reply.error}"
+                continue
+            messages, ids = self.chat.opening(group[0].prompt, reply.messages)
+            for episode in group:
+                episode.messages = list(messages)
+                episode.append(ids)
+                self._check_budget(episode)
+        for turn in range(self.env.max_turns):
+            live = [e for group in groups for e in group if not e.ended]
+            if not live:
+                return
+            if turn == 0:  # every episode of a prompt starts from the same ids: one request, n samples
+                firsts = [group for group in groups if not group[0].ended]
+                asked = [Prompt(id=g[0].prompt.id, text="", answer="", token_ids=list(g[0].tokens)) for g in firsts]
+                limits = [self._limit(g[0]) for g in firsts]
+                completions = await self._generate(asked, n=n, seed=turn_seed(seed, chunk, turn), limits=limits,
+                                                   temperature=temperature, stats=stats, clock=clock)
+                pairs = [(e, c) for g, cs in zip(firsts, completions) for e, c in zip(g, cs, strict=True)]
+            else:
+                asked = [Prompt(id=e.id, text="", answer="", token_ids=list(e.tokens)) for e in live]
+                completions = await self._generate(asked, n=1, seed=turn_seed(seed, chunk, turn),
+                                                   limits=[self._limit(e) for e in live], temperature=temperature,
+                                                   stats=stats, clock=clock)
+                pairs = [(e, cs[0]) for e, cs in zip(live, completions)]
+            for episode, completion in pairs:
+                if completion.prompt_token_ids != episode.tokens:
+                    raise EpisodeError(f"vLLM generated turn {turn} of episode {episode.id} from other ids than the "
+                                       "episode's")
+                episode.append(list(completion.token_ids), logprobs=list(completion.logprobs))
+                episode.turns += 1
+                episode.text = completion.text
+                episode.versions.add(completion.weight_version)
+                episode.messages.append({"role": "assistant", "content": completion.text})
+            await self._step([e for e, _ in pairs], [c for _, c in pairs], last=turn + 1 == self.env.max_turns,
+                             stats=stats, clock=clock)
+            for group in groups:  # a group with an episode without outcome is held out: its others stop here
+                if any(e.error is not None for e in group):
+                    for episode in group:
+                        if not episode.ended:
+                            episode.error = "held out with its group"
+
+    def _limit(self, episode: Episode) -> int:
+        return min(self.config.inference.max_tokens, self.env.max_tokens - len(episode.tokens))
+
+    def _check_budget(self, episode: Episode) -> None:
+        """Truncate the episode when not one more policy token fits in env.max_tokens."""
+        if not episode.ended and len(episode.tokens) >= self.env.max_tokens:
+            episode.finish_reason = "budget"
+
+    async def _generate(self, prompts: list[Prompt], *, n: int, seed: int, limits: list[int],
+                        temperature: float | None, stats: EpisodeStats, clock: _Clock) -> list[list[Completion]]:
+        started = time.monotonic()
+        async with clock.generate():
+            completions = await self.ports.generate_turn(prompts, n=n, seed=seed, max_tokens=limits,
+                                                         temperature=temperature)
+        stats.turn_times.append(time.monotonic() - started)
+        if len(completions) != len(prompts) or any(len(c) != n for c in completions):
+            raise EpisodeError(f"generate_turn answered {[len(c) for c in completions]} completions to "
+                               f"{len(prompts)} prompts x {n}")
+        stats.generate_tokens += sum(len(c.token_ids) for group in completions for c in group)
+        return completions
+
+    async def _step(self, episodes: list[Episode], completions: list[Completion], *, last: bool,
+                    stats: EpisodeStats, clock: _Clock) -> None:
+        requests = [EnvRequest(episode=e.id, row=env_row(e.prompt), messages=list(e.messages)) for e in episodes]
+        async with clock.env():
+            replies = _replies(await self.ports.env_step(requests), requests, "env_step")
+        for episode, completion, reply in zip(episodes, completions, replies):
+            if reply.error is not None or (reply.messages is None and not reply.done):
+                episode.error = reply.error or "the environment answered no messages"
+                stats.env_errors.append(f"{episode.id} (turn {episode.turns}): {episode.error}")
+            elif reply.done:
+                episode.finish_reason, episode.reward = "done", reply.reward
+            elif last:
+                episode.finish_reason = "max_turns"
+            else:
+                new = list(reply.messages or [])
+                ids = self.chat.continuation(episode.messages, new, list(completion.token_ids))
+                if len(episode.tokens) + len(ids) >= self.env.max_tokens:
+                    episode.finish_reason = "budget"  # the environment's answer and a next turn do not fit
+                else:
+                    episode.append(ids)
+                    episode.messages += new
+
+
+def samples_to_score(groups: list[list[Episode]]) -> list[Sample]:
+    """The [reward] requests of the episodes the environment left unrewarded (module docstring), ids
+    "prompt_id/k"; none for a group held out already (an episode without an outcome)."""
+    return [Sample(id=e.id, prompt_id=e.prompt.id, prompt=e.prompt.text, completion=e.text, answer=e.prompt.answer)
+            for group in groups if all(e.error is None for e in group) for e in group if e.reward is None]
+
+
+def scored_groups(groups: list[list[Episode]], results: list[RewardResult], *, weight_version: int,
+                  batch: int = 0) -> tuple[list[ScoredGroup], ScoreStats]:
+    """The episodes' groups as scored groups: each episode's reward the environment's, else its [reward]
+    result; a group with an environment error or a reward error is held out (counted, never scored zero)."""
+    by_id = {r.id: r for r in results}
+    scored, errors, bad = [], [], 0
+    parts: dict[str, list[float]] = {}
+    for group in groups:
+        if any(e.error is not None for e in group):
+            bad += 1
+            continue
+        results_of = {e.id: by_id[e.id] for e in group if e.reward is None}
+        failed = [r for r in results_of.values() if r.reward is None]
+        if failed:
+            bad += 1
+            errors += [f"{r.id}: {r.error}" for r in failed]
+            continue
+        for r in results_of.values():
+            for name, value in (r.parts or {}).items():
+                parts.setdefault(name, []).append(value)
+        rewards = [e.reward if e.reward is not None else results_of[e.id].reward for e in group]
+        rollouts = [e.rollout(float(reward)) for e, reward in zip(group, rewards) if reward is not None]
+        versions = {v for e in group for v in e.versions}
+        scored.append(ScoredGroup(prompt_id=group[0].prompt.id, rollouts=rollouts, batch=batch,
+                                  weight_version=min(versions, default=weight_version)))
+    return scored, ScoreStats(groups=len(groups), groups_with_errors=bad, errors=errors, parts=parts)
+
+
+def episode_outcomes(groups: list[list[Episode]], results: list[RewardResult]) -> list[PromptOutcome]:
+    """An evaluation's episodes as hpcrl.rl.evaluation outcomes: each episode's reward (the environment's,
+    else its [reward] result; None without an outcome, which leaves its prompt out) and its policy tokens."""
+    by_id = {r.id: r for r in results}
+    outcomes = []
+    for group in groups:
+        rewards: list[float | None] = []
+        for e in group:
+            result = by_id.get(e.id)
+            rewards.append(None if e.error is not None else e.reward if e.reward is not None
+                           else result.reward if result is not None else None)
+        outcomes.append(PromptOutcome(rewards=rewards, lengths=[sum(e.mask) for e in group]))
+    return outcomes
