@@ -253,7 +253,8 @@ class EpisodeRunner:
                      temperature: float | None, stats: EpisodeStats, clock: _Clock) -> None:
         if not groups:
             return
-        requests = [EnvRequest(episode=group[0].prompt.id, row=env_row(group[0].prompt)) for group in groups]
+        # Reset under the id of the group's first episode: the worker that holds it goes on with that instance.
+        requests = [EnvRequest(episode=group[0].id, row=env_row(group[0].prompt)) for group in groups]
         async with clock.env():
             replies = _replies(await self.ports.env_reset(requests), requests, "env_reset")
         for group, reply in zip(groups, replies):

@@ -246,7 +246,9 @@ class BusPorts:
         return await self._env("env_step", requests)
 
     async def _env(self, endpoint: str, requests: list[EnvRequest]) -> list[EnvReply]:
-        out = await self.reward.route(endpoint, {"requests": [r.to_dict() for r in requests]}, timeout=CALL_TIMEOUT_S)
+        # A worker answers its share one episode after another, each within env.step_timeout_s.
+        timeout = CALL_TIMEOUT_S + self.config.env.step_timeout_s * len(requests)
+        out = await self.reward.route(endpoint, {"requests": [r.to_dict() for r in requests]}, timeout=timeout)
         return [EnvReply(**r) for r in out]
 
     async def score(self, samples: list[Sample]) -> list[RewardResult]:

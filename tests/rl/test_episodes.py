@@ -104,7 +104,7 @@ def test_the_policy_learns_to_use_the_feedback_on_its_second_try(runs, tiny_mode
 
 @pytest.mark.timeout(60)
 def test_an_environment_error_holds_its_group_out_of_training_and_counts_it(runs, tiny_model):
-    broken = {"guess-train-4/1", "guess-train-7"}  # a step of one episode, the reset of one prompt
+    broken = {"guess-train-4/1", "guess-train-7/0"}  # a step of one episode, the reset of one prompt (by its first)
     ports = FakePorts(env=FakeEnvironment(broken.__contains__))
     loop_once(env_config(runs, tiny_model), ports)
     trained = {p for _, _, _, p in trained_rows(ports)}
@@ -113,7 +113,7 @@ def test_an_environment_error_holds_its_group_out_of_training_and_counts_it(runs
     assert [r["groups_held_out_total"] for r in rows] == [1, 2, 2, 2, 2, 2]  # batch 1 while step 0 trains (lag 1)
     assert [r["env_errors"] for r in rows] == [0, 1, 1, 0, 0, 0]
     assert rows[1]["env_error_example"] == "guess-train-4/1 (turn 1): timed out after 10 s"
-    assert rows[2]["env_error_example"] == "guess-train-7 (reset): worker died"
+    assert rows[2]["env_error_example"] == "guess-train-7/0 (reset): worker died"
     assert [r["groups"] for r in rows] == [3, 2, 2, 3, 3, 3]
     assert all(r["reward_errors"] == 0 for r in rows)
     # The failed episode's group stops at once: no second turn of guess-train-4 is generated.
