@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from hpcrl.errors import TransferError
 from hpcrl.transfer.bus_store import BusStore
-from hpcrl.transfer.listen import gloo_devices, one_machine
+from hpcrl.transfer.listen import gloo_options, one_machine
 from hpcrl.transfer.rendezvous import compare_digests, rendezvous_store
 
 DIGEST_BYTES = 32
@@ -74,11 +74,8 @@ def open_gloo_group(*, store: str, rank: int, world_size: int, timeout_s: float,
         client, prefix = rendezvous_store(store=store, rank=rank, world_size=world_size, timeout_s=timeout_s,
                                           generation=generation)
         pg = dist.ProcessGroup(prefix, rank, world_size)
-        options = ProcessGroupGloo._Options()
-        options._timeout = timeout
-        options._devices = gloo_devices(loopback=one_machine(dist.PrefixStore("hpcrl-listen", prefix), rank=rank,
-                                                             world=world_size))
-        backend = ProcessGroupGloo(prefix, rank, world_size, options)
+        loopback = one_machine(dist.PrefixStore("hpcrl-listen", prefix), rank=rank, world=world_size)
+        backend = ProcessGroupGloo(prefix, rank, world_size, gloo_options(loopback=loopback, timeout=timeout))
         backend._set_sequence_number_for_group()
         pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)

@@ -4,7 +4,7 @@
     use_loopback()                     # torch's gloo groups of this process from now on (trainer/group.py)
     undo = use_loopback(); ...; undo()   # the same, put back at leave()
     loopback_environment()             # for processes started from here (vLLM's: inference/vllm_llm.py)
-    gloo_devices(loopback=loopback)    # for a ProcessGroupGloo built here (transfer/gloo.py)
+    ProcessGroupGloo(store, r, n, gloo_options(loopback=loopback, timeout=t))   # built here (transfer/gloo.py)
 
 gloo's TCP transport keeps one listener per process group for the group's life, and authenticates
 no peer: after the group formed it still accepts a stranger's connection and holds its socket,
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +109,14 @@ def gloo_devices(*, loopback: bool) -> list[Any]:
     if names:
         return [ProcessGroupGloo.create_device(interface=name) for name in names]
     return [ProcessGroupGloo.create_default_device()]
+
+
+def gloo_options(*, loopback: bool, timeout: timedelta) -> Any:
+    """Options for `ProcessGroupGloo(store, rank, size, options)` whose listener binds gloo_devices(loopback=...)
+    (the constructor with a timeout would read GLOO_SOCKET_IFNAME instead)."""
+    from torch.distributed import ProcessGroupGloo
+
+    options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs lack it (they say Options)
+    options._timeout = timeout
+    options._devices = gloo_devices(loopback=loopback)
+    return options
