@@ -14,6 +14,12 @@ chooses other CPUs, as `hpcrl run` does to keep a core for its trainer). With on
 runs inside vLLM's engine-core process (UniProcExecutor), bound to the same CPUs through the
 OpenMP environment that process starts with: vLLM's CPU platform would start a worker process of
 its own, a third interpreter importing torch and vLLM, 7-8 s of a 2-core machine's start.
+
+vLLM's processes start with its own groups on the loopback address (`loopback_environment`): its
+tensor-parallel workers share a node, and gloo's listeners, one per CPU group, authenticate no
+peer (hpcrl.transfer.listen). The weight-transfer group's end in vLLM's worker still listens on
+the node's address when trainer ranks elsewhere must reach it (hpcrl.transfer.gloo builds its
+device itself).
 """
 
 from __future__ import annotations
@@ -78,6 +84,17 @@ def omp_environment(binding: str) -> dict[str, str]:
             "OMP_PROC_BIND": "true"}
 
 
+def loopback_environment() -> dict[str, str]:
+    """The environment in which vLLM's own groups listen on the loopback address only: its gloo
+    groups (world, TP, PP, DP, EP, ...: torch reads GLOO_SOCKET_IFNAME for each), and VLLM_HOST_IP,
+    the address vLLM's get_ip() gives for the stores and sockets it would open for peers on other
+    nodes (none here: hpcrl starts vLLM on one node)."""
+    from hpcrl.transfer.listen import LOOPBACK_ADDRESS
+    from hpcrl.transfer.listen import loopback_environment as gloo_loopback
+
+    return {**gloo_loopback(), "VLLM_HOST_IP": LOOPBACK_ADDRESS}
+
+
 def _import_llm() -> Any:
     try:
         from vllm import LLM
@@ -97,7 +114,8 @@ def start_llm(*, on_cpu: bool, tensor_parallel: int, cpu_binding: str | None = N
     LLM = _import_llm()
     kwargs["tensor_parallel_size"] = tensor_parallel
     # Read by the processes LLM() starts: vLLM's mp workers, or its engine core with the worker inside.
-    values: dict[str, str | None] = {"VLLM_CPU_OMP_THREADS_BIND": binding if on_cpu else None}
+    values: dict[str, str | None] = {"VLLM_CPU_OMP_THREADS_BIND": binding if on_cpu else None,
+                                     **loopback_environment()}
     if tensor_parallel > 1:
         kwargs["distributed_executor_backend"] = "mp"
     elif on_cpu:
@@ -120,9 +138,10 @@ def pooling_llm(model_path: str, *, dtype: str, max_model_len: int, kv_cache_byt
     LLM = _import_llm()
     from vllm.config import PoolerConfig
 
-    return LLM(model=model_path, runner="pooling", dtype=dtype, seed=0, max_model_len=max_model_len,
-               pooler_config=PoolerConfig(use_activation=False), kv_cache_memory_bytes=kv_cache_bytes,
-               enforce_eager=enforce_eager, enable_prefix_caching=False, use_tqdm_on_load=False)
+    with environment(dict(loopback_environment())):
+        return LLM(model=model_path, runner="pooling", dtype=dtype, seed=0, max_model_len=max_model_len,
+                   pooler_config=PoolerConfig(use_activation=False), kv_cache_memory_bytes=kv_cache_bytes,
+                   enforce_eager=enforce_eager, enable_prefix_caching=False, use_tqdm_on_load=False)
 
 
 def classify(llm: Any, token_ids: list[list[int]]) -> list[float]:

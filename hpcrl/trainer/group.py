@@ -9,14 +9,21 @@ runs the engine, after it has taken its CUDA device (hpcrl.roles.base.EngineThre
     join_alone(device="cpu")                                      # one rank, nothing to meet
     ...
     leave()                                                       # at the end, or the process may hang
+
+A group whose ranks all share this machine (a group of one, or ranks on one node) listens on the
+loopback address: gloo's listeners authenticate no peer (hpcrl.transfer.listen).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from hpcrl.errors import TrainerError
+
+#: Puts back the environment join() changed (the gloo interface), at leave().
+_restore: list[Callable[[], None]] = []
 
 
 def backend(device: str) -> str:
@@ -25,14 +32,27 @@ def backend(device: str) -> str:
 
 
 def join(store: Any, *, rank: int, world: int, device: str, timeout_s: float) -> None:
-    """Join the default process group of `world` trainer ranks through `store`."""
+    """Join the default process group of `world` trainer ranks through `store`.
+
+    When every rank runs on this machine, the group's gloo listeners are on the loopback address:
+    this one, and every group torch makes from it until leave() (torch reads GLOO_SOCKET_IFNAME
+    each time). NCCL's are NCCL's own (docs/FACTS.md, "gloo's listener")."""
     import torch.distributed as dist
+
+    from hpcrl.transfer.listen import one_machine, use_loopback
 
     if dist.is_initialized():
         raise TrainerError("this process is already in a torch.distributed group; a trainer rank forms its own "
                            "(call hpcrl.trainer.group.leave() first)")
-    dist.init_process_group(backend(device), store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    if one_machine(dist.PrefixStore("hpcrl-listen", store), rank=rank, world=world):
+        _restore.append(use_loopback())
+    try:
+        dist.init_process_group(backend(device), store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+    except BaseException:
+        while _restore:
+            _restore.pop()()
+        raise
 
 
 def join_alone(*, device: str) -> None:
@@ -43,8 +63,10 @@ def join_alone(*, device: str) -> None:
 
 
 def leave() -> None:
-    """Destroy the default process group, if there is one."""
+    """Destroy the default process group, if there is one, and put back the gloo interface."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    while _restore:
+        _restore.pop()()

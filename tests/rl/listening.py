@@ -1,13 +1,22 @@
-"""Every socket a run's processes listen on, and the list of those we know and why each may stay.
+"""Every socket a run's processes listen on, and the list of those we know, where each may bind, and why.
 
     sockets = listening({pid: "hpcrl run task", ...})     # (role, pid, address, port) of each TCP listener
     sockets = listening(job_processes(run_dir))            # a job's: head, group tasks, vLLM's engines
-    check_listening(sockets, HPCRL_RUN, loopback_only=True)   # fails on one not listed, or too many
+    check_listening(sockets, HPCRL_RUN)                    # fails on one not listed, or on a wrong address
+    env = {**os.environ, **as_on_a_node()}                 # gloo's default on the node's address, as on a cluster
 
 Issue 28: no port of a run may accept an unauthenticated peer for the run's life. Ours (the bus,
 the rendezvous store) authenticate every message with the run's secret; what remains is gloo's
-and vLLM's, listed here with the reason each cannot be closed or authenticated by us, so a new
-listener fails the test that folds this check in (tests/rl/test_inprocess.py, test_job.py).
+and vLLM's, listed here per role with how many a process may have, how many of those may be on
+an address other than loopback, and why each cannot be closed or authenticated by us. gloo's TCP
+listener authenticates no peer: after its group formed it accepts a stranger's connection and
+keeps its socket, junk sent on it does not disturb the group, and enough such connections to
+exhaust the process's file descriptors abort it ("accept: Too many open files" thrown in gloo's
+listener thread; docs/FACTS.md, "gloo's listener"). So a group whose ranks share a machine
+listens on the loopback address (hpcrl.transfer.listen), and only a group that spans nodes - the
+trainer ranks' across nodes, the weight-transfer group between trainer and inference nodes - may
+be on the node's. A new listener, or one on the node's address where loopback would do, fails
+the tests that fold this check in (tests/rl/test_inprocess.py, tests/rl/test_job.py).
 """
 
 from __future__ import annotations
@@ -16,37 +25,77 @@ import ipaddress
 import os
 import re
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
-#: `hpcrl run`: role -> (most listeners, why). The rendezvous store has no TCP port there (ipc://).
+
+@dataclass(frozen=True)
+class Allowed:
+    """What one process of a role may listen on: `most` TCP sockets, of which `beyond_loopback` on an
+    address other than loopback (the node's, or every interface), and why."""
+
+    most: int
+    beyond_loopback: int
+    why: str
+
+
+_GLOO = ("gloo's (no authentication: a stranger's connection is accepted and kept, junk on it does not "
+         "disturb the group, enough of them abort the process; kept for the group's life)")
+_VLLM_OWN = ("vLLM's own: gloo's listeners of its CPU groups (world, TP, PP, DP, EP, ...) and, where vLLM "
+             "serves one, its world group's store; on the loopback address (VLLM_HOST_IP and GLOO_SOCKET_IFNAME "
+             "of vLLM's processes: hpcrl.inference.vllm_llm), its tensor-parallel workers sharing one node")
+_TRANSFER_VLLM_END = "the weight-transfer group's vLLM end, " + _GLOO
+
+#: `hpcrl run`: everything on one machine, so every listener on the loopback address. The rendezvous
+#: store has no TCP port there (ipc://).
 HPCRL_RUN = {
-    "hpcrl run task": (1, "gloo's listener of the weight-transfer group's trainer end (gloo keeps it for the "
-                          "group's life and authenticates no peer; on the loopback address here)"),
-    "VLLM::EngineCore": (14, "vLLM's: the TCPStore of its own one-process world group and gloo's listeners of its "
-                             "CPU groups (world, TP, PP, DP, EP, ...), plus the transfer group's vLLM end (gloo); "
-                             "on the address the host name resolves to: loopback for hpcrl run here, the "
-                             "node's address in a job on the local cluster"),
+    "hpcrl run task": Allowed(1, 0, "the weight-transfer group's trainer end, " + _GLOO),
+    "VLLM::EngineCore": Allowed(14, 0, f"{_VLLM_OWN}; and {_TRANSFER_VLLM_END}, its ranks on this machine"),
 }
 
-#: A job's processes on one machine (the local executor or cluster): role -> (most listeners per
-#: process, why). Gloo binds the address the host name resolves to: the node's on a cluster.
+_HEAD = Allowed(2, 2, "the control bus (ZeroMQ ROUTER) and the rendezvous store (transfer/bus_store.py): PLAIN "
+                      "with the run's token at the connection, then every message HMAC-signed with the run's "
+                      "secret and checked before it is unpacked; on every interface")
+
+#: A job on the local executor: every task on this machine, so only the head's two are beyond loopback.
 JOB = {
-    "head": (2, "the control bus (ZeroMQ ROUTER) and the rendezvous store (transfer/bus_store.py): every message "
-                "HMAC-signed with the run's secret and checked before it is unpacked; on every interface"),
-    "trainer": (3, "gloo's listeners (unauthenticated, kept for each group's life): the trainer ranks' process "
-                   "group, the group torch makes from it, and the weight-transfer group's trainer end"),
-    "inference": (0, "none: its vLLM engine runs in a child process"),
-    "reward": (0, "none"),
+    "head": _HEAD,
+    "trainer": Allowed(3, 0, "the trainer ranks' process group, the group torch makes from it, and the "
+                             f"weight-transfer group's trainer end: {_GLOO}; every rank on this machine"),
+    "inference": Allowed(0, 0, "none: its vLLM engine runs in a child process"),
+    "reward": Allowed(0, 0, "none"),
     "VLLM::EngineCore": HPCRL_RUN["VLLM::EngineCore"],
 }
 
+#: The same job under Slurm, each group on nodes of its own: the groups that span nodes (the trainer
+#: ranks' across nodes, the weight-transfer group's ends) on the node's address, vLLM's own still on
+#: loopback; and each group's srun (Slurm's own listeners, for its step's messages and I/O,
+#: authenticated by Slurm: munge credentials, and the step's I/O key for the I/O connections).
+SLURM_JOB = {
+    **JOB,
+    "trainer": Allowed(3, 3, "the trainer ranks' process group and the group torch makes from it (on the "
+                             "node's address when the ranks span nodes, else loopback), and the weight-transfer "
+                             f"group's trainer end (the node's address): {_GLOO}"),
+    "VLLM::EngineCore": Allowed(14, 1, f"{_VLLM_OWN}; and {_TRANSFER_VLLM_END}, on the node's address: the "
+                                       "trainer ranks on other nodes connect to it"),
+    "srun": Allowed(4, 4, "Slurm's: srun's listeners for its step's messages from slurmd/slurmstepd and its tasks' "
+                          "I/O connections, authenticated by Slurm (munge, the step's I/O key)"),
+}
 
-#: The same job under Slurm: each group's srun too (Slurm's own listeners, for its step's messages and
-#: I/O, authenticated by Slurm: munge credentials, and the step's I/O key for the I/O connections).
-SLURM_JOB = {**JOB, "srun": (4, "Slurm's: srun's listeners for its step's messages from slurmd/slurmstepd and its "
-                                "tasks' I/O connections, authenticated by Slurm (munge, the step's I/O key)")}
+
+def as_on_a_node() -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME naming an interface of this machine with an address other than loopback: a
+    run under it binds gloo's default listeners to that address, as on a cluster node whose name
+    resolves to its network address (here the name resolves to loopback, which would hide a group
+    left on the default)."""
+    for name, addresses in sorted(psutil.net_if_addrs().items()):
+        if any(a.family == socket.AF_INET and not is_loopback(a.address) for a in addresses):
+            return {"GLOO_SOCKET_IFNAME": name}
+    raise AssertionError(f"no network interface with an IPv4 address other than loopback on this machine "
+                         f"({sorted(psutil.net_if_addrs())}): the listening tests need one to tell a listener on "
+                         "the node's address from one on loopback")
 
 
 def job_processes(run_dir: Path) -> dict[int, str | None]:
@@ -137,17 +186,18 @@ def listening(roles: dict[int, str | None]) -> list[tuple[str, int, str, int]]:
     return sorted(found)
 
 
-def check_listening(sockets: list[tuple[str, int, str, int]], allowed: dict[str, tuple[int, str]], *,
-                    loopback_only: bool) -> None:
-    """Fail on a process listening on more TCP sockets than its role's count in `allowed` (none for a
-    role not there), or (with `loopback_only`: a run on one machine) on one beyond the loopback address."""
+def check_listening(sockets: list[tuple[str, int, str, int]], allowed: dict[str, Allowed]) -> None:
+    """Fail on a process listening on more TCP sockets than its role's `allowed` (none for a role not
+    there), or on more beyond the loopback address than that allows."""
     listed = "\n".join(f"  {role} (pid {pid}): {ip}:{port}" for role, pid, ip, port in sockets)
-    for role, pid in {(r, p) for r, p, _, _ in sockets}:
-        count = sum(1 for _, p, _, _ in sockets if p == pid)
-        most = allowed.get(role, (0, ""))[0]
-        assert count <= most, (f"{role} (pid {pid}) listens on {count} TCP socket(s), {most} are listed "
-                               "(tests/rl/listening.py): a new listener must say what authenticates its peers, "
-                               f"or be closed\n{listed}")
-    if loopback_only:
-        outside = [(r, ip, port) for r, _, ip, port in sockets if not is_loopback(ip)]
-        assert not outside, f"listening beyond the loopback address: {outside}\n{listed}"
+    for role, pid in sorted({(r, p) for r, p, _, _ in sockets}):
+        mine = [ip for _, p, ip, _ in sockets if p == pid]
+        outside = [ip for ip in mine if not is_loopback(ip)]
+        rule = allowed.get(role, Allowed(0, 0, ""))
+        assert len(mine) <= rule.most, (
+            f"{role} (pid {pid}) listens on {len(mine)} TCP socket(s), {rule.most} are listed (tests/rl/listening.py): "
+            f"a new listener must say what authenticates its peers, or be closed\n{listed}")
+        assert len(outside) <= rule.beyond_loopback, (
+            f"{role} (pid {pid}) listens on {len(outside)} TCP socket(s) beyond the loopback address ({outside}), "
+            f"{rule.beyond_loopback} are listed (tests/rl/listening.py): a group whose ranks share a machine must "
+            f"listen on loopback (hpcrl.transfer.listen)\n{listed}")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from listening import HPCRL_RUN, check_listening, listening
+from listening import HPCRL_RUN, as_on_a_node, check_listening, listening
 
 from hpcrl.rl import inprocess
 from hpcrl.rl.metrics import read_metrics
@@ -58,7 +58,8 @@ def test_hpcrl_run_leaves_vllms_cpus_to_vllm_listens_on_loopback_only_and_leaves
     run = subprocess.Popen(
         [sys.executable, "-m", "hpcrl", "run", "configs/tiny_grpo.toml", "--set", f"run.run_dir={tmp_path / 'run'}",
          "--set", f"model.path={tiny_model}", "--set", "trainer.checkpoint_interval=0"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **as_on_a_node()})  # gloo's default on this machine's network address, as on a node
     try:
         for line in run.stdout:  # the first step: vLLM's engine and the reward pool are up
             if line.startswith("step "):
@@ -83,10 +84,13 @@ def test_hpcrl_run_leaves_vllms_cpus_to_vllm_listens_on_loopback_only_and_leaves
                 elsewhere[f"{name} ({t})"] = cpus
         assert elsewhere == {}, f"threads of hpcrl run off the trainer's CPUs {trainer}"
         # Issue 28: the rendezvous store has no TCP port (an ipc socket in a private directory), and every
-        # TCP listener left (gloo's, vLLM's: tests/rl/listening.py) is on the loopback address.
+        # TCP listener left (gloo's, vLLM's: tests/rl/listening.py) is on the loopback address, though
+        # gloo's default is the network address here (as_on_a_node).
         roles: dict[int, str | None] = {pid: None for pid in below} | {run.pid: "hpcrl run supervisor",
                                                                       task: "hpcrl run task"}
-        check_listening(listening(roles), HPCRL_RUN, loopback_only=True)
+        sockets = listening(roles)
+        print("listening:\n" + "\n".join(f"  {role} (pid {p}): {ip}:{port}" for role, p, ip, port in sockets))
+        check_listening(sockets, HPCRL_RUN)
         stores = [c.laddr for c in psutil.Process(task).net_connections(kind="unix")
                   if c.laddr and Path(c.laddr).name == "store" and Path(c.laddr).parent.name.startswith("hpcrl-store-")]
         assert stores and all(Path(s).parent.stat().st_mode & 0o777 == 0o700 for s in stores), stores

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from listening import JOB, SLURM_JOB, check_listening, job_processes, listening, speaks_zeromq
+from listening import JOB, SLURM_JOB, as_on_a_node, check_listening, job_processes, listening, speaks_zeromq
 from run_helpers import head_log, wait_for
 
 from hpcrl.launch import follow as jobs
@@ -53,16 +53,20 @@ def rows_of(run_dir: Path) -> list[tuple]:
 def test_hpcrl_resume_continues_a_checkpoint_of_two_trainer_ranks_on_one(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     base = ("--set", "trainer.steps=6", "--set", "trainer.checkpoint_interval=0")
-    first = submit(run_dir, tiny_model, *local(*base, "--set", "trainer.nodes=2"), "--steps", "3", wait=False)
+    # gloo's default on this machine's network address, as on a cluster node (tests/rl/listening.py)
+    first = submit(run_dir, tiny_model, *local(*base, "--set", "trainer.nodes=2"), "--steps", "3", wait=False,
+                   env={**os.environ, **as_on_a_node()})
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     try:
         # Issue 28: once both groups formed, every TCP listener of the job is listed (tests/rl/listening.py):
-        # the head's two are signed with the run's secret, the rest gloo's and vLLM's.
+        # the head's two are signed with the run's secret, the rest gloo's and vLLM's, all of them on the
+        # loopback address (every rank of every group is on this machine).
         wait_for(lambda: "weight-transfer group formed" in head_log(run_dir), "the transfer group", 300, poll_s=0.05)
         sockets = listening(job_processes(run_dir))
+        print("listening:\n" + "\n".join(f"  {role} (pid {p}): {ip}:{port}" for role, p, ip, port in sockets))
         head = [port for role, _, _, port in sockets if role == "head"]
         assert len(head) == 2 and all(speaks_zeromq(port) for port in head), sockets  # signed; no TCPStore
-        check_listening(sockets, JOB, loopback_only=False)
+        check_listening(sockets, JOB)
         assert jobs.wait(run_dir, timeout_s=600).state == "COMPLETED"
     finally:
         cancel_unless_done(run_dir, dict(os.environ))
@@ -213,7 +217,7 @@ def test_killing_the_inference_replica_loses_no_rollout_and_it_is_back_on_curren
         print("listening:\n" + "\n".join(f"  {role} (pid {p}): {ip}:{port}" for role, p, ip, port in sockets))
         head = [port for role, _, _, port in sockets if role == "head"]
         assert len(head) == 2, sockets  # the bus and the signed rendezvous store; no TCPStore
-        check_listening(sockets, SLURM_JOB, loopback_only=False)
+        check_listening(sockets, SLURM_JOB)
         pid = reported_pid(run_dir, "inference", rank=0)
         # Right after a step's line the next batch is being generated (~0.1-0.2 s): kill it then.
         wait_for(lambda: "step   15/" in head_log(run_dir), "step 15", 120, poll_s=0.01)
