@@ -101,7 +101,7 @@ def check_experts(module: torch.nn.Module, plan: TransferPlan, tp_rank: int, *, 
     from hpcrl.plan.transfer_layout import experts_of_rank
 
     inference = plan.inference
-    total = int(getattr(module, "global_num_experts"))
+    total = int(getattr(module, "global_num_experts"))  # noqa: B009 - an int of vLLM's layer (mypy: Module attr)
     want = experts_of_rank(total, inference.tensor_parallel if inference.expert_parallel else 1, tp_rank,
                            inference.expert_placement)
     expert_map = getattr(module, "expert_map", None)  # global expert -> local index, -1: elsewhere
