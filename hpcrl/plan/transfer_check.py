@@ -222,8 +222,8 @@ def vllm_expected(plan: TransferPlan, shape: ModelShape, hf: dict[str, Any], r: 
             f = p["gate"][0].shape[0] // tp
             w13 = [concat([g[r * f:(r + 1) * f], u[r * f:(r + 1) * f]]) for g, u in zip(p["gate"], p["up"])]
             w2 = [w[:, r * f:(r + 1) * f] for w in p["down"]]
-        out[prefix + "w13_weight"] = concat(w13)
-        out[prefix + "w2_weight"] = concat(w2)
+        out[prefix + "routed_experts.w13_weight"] = concat(w13)
+        out[prefix + "routed_experts.w2_weight"] = concat(w2)
     for name, w in hf.items():
         if _EXPERT.match(name):
             continue

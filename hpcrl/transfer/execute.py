@@ -34,7 +34,7 @@ from datetime import timedelta
 import torch
 
 from hpcrl.errors import TransferError
-from hpcrl.plan.transfer_layout import chunk_rows
+from hpcrl.plan.transfer_layout import chunk_source_rows
 from hpcrl.plan.transfer_plan import TransferPlan
 from hpcrl.plan.transfer_rounds import Message, receiver_rank, rounds
 from hpcrl.transfer.packing import PATHS, Packer, pack, unpack  # noqa: F401 - pack/unpack: the reference, here too
@@ -112,28 +112,48 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_sources(plan: TransferPlan, rank: int, sources: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
-    """This trainer rank's local shards by plan source index; TransferError if one is missing or mis-shaped."""
+    """This trainer rank's local shards by plan source index; TransferError if one is missing or mis-shaped.
+
+    A grouped expert stack (source.shard_rows > 1: torchtitan's [E, I, H] seen as (E*I, H)) may come
+    as its 3-D FSDP shard [E_local, I, H]: FSDP2 chunks whole experts (chunk_source_rows), so the
+    shard is the same contiguous rows either way."""
     shard = rank % plan.trainer.dp_shard
     used = set(plan.blocks["source"][plan.blocks["src_rank"] == rank].tolist())
     out: list[torch.Tensor | None] = [None] * len(plan.sources)
     for i in sorted(used):
         s = plan.sources[i]
-        a, e = chunk_rows(s.shape[0], plan.trainer.dp_shard)[shard]
+        a, e = chunk_source_rows(s.shape[0], plan.trainer.dp_shard, s.shard_rows)[shard]
         want = (e - a, s.shape[1])
         t = sources.get(s.name)
         if t is None:
             raise TransferError(f"trainer rank {rank} has no tensor {s.name!r} to send (the plan needs rows "
                                 f"[{a}, {e}) of it); it has {len(sources)} tensors")
-        if t.numel() != want[0] * want[1] or (t.dim() and t.shape[0] != want[0]):
+        seen = _as_rows(t)
+        if t.numel() != want[0] * want[1] or (t.dim() and seen[:1] != want[:1]):
+            each = f" of whole items of {s.shard_rows} rows" if s.shard_rows > 1 else ""
             raise TransferError(f"trainer rank {rank}: local shard of {s.name} is {tuple(t.shape)}, the plan "
-                                f"expects {want} (rows [{a}, {e}) of {s.shape}, torch.chunk over "
+                                f"expects {want} (rows [{a}, {e}) of {s.shape}, torch.chunk{each} over "
                                 f"dp_shard {plan.trainer.dp_shard})")
         out[i] = _flat(t)
     return out
 
 
+def _as_rows(t: torch.Tensor) -> tuple[int, ...]:
+    """The (rows, columns) a tensor is seen as: 1-D as one column, 3-D [items, rows, columns] as
+    (items * rows, columns); () for a scalar or more dimensions."""
+    if t.dim() == 1:
+        return (t.shape[0], 1)
+    if t.dim() == 3:
+        return (t.shape[0] * t.shape[1], t.shape[2])
+    return tuple(t.shape) if t.dim() == 2 else ()
+
+
 def check_dests(plan: TransferPlan, replica: int, tp_rank: int, dests: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """Destination tensors by plan dest index; TransferError naming the parameter if one does not fit."""
+    """Destination tensors by plan dest index; TransferError naming the parameter if one does not fit.
+
+    A parameter is seen in the plan's rows (_as_rows: FusedMoE's [E_local, 2I/tp, H] is the plan's
+    (E_local*2I/tp, H)). Under uneven expert parallelism a rank holding fewer experts has a smaller
+    parameter: its `real_rows` rows, all that the plan writes there."""
     wire = TORCH_DTYPES[plan.wire_dtype]
     out = []
     for d in plan.dests:
@@ -141,8 +161,11 @@ def check_dests(plan: TransferPlan, replica: int, tp_rank: int, dests: dict[str,
         where = f"replica {replica} TP rank {tp_rank}"
         if t is None:
             raise TransferError(f"{where} has no parameter {d.name!r} to receive into")
-        if tuple(t.shape) not in (d.local_shape, (d.local_shape[0],) if d.local_shape[1] == 1 else ()):
-            raise TransferError(f"{where}: {d.name} is {tuple(t.shape)}, the plan expects {d.local_shape}")
+        rows, cols = d.local_shape
+        real = d.real_rows[tp_rank]
+        if _as_rows(t) not in {(rows, cols), (real, cols)}:
+            raise TransferError(f"{where}: {d.name} is {tuple(t.shape)}, the plan expects {d.local_shape}"
+                                + (f" ({real} real rows on this rank)" if real < rows else ""))
         if t.dtype != wire:
             raise TransferError(f"{where}: {d.name} is {t.dtype}, the plan's wire dtype is {plan.wire_dtype}")
         if not t.is_contiguous():

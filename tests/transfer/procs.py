@@ -12,6 +12,9 @@ def _plan(spec: dict):
     from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
     from hpcrl.plan.transfer_planner import plan
     shape = PRESETS[spec["preset"]]
+    if "shape" in spec:  # a variant of the preset (e.g. a MoE with an odd number of experts)
+        import dataclasses
+        shape = dataclasses.replace(shape, **spec["shape"])
     p = plan(TrainerLayout(**spec["trainer"]), InferenceLayout(**spec["inference"]), shape,
              wire_dtype=spec.get("wire_dtype", "float32"), bucket_bytes=spec.get("bucket", 1 << 16))
     if "round_bytes" in spec:
@@ -21,16 +24,18 @@ def _plan(spec: dict):
 
 
 def id_shards(p, shape, rank: int) -> dict:
-    """This trainer rank's local shards of tensors filled with element ids (as float32)."""
+    """This trainer rank's local shards of tensors filled with element ids (as float32); a grouped
+    expert stack's shard as FSDP2 holds torchtitan's, 3-D [experts here, rows, columns]."""
     import torch
 
     from hpcrl.plan.transfer_check import _hf_ids, _trainer_tensors
-    from hpcrl.plan.transfer_layout import chunk_rows
+    from hpcrl.plan.transfer_layout import chunk_source_rows
     tensors = _trainer_tensors(p, shape, _hf_ids(shape))
     out = {}
     for s in p.sources:
-        a, e = chunk_rows(s.shape[0], p.trainer.dp_shard)[rank % p.trainer.dp_shard]
-        out[s.name] = torch.from_numpy(tensors[s.name][a:e].astype(np.float32))
+        a, e = chunk_source_rows(s.shape[0], p.trainer.dp_shard, s.shard_rows)[rank % p.trainer.dp_shard]
+        local = torch.from_numpy(tensors[s.name][a:e].astype(np.float32))
+        out[s.name] = local.reshape(-1, s.shard_rows, s.shape[1]) if s.shard_rows > 1 else local
     return out
 
 
@@ -89,7 +94,10 @@ def receiver(spec: dict, replica: int, tp_rank: int, store: str, results) -> Non
             group = open_group(transport(spec), store=store, rank=rank, world_size=world,
                                timeout_s=60, generation=generation)
             group.check_digests(rank=rank, digest=p.digest, describe=lambda r, p=p: execute.describe_group_rank(p, r))
-            dests = {d.name: torch.full(d.local_shape, -1.0) for d in p.dests}
+            # As vLLM holds them: a rank with fewer experts (uneven expert parallel) has a smaller parameter.
+            # (vocab padding rows stay: vLLM's embedding is padded on every rank).
+            rows = {d.name: d.real_rows[tp_rank] if ".experts." in d.name else d.local_shape[0] for d in p.dests}
+            dests = {d.name: torch.full((rows[d.name], d.local_shape[1]), -1.0) for d in p.dests}
             t0 = time.monotonic()
             try:
                 got = execute.receive(group, p, replica, tp_rank, execute.check_dests(p, replica, tp_rank, dests),
@@ -98,7 +106,7 @@ def receiver(spec: dict, replica: int, tp_rank: int, store: str, results) -> Non
                 group.close()
             expected = vllm_expected(p, shape, _hf_ids(shape), tp_rank)
             wrong = [d.name for d in p.dests if not np.array_equal(
-                dests[d.name].numpy(), expected[d.name].astype(np.float32).reshape(d.local_shape))]
+                dests[d.name].numpy(), expected[d.name].astype(np.float32).reshape(d.local_shape)[:rows[d.name]])]
             results.put(("receiver", (replica, tp_rank), "ok" if not wrong else "wrong", wrong or got, generation))
         except BaseException as err:  # noqa: BLE001 - reported to the test
             results.put(("receiver", (replica, tp_rank), type(err).__name__, f"{err}", generation,

@@ -96,6 +96,24 @@ def test_hsdp_torchtitan_fused_qkv_trainer_feeds_tp2_element_exact():
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("inference", [{"tensor_parallel": 2}, {"tensor_parallel": 2, "expert_parallel": True},
+                                       {"tensor_parallel": 3, "expert_parallel": True,  # 6 / 3 heads, vocab 150: TP 3
+                                        "expert_placement": "round_robin"}], ids=["tp2", "ep2", "ep3-round-robin"])
+def test_grouped_expert_shards_of_two_fsdp_ranks_fill_fused_experts_element_exact(inference):
+    """A MoE of 7 experts (uneven over 2 FSDP ranks, EP 2 and EP 3) whose trainer holds torchtitan's
+    3-D expert stacks: each rank's FSDP shard [experts here, I, H] goes as is, and each vLLM rank's
+    w13/w2 (smaller under uneven EP: fewer real rows) equals the reference gather
+    (transfer_check.vllm_expected: vLLM's weight_loader re-derived expert by expert)."""
+    heads = {"num_heads": 6, "num_kv_heads": 3, "vocab_size": 150} if inference["tensor_parallel"] == 3 else {}
+    spec = {"preset": "tiny-qwen3-moe", "shape": {"num_experts": 7, **heads}, "trainer": {"dp_shard": 2, "grouped_experts": True},
+            "inference": {"replicas": 1, **inference}, "bucket": 4096, "round_bytes": 20000}
+    out = run(spec)
+    assert len(out) == 2 + inference["tensor_parallel"], out
+    assert all(r[2] == "ok" for r in out), out
+    assert sum(r[3] for r in out if r[0] == "trainer") == sum(r[3] for r in out if r[0] == "receiver") > 0
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_different_plans_fail_the_handshake_on_every_rank_naming_the_ranks(transport):
     spec = {"preset": "tiny-llama", "trainer": {"dp_shard": 2}, "inference": {"replicas": 1, "tensor_parallel": 1},

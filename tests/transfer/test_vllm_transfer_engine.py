@@ -69,3 +69,23 @@ def test_a_layer_with_a_quantized_method_is_refused_naming_the_layer_and_its_met
 def test_an_fp8_or_integer_parameter_is_refused_naming_the_parameter_and_its_dtype(dtype):
     with pytest.raises(TransferError, match=rf"parameter 'model.layers.0.self_attn.qkv_proj.weight' is {dtype}"):
         check_unquantized(tiny_model(weight_dtype=dtype), None, where="TP rank 0")
+
+
+@pytest.mark.parametrize(("planned", "served"), [
+    (dict(expert_parallel=True), dict(enable_expert_parallel=False)),
+    (dict(expert_parallel=False), dict(enable_expert_parallel=True)),
+    (dict(expert_parallel=True), dict(enable_expert_parallel=True, expert_placement_strategy="round_robin")),
+])
+def test_a_plan_whose_expert_parallel_is_not_vllms_is_refused_naming_both(planned, served):
+    """Checked against vLLM's own ParallelConfig: a worker whose experts are placed otherwise than the
+    plan says would receive whole experts into slices, or the wrong experts."""
+    from vllm.config import ParallelConfig
+
+    from hpcrl.plan.transfer_layout import InferenceLayout
+    from hpcrl.transfer.vllm_engine import check_expert_parallel
+
+    with pytest.raises(TransferError, match=r"the plan has expert_parallel .* this engine serves enable_expert_parallel"):
+        check_expert_parallel(InferenceLayout(tensor_parallel=2, **planned),
+                              ParallelConfig(tensor_parallel_size=2, **served), moe=True)
+    check_expert_parallel(InferenceLayout(tensor_parallel=2), ParallelConfig(tensor_parallel_size=2, **served),
+                          moe=False)  # a dense model: vLLM's flag changes nothing, the plan has no experts

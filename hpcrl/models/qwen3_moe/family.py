@@ -9,9 +9,10 @@ moe_intermediate_size. Other blocks keep Qwen3's dense MLP. Qwen3-MoE has no sha
 Names (for the weight transfer; /work/agents/moe_interface.md says the same):
   HF checkpoint  model.layers.{i}.mlp.gate.weight (E, H); model.layers.{i}.mlp.experts.{e}.
                  gate_proj / up_proj (I, H), down_proj (H, I), expert by expert
-  vLLM 0.32      mlp.gate.weight replicated (GateLinear); FusedMoE's mlp.experts.w13_weight
+  vLLM 0.32      mlp.gate.weight replicated (GateLinear); FusedMoE's routed experts (a submodule
+                 `routed_experts` of mlp.experts) mlp.experts.routed_experts.w13_weight
                  (E, 2I/tp, H), expert e = [gate rows of this rank; up rows of this rank], and
-                 mlp.experts.w2_weight (E, H, I/tp), each expert's columns split (layer kinds
+                 mlp.experts.routed_experts.w2_weight (E, H, I/tp), each expert's columns split (layer kinds
                  "moe_w13" and "moe_w2"); under expert parallelism a rank holds whole experts
   torchtitan     layers.{i}.moe.router.gate.weight, and GroupedExperts' 3-D stacks
                  layers.{i}.moe.routed_experts.inner_experts.w1_EFD (E, I, H) = gate_proj of every
@@ -113,9 +114,9 @@ class Qwen3Moe(DenseDecoder):
                 p = f"model.layers.{dense.group(1)}.mlp."
                 experts = range(shape.num_experts)
                 yield VllmParam(name=p + "gate.weight", layer="replicated", hf=(p + "gate.weight",))
-                yield VllmParam(name=p + "experts.w13_weight", layer="moe_w13",
+                yield VllmParam(name=p + "experts.routed_experts.w13_weight", layer="moe_w13",
                                 hf=tuple(f"{p}experts.{e}.{x}_proj.weight" for e in experts for x in ("gate", "up")))
-                yield VllmParam(name=p + "experts.w2_weight", layer="moe_w2",
+                yield VllmParam(name=p + "experts.routed_experts.w2_weight", layer="moe_w2",
                                 hf=tuple(f"{p}experts.{e}.down_proj.weight" for e in experts))
 
 

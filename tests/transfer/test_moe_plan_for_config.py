@@ -1,0 +1,38 @@
+"""A run's transfer plan for a Mixture-of-Experts config: the trainer's experts as grouped stacks,
+vLLM's expert parallel from `inference.expert_parallel`, 1.00x the minimum bytes; a dense config
+is planned as before whatever that key says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpcrl.config.load import load_config_and_shape
+from hpcrl.plan.for_config import describe_plan, plan_for_config
+from hpcrl.plan.transfer_check import check_plan
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny_grpo.toml"
+MOE = ["model.preset=tiny-qwen3-moe", "model.path=models/tiny-qwen3-moe", "trainer.ranks_per_node=2",
+       "inference.tensor_parallel=2"]
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_a_moe_config_plans_grouped_experts_and_vllm_expert_parallel_as_configured(expert_parallel):
+    config, shape = load_config_and_shape(TINY, overrides=[*MOE, f"inference.expert_parallel={str(expert_parallel).lower()}"])
+    plan = plan_for_config(config, shape)
+    assert plan.trainer.grouped_experts
+    assert plan.inference.expert_parallel is expert_parallel
+    check_plan(plan)
+    assert plan.stats().ratio() == 1.0
+    assert ("(experts: EP)" in describe_plan(plan)) is expert_parallel
+    stacks = {s.name: s.shard_rows for s in plan.sources if ".experts." in s.name}
+    assert stacks["model.layers.0.mlp.experts.down_proj.weight"] == shape.hidden_size  # whole experts per FSDP rank
+
+
+def test_expert_parallel_leaves_a_dense_models_plan_unchanged():
+    dense = plan_for_config(load_config_and_shape(TINY)[0])
+    ignored = plan_for_config(load_config_and_shape(TINY, overrides=["inference.expert_parallel=true"])[0])
+    assert not ignored.inference.expert_parallel and not ignored.trainer.grouped_experts
+    assert ignored.digest == dense.digest
