@@ -94,3 +94,13 @@ def tiny_model() -> Path:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return REPO / "models" / "tiny-llama"
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model() -> Path:
+    """models/tiny-qwen3-moe (a tiny Qwen3-MoE), made by tools/make_tiny_model.py if missing (a few seconds)."""
+    import sys
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny_model.py"), "--preset", "tiny-qwen3-moe"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return REPO / "models" / "tiny-qwen3-moe"

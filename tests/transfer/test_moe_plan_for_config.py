@@ -14,8 +14,9 @@ from hpcrl.plan.transfer_check import check_plan
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny_grpo.toml"
+# Inference on GPUs (planning only): expert parallel is refused on CPU inference, where vLLM cannot run it.
 MOE = ["model.preset=tiny-qwen3-moe", "model.path=models/tiny-qwen3-moe", "trainer.ranks_per_node=2",
-       "inference.tensor_parallel=2"]
+       "inference.tensor_parallel=2", "inference.gpus_per_node=2"]
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
@@ -31,8 +32,12 @@ def test_a_moe_config_plans_grouped_experts_and_vllm_expert_parallel_as_configur
     assert stacks["model.layers.0.mlp.experts.down_proj.weight"] == shape.hidden_size  # whole experts per FSDP rank
 
 
-def test_expert_parallel_leaves_a_dense_models_plan_unchanged():
-    dense = plan_for_config(load_config_and_shape(TINY)[0])
-    ignored = plan_for_config(load_config_and_shape(TINY, overrides=["inference.expert_parallel=true"])[0])
-    assert not ignored.inference.expert_parallel and not ignored.trainer.grouped_experts
-    assert ignored.digest == dense.digest
+def test_expert_parallel_is_refused_on_cpu_inference_and_on_a_dense_model_with_the_fix():
+    from hpcrl.config import load_config
+    from hpcrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="inference.expert_parallel.*CPU MoE kernel crashes.*Fix: set inference"):
+        load_config(REPO / "configs" / "tiny_moe_grpo.toml", overrides=["inference.expert_parallel=true"])
+    with pytest.raises(ConfigError, match="inference.expert_parallel.*has no experts"):
+        load_config(REPO / "configs" / "tiny_grpo.toml",
+                    overrides=["inference.expert_parallel=true", "inference.gpus_per_node=1"])
