@@ -33,7 +33,8 @@ def test_a_reward_task_with_an_environment_serves_env_calls_over_the_bus_and_a_h
 
     monkeypatch.syspath_prepend(str(repo / "tests" / "env"))  # envs_for_tests: Misbehave
     config = load_config(repo / "configs" / "tiny_grpo.toml", overrides=[
-        'env.environment="envs_for_tests:Misbehave"', "env.workers=2", "env.step_timeout_s=3", "reward.workers=1"])
+        'env.environment="envs_for_tests:Misbehave"', "env.workers=2", "env.step_timeout_s=3", "reward.workers=1",
+        "data.format=chat"])
     identity = TaskIdentity(group="reward", component=3, rank=0, group_size=1, replica=0, local_rank=0, node="n0",
                             node_index=0)
     role = RewardRole(config, identity, {})
