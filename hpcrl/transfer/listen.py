@@ -32,9 +32,8 @@ listener is sealed: gloo (not lazy) connects its full mesh while the group is ma
 the listener has nothing left to accept, but gloo keeps it in its event loop for the group's life
 and aborts the process if accept() fails, so it can be neither closed nor shut down. Instead the
 socket gets a classic BPF filter that drops every packet (SO_ATTACH_FILTER, then SO_LOCK_FILTER
-so nothing removes it): Linux runs a listener's filter on each incoming SYN (and on the handshake's
-last ACK), so a stranger's connection never completes and nothing reaches gloo's accept(); the
-group's own connections, cloned from the listener before the filter existed, keep working
+so nothing removes it): Linux runs a listener's filter on each incoming SYN, so a stranger's
+connection never completes and nothing reaches gloo's accept(); the group's own connections, cloned from the listener before the filter existed, keep working
 (docs/FACTS.md, "gloo's listener"). sealing() finds the group's listeners as the TCP listeners
 of this process that appeared while it formed (/proc/self/fd matched with /proc/self/net/tcp{,6}).
 """
