@@ -236,11 +236,23 @@ def sealing() -> Iterator[list[tuple[str, int]]]:
 
 def seal_all(*, loopback_only: bool) -> list[tuple[str, int]]:
     """Seal every TCP listener of this process (on the loopback address only, if `loopback_only`);
-    for a process whose listeners are all gloo's of groups already formed (vLLM's worker, once
-    its engine serves). Returns the (address, port) of each."""
+    for a process whose listeners there are all gloo's of groups already formed. Returns the
+    (address, port) of each."""
     refuse_lazy_gloo()
     return [where for inode, where in tcp_listeners().items()
             if (not loopback_only or _is_loopback(where[0])) and seal(inode)]
+
+
+def seal_loopback_gloo() -> list[tuple[str, int]]:
+    """In a vLLM worker whose groups have formed: seal its listeners on the loopback address, gloo's
+    (GLOO_SOCKET_IFNAME=lo and VLLM_HOST_IP=127.0.0.1 there: hpcrl.inference.vllm_llm). NCCL's
+    listeners must stay open (its bootstrap accepts connections at run time): they are on NCCL's
+    interface, which is never loopback while the node has another, unless NCCL_SOCKET_IFNAME
+    names it; then nothing is sealed here (vLLM's listeners stay open to the node's processes)."""
+    nccl = os.environ.get("NCCL_SOCKET_IFNAME", "")
+    if not nccl.startswith("^") and any(name.strip().startswith(LOOPBACK_INTERFACE) for name in nccl.split(",")):
+        return []
+    return seal_all(loopback_only=True)
 
 
 def _is_loopback(ip: str) -> bool:

@@ -226,9 +226,10 @@ def accepting(targets: list[tuple[str, int]], *, timeout_s: float = 1.5) -> list
     return accepted
 
 
-def accepting_in(pid: int, targets: list[tuple[str, int]]) -> list[tuple[str, int]]:
-    """accepting(targets) from process `pid`'s network namespace (nsenter where it is not ours: the
-    local cluster's nodes)."""
+def accepting_from(pids: list[int], targets: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """accepting(targets) from the network namespace of the processes `pids` (all in one; nsenter
+    where it is not ours: the local cluster's nodes)."""
+    pid = next(p for p in pids if os.path.exists(f"/proc/{p}/ns/net"))  # StopIteration: all ended
     if os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat("/proc/self/ns/net").st_ino:
         return accepting(targets)
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from listening import accepting; "
@@ -239,11 +240,32 @@ def accepting_in(pid: int, targets: list[tuple[str, int]]) -> list[tuple[str, in
     return [tuple(t) for t in json.loads(out)]
 
 
+def accepting_listeners(sockets: list[tuple[str, int, str, int]]) -> set[tuple[int, str, int]]:
+    """(pid, address, port) of those of `sockets` that complete a TCP connection, tried at once from
+    each listener's network namespace (a process that ended meanwhile listens on nothing)."""
+    spaces: dict[int, list[tuple[int, str, int]]] = {}
+    for _, pid, ip, port in sockets:
+        try:
+            spaces.setdefault(os.stat(f"/proc/{pid}/ns/net").st_ino, []).append((pid, ip, port))
+        except FileNotFoundError:
+            continue
+    found = set()
+    for members in spaces.values():
+        try:
+            accepted = set(accepting_from([p for p, _, _ in members], [(ip, port) for _, ip, port in members]))
+        except (StopIteration, FileNotFoundError, subprocess.CalledProcessError):  # its processes ended
+            continue
+        found |= {(p, ip, port) for p, ip, port in members
+                  if ({"0.0.0.0": "127.0.0.1", "::": "::1"}.get(ip, ip), port) in accepted}
+    return found
+
+
 def check_listening(sockets: list[tuple[str, int, str, int]], allowed: dict[str, Allowed]) -> None:
     """Fail on a process listening on more TCP sockets than its role's `allowed` (none for a role not
     there), or on more beyond the loopback address than that allows, or on one that accepts a
     connection though its role does not authenticate (a gloo listener left unsealed)."""
     listed = "\n".join(f"  {role} (pid {pid}): {ip}:{port}" for role, pid, ip, port in sockets)
+    unsealed = accepting_listeners([s for s in sockets if not allowed.get(s[0], Allowed(0, 0, "")).authenticates])
     for role, pid in sorted({(r, p) for r, p, _, _ in sockets}):
         mine = [ip for _, p, ip, _ in sockets if p == pid]
         outside = [ip for ip in mine if not is_loopback(ip)]
@@ -255,8 +277,7 @@ def check_listening(sockets: list[tuple[str, int, str, int]], allowed: dict[str,
             f"{role} (pid {pid}) listens on {len(outside)} TCP socket(s) beyond the loopback address ({outside}), "
             f"{rule.beyond_loopback} are listed (tests/rl/listening.py): a group whose ranks share a machine must "
             f"listen on loopback (hpcrl.transfer.listen)\n{listed}")
-        if not rule.authenticates:
-            open_ = accepting_in(pid, [(ip, port) for _, p, ip, port in sockets if p == pid])
-            assert not open_, (
-                f"{role} (pid {pid}) accepted a TCP connection on {open_}: its listeners authenticate nobody, so "
-                f"each must be sealed once its group formed (hpcrl.transfer.listen.sealing)\n{listed}")
+        open_ = sorted((ip, port) for p, ip, port in unsealed if p == pid)
+        assert not open_, (
+            f"{role} (pid {pid}) accepted a TCP connection on {open_}: its listeners authenticate nobody, so "
+            f"each must be sealed once its group formed (hpcrl.transfer.listen.sealing)\n{listed}")

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from listening import _listeners_of, accepting, as_on_a_node, is_loopback
 
 from hpcrl.trainer import group
-from hpcrl.transfer.gloo import open_gloo_group
 from hpcrl.trainer.parallel import make_dp_mesh
+from hpcrl.transfer.gloo import open_gloo_group
 from hpcrl.transfer.listen import GLOO_INTERFACE_ENV, GLOO_LAZY_ENV, NODE_INTERFACE_ENV, gloo_devices, one_machine
 from hpcrl.transfer.rendezvous import SECRET_DIR_ENV, client_store, serve_private_store
 
