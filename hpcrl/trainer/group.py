@@ -11,7 +11,9 @@ runs the engine, after it has taken its CUDA device (hpcrl.roles.base.EngineThre
     leave()                                                       # at the end, or the process may hang
 
 A group whose ranks all share this machine (a group of one, or ranks on one node) listens on the
-loopback address: gloo's listeners authenticate no peer (hpcrl.transfer.listen).
+loopback address, and every group's gloo listener is sealed once it formed: gloo's listeners
+authenticate no peer (hpcrl.transfer.listen). Groups torch makes from it later (a device mesh's)
+are sealed by whoever asks for them: `with sealing(): init_device_mesh(...)` (trainer/parallel.py).
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ def join(store: Any, *, rank: int, world: int, device: str, timeout_s: float) ->
 
     When every rank runs on this machine, the group's gloo listeners are on the loopback address:
     this one, and every group torch makes from it until leave() (torch reads GLOO_SOCKET_IFNAME
-    each time). NCCL's are NCCL's own (docs/FACTS.md, "gloo's listener")."""
+    each time). The group's gloo listeners are sealed once it formed. NCCL's are NCCL's own
+    (docs/FACTS.md, "gloo's listener"): made at the first collective, after this returned."""
     import torch.distributed as dist
 
-    from hpcrl.transfer.listen import one_machine, use_loopback
+    from hpcrl.transfer.listen import one_machine, sealing, use_loopback
 
     if dist.is_initialized():
         raise TrainerError("this process is already in a torch.distributed group; a trainer rank forms its own "
@@ -47,8 +50,9 @@ def join(store: Any, *, rank: int, world: int, device: str, timeout_s: float) ->
     if one_machine(dist.PrefixStore("hpcrl-listen", store), rank=rank, world=world):
         _restore.append(use_loopback())
     try:
-        dist.init_process_group(backend(device), store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        with sealing():
+            dist.init_process_group(backend(device), store=store, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=timeout_s))
     except BaseException:
         while _restore:
             _restore.pop()()

@@ -33,11 +33,15 @@ def dp_layout(*, dp_replicate: int, dp_shard: int, world_size: int) -> tuple[int
 
 
 def make_dp_mesh(*, dp_replicate: int, dp_shard: int, device_type: str):
-    """The data-parallel device mesh over the default process group (1-D unless HSDP)."""
+    """The data-parallel device mesh over the default process group (1-D unless HSDP). torch makes a
+    group per mesh dimension: their gloo listeners are sealed once made (hpcrl.transfer.listen)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from hpcrl.transfer.listen import sealing
+
     replicate, shard = dp_layout(dp_replicate=dp_replicate, dp_shard=dp_shard, world_size=dist.get_world_size())
-    mesh = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    with sealing():
+        mesh = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
     return mesh if replicate > 1 else mesh["dp_shard"]
 
 

@@ -8,7 +8,8 @@ Formed like vLLM's `stateless_init_torch_distributed_process_group` (vllm/distri
 store, a PrefixStore, a ProcessGroup with a gloo backend), with torch only, so trainer processes
 need not import vLLM. The store is the run's authenticated one (rendezvous.py), which every
 transport shares. The group's gloo listener is on the loopback address when all its ranks share
-this machine, else on the node's (listen.py).
+this machine, else on the node's, and is sealed once the group has formed: it refuses every
+connection from then on (listen.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from hpcrl.errors import TransferError
 from hpcrl.transfer.bus_store import BusStore
-from hpcrl.transfer.listen import gloo_options, one_machine
+from hpcrl.transfer.listen import gloo_options, one_machine, sealing
 from hpcrl.transfer.rendezvous import compare_digests, rendezvous_store
 
 DIGEST_BYTES = 32
@@ -75,7 +76,8 @@ def open_gloo_group(*, store: str, rank: int, world_size: int, timeout_s: float,
                                           generation=generation)
         pg = dist.ProcessGroup(prefix, rank, world_size)
         loopback = one_machine(dist.PrefixStore("hpcrl-listen", prefix), rank=rank, world=world_size)
-        backend = ProcessGroupGloo(prefix, rank, world_size, gloo_options(loopback=loopback, timeout=timeout))
+        with sealing():  # its ranks are connected once it is made: nobody needs its listener any more
+            backend = ProcessGroupGloo(prefix, rank, world_size, gloo_options(loopback=loopback, timeout=timeout))
         backend._set_sequence_number_for_group()
         pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)

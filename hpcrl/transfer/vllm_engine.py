@@ -50,6 +50,7 @@ from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
 from hpcrl.plan.transfer_plan import TransferPlan
 from hpcrl.plan.transfer_planner import plan as plan_transfer
 from hpcrl.transfer import execute
+from hpcrl.transfer.listen import seal_loopback_gloo
 from hpcrl.transfer.registry import TransferLink, open_group
 
 ENGINE_NAME = "hpcrl"
@@ -218,6 +219,10 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         self.timeout_s = info.timeout_s
         rank = execute.inference_group_rank(plan, self.replica, self.tp_rank)
         world = plan.trainer.world_size + inference.replicas * inference.tensor_parallel
+        # vLLM's own gloo groups formed when its engine started: seal their listeners (on loopback:
+        # vllm_llm.py) as ours are sealed once formed (hpcrl.transfer.listen); on one node its processes
+        # hold no other TCP listener there (docs/FACTS.md, "gloo's listener").
+        seal_loopback_gloo()
         self.group = group = open_group(info.transport, store=info.store, rank=rank, world_size=world,
                                         timeout_s=info.timeout_s, generation=info.generation)
         group.check_digests(rank=rank, digest=plan.digest, describe=lambda r: execute.describe_group_rank(plan, r))

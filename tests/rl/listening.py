@@ -15,16 +15,25 @@ exhaust the process's file descriptors abort it ("accept: Too many open files" t
 listener thread; docs/FACTS.md, "gloo's listener"). So a group whose ranks share a machine
 listens on the loopback address (hpcrl.transfer.listen), and only a group that spans nodes - the
 trainer ranks' across nodes, the weight-transfer group between trainer and inference nodes - may
-be on the node's. A new listener, or one on the node's address where loopback would do, fails
-the tests that fold this check in (tests/rl/test_inprocess.py, tests/rl/test_job.py).
+be on the node's. Each gloo listener is sealed once its group formed (a
+socket filter that drops every packet: hpcrl.transfer.listen), so check_listening also connects
+to every listener of a role that does not authenticate, from the listener's network namespace,
+and fails on one that accepts. A new listener, one on the node's address where loopback would
+do, or one left open fails the tests that fold this check in (tests/rl/test_inprocess.py,
+tests/rl/test_job.py).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
+import select
 import socket
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,13 +48,18 @@ class Allowed:
     most: int
     beyond_loopback: int
     why: str
+    authenticates: bool = False
+    """Whether its listeners accept a connection and authenticate what comes on it (ours, Slurm's);
+    else each must refuse every connection (gloo's and vLLM's: sealed once their group formed)."""
 
 
-_GLOO = ("gloo's (no authentication: a stranger's connection is accepted and kept, junk on it does not "
-         "disturb the group, enough of them abort the process; kept for the group's life)")
-_VLLM_OWN = ("vLLM's own: gloo's listeners of its CPU groups (world, TP, PP, DP, EP, ...) and, where vLLM "
-             "serves one, its world group's store; on the loopback address (VLLM_HOST_IP and GLOO_SOCKET_IFNAME "
-             "of vLLM's processes: hpcrl.inference.vllm_llm), its tensor-parallel workers sharing one node")
+_GLOO = ("gloo's (no authentication: a stranger's connection would be accepted and kept, enough of them abort "
+         "the process; kept for the group's life, so sealed once the group formed: a drop-all socket filter, "
+         "every connection refused, hpcrl.transfer.listen)")
+_VLLM_OWN = ("vLLM's own: gloo's listeners of its CPU groups (world, TP, PP, DP, EP, ...); on the loopback address "
+             "(VLLM_HOST_IP and GLOO_SOCKET_IFNAME of vLLM's processes: hpcrl.inference.vllm_llm), its "
+             "tensor-parallel workers sharing one node; sealed by hpcrl in each worker before the weight-transfer "
+             "group forms (hpcrl.transfer.vllm_engine)")
 _TRANSFER_VLLM_END = "the weight-transfer group's vLLM end, " + _GLOO
 
 #: `hpcrl run`: everything on one machine, so every listener on the loopback address. The rendezvous
@@ -57,7 +71,7 @@ HPCRL_RUN = {
 
 _HEAD = Allowed(2, 2, "the control bus (ZeroMQ ROUTER) and the rendezvous store (transfer/bus_store.py): PLAIN "
                       "with the run's token at the connection, then every message HMAC-signed with the run's "
-                      "secret and checked before it is unpacked; on every interface")
+                      "secret and checked before it is unpacked; on every interface", authenticates=True)
 
 #: A job on the local executor: every task on this machine, so only the head's two are beyond loopback.
 JOB = {
@@ -81,7 +95,7 @@ SLURM_JOB = {
     "VLLM::EngineCore": Allowed(14, 1, f"{_VLLM_OWN}; and {_TRANSFER_VLLM_END}, on the node's address: the "
                                        "trainer ranks on other nodes connect to it"),
     "srun": Allowed(4, 4, "Slurm's: srun's listeners for its step's messages from slurmd/slurmstepd and its tasks' "
-                          "I/O connections, authenticated by Slurm (munge, the step's I/O key)"),
+                          "I/O connections, authenticated by Slurm (munge, the step's I/O key)", authenticates=True),
 }
 
 
@@ -186,10 +200,72 @@ def listening(roles: dict[int, str | None]) -> list[tuple[str, int, str, int]]:
     return sorted(found)
 
 
+def accepting(targets: list[tuple[str, int]], *, timeout_s: float = 1.5) -> list[tuple[str, int]]:
+    """Those of the listeners `targets` ((address, port) in this network namespace; 0.0.0.0 or :: as
+    the loopback address) that complete a TCP connection within `timeout_s`, all tried at once.
+    A sealed listener drops the SYN: its connection stays pending and is closed unanswered."""
+    pending, accepted = {}, []
+    for ip, port in targets:
+        ip = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(ip, ip)
+        sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.connect_ex((ip, port))
+        pending[sock] = (ip, port)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while pending and (left := deadline - time.monotonic()) > 0:
+            _, writable, _ = select.select([], list(pending), [], left)
+            for sock in writable:
+                where = pending.pop(sock)
+                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                    accepted.append(where)
+                sock.close()
+    finally:
+        for sock in pending:
+            sock.close()
+    return accepted
+
+
+def accepting_from(pids: list[int], targets: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """accepting(targets) from the network namespace of the processes `pids` (all in one; nsenter
+    where it is not ours: the local cluster's nodes)."""
+    pid = next(p for p in pids if os.path.exists(f"/proc/{p}/ns/net"))  # StopIteration: all ended
+    if os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat("/proc/self/ns/net").st_ino:
+        return accepting(targets)
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from listening import accepting; "
+            "print(json.dumps(accepting([tuple(t) for t in json.loads(sys.argv[2])])))")
+    out = subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", sys.executable, "-c", code,
+                          str(Path(__file__).parent), json.dumps(targets)],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    return [tuple(t) for t in json.loads(out)]
+
+
+def accepting_listeners(sockets: list[tuple[str, int, str, int]]) -> set[tuple[int, str, int]]:
+    """(pid, address, port) of those of `sockets` that complete a TCP connection, tried at once from
+    each listener's network namespace (a process that ended meanwhile listens on nothing)."""
+    spaces: dict[int, list[tuple[int, str, int]]] = {}
+    for _, pid, ip, port in sockets:
+        try:
+            spaces.setdefault(os.stat(f"/proc/{pid}/ns/net").st_ino, []).append((pid, ip, port))
+        except FileNotFoundError:
+            continue
+    found = set()
+    for members in spaces.values():
+        try:
+            accepted = set(accepting_from([p for p, _, _ in members], [(ip, port) for _, ip, port in members]))
+        except (StopIteration, FileNotFoundError, subprocess.CalledProcessError):  # its processes ended
+            continue
+        found |= {(p, ip, port) for p, ip, port in members
+                  if ({"0.0.0.0": "127.0.0.1", "::": "::1"}.get(ip, ip), port) in accepted}
+    return found
+
+
 def check_listening(sockets: list[tuple[str, int, str, int]], allowed: dict[str, Allowed]) -> None:
     """Fail on a process listening on more TCP sockets than its role's `allowed` (none for a role not
-    there), or on more beyond the loopback address than that allows."""
+    there), or on more beyond the loopback address than that allows, or on one that accepts a
+    connection though its role does not authenticate (a gloo listener left unsealed)."""
     listed = "\n".join(f"  {role} (pid {pid}): {ip}:{port}" for role, pid, ip, port in sockets)
+    unsealed = accepting_listeners([s for s in sockets if not allowed.get(s[0], Allowed(0, 0, "")).authenticates])
     for role, pid in sorted({(r, p) for r, p, _, _ in sockets}):
         mine = [ip for _, p, ip, _ in sockets if p == pid]
         outside = [ip for ip in mine if not is_loopback(ip)]
@@ -201,3 +277,7 @@ def check_listening(sockets: list[tuple[str, int, str, int]], allowed: dict[str,
             f"{role} (pid {pid}) listens on {len(outside)} TCP socket(s) beyond the loopback address ({outside}), "
             f"{rule.beyond_loopback} are listed (tests/rl/listening.py): a group whose ranks share a machine must "
             f"listen on loopback (hpcrl.transfer.listen)\n{listed}")
+        open_ = sorted((ip, port) for p, ip, port in unsealed if p == pid)
+        assert not open_, (
+            f"{role} (pid {pid}) accepted a TCP connection on {open_}: its listeners authenticate nobody, so "
+            f"each must be sealed once its group formed (hpcrl.transfer.listen.sealing)\n{listed}")

@@ -1,4 +1,5 @@
-"""Where gloo listens (hpcrl.transfer.listen): on loopback when a group's ranks share a machine, else on the node's.
+"""Where gloo listens (hpcrl.transfer.listen): on loopback when a group's ranks share a machine, else on the node's;
+and that every gloo listener of ours refuses all connections once its group formed (sealed).
 
 Every test runs with gloo's default on this machine's network address (GLOO_SOCKET_IFNAME naming
 such an interface: listening.as_on_a_node), as on a cluster node whose name resolves to its
@@ -20,11 +21,12 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from listening import _listeners_of, as_on_a_node, is_loopback
+from listening import _listeners_of, accepting, as_on_a_node, is_loopback
 
 from hpcrl.trainer import group
+from hpcrl.trainer.parallel import make_dp_mesh
 from hpcrl.transfer.gloo import open_gloo_group
-from hpcrl.transfer.listen import GLOO_INTERFACE_ENV, NODE_INTERFACE_ENV, gloo_devices, one_machine
+from hpcrl.transfer.listen import GLOO_INTERFACE_ENV, GLOO_LAZY_ENV, NODE_INTERFACE_ENV, gloo_devices, one_machine
 from hpcrl.transfer.rendezvous import SECRET_DIR_ENV, client_store, serve_private_store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,13 +55,17 @@ def new_listeners(before: set[tuple[str, int]]) -> list[str]:
     return sorted(ip for ip, port in set(_listeners_of(os.getpid())) - before)
 
 
-def test_a_transfer_group_whose_ranks_share_this_machine_listens_on_loopback_only(store):
-    before = set(_listeners_of(os.getpid()))
+def new_set(before: set[tuple[str, int]]) -> set[tuple[str, int]]:
+    return set(_listeners_of(os.getpid())) - before
+
+
+def form_transfer_group(store: str, generation: int = 0) -> dict:
+    """Both ranks of a transfer group, each on a thread of this process."""
     groups, errors = {}, []
 
     def rank(r: int) -> None:
         try:
-            groups[r] = open_gloo_group(store=store, rank=r, world_size=2, timeout_s=30)
+            groups[r] = open_gloo_group(store=store, rank=r, world_size=2, timeout_s=30, generation=generation)
         except BaseException as err:  # noqa: BLE001 - reported below
             errors.append(err)
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
@@ -67,17 +73,69 @@ def test_a_transfer_group_whose_ranks_share_this_machine_listens_on_loopback_onl
         t.start()
     for t in threads:
         t.join(60)
+    assert not errors, errors
+    return groups
+
+
+def all_reduce_ones(groups: dict) -> list[list[float]]:
+    tensors = [torch.ones(2), torch.ones(2)]
+    for work in [groups[r].pg.allreduce([tensors[r]]) for r in range(2)]:
+        work.wait()
+    return [t.tolist() for t in tensors]
+
+
+def test_a_transfer_group_listens_on_loopback_refuses_strangers_once_formed_and_another_forms_after_it(store):
+    before = set(_listeners_of(os.getpid()))
+    groups = form_transfer_group(store)
+    later = {}
     try:
-        assert not errors, errors
-        opened = new_listeners(before)
-        assert len(opened) == 2 and all(is_loopback(ip) for ip in opened), opened
-        tensors = [torch.ones(2), torch.ones(2)]
-        for work in [groups[r].pg.allreduce([tensors[r]]) for r in range(2)]:
-            work.wait()
-        assert [t.tolist() for t in tensors] == [[2.0, 2.0], [2.0, 2.0]]
+        opened = set(_listeners_of(os.getpid())) - before
+        assert len(opened) == 2 and all(is_loopback(ip) for ip, _ in opened), opened
+        assert accepting(sorted(opened), timeout_s=1.0) == []  # sealed: the SYN is dropped
+        assert all_reduce_ones(groups) == [[2.0, 2.0], [2.0, 2.0]]
+        # a group formed afterwards: its listeners were not sealed before it formed, and are after
+        later = form_transfer_group(store, generation=1)
+        assert all_reduce_ones(later) == [[2.0, 2.0], [2.0, 2.0]]
+        assert len(set(_listeners_of(os.getpid())) - before) == 4
+        assert accepting(sorted(set(_listeners_of(os.getpid())) - before), timeout_s=1.0) == []
+        assert all_reduce_ones(groups) == [[2.0, 2.0], [2.0, 2.0]]
     finally:
-        for g in groups.values():
+        for g in [*groups.values(), *later.values()]:
             g.close()
+
+
+_RANKS = """
+import os, resource, sys, threading, torch
+from hpcrl.transfer.gloo import open_gloo_group
+from hpcrl.transfer.listen import tcp_listeners
+before, groups = set(tcp_listeners()), {}
+ts = [threading.Thread(target=lambda r=r: groups.__setitem__(r, open_gloo_group(store=sys.argv[1], rank=r,
+      world_size=2, timeout_s=30))) for r in range(2)]
+[t.start() for t in ts]; [t.join() for t in ts]
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 64,) * 2)
+print(" ".join(str(port) for inode, (ip, port) in tcp_listeners().items() if inode not in before), flush=True)
+sys.stdin.readline()  # the stranger has had its go
+tensors = [torch.ones(2), torch.ones(2)]
+[w.wait() for w in [groups[r].pg.allreduce([tensors[r]]) for r in range(2)]]
+print(tensors[0].tolist(), flush=True)
+[g.close() for g in groups.values()]
+"""
+
+
+def test_a_stranger_with_more_connections_than_the_process_has_descriptors_gets_none_and_the_group_lives(store):
+    """Unsealed, the 65th connection would make gloo's listener thread abort the process (docs/FACTS.md)."""
+    ranks = subprocess.Popen([sys.executable, "-c", _RANKS, store], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        ports = [int(p) for p in ranks.stdout.readline().split()]
+        assert len(ports) == 2, ports
+        assert accepting([("127.0.0.1", p) for p in ports for _ in range(100)], timeout_s=2.0) == []
+        ranks.stdin.write("go\n")
+        ranks.stdin.flush()
+        assert ranks.stdout.readline().strip() == "[2.0, 2.0]"
+        assert ranks.wait(timeout=30) == 0
+    finally:
+        ranks.kill()
 
 
 def netns_works() -> bool:
@@ -128,9 +186,23 @@ def test_a_trainer_group_of_one_and_what_torch_makes_from_it_listen_on_loopback_
     before = set(_listeners_of(os.getpid()))
     group.join_alone(device="cpu")
     try:
-        dist.new_group(backend="gloo")  # as torch makes more from the default group later (meshes, checkpoints)
+        mine = set(_listeners_of(os.getpid())) - before
+        # the groups torch makes for the engine's mesh (none for one rank; a 2-rank job's: tests/rl/test_job.py)
+        make_dp_mesh(dp_replicate=1, dp_shard=-1, device_type="cpu")
+        assert len(mine) == 1 and accepting(sorted(new_set(before)), timeout_s=1.0) == []  # all sealed
+        before_new = set(_listeners_of(os.getpid()))
+        dist.new_group(backend="gloo")  # as torch makes more from the default group: on loopback, but not sealed
+        other = set(_listeners_of(os.getpid())) - before_new
+        assert len(other) == 1 and accepting(sorted(other), timeout_s=5.0) == sorted(other)  # what the check catches
         opened = new_listeners(before)
-        assert len(opened) == 2 and all(is_loopback(ip) for ip in opened), opened
+        assert all(is_loopback(ip) for ip in opened), opened
     finally:
         group.leave()
     assert os.environ[GLOO_INTERFACE_ENV] == node and NODE_INTERFACE_ENV not in os.environ
+
+
+def test_a_group_is_refused_where_gloo_would_connect_lazily_through_the_listener_sealed_after_it(node, monkeypatch):
+    monkeypatch.setenv(GLOO_LAZY_ENV, "1")
+    with pytest.raises(RuntimeError, match=f"unset {GLOO_LAZY_ENV}"):
+        group.join_alone(device="cpu")
+    assert not dist.is_initialized()
