@@ -39,6 +39,8 @@ from pathlib import Path
 
 import psutil
 
+from hpcrl.transfer.listen import tcp_listeners
+
 
 @dataclass(frozen=True)
 class Allowed:
@@ -157,34 +159,10 @@ def is_loopback(ip: str) -> bool:
 
 
 def _listeners_of(pid: int) -> list[tuple[str, int]]:
-    """(address, port) of the TCP sockets process `pid` listens on, read from /proc/<pid>/net/tcp{,6}:
-    the tables of the process's own network namespace (psutil reads the caller's, and the local
+    """(address, port) of the TCP sockets process `pid` listens on: hpcrl.transfer.listen.tcp_listeners, which
+    reads the tables of the process's own network namespace (psutil reads the caller's, and the local
     cluster's nodes each have their own), matched by socket inode to the process's descriptors."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
-    found = []
-    for table, width in (("tcp", 4), ("tcp6", 16)):
-        try:
-            rows = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: TCP_LISTEN
-                continue
-            address, port = fields[1].split(":")
-            raw = bytes.fromhex(address)
-            # /proc prints each 32-bit word of the address in host (little-endian) order
-            packed = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-            ip = socket.inet_ntop(socket.AF_INET if width == 4 else socket.AF_INET6, packed)
-            found.append((ip, int(port, 16)))
-    return found
+    return list(tcp_listeners(pid).values())
 
 
 def listening(roles: dict[int, str | None]) -> list[tuple[str, int, str, int]]:
