@@ -12,6 +12,48 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+#: Where the tests on a local Slurm cluster (tools/local_slurm.sh) live: marked slurm or faults, or using a
+#: cluster fixture. tests/conftest.py refuses such a test elsewhere (see pytest_collection_modifyitems).
+CLUSTER_PATHS = ("tests/slurm/", "tests/faults/", "tests/rl/test_job.py")
+CLUSTER_FIXTURES = {"local_slurm", "local_slurm_accounting", "namespaced"}
+
+
+def _on_a_cluster(item) -> bool:
+    return (item.get_closest_marker("slurm") is not None or item.get_closest_marker("faults") is not None
+            or bool(CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ()))))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The tests under CLUSTER_PATHS first, in their order (the longest unit of work starts at once); a
+    cluster test anywhere else is an error, since the two workers would share a cluster (see below)."""
+    strays = [item.nodeid for item in items if _on_a_cluster(item) and not item.nodeid.startswith(CLUSTER_PATHS)]
+    if strays:
+        raise pytest.UsageError(f"tests on a local Slurm cluster outside {', '.join(CLUSTER_PATHS)}: "
+                                f"{', '.join(strays)}; move them there or add their file to CLUSTER_PATHS "
+                                "(tests/conftest.py)")
+    items[:] = ([item for item in items if item.nodeid.startswith(CLUSTER_PATHS)]
+                + [item for item in items if not item.nodeid.startswith(CLUSTER_PATHS)])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With `--dist loadscope` (tools/test.sh: two workers), one worker takes every test under CLUSTER_PATHS
+    as one unit, in order: the clusters are shared state (nodes powered off, cut, requeued) and their tests
+    were written to run one at a time. The other takes the rest module by module (a module's fixtures,
+    e.g. one vLLM engine, are made once), and both share what is left at the end. (xdist's own
+    `loadgroup` cannot do this under pytest 9.2: it renames items through an attribute pytest no longer
+    reads.) The controller sees node ids only, hence the path rule."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ClusterAsOneUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "cluster" if nodeid.startswith(CLUSTER_PATHS) else super()._split_scope(nodeid)
+
+    return ClusterAsOneUnit(config, log)
+
+
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO

@@ -30,4 +30,10 @@ else
     echo "test.sh: the local Slurm cluster did not start; tests marked slurm will be skipped" >&2
 fi
 
-exec .venv/bin/python -m pytest ${select[@]+"${select[@]}"} "$@"
+# The models the session fixtures share (tests/conftest.py), made once here rather than by two workers at once.
+for preset in tiny-llama tiny-qwen3-moe; do .venv/bin/python tools/make_tiny_model.py --preset "$preset" >/dev/null; done
+# Two workers (pytest-xdist): the tests on a local Slurm cluster run in order on one of them (tests/conftest.py
+# groups them), the rest of the suite on the other; HPCRL_TEST_WORKERS=0 runs everything in this process.
+workers=(-n "${HPCRL_TEST_WORKERS:-2}" --dist loadscope)
+[[ ${HPCRL_TEST_WORKERS:-2} == 0 ]] && workers=()
+exec .venv/bin/python -m pytest ${workers[@]+"${workers[@]}"} ${select[@]+"${select[@]}"} "$@"
