@@ -20,12 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from hpcrl.config.components import Component, make_components, mem_gib
+from hpcrl.config.groups import TASK_GROUPS
 from hpcrl.config.schema import Config, GroupConfig
 from hpcrl.errors import ConfigError
 
 #: The `python -m` module every group task runs, with the group's name as its argument; the head
 #: runs in the batch step itself.
-GROUP_MODULES = {"trainer": "hpcrl.roles", "inference": "hpcrl.roles", "reward": "hpcrl.roles"}
+GROUP_MODULES = dict.fromkeys(TASK_GROUPS, "hpcrl.roles")
 
 
 @dataclass(frozen=True, kw_only=True)
