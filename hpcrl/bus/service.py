@@ -5,7 +5,9 @@
     outs = await svc.fanout("load_weights", {"version": 7})    # every healthy replica, in order
     per_rank = await svc.call_all(0, "report")                 # every rank of replica 0
 
-route() and fanout() talk to rank 0 of each replica. An idempotent endpoint (as the worker
+Each takes `decode(peer, reply)`, applied to every reply with the name of the peer that sent it (the
+typed contract of hpcrl.contract checks replies so, naming the peer). route() and fanout() talk to
+rank 0 of each replica. An idempotent endpoint (as the worker
 declared it) whose replica dies during the call is retried on another healthy replica within
 the call's original deadline; a non-idempotent one raises PeerDeadError.
 """
@@ -14,11 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from hpcrl.bus.errors import DeadlineExceeded, NoHealthyReplicaError, PeerDeadError
 from hpcrl.bus.router import Router
+
+Decode = Callable[[str, Any], Any]
+"""(peer name, reply) -> what the caller gets of the reply."""
 
 
 class Service:
@@ -41,20 +46,20 @@ class Service:
     # ---------------------------------------------------------------- adverbs
 
     async def route(self, endpoint: str, args: Any = None, *, buffers: Iterable[Any] = (),
-                    timeout: float | None = None) -> Any:
+                    timeout: float | None = None, decode: Decode | None = None) -> Any:
         """Call `endpoint` on one healthy replica, the one with the fewest outstanding calls."""
-        return await self._call_retrying(endpoint, args, tuple(buffers), timeout)
+        return await self._call_retrying(endpoint, args, tuple(buffers), timeout, decode)
 
     async def fanout(self, endpoint: str, args: Any = None, *, buffers: Iterable[Any] = (),
-                     timeout: float | None = None) -> list[Any]:
+                     timeout: float | None = None, decode: Decode | None = None) -> list[Any]:
         """Call `endpoint` on every healthy replica; results in replica order, or the first error."""
         leaders = self._leaders()
         if not leaders:
             raise NoHealthyReplicaError(self.group, "fanout found none registered and healthy")
-        return await self._gather(leaders, endpoint, args, tuple(buffers), timeout)
+        return await self._gather(leaders, endpoint, args, tuple(buffers), timeout, decode)
 
     async def call_all(self, replica: int, endpoint: str, args: Any = None, *, buffers: Iterable[Any] = (),
-                       timeout: float | None = None) -> list[Any]:
+                       timeout: float | None = None, decode: Decode | None = None) -> list[Any]:
         """Call `endpoint` on every rank of one replica; results in rank order, or the first error."""
         ranks = sorted((p for p in self.head.peers(self.group, healthy_only=False) if p.replica == replica),
                        key=lambda p: p.rank)
@@ -66,7 +71,7 @@ class Service:
         for p in ranks:  # a dead rank fails the whole call, naming it
             if not self.head.is_healthy(p.name):
                 raise PeerDeadError(p.name, "is unhealthy; call_all needs every rank of the replica")
-        return await self._gather([p.name for p in ranks], endpoint, args, tuple(buffers), timeout)
+        return await self._gather([p.name for p in ranks], endpoint, args, tuple(buffers), timeout, decode)
 
     # ---------------------------------------------------------------- inside
 
@@ -89,7 +94,8 @@ class Service:
         rotated = leaders[turn:] + leaders[:turn]
         return min(rotated, key=self.head.outstanding)
 
-    async def _call_retrying(self, endpoint: str, args: Any, buffers: tuple, timeout: float | None) -> Any:
+    async def _call_retrying(self, endpoint: str, args: Any, buffers: tuple, timeout: float | None,
+                             decode: Decode | None) -> Any:
         loop = asyncio.get_running_loop()
         timeout = self.head.config.default_deadline if timeout is None else timeout
         deadline = loop.time() + timeout
@@ -101,8 +107,9 @@ class Service:
             except NoHealthyReplicaError as none_left:
                 raise none_left from last_death
             try:
-                return await self.head.request(name, endpoint, args, buffers=buffers,
-                                               timeout=deadline - loop.time())
+                reply = await self.head.request(name, endpoint, args, buffers=buffers,
+                                                timeout=deadline - loop.time())
+                return reply if decode is None else decode(name, reply)
             except PeerDeadError as dead:
                 if not self.head.is_idempotent(name, endpoint):
                     raise
@@ -112,5 +119,6 @@ class Service:
                     raise DeadlineExceeded(name, endpoint, timeout) from dead
 
     async def _gather(self, peers: list[str], endpoint: str, args: Any, buffers: tuple,
-                      timeout: float | None) -> list[Any]:
-        return await self.head.start_fanout(peers, endpoint, args, buffers=buffers, timeout=timeout)
+                      timeout: float | None, decode: Decode | None) -> list[Any]:
+        replies = await self.head.start_fanout(peers, endpoint, args, buffers=buffers, timeout=timeout)
+        return replies if decode is None else [decode(peer, reply) for peer, reply in zip(peers, replies, strict=True)]

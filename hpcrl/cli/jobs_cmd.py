@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hpcrl.config.groups import GROUP_NAMES
+
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     status = subparsers.add_parser("status", help="state of a run: components, nodes, elapsed, last metrics")
@@ -17,7 +19,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     status.set_defaults(func=run_status)
     logs = subparsers.add_parser("logs", help="print (or follow) the logs of a run's tasks")
     logs.add_argument("run_dir", metavar="RUN_DIR")
-    logs.add_argument("--group", choices=["head", "trainer", "inference", "reward"])
+    logs.add_argument("--group", choices=GROUP_NAMES)
     logs.add_argument("--rank", type=int, help="one rank of --group")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing until the run ends")
     logs.set_defaults(func=run_logs)

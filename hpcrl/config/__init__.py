@@ -1,7 +1,8 @@
 """Run configuration: TOML -> frozen dataclasses, with errors that name file, line, key and fix."""
 
+from hpcrl.config.groups import GROUP_NAMES
 from hpcrl.config.load import load_config
 from hpcrl.config.model_shapes import ModelShape, load_shape
-from hpcrl.config.schema import GROUP_NAMES, Config
+from hpcrl.config.schema import Config
 
 __all__ = ["GROUP_NAMES", "Config", "ModelShape", "load_config", "load_shape"]

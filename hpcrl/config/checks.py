@@ -18,8 +18,9 @@ from hpcrl.config.builtin_names import (
     BUILTIN_TASK_NAMES,
 )
 from hpcrl.config.components import make_components
+from hpcrl.config.groups import GROUP_NAMES, HEAD, INFERENCE, REWARD, TRAINER
 from hpcrl.config.model_shapes import ModelShape, load_shape
-from hpcrl.config.schema import GROUP_NAMES, Config
+from hpcrl.config.schema import Config
 from hpcrl.errors import ConfigError
 
 
@@ -167,7 +168,7 @@ def _check_sequence_lengths(config: Config, shape: ModelShape) -> None:
 
 def _check_groups_against_roles(config: Config) -> None:
     t, inf = config.trainer, config.inference
-    trainer = config.group("trainer")
+    trainer = config.group(TRAINER)
     if trainer.nodes and trainer.nodes != t.nodes:
         _fail("groups.trainer.nodes", f"groups.trainer.nodes = {trainer.nodes} but trainer.nodes = {t.nodes}",
               "remove groups.trainer.nodes (it follows trainer.nodes)")
@@ -175,7 +176,7 @@ def _check_groups_against_roles(config: Config) -> None:
         _fail("groups.trainer.gpus_per_node",
               f"groups.trainer.gpus_per_node = {trainer.gpus_per_node} but trainer.gpus_per_node = {t.gpus_per_node}",
               "remove groups.trainer.gpus_per_node (it follows trainer.gpus_per_node)")
-    group = config.group("inference")
+    group = config.group(INFERENCE)
     if group.nodes:
         gpus = group.nodes * inf.gpus_per_node
         needed = inf.replicas * inf.tensor_parallel
@@ -189,10 +190,10 @@ def _check_groups_against_roles(config: Config) -> None:
             _fail("inference.replicas",
                   f"{inf.replicas} CPU replicas need a node each, but groups.inference.nodes = {group.nodes}",
                   f"set groups.inference.nodes = {inf.replicas} (or 0 to derive it)")
-    if config.reward.tasks == 0 and "reward" in config.groups:
+    if config.reward.tasks == 0 and REWARD in config.groups:
         _fail("groups.reward", "reward.tasks = 0 scores inside the head, so there is no reward component",
               "remove [groups.reward], or set reward.tasks to 1 or more")
-    if config.group("head").gpus_per_node > 0:
+    if config.group(HEAD).gpus_per_node > 0:
         _fail("groups.head.gpus_per_node", "the head controller uses no GPU",
               "remove groups.head.gpus_per_node")
 

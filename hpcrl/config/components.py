@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hpcrl.config.groups import GROUP_NAMES, HEAD, INFERENCE, REWARD, TRAINER
 from hpcrl.config.schema import Config
 from hpcrl.errors import ConfigError
 
@@ -96,11 +97,11 @@ def _shape(config: Config, name: str) -> tuple[int, int, int, str]:
     """(nodes, tasks per node, GPUs per task, role) of component `name`, before its Slurm settings."""
     t, inf, reward = config.trainer, config.inference, config.reward
     group = config.group(name)
-    if name == "head":
+    if name == HEAD:
         return 1, 1, 0, "controller: the RL loop, the bus, launches the other groups"
-    if name == "trainer":
+    if name == TRAINER:
         return t.nodes, t.ranks_on_each_node, 1 if t.gpus_per_node else 0, "one FSDP2 rank per task (torchtitan)"
-    if name == "inference":
+    if name == INFERENCE:
         tp = inf.tensor_parallel
         per_node = max(1, inf.gpus_per_node // tp) if inf.gpus_per_node else 1  # a CPU replica gets a node
         nodes = group.nodes or -(-inf.replicas // per_node)
@@ -140,7 +141,7 @@ def _cpus(config: Config, name: str, tasks_per_node: int, gpus_per_task: int) ->
     if gpus_per_task:
         return gpus_per_task * cpus_per_gpu(config), "cluster.cpus_per_gpu"
     node = config.cluster.cpus_per_node
-    if name == "head":
+    if name == HEAD:
         return (min(HEAD_CPUS, node) if node else 0), f"groups.{name}.cpus_per_task"
     return node // tasks_per_node if node else 0, f"groups.{name}.cpus_per_task"
 
@@ -163,7 +164,7 @@ def _mem(config: Config, name: str, tasks_per_node: int, gpus_per_task: int, cpu
 def _check_node(config: Config, comp: Component, cpus_key: str, mem_key: str) -> None:
     c = config.cluster
     if c.gpus_per_node >= 0 and comp.gpus_per_node > c.gpus_per_node:
-        key = {"trainer": "trainer.gpus_per_node", "inference": "inference.tensor_parallel"}.get(
+        key = {TRAINER: "trainer.gpus_per_node", INFERENCE: "inference.tensor_parallel"}.get(
             comp.name, f"groups.{comp.name}.gpus_per_node")
         _fail(key, f"component {comp.name!r} asks each node for {comp.gpus_per_node} GPUs "
                    f"({comp.tasks_per_node} task(s) x {comp.gpus_per_task}), but {c.name!r} nodes have {c.gpus_per_node}",
@@ -200,15 +201,15 @@ def make_components(config: Config) -> list[Component]:
     raises ConfigError when one asks a node for more than the cluster profile says it has."""
     _check_profile(config)
     components: list[Component] = []
-    for name in ("head", "trainer", "inference", "reward"):
-        if name == "reward" and config.reward.tasks == 0:
+    for name in GROUP_NAMES:
+        if name == REWARD and config.reward.tasks == 0:
             continue
         nodes, tasks_per_node, gpus_per_task, role = _shape(config, name)
         group = config.group(name)
         gpus_per_node = tasks_per_node * gpus_per_task
-        if name in ("inference", "reward") and group.gpus_per_node > gpus_per_node:
+        if name in (INFERENCE, REWARD) and group.gpus_per_node > gpus_per_node:
             gpus_per_node = group.gpus_per_node  # asked for more than the tasks use: the job holds them
-        elif name == "inference" and 0 <= group.gpus_per_node < gpus_per_node:
+        elif name == INFERENCE and 0 <= group.gpus_per_node < gpus_per_node:
             _fail("groups.inference.gpus_per_node",
                   f"groups.inference.gpus_per_node = {group.gpus_per_node} is fewer than the {tasks_per_node} "
                   f"replica(s) x TP {gpus_per_task} = {gpus_per_node} GPUs each inference node runs",

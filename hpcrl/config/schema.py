@@ -18,9 +18,6 @@ from typing import Literal
 from hpcrl.algorithms import check_name as check_algorithm_name
 from hpcrl.errors import ConfigError
 
-#: The Slurm components a run is made of, in heterogeneous-job order.
-GROUP_NAMES = ("head", "trainer", "inference", "reward")
-
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # Slurm --time forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
 _TIME_RE = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")

@@ -25,7 +25,7 @@ class Prompt:
     renders `messages` with the model's template instead."""
     answer: str
     """The reference answer given to the reward ("" when data.columns.answer is "")."""
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     """The row's OpenAI-style [{role, content}, ...] conversation, or None for a plain text prompt."""
     extra: dict[str, Any] = field(default_factory=dict)
     """data.columns.extra: column name -> the row's value, for rewards."""

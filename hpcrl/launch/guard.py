@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcrl.config.groups import HEAD
 from hpcrl.logs import setup_logging
 from hpcrl.rundir import EXIT_FILE, write_json
 from hpcrl.slurm.record import read_launch
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                     node=node)
     if verdict.action == "pass":
         return code
-    setup_logging(run_dir, "head", 0, launch.verbose)  # appends to logs/head/rank0.log
+    setup_logging(run_dir, HEAD, 0, launch.verbose)  # appends to logs/head/rank0.log
     if verdict.action == "requeue":
         log.error(verdict.message)
         job_id = os.environ.get("SLURM_JOB_ID", "")

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from hpcrl.bus import BusConfig, Router, load_secret
 from hpcrl.bus.config import MIN_MESSAGE_BYTES, REFUSED_FILE, message_limit_for
+from hpcrl.config.groups import HEAD, INFERENCE
 from hpcrl.errors import HpcrlError
 from hpcrl.fsio import PRIVATE_UMASK
 from hpcrl.launch.supervisor import GroupFailed, Supervisor
@@ -97,7 +98,7 @@ def _late_usr2(signum: int, frame: object) -> None:
 async def _check(sup: Supervisor) -> None:
     """Program "check": release every task once all registered and hold_s passed; wait for the steps.
     A lost inference replica is started again, as in a real run, until the release."""
-    sup.revivable = {"inference"}
+    sup.revivable = {INFERENCE}
     sup.start()
     started, registered_at = time.monotonic(), None
     while not await sup.poll():
@@ -126,7 +127,7 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
     server = serve_store(load_secret(sup.run_dir), bind="tcp://0.0.0.0:0")
     store = f"tcp://{advertise}:{server.address.rpartition(':')[2]}"
     log.info(f"rendezvous store at {store} (requests signed with the run's secret)")
-    sup.revivable = {"inference"}
+    sup.revivable = {INFERENCE}
     sup.start({"HPCRL_STORE_ADDR": store})
     preempt = asyncio.Event()
 
@@ -257,7 +258,7 @@ def run_head(run_dir: Path | str) -> dict:
 
 def _run_head_locked(run_dir: Path) -> dict:
     launch = read_launch(run_dir)
-    setup_logging(run_dir, "head", 0, launch.verbose)  # logs/head/rank0.log, and stderr
+    setup_logging(run_dir, HEAD, 0, launch.verbose)  # logs/head/rank0.log, and stderr
     advertise = os.environ.get("HPCRL_HEAD_HOST") or socket.gethostname()
     router = Router(run_id=launch.run_name, secret=load_secret(run_dir), address="tcp://0.0.0.0:0",
                     config=_bus_config(run_dir, launch.program))

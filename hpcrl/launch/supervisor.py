@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl.bus.router import PeerEvent, Router
+from hpcrl.config.groups import HEAD
 from hpcrl.errors import HpcrlError
 from hpcrl.launch.steps import Step, local_gpu_blocks, start_local_step, start_replacement, start_slurm_step
 from hpcrl.rundir import log_path
@@ -89,7 +90,7 @@ class Supervisor:
         self._deadline = time.monotonic() + launch.start_timeout_s
         router.watch(self._events.append)
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-        self.head_identity = {"group": "head", "rank": 0, "replica": 0, "node": node, "pid": os.getpid()}
+        self.head_identity = {"group": HEAD, "rank": 0, "replica": 0, "node": node, "pid": os.getpid()}
 
     # ---------------------------------------------------------------- starting
 

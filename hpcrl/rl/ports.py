@@ -22,7 +22,9 @@
   sync_weights    trainer ranks send, every inference replica receives (point to point, the transfer plan)
   save/load       every trainer rank (DCP)
 
-Nothing is pickled: batches, completions and rewards cross the bus as msgpack maps.
+Every call is typed by the bus's contract (hpcrl.contract.endpoints): a request is built as its
+dataclass, and each reply is checked and built into its type, naming the peer when it is malformed
+(BadReply). Nothing is pickled: batches, completions and rewards cross the bus as msgpack maps.
 """
 
 from __future__ import annotations
@@ -30,10 +32,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import asdict
+from typing import TypeVar
 
 from hpcrl.bus.errors import DeadlineExceeded
+from hpcrl.config.groups import INFERENCE, REWARD, TRAINER
 from hpcrl.config.schema import Config
+from hpcrl.contract.endpoints import (
+    CheckpointCall,
+    ConnectTransferCall,
+    Endpoint,
+    EnvCall,
+    GenerateCall,
+    ScoreCall,
+    SequencesCall,
+    TrainStepCall,
+    WeightsCall,
+)
+from hpcrl.contract.endpoints import InferenceEndpoints as INF
+from hpcrl.contract.endpoints import RewardEndpoints as REW
+from hpcrl.contract.endpoints import TrainerEndpoints as TRN
 from hpcrl.data.prompts import Prompt
 from hpcrl.env.types import EnvReply, EnvRequest
 from hpcrl.errors import HpcrlError
@@ -52,9 +69,19 @@ RETRY_PAUSE_S = 0.2
 
 log = logging.getLogger(__name__)
 
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
+
 
 class StepStuck(HpcrlError):
     """A trainer step overran its deadline (hpcrl.rl.deadline): the run's attempt ends, the job is requeued."""
+
+
+def _rank0(replies: list[Rep | None], endpoint: Endpoint) -> Rep:
+    """Trainer rank 0's reply: it answers for the group (the other ranks answer None)."""
+    if replies[0] is None:
+        raise HpcrlError(f"{endpoint}: trainer rank 0 answered None, but it answers for the trainer group")
+    return replies[0]
 
 
 def _rejoin_timeout_s(config: Config) -> float:
@@ -67,16 +94,16 @@ def _rejoin_timeout_s(config: Config) -> float:
 
 class BusPorts:
     def __init__(self, config: Config, head, *, store: str) -> None:
-        from hpcrl.bus.service import Service
+        from hpcrl.contract.calls import GroupClient
         from hpcrl.plan.for_config import describe_plan, plan_for_config
 
         self.config = config
         self.head = head
         self.store = store
         self.step_deadline = StepDeadline(ceiling_s=CALL_TIMEOUT_S)
-        self.trainer = Service(head, "trainer")
-        self.inference = Service(head, "inference")
-        self.reward = Service(head, "reward")
+        self.trainer = GroupClient(head, TRAINER)
+        self.inference = GroupClient(head, INFERENCE)
+        self.reward = GroupClient(head, REWARD)
         self.plan = plan_for_config(config)
         log.info(describe_plan(self.plan))  # the digest `hpcrl plan --transfer` prints for this config
         self.startup = StartupClock()
@@ -101,11 +128,11 @@ class BusPorts:
     async def connect(self, *, timeout: float) -> None:
         """Wait for every group, then form the weight-transfer group (trainer ranks + every vLLM worker).
         self.startup gets when each group was ready, counted from the head's launch (they start at once)."""
-        await self.head.wait_for_peers("trainer", 1, timeout=timeout)
-        self.startup.record("trainer", process_age_s())
+        await self.head.wait_for_peers(TRAINER, 1, timeout=timeout)
+        self.startup.record(TRAINER, process_age_s())
         if self.local_scorer is None:
-            await self.head.wait_for_peers("reward", 1, timeout=timeout)
-            self.startup.record("reward", process_age_s())
+            await self.head.wait_for_peers(REWARD, 1, timeout=timeout)
+            self.startup.record(REWARD, process_age_s())
         log.info(f"groups ready: trainer ({self.plan.trainer.world_size} rank(s)), reward "
                  f"({'in the head' if self.local_scorer is not None else 'its own group'})")
         async with self._trainer_turn:
@@ -113,7 +140,7 @@ class BusPorts:
 
     # -- the weight-transfer group and which replicas may serve ---------------------------------
     def _leader(self, replica: int):
-        for peer in self.head.peers("inference"):
+        for peer in self.head.peers(INFERENCE):
             if peer.replica == replica and peer.rank == 0:
                 return peer
         return None
@@ -128,17 +155,17 @@ class BusPorts:
 
     async def _form_group(self, timeout: float) -> None:
         """(Re)form the weight-transfer group once every replica is registered (a lost one started again)."""
-        await self.head.wait_for_peers("inference", self.replicas, timeout=timeout)
+        await self.head.wait_for_peers(INFERENCE, self.replicas, timeout=timeout)
         if self.generation < 0:
-            self.startup.record("inference", process_age_s())
+            self.startup.record(INFERENCE, process_age_s())
         forming = time.monotonic()
         self.generation += 1
         self.current = False
-        args = {"store": self.store, "timeout_s": timeout, "digest": self.plan.digest,
-                "generation": self.generation}
+        call = ConnectTransferCall(store=self.store, timeout_s=timeout, digest=self.plan.digest,
+                                   generation=self.generation)
         members = {r: (p.host, p.pid) for r in range(self.replicas) if (p := self._leader(r)) is not None}
-        await asyncio.gather(self.trainer.call_all(0, "connect_transfer", args, timeout=timeout),
-                             self.inference.fanout("connect_transfer", args, timeout=timeout))
+        await asyncio.gather(self.trainer.call_all(0, TRN.connect_transfer, call, timeout=timeout),
+                             self.inference.fanout(INF.connect_transfer, call, timeout=timeout))
         self.members = members
         if self.generation == 0:
             self.startup.record("weights", time.monotonic() - forming)
@@ -155,8 +182,8 @@ class BusPorts:
 
         version = self.trainer_version
         outcomes = await asyncio.gather(
-            self.trainer.call_all(0, "send_weights", {"version": version}, timeout=CALL_TIMEOUT_S),
-            self.inference.fanout("receive_weights", {"version": version}, timeout=CALL_TIMEOUT_S),
+            self.trainer.call_all(0, TRN.send_weights, WeightsCall(version=version), timeout=CALL_TIMEOUT_S),
+            self.inference.fanout(INF.receive_weights, WeightsCall(version=version), timeout=CALL_TIMEOUT_S),
             return_exceptions=True)
         sent, received = outcomes  # unpacked apart: mypy 2.4 cannot type `a, b = await gather(...)` here
         if isinstance(received, PeerDeadError):
@@ -196,7 +223,7 @@ class BusPorts:
                 names.append(peer.name)
         return names
 
-    async def _call_inference(self, endpoint: str, args: dict):
+    async def _call_inference(self, endpoint: Endpoint[Req, Rep], request: Req) -> Rep:
         """One call to the least busy serving replica; a replica lost meanwhile is replaced, caught up
         and the call made again (generate and logprobs are idempotent: same seeds, same weights)."""
         from hpcrl.bus.errors import PeerDeadError
@@ -211,11 +238,11 @@ class BusPorts:
                 continue
             name = min(serving, key=self.head.outstanding)
             try:
-                return await self.head.request(name, endpoint, args, timeout=CALL_TIMEOUT_S)
+                return await self.inference.request(name, endpoint, request, timeout=CALL_TIMEOUT_S)
             except PeerDeadError as err:
                 if loop.time() > deadline:
                     raise
-                log.warning(f"{endpoint} on {name} lost ({err}); it goes to a replica on current weights")
+                log.warning(f"{endpoint.name} on {name} lost ({err}); it goes to a replica on current weights")
                 await asyncio.sleep(RETRY_PAUSE_S)
 
     # -- Ports ---------------------------------------------------------------------------------
@@ -224,45 +251,40 @@ class BusPorts:
         size = -(-len(prompts) // self.replicas)
         chunks = [(k, prompts[k:k + size]) for k in range(0, len(prompts), size)]
         # An evaluation's temperature (0.0: greedy); rollouts send none and sample at inference.temperature.
-        extra = {} if temperature is None else {"temperature": temperature}
         parts = await asyncio.gather(*(
-            self._call_inference("generate", {"prompts": [asdict(p) for p in chunk], "n": n, "seed": seed,
-                                              "offset": offset, **extra})
+            self._call_inference(INF.generate, GenerateCall(prompts=chunk, n=n, seed=seed, offset=offset,
+                                                            temperature=temperature))
             for offset, chunk in chunks))
-        return [[Completion(**c) for c in group] for part in parts for group in part]
+        return [group for part in parts for group in part]
 
     async def generate_turn(self, prompts: list[Prompt], *, n: int, seed: int, max_tokens: list[int],
                             temperature: float | None = None) -> list[list[Completion]]:
-        extra = {} if temperature is None else {"temperature": temperature}
-        groups = await self._call_inference("generate", {"prompts": [asdict(p) for p in prompts], "n": n,
-                                                         "seed": seed, "offset": 0, "max_tokens": list(max_tokens),
-                                                         **extra})
-        return [[Completion(**c) for c in group] for group in groups]
+        return await self._call_inference(INF.generate, GenerateCall(prompts=prompts, n=n, seed=seed, offset=0,
+                                                                     max_tokens=list(max_tokens),
+                                                                     temperature=temperature))
 
     async def env_reset(self, requests: list[EnvRequest]) -> list[EnvReply]:
-        return await self._env("env_reset", requests)
+        return await self._env(REW.env_reset, requests)
 
     async def env_step(self, requests: list[EnvRequest]) -> list[EnvReply]:
-        return await self._env("env_step", requests)
+        return await self._env(REW.env_step, requests)
 
-    async def _env(self, endpoint: str, requests: list[EnvRequest]) -> list[EnvReply]:
+    async def _env(self, endpoint: Endpoint[EnvCall, list[EnvReply]], requests: list[EnvRequest]) -> list[EnvReply]:
         # A worker answers its share one episode after another, each within env.step_timeout_s.
         timeout = CALL_TIMEOUT_S + self.config.env.step_timeout_s * len(requests)
-        out = await self.reward.route(endpoint, {"requests": [r.to_dict() for r in requests]}, timeout=timeout)
-        return [EnvReply(**r) for r in out]
+        return await self.reward.route(endpoint, EnvCall(requests=requests), timeout=timeout)
 
     async def score(self, samples: list[Sample]) -> list[RewardResult]:
         if self.local_scorer is not None:
             return await asyncio.to_thread(self.local_scorer.score, samples)
-        out = await self.reward.route("score", {"samples": [asdict(s) for s in samples]}, timeout=CALL_TIMEOUT_S)
-        return [RewardResult(**r) for r in out]
+        return await self.reward.route(REW.score, ScoreCall(samples=samples), timeout=CALL_TIMEOUT_S)
 
     async def train_step(self, batch: TrainBatch, *, step: int) -> dict[str, float]:
         async with self._trainer_turn:
             loop = asyncio.get_running_loop()
             started, deadline = loop.time(), self.step_deadline.seconds()
             try:
-                results = await self.trainer.call_all(0, "train_step", {"batch": batch.to_dict(), "step": step},
+                results = await self.trainer.call_all(0, TRN.train_step, TrainStepCall(batch=batch, step=step),
                                                       timeout=deadline)
             except DeadlineExceeded as err:
                 raise StepStuck(f"train step {step} did not finish within its deadline of "
@@ -270,7 +292,7 @@ class BusPorts:
                                 f"never joined?) ({err})") from None
             self.step_deadline.observe(loop.time() - started)
             self.trainer_version = step + 1  # the replicas get it at the next push
-        return results[0]
+        return _rank0(results, TRN.train_step)
 
     async def sync_weights(self, version: int) -> None:
         async with self._trainer_turn:
@@ -279,16 +301,17 @@ class BusPorts:
 
     async def trainer_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         async with self._trainer_turn:
-            results = await self.trainer.call_all(0, "logprobs", {"sequences": sequences}, timeout=CALL_TIMEOUT_S)
-        return results[0]
+            results = await self.trainer.call_all(0, TRN.logprobs, SequencesCall(sequences=sequences),
+                                                  timeout=CALL_TIMEOUT_S)
+        return _rank0(results, TRN.logprobs)
 
     async def inference_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return await self._call_inference("logprobs", {"sequences": sequences})
+        return await self._call_inference(INF.logprobs, SequencesCall(sequences=sequences))
 
     # -- checkpoints ---------------------------------------------------------------------------
     async def save_trainer(self, directory) -> None:
         async with self._trainer_turn:
-            await self.trainer.call_all(0, "save", {"directory": str(directory)}, timeout=CALL_TIMEOUT_S)
+            await self.trainer.call_all(0, TRN.save, CheckpointCall(directory=str(directory)), timeout=CALL_TIMEOUT_S)
 
     def close(self) -> None:
         if self.local_scorer is not None:
@@ -296,5 +319,6 @@ class BusPorts:
 
     async def load_trainer(self, directory) -> None:
         async with self._trainer_turn:
-            results = await self.trainer.call_all(0, "load", {"directory": str(directory)}, timeout=CALL_TIMEOUT_S)
-            self.trainer_version = int(results[0]["step"])
+            results = await self.trainer.call_all(0, TRN.load, CheckpointCall(directory=str(directory)),
+                                                  timeout=CALL_TIMEOUT_S)
+            self.trainer_version = results[0].step

@@ -6,12 +6,13 @@ GROUP is trainer, inference or reward; see hpcrl.roles.serve for the task's life
 import os
 import sys
 
+from hpcrl.config.groups import TASK_GROUPS
 from hpcrl.fsio import PRIVATE_UMASK
-from hpcrl.roles.serve import GROUPS, task_main
+from hpcrl.roles.serve import task_main
 
 os.umask(PRIVATE_UMASK)  # checkpoint shards, logs and vLLM's files in the run directory: the owner's only
 
-if len(sys.argv) < 2 or sys.argv[1] not in GROUPS:
-    print(f"usage: python -m hpcrl.roles {{{'|'.join(GROUPS)}}} [--exit-code N]", file=sys.stderr)
+if len(sys.argv) < 2 or sys.argv[1] not in TASK_GROUPS:
+    print(f"usage: python -m hpcrl.roles {{{'|'.join(TASK_GROUPS)}}} [--exit-code N]", file=sys.stderr)
     raise SystemExit(2)
 raise SystemExit(task_main(sys.argv[1], sys.argv[2:]))

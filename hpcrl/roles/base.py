@@ -1,4 +1,8 @@
-"""What every role shares: one engine thread, on the role's device, and the endpoint table.
+"""What every role shares: one engine thread, on the role's device, and its handlers of the bus's endpoints.
+
+A role serves the endpoints hpcrl.contract.endpoints declares for its group: `handlers()` maps each
+Endpoint to an async function of its typed request that returns its typed reply; the task's worker
+decodes requests and encodes replies around it (hpcrl.contract.calls.serve_endpoints).
 
 CUDA's current device belongs to a thread, not to the process: `torch.cuda.set_device` in the
 thread that builds a role says nothing about the thread that later runs the engine's calls (whose
@@ -14,14 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from hpcrl.errors import HpcrlError
 
-Endpoint = tuple[Callable[[Any], Awaitable[Any]], bool]
-"""(async fn(call), idempotent)."""
+if TYPE_CHECKING:  # the contract imports the bus (zmq): `hpcrl run`'s engine thread needs neither
+    from hpcrl.contract.calls import Handler
+    from hpcrl.contract.endpoints import Endpoint
 
 T = TypeVar("T")
 
@@ -106,7 +111,8 @@ class Role:
     async def on_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await self.engine_thread.run(fn, *args)
 
-    def endpoints(self) -> dict[str, Endpoint]:
+    def handlers(self) -> dict[Endpoint, Handler]:
+        """Endpoint of this role's group -> async fn(typed request) -> typed reply."""
         raise NotImplementedError
 
     def close(self) -> None:

@@ -1,5 +1,8 @@
 """`python -m hpcrl.roles inference`: one inference replica (a vLLM engine), serving the head.
 
+Its endpoints, with their request and reply types, are declared in hpcrl.contract.endpoints
+(InferenceEndpoints):
+
     generate {prompts, n, seed, offset[, temperature][, max_tokens]}
                                           n completions per prompt, tagged with the weight version
                                           (temperature: an evaluation's, 0.0 greedy; else inference.temperature;
@@ -16,17 +19,28 @@ another one, and a chunk's sampling seed depends on its place in the batch, not 
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
+from hpcrl.config.groups import INFERENCE
 from hpcrl.config.schema import Config
-from hpcrl.data.prompts import Prompt
+from hpcrl.contract.calls import Handler
+from hpcrl.contract.endpoints import (
+    ConnectTransferCall,
+    Endpoint,
+    GenerateCall,
+    InferenceEndpoints,
+    ReplicaReply,
+    ReplicaWeights,
+    SequencesCall,
+    StatusCall,
+    WeightsCall,
+)
 from hpcrl.errors import HpcrlError
-from hpcrl.roles.base import Endpoint, Role
+from hpcrl.inference.types import Completion
+from hpcrl.roles.base import Role
 from hpcrl.slurm.identity import TaskIdentity
 
 
 class InferenceRole(Role):
-    group = "inference"
+    group = INFERENCE
 
     def __init__(self, config: Config, identity: TaskIdentity, env: dict[str, str]) -> None:
         super().__init__()
@@ -37,42 +51,37 @@ class InferenceRole(Role):
         self.plan = plan_for_config(config)
         self.engine = VllmEngine.from_config(config, weight_transfer=True)
 
-    def endpoints(self) -> dict[str, Endpoint]:
-        return {"generate": (self.generate, True), "logprobs": (self.logprobs, True),
-                "connect_transfer": (self.connect_transfer, False),
-                "receive_weights": (self.receive_weights, False), "status": (self.status, True)}
+    def handlers(self) -> dict[Endpoint, Handler]:
+        return {InferenceEndpoints.generate: self.generate, InferenceEndpoints.logprobs: self.logprobs,
+                InferenceEndpoints.connect_transfer: self.connect_transfer,
+                InferenceEndpoints.receive_weights: self.receive_weights, InferenceEndpoints.status: self.status}
 
-    async def generate(self, call) -> list[list[dict]]:
-        args = call.args
-        prompts = [Prompt(**p) for p in args["prompts"]]
-        temperature = args.get("temperature")  # an evaluation's (0.0: greedy); None: inference.temperature
-        limits = args.get("max_tokens")  # an episode's turn (hpcrl.rl.episodes): one per prompt
-        groups = await self.on_engine(lambda: self.engine.generate(
-            prompts, n=int(args["n"]), seed=int(args["seed"]), offset=int(args.get("offset", 0)),
-            temperature=None if temperature is None else float(temperature),
-            max_tokens=None if limits is None else [int(m) for m in limits]))
-        return [[asdict(c) for c in group] for group in groups]
+    async def generate(self, call: GenerateCall) -> list[list[Completion]]:
+        # temperature: an evaluation's (0.0: greedy), None: inference.temperature; max_tokens: an episode's
+        # turn (hpcrl.rl.episodes), one per prompt
+        temperature = None if call.temperature is None else float(call.temperature)
+        return await self.on_engine(lambda: self.engine.generate(
+            call.prompts, n=call.n, seed=call.seed, offset=call.offset, temperature=temperature,
+            max_tokens=call.max_tokens))
 
-    async def logprobs(self, call) -> list[list[float]]:
-        return await self.on_engine(self.engine.token_logprobs, call.args["sequences"])
+    async def logprobs(self, call: SequencesCall) -> list[list[float]]:
+        return await self.on_engine(self.engine.token_logprobs, call.sequences)
 
-    async def connect_transfer(self, call) -> dict:
-        args = call.args
-        if args["digest"] != self.plan.digest:
+    async def connect_transfer(self, call: ConnectTransferCall) -> ReplicaReply:
+        if call.digest != self.plan.digest:
             raise HpcrlError(f"inference replica {self.replica} planned the weight transfer as "
-                             f"{self.plan.digest[:12]}, the head as {args['digest'][:12]}")
+                             f"{self.plan.digest[:12]}, the head as {call.digest[:12]}")
         await self.on_engine(lambda: self.engine.connect_transfer(
-            self.plan, store=args["store"], replica=self.replica,
-            generation=int(args.get("generation", 0)), transport=self.config.weight_transport,
-            timeout_s=float(args["timeout_s"])))
-        return {"replica": self.replica}
+            self.plan, store=call.store, replica=self.replica, generation=call.generation,
+            transport=self.config.weight_transport, timeout_s=float(call.timeout_s)))
+        return ReplicaReply(replica=self.replica)
 
-    async def receive_weights(self, call) -> dict:
-        await self.on_engine(self.engine.receive_weights, int(call.args["version"]))
-        return {"replica": self.replica, "weight_version": self.engine.weight_version}
+    async def receive_weights(self, call: WeightsCall) -> ReplicaWeights:
+        await self.on_engine(self.engine.receive_weights, call.version)
+        return await self.status(StatusCall())
 
-    async def status(self, call) -> dict:
-        return {"replica": self.replica, "weight_version": self.engine.weight_version}
+    async def status(self, call: StatusCall) -> ReplicaWeights:
+        return ReplicaWeights(replica=self.replica, weight_version=self.engine.weight_version)
 
     def close(self) -> None:
         super().close()

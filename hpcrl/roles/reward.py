@@ -1,5 +1,8 @@
 """`python -m hpcrl.roles reward`: the reward group's process, serving the head.
 
+Its endpoints, with their request and reply types, are declared in hpcrl.contract.endpoints
+(RewardEndpoints):
+
     score {samples}     one RewardResult per sample; a verifier that raises, hangs or dies gives an
                         error record naming the sample (never a silent zero), and the pool goes on
     env_reset {requests}   with [env] environment set: one EnvReply per EnvRequest, in order (hpcrl.env):
@@ -20,20 +23,24 @@ them as cuda:0..), float32 on CPU otherwise.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict
 
+from hpcrl.config.groups import REWARD
 from hpcrl.config.schema import Config
-from hpcrl.roles.base import Endpoint, Role
+from hpcrl.contract.calls import Handler
+from hpcrl.contract.endpoints import Endpoint, EnvCall, RewardEndpoints, ScoreCall
+from hpcrl.env.types import EnvReply, EnvRequest
+from hpcrl.reward.types import RewardResult
+from hpcrl.roles.base import Role
 from hpcrl.slurm.identity import TaskIdentity
 
 
 class RewardRole(Role):
-    group = "reward"
+    group = REWARD
 
     def __init__(self, config: Config, identity: TaskIdentity, env: dict[str, str]) -> None:
         from hpcrl.reward.model import make_scorer, reward_device
 
-        device = reward_device(config.group("reward").gpus_per_node, env.get("CUDA_VISIBLE_DEVICES"))
+        device = reward_device(config.group(REWARD).gpus_per_node, env.get("CUDA_VISIBLE_DEVICES"))
         super().__init__()
         self.replica = identity.replica
         # A RewardPool of the function, or a reward model (vLLM runs it in its own processes).
@@ -48,32 +55,25 @@ class RewardRole(Role):
                 self.pool.close()
                 raise
 
-    def endpoints(self) -> dict[str, Endpoint]:
-        endpoints: dict[str, Endpoint] = {"score": (self.score, True)}
+    def handlers(self) -> dict[Endpoint, Handler]:
+        handlers: dict[Endpoint, Handler] = {RewardEndpoints.score: self.score}
         if self.env is not None:
-            endpoints |= {"env_reset": (self.env_reset, True), "env_step": (self.env_step, True)}
-        return endpoints
+            handlers |= {RewardEndpoints.env_reset: self.env_reset, RewardEndpoints.env_step: self.env_step}
+        return handlers
 
-    async def score(self, call) -> list[dict]:
-        from hpcrl.reward.types import Sample
+    async def score(self, call: ScoreCall) -> list[RewardResult]:
+        return await self.on_engine(self.pool.score, call.samples)
 
-        samples = [Sample(**s) for s in call.args["samples"]]
-        results = await self.on_engine(self.pool.score, samples)
-        return [asdict(r) for r in results]
+    async def env_reset(self, call: EnvCall) -> list[EnvReply]:
+        return await self._env_call("reset", call.requests)
 
-    async def env_reset(self, call) -> list[dict]:
-        return await self._env_call("reset", call.args["requests"])
+    async def env_step(self, call: EnvCall) -> list[EnvReply]:
+        return await self._env_call("step", call.requests)
 
-    async def env_step(self, call) -> list[dict]:
-        return await self._env_call("step", call.args["requests"])
-
-    async def _env_call(self, op, requests: list[dict]) -> list[dict]:
-        from hpcrl.env.types import EnvRequest
-
+    async def _env_call(self, op, requests: list[EnvRequest]) -> list[EnvReply]:
         assert self.env is not None
-        futures = self.env.submit(op, [EnvRequest(**r) for r in requests])
-        replies = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-        return [r.to_dict() for r in replies]
+        futures = self.env.submit(op, requests)
+        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
 
     def close(self) -> None:
         super().close()

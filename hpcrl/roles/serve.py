@@ -23,6 +23,8 @@ from pathlib import Path
 
 from hpcrl.bus import BusConfig, PeerInfo, Worker, WorkerExit, load_secret
 from hpcrl.bus.farewell import FarewellLink, send_farewell
+from hpcrl.config.groups import INFERENCE, REWARD, TASK_GROUPS, TRAINER
+from hpcrl.contract.calls import serve_endpoints
 from hpcrl.errors import HpcrlError
 from hpcrl.logs import setup_logging
 from hpcrl.plan.placement import place_gpus
@@ -35,7 +37,6 @@ from hpcrl.slurm.record import LaunchRecord, read_launch
 BUS_SETTINGS = {"heartbeat_interval": 1.0, "heartbeat_timeout": 30.0, "default_deadline": 600.0}
 #: Exit code of a task whose head went away before telling it how to exit.
 HEAD_LOST = 75
-GROUPS = ("trainer", "inference", "reward")
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 def peer_info(identity: TaskIdentity, run_id: str) -> PeerInfo:
     """The task on the bus: the trainer is one replica of group_size ranks; every inference or
     reward task is a replica of one rank."""
-    if identity.group == "trainer":
+    if identity.group == TRAINER:
         place = {"replica": 0, "rank": identity.rank, "replica_ranks": identity.group_size}
     else:
         place = {"replica": identity.rank, "rank": 0, "replica_ranks": 1}
@@ -67,7 +68,7 @@ def take_gpus(launch: LaunchRecord, identity: TaskIdentity) -> None:
     placement = place_gpus(os.environ, gpus_per_task=component.gpus_per_task, local_rank=identity.local_rank,
                            tasks_on_node=component.tasks_per_node, what=f"{identity.group} rank {identity.rank}")
     os.environ["CUDA_VISIBLE_DEVICES"] = placement.cuda_visible_devices
-    if identity.group == "inference":
+    if identity.group == INFERENCE:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     log.info(f"{identity.group} rank {identity.rank}: GPUs {placement.cuda_visible_devices} "
              f"(local rank {identity.local_rank} of {placement.source}={','.join(placement.visible)})")
@@ -82,16 +83,16 @@ def own_address() -> str:
 
 
 def build_role(name: str, config, identity: TaskIdentity, env: dict[str, str]):
-    if name == "trainer":
+    if name == TRAINER:
         from hpcrl.roles.trainer import TrainerRole
         return TrainerRole(config, identity, env)
-    if name == "inference":
+    if name == INFERENCE:
         from hpcrl.roles.inference import InferenceRole
         return InferenceRole(config, identity, env)
-    if name == "reward":
+    if name == REWARD:
         from hpcrl.roles.reward import RewardRole
         return RewardRole(config, identity, env)
-    raise HpcrlError(f"no role named {name!r}: groups are {', '.join(GROUPS)}")
+    raise HpcrlError(f"no role named {name!r}: groups are {', '.join(TASK_GROUPS)}")
 
 
 def _exit_code(worker: Worker, how: WorkerExit, given: int | None) -> int:
@@ -135,8 +136,7 @@ async def _serve(name: str, identity: TaskIdentity, run_dir: Path, launch: Launc
         return _exit_code(worker, serving.result(), None)
     role = building.result()
     try:
-        for endpoint, (fn, idempotent) in role.endpoints().items():
-            worker.add_endpoint(endpoint, fn, idempotent=idempotent)
+        serve_endpoints(worker, role.group, role.handlers())
         worker.mark_ready()
         log.info(f"{name} rank {identity.rank}: serving the head as {info.name}")
         how = await serving

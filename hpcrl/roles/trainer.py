@@ -1,5 +1,8 @@
 """`python -m hpcrl.roles trainer`: one trainer rank, serving the head.
 
+Its endpoints, with their request and reply types, are declared in hpcrl.contract.endpoints
+(TrainerEndpoints):
+
     train_step {batch, step}        this rank's rows of the batch -> one optimizer step (collective)
     logprobs {sequences}            logprobs of whole sequences under the live policy (collective)
     connect_transfer {store, ...}   join the weight-transfer group with every inference engine
@@ -23,15 +26,31 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpcrl.config.groups import TRAINER
 from hpcrl.config.schema import Config
+from hpcrl.contract.calls import Handler
+from hpcrl.contract.endpoints import (
+    CheckpointCall,
+    ConnectTransferCall,
+    Endpoint,
+    Loaded,
+    Metrics,
+    RankReply,
+    SequencesCall,
+    TrainerEndpoints,
+    TrainStepCall,
+    WeightsCall,
+    WeightsSent,
+)
 from hpcrl.errors import HpcrlError
-from hpcrl.roles.base import DeviceTable, Endpoint, Role, TorchCuda
+from hpcrl.roles.base import DeviceTable, Role, TorchCuda
 from hpcrl.slurm.identity import TaskIdentity
 
 if TYPE_CHECKING:  # imported when the role starts or the first transfer connects (they need torch)
     import torch
 
     from hpcrl.trainer import TrainerEngine
+    from hpcrl.trainer.types import TrainBatch
     from hpcrl.transfer.trainer import TrainerSender
 
 
@@ -67,7 +86,7 @@ def local_tensors(engine: TrainerEngine) -> dict[str, torch.Tensor]:
 
 
 class TrainerRole(Role):
-    group = "trainer"
+    group = TRAINER
 
     def __init__(self, config: Config, identity: TaskIdentity, env: dict[str, str], *,
                  devices: DeviceTable | None = None) -> None:
@@ -111,63 +130,59 @@ class TrainerRole(Role):
             group.join_alone(device=device)
         return TrainerEngine.from_config(self.config)
 
-    def endpoints(self) -> dict[str, Endpoint]:
-        return {"connect_transfer": (self.connect_transfer, False), "train_step": (self.train_step, False),
-                "send_weights": (self.send_weights, False), "logprobs": (self.logprobs, False),
-                "save": (self.save, False), "load": (self.load, False)}
+    def handlers(self) -> dict[Endpoint, Handler]:
+        return {TrainerEndpoints.connect_transfer: self.connect_transfer, TrainerEndpoints.train_step: self.train_step,
+                TrainerEndpoints.send_weights: self.send_weights, TrainerEndpoints.logprobs: self.logprobs,
+                TrainerEndpoints.save: self.save, TrainerEndpoints.load: self.load}
 
     # -- endpoints -------------------------------------------------------------------------------
-    async def connect_transfer(self, call) -> dict:
+    async def connect_transfer(self, call: ConnectTransferCall) -> RankReply:
         from hpcrl.transfer.trainer import TrainerSender
 
-        args = call.args
-        if args["digest"] != self.plan.digest:
+        if call.digest != self.plan.digest:
             raise HpcrlError(f"trainer rank {self.rank} planned the weight transfer as {self.plan.digest[:12]}, "
-                             f"the head as {args['digest'][:12]}: they read different configs or model files")
+                             f"the head as {call.digest[:12]}: they read different configs or model files")
 
         def connect() -> None:
             if self.sender is not None:
                 self.sender.close()
-            self.sender = TrainerSender.connect(self.plan, rank=self.rank, store=args["store"],
-                                                timeout_s=float(args["timeout_s"]),
-                                                generation=int(args.get("generation", 0)),
+            self.sender = TrainerSender.connect(self.plan, rank=self.rank, store=call.store,
+                                                timeout_s=float(call.timeout_s), generation=call.generation,
                                                 transport=self.config.weight_transport)
         await self.on_engine(connect)
-        return {"rank": self.rank}
+        return RankReply(rank=self.rank)
 
-    def _train(self, batch: dict) -> dict[str, Any]:
-        from hpcrl.trainer.types import TrainBatch
-
-        metrics = self.engine.train_step(TrainBatch.from_dict(batch).shard(self.rank, self.world).rows()).as_dict()
+    def _train(self, batch: TrainBatch) -> Metrics:
+        metrics = self.engine.train_step(batch.shard(self.rank, self.world).rows()).as_dict()
         metrics.pop("step")
         return metrics
 
-    async def train_step(self, call) -> dict[str, Any] | None:
-        metrics = await self.on_engine(self._train, call.args["batch"])
+    async def train_step(self, call: TrainStepCall) -> Metrics | None:
+        metrics = await self.on_engine(self._train, call.batch)
         return metrics if self.rank == 0 else None
 
-    async def logprobs(self, call) -> list[list[float]] | None:
-        values = await self.on_engine(self.engine.sequence_logprobs, call.args["sequences"])
+    async def logprobs(self, call: SequencesCall) -> list[list[float]] | None:
+        values = await self.on_engine(self.engine.sequence_logprobs, call.sequences)
         return values if self.rank == 0 else None
 
-    def _send(self, version: int) -> dict:
+    def _send(self, version: int) -> WeightsSent:
         if self.sender is None:
             raise HpcrlError(f"trainer rank {self.rank} was asked to send weights version {version} before "
                              "connect_transfer")
         shards = local_tensors(self.engine)
         sent = self.sender.send(shards)
-        return {"bytes": sent, "seconds": self.sender.last_seconds}
+        return WeightsSent(bytes=sent, seconds=self.sender.last_seconds)
 
-    async def send_weights(self, call) -> dict:
-        return await self.on_engine(self._send, int(call.args["version"]))
+    async def send_weights(self, call: WeightsCall) -> WeightsSent:
+        return await self.on_engine(self._send, call.version)
 
-    async def save(self, call) -> dict:
-        await self.on_engine(self.engine.save_checkpoint, Path(call.args["directory"]))
-        return {"rank": self.rank}
+    async def save(self, call: CheckpointCall) -> RankReply:
+        await self.on_engine(self.engine.save_checkpoint, Path(call.directory))
+        return RankReply(rank=self.rank)
 
-    async def load(self, call) -> dict:
-        await self.on_engine(self.engine.load_checkpoint, Path(call.args["directory"]))
-        return {"step": self.engine.step}
+    async def load(self, call: CheckpointCall) -> Loaded:
+        await self.on_engine(self.engine.load_checkpoint, Path(call.directory))
+        return Loaded(step=self.engine.step)
 
     def close(self) -> None:
         from hpcrl.trainer import group

@@ -20,12 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from hpcrl.config.components import Component, make_components, mem_gib
+from hpcrl.config.groups import HEAD, TASK_GROUPS, TRAINER
 from hpcrl.config.schema import Config, GroupConfig
 from hpcrl.errors import ConfigError
 
 #: The `python -m` module every group task runs, with the group's name as its argument; the head
 #: runs in the batch step itself.
-GROUP_MODULES = {"trainer": "hpcrl.roles", "inference": "hpcrl.roles", "reward": "hpcrl.roles"}
+GROUP_MODULES = dict.fromkeys(TASK_GROUPS, "hpcrl.roles")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,7 +86,7 @@ def slot_named(slots: tuple[GroupSlot, ...], name: str) -> GroupSlot:
 
 
 def _ranks_per_replica(config: Config, name: str, tasks: int) -> int:
-    if name != "trainer":
+    if name != TRAINER:
         return 1
     t = config.trainer
     shard = t.dp_shard if t.dp_shard != -1 else tasks // t.dp_replicate
@@ -153,7 +154,7 @@ _AGREE = ("partition", "account", "qos", "mem", "time", "constraint", "sbatch_ex
 
 def _split_layout(config: Config, slots: list[GroupSlot]) -> tuple[list[GroupSlot], SbatchBlock]:
     """Lay the non-head groups end to end in one allocation; the head takes no node of its own."""
-    workers = [s for s in slots if s.name != "head"]
+    workers = [s for s in slots if s.name != HEAD]
     if not workers:
         raise ConfigError(key="cluster.layout", problem='layout = "split" with no group besides the head',
                           fix='use layout = "hetjob", or give the run a trainer')
@@ -173,7 +174,7 @@ def _split_layout(config: Config, slots: list[GroupSlot]) -> tuple[list[GroupSlo
                 fix=f'give every group the same {key} (or none), or use layout = "hetjob"')
     placed, first_node = [], 0
     for slot in slots:
-        if slot.name == "head":
+        if slot.name == HEAD:
             placed.append(slot)
             continue
         placed.append(replace(slot, first_node=first_node))
@@ -197,7 +198,7 @@ def job_spec(config: Config) -> JobSpec:
     if cluster.layout == "split":
         slots, block = _split_layout(config, slots)
         blocks = [block]
-        if any(getattr(config.group("head"), k) for k in ("partition", "account", "qos", "mem", "constraint")):
+        if any(getattr(config.group(HEAD), k) for k in ("partition", "account", "qos", "mem", "constraint")):
             notes.append('layout = "split": the head runs in the batch step, so [groups.head] Slurm settings are unused')
     else:
         blocks = _hetjob_blocks(config, [slot.component for slot in slots])

@@ -13,7 +13,9 @@ UnknownPeerError, UnknownEndpointError, DeadlineExceeded), calls running concurr
 arguments and results crossing as msgpack, a generation bumped at every change of the peer table,
 unhealthy hooks run from the loop, and a new registration under a name replacing the old process.
 
-FakeJob's processes serve the endpoints of hpcrl.roles over the parts of fake_ports.py (one
+FakeJob's processes serve the endpoints of the bus's contract (hpcrl.contract.endpoints: FakeHead refuses
+a request that does not match its endpoint's request type with BadRequest, as a task's worker does; the
+head's GroupClient checks the replies) over the parts of fake_ports.py (one
 FakeTrainer for the trainer ranks, a FakeEngine per inference process, a FakeReward). Their
 weight-transfer group is strict, as gloo is: it forms once every trainer rank and replica joined
 the same generation; a push completes once every member took part; a lost member makes the
@@ -52,7 +54,11 @@ from hpcrl.bus.errors import (
     UnknownPeerError,
 )
 from hpcrl.bus.peer import PeerInfo
+from hpcrl.config.groups import REWARD
 from hpcrl.config.schema import Config
+from hpcrl.contract.endpoints import Endpoint as Declared
+from hpcrl.contract.endpoints import InferenceEndpoints, RewardEndpoints, TrainerEndpoints
+from hpcrl.contract.endpoints import endpoint as declared
 from hpcrl.data.prompts import Prompt
 from hpcrl.env.types import EnvRequest
 from hpcrl.plan.for_config import plan_for_config
@@ -89,12 +95,12 @@ class FakeHead:
         self._changed = asyncio.Event()
 
     # -- the peer table ----------------------------------------------------------------------------
-    def register(self, info: PeerInfo, endpoints: dict[str, tuple[Endpoint, bool]]) -> None:
+    def register(self, info: PeerInfo, endpoints: dict[Declared, Endpoint]) -> None:
         """A worker registers (ready to serve); it replaces a live process of the same name, without hooks."""
         previous = self._peers.get(info.name)
         if previous is not None and previous.healthy:
             self._declare_dead(previous, "replaced by a new registration of the same peer", notify=False)
-        self._peers[info.name] = _Peer(info=info, endpoints=endpoints)
+        self._peers[info.name] = _Peer(info=info, endpoints={e.name: (fn, e.idempotent) for e, fn in endpoints.items()})
         self._bump()
 
     def mark_dead(self, name: str, reason: str) -> bool:
@@ -191,11 +197,12 @@ class FakeHead:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         serve, _ = peer.endpoints[endpoint]
-        sent = _wire(args)
+        sent, declaration = _wire(args), declared(peer.info.group, endpoint)
         name = peer.info.name
 
         async def run() -> None:  # the worker's side: it answers with the result, or what its endpoint raised
             try:
+                declaration.decode_request(sent)  # BadRequest, as serve_endpoints refuses it
                 result = _wire(await serve(sent))
             except Exception as exc:  # noqa: BLE001 - as a worker does: any error of its endpoint is the reply
                 if not future.done():
@@ -321,10 +328,10 @@ class FakeReplica:
         self.name = f"{self.info.name}@{pid}"
         self.engine = FakeEngine(digit0=job.trainer.digit0, turn_end=job.turn_end)
 
-    def endpoints(self) -> dict[str, tuple[Endpoint, bool]]:
-        return {"generate": (self.generate, True), "logprobs": (self.logprobs, True),
-                "connect_transfer": (self.connect_transfer, False),
-                "receive_weights": (self.receive_weights, False), "status": (self.status, True)}
+    def endpoints(self) -> dict[Declared, Endpoint]:
+        return {InferenceEndpoints.generate: self.generate, InferenceEndpoints.logprobs: self.logprobs,
+                InferenceEndpoints.connect_transfer: self.connect_transfer,
+                InferenceEndpoints.receive_weights: self.receive_weights, InferenceEndpoints.status: self.status}
 
     async def generate(self, args: dict) -> list[list[dict]]:
         self.job.on_call(self, "generate", args)
@@ -367,10 +374,10 @@ class FakeTrainerRank:
                              host=f"node-t{rank}", pid=pid)
         self.name = self.info.name
 
-    def endpoints(self) -> dict[str, tuple[Endpoint, bool]]:
-        return {"connect_transfer": (self.connect_transfer, False), "train_step": (self.train_step, False),
-                "send_weights": (self.send_weights, False), "logprobs": (self.logprobs, False),
-                "save": (self.save, False), "load": (self.load, False)}
+    def endpoints(self) -> dict[Declared, Endpoint]:
+        return {TrainerEndpoints.connect_transfer: self.connect_transfer, TrainerEndpoints.train_step: self.train_step,
+                TrainerEndpoints.send_weights: self.send_weights, TrainerEndpoints.logprobs: self.logprobs,
+                TrainerEndpoints.save: self.save, TrainerEndpoints.load: self.load}
 
     async def connect_transfer(self, args: dict) -> dict:
         self.job.check_digest(self, args)
@@ -426,9 +433,9 @@ class FakeJob:
         self.ranks = [FakeTrainerRank(self, rank, next(self._pids)) for rank in range(self.world)]
         for rank in self.ranks:
             head.register(rank.info, rank.endpoints())
-        head.register(PeerInfo(run_id=RUN_ID, group="reward", replica=0, host="node-r0", pid=next(self._pids)),
-                      {"score": (self._score, True), "env_reset": (self._env_reset, True),
-                       "env_step": (self._env_step, True)})
+        head.register(PeerInfo(run_id=RUN_ID, group=REWARD, replica=0, host="node-r0", pid=next(self._pids)),
+                      {RewardEndpoints.score: self._score, RewardEndpoints.env_reset: self._env_reset,
+                       RewardEndpoints.env_step: self._env_step})
         self.replicas: dict[int, FakeReplica] = {}
         self.processes: list[FakeReplica] = []
         for replica in range(config.inference.replicas):

@@ -30,6 +30,7 @@ def test_a_reward_task_with_an_environment_serves_env_calls_over_the_bus_and_a_h
     import time
 
     from hpcrl.bus import BusConfig, PeerInfo, Router, Service, Worker, create_secret, load_secret
+    from hpcrl.contract.calls import serve_endpoints
 
     monkeypatch.syspath_prepend(str(repo / "tests" / "env"))  # envs_for_tests: Misbehave
     config = load_config(repo / "configs" / "tiny_grpo.toml", overrides=[
@@ -58,8 +59,7 @@ def test_a_reward_task_with_an_environment_serves_env_calls_over_the_bus_and_a_h
         await router.start()
         worker = Worker(info=PeerInfo(run_id="r", group="reward", replica=0, pid=os.getpid()), secret=secret,
                         address=router.address, config=bus)
-        for name, (fn, idempotent) in role.endpoints().items():
-            worker.add_endpoint(name, fn, idempotent=idempotent)
+        serve_endpoints(worker, role.group, role.handlers())
         serving = asyncio.create_task(worker.serve())
         await router.wait_for_peers("reward", 1, timeout=10)
         reward = Service(router, "reward")
@@ -81,7 +81,7 @@ def test_a_reward_task_with_an_environment_serves_env_calls_over_the_bus_and_a_h
         await router.close()
 
     try:
-        assert set(role.endpoints()) == {"score", "env_reset", "env_step"}
+        assert {endpoint.name for endpoint in role.handlers()} == {"score", "env_reset", "env_step"}
         asyncio.run(serve())
         assert role.env is not None and role.env.restarts == 1
     finally:

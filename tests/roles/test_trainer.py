@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-from types import SimpleNamespace
 
 import pytest
 
 from hpcrl.config import load_config
+from hpcrl.contract.endpoints import TrainStepCall
 from hpcrl.roles.trainer import TrainerRole
 from hpcrl.slurm.identity import TaskIdentity
 from hpcrl.trainer.types import TrainBatch
@@ -37,7 +37,7 @@ def test_a_single_trainer_rank_trains_through_fsdp_in_a_group_of_one_and_leaves_
         assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_backend() == "gloo"
         assert role.engine_thread.device is None  # gpus_per_node = 0: no CUDA device taken
         assert all(isinstance(p, DTensor) for p in role.engine.model.parameters())
-        metrics = asyncio.run(role.train_step(SimpleNamespace(args={"batch": batch().to_dict(), "step": 1})))
+        metrics = asyncio.run(role.train_step(TrainStepCall(batch=batch(), step=1)))
         assert metrics is not None and math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     finally:
         role.close()
