@@ -2,6 +2,7 @@
 `logging.getLogger(__name__)`; nothing else touches handlers or levels.
 
     setup_logging(run_dir, "run", 0, verbose, stream="stdout")  # hpcrl run: logs/run/rank0.log + the terminal
+    stderr_to_log(log_file)                                     # hpcrl run but -v: fd 2, its processes' too
     setup_logging(run_dir, "head", 0, verbose)                  # the head: logs/head/rank0.log + stderr
     setup_logging(run_dir, "inference", 3, verbose)             # a group task, whose output already is its log
     setup_logging(None, "hpcrl", 0, verbose)                    # other commands: the terminal only
