@@ -2,7 +2,7 @@
 `logging.getLogger(__name__)`; nothing else touches handlers or levels.
 
     setup_logging(run_dir, "run", 0, verbose, stream="stdout")  # hpcrl run: logs/run/rank0.log + the terminal
-    stderr_to_log(log_file)                                     # hpcrl run but -v: fd 2, its processes' too
+    stderr_to_log(log_file)                                     # hpcrl run without -v: fd 2, its processes' too
     setup_logging(run_dir, "head", 0, verbose)                  # the head: logs/head/rank0.log + stderr
     setup_logging(run_dir, "inference", 3, verbose)             # a group task, whose output already is its log
     setup_logging(None, "hpcrl", 0, verbose)                    # other commands: the terminal only
@@ -22,7 +22,7 @@ Where records go:
 Text that bypasses logging - C++ warnings of torch, Python's warnings and vLLM's log lines in a
 process that has not configured logging yet (vLLM's EngineCore before it applies the
 configuration below) - goes to file descriptor 2. `stderr_to_log` points this process's fd 2,
-which the processes it starts inherit, at the log file (hpcrl run does, but with verbose), while
+which the processes it starts inherit, at the log file (hpcrl run does, unless verbose), while
 sys.stderr (tracebacks, "hpcrl: error: ...") stays on the terminal.
 
 When the terminal already is the log file - a group task, whose stdout and stderr srun (or the
