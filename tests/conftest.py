@@ -79,6 +79,7 @@ def logging_restored():
         loggers[name].setLevel(level)
         loggers[name].handlers[:] = handlers
         loggers[name].propagate = propagate
+    logging.captureWarnings(False)
     for key, value in env.items():
         if value is None:
             os.environ.pop(key, None)

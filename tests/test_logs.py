@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -36,22 +37,28 @@ def log_some_of_everything() -> None:
     logging.getLogger("vllm.config.vllm").warning("Enforce eager set, disabling torch.compile")
     logging.getLogger("some_library").info("a library's chatter")
     logging.getLogger("hpcrl.rl.ports").warning("generate on inference/1/0 lost")
+    logging.getLogger("vllm.v1.engine.core").error("EngineCore failed to start")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("`torch.distributed.reduce_op` is deprecated", FutureWarning, stacklevel=1)
 
 
-def test_the_terminal_shows_hpcrl_and_other_libraries_warnings_while_the_file_keeps_everything_at_info(
+def test_the_terminal_shows_hpcrl_and_other_libraries_errors_while_the_file_keeps_everything_at_info(
         tmp_path, capsys):
     log_file = setup_logging(tmp_path, "run", 0, verbose=False)
     log_some_of_everything()
     terminal = capsys.readouterr().err.splitlines()
     assert terminal == ["checkpoint runs/x/checkpoints/step_50", "step    1/200  reward 0.000",
-                        "WARNING vllm.v1.engine.core: the KV cache is too small",
-                        "WARNING: generate on inference/1/0 lost"]
+                        "WARNING: generate on inference/1/0 lost",
+                        "ERROR vllm.v1.engine.core: EngineCore failed to start"]
     assert log_file == tmp_path / "logs" / "run" / "rank0.log"
     kept = log_file.read_text()
     for line in ("run: checkpoint runs/x/checkpoints/step_50", "run: step    1/200  reward 0.000",
                  "run: INFO vllm.v1.engine.core (MainProcess pid", "Successfully reset prefix cache",
+                 "run: WARNING vllm.v1.engine.core", "the KV cache is too small",
                  "run: WARNING vllm.config.vllm", "Enforce eager set", "run: INFO some_library",
-                 "run: generate on inference/1/0 lost"):
+                 "run: generate on inference/1/0 lost", "run: WARNING py.warnings (MainProcess pid",
+                 "FutureWarning: `torch.distributed.reduce_op` is deprecated"):
         assert line in kept, kept
     assert "a detail" not in kept
 
@@ -62,15 +69,39 @@ def test_verbose_shows_every_library_at_info_on_the_terminal_and_hpcrl_at_debug_
     terminal = capsys.readouterr().err
     assert "INFO vllm.v1.engine.core: Successfully reset prefix cache" in terminal
     assert "WARNING vllm.config.vllm: Enforce eager set" in terminal
+    assert "WARNING py.warnings: " in terminal and "FutureWarning: `torch.distributed.reduce_op`" in terminal
     assert "a detail" in terminal and "a detail" in log_file.read_text()
 
 
-def test_without_a_run_directory_there_is_no_file_and_vllm_is_left_alone(tmp_path, capsys, monkeypatch):
+def test_without_a_run_directory_there_is_no_file_and_other_libraries_warnings_reach_the_terminal(
+        tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
     assert setup_logging(None, "hpcrl", 0) is None
     logging.getLogger("hpcrl.cli").info("submitted")
-    assert capsys.readouterr().err == "submitted\n"
+    logging.getLogger("some_library").info("a library's chatter")
+    logging.getLogger("some_library").warning("a library's warning")
+    assert capsys.readouterr().err == "submitted\nWARNING some_library: a library's warning\n"
     assert "VLLM_LOGGING_CONFIG_PATH" not in os.environ
+
+
+def test_stderr_to_log_sends_what_this_process_and_its_children_write_to_fd_2_to_the_log_but_not_python_errors(
+        tmp_path):
+    """What vLLM's EngineCore prints before it configures its logging, torch's C++ warnings: fd 2, inherited."""
+    task = ("import logging, os, subprocess, sys, warnings; from hpcrl.logs import setup_logging, stderr_to_log; "
+            f"log_file = setup_logging({str(tmp_path)!r}, 'run', 0, stream='stdout'); stderr_to_log(log_file); "
+            "os.write(2, b'[W utils.cpp:68] Warning: NUMA binding\\n'); "
+            "subprocess.run([sys.executable, '-c', 'import sys; print(\"Triton is installed\", file=sys.stderr)']); "
+            "warnings.warn('reduce_op is deprecated', FutureWarning); "
+            "logging.getLogger('hpcrl.rl.loop').info('done in 1 s'); "
+            "raise SystemExit('hpcrl: error: a traceback or error of this process')")
+    done = subprocess.run([sys.executable, "-c", task], capture_output=True, text=True, timeout=20,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 1
+    assert (done.stdout, done.stderr) == ("done in 1 s\n", "hpcrl: error: a traceback or error of this process\n")
+    kept = (tmp_path / "logs" / "run" / "rank0.log").read_text().splitlines()
+    assert "[W utils.cpp:68] Warning: NUMA binding" in kept and "Triton is installed" in kept, kept
+    assert any(" run: WARNING py.warnings (MainProcess pid " in line for line in kept), kept
+    assert kept[-1].endswith(" run: done in 1 s")
 
 
 def test_on_a_terminal_the_progress_line_rewrites_itself_and_other_lines_go_above_it(tmp_path, monkeypatch):
@@ -102,9 +133,10 @@ def test_vllm_processes_apply_the_same_configuration_from_the_file_its_environme
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=20,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "" and done.stderr == "WARNING vllm.v1.worker: worker warning\n"
+    assert done.stdout == "" and done.stderr == ""
     kept = log_file.read_text()
     assert "inference: INFO vllm.v1.engine.core (MainProcess pid" in kept and "Initializing a V1 LLM engine" in kept
+    assert "inference: WARNING vllm.v1.worker (MainProcess pid" in kept and "worker warning" in kept
     assert json.loads(config_path.read_text())["loggers"]["vllm"] == {"level": "INFO", "handlers": [],
                                                                       "propagate": True}
 

@@ -98,6 +98,9 @@ def marker(preset: str, seed: int) -> dict:
 def make_model(preset: str, out: Path, seed: int) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # its "Writing model shards" bar: this prints one line
 
     shape = PRESETS[preset]
     tokenizer = make_tokenizer(shape.vocab_size)

@@ -6,7 +6,8 @@
 # Runs configs/tiny_grpo.toml with `hpcrl run` (every group in this one process: the trainer
 # engine, a vLLM engine, the reward pool, real weight transfer), shows a progress line per step (on
 # a terminal it rewrites itself, one kept every 20 steps) and the reward curve, and draws it to
-# RUN_DIR/metrics.png; the full log (vLLM's too) is RUN_DIR/logs/run/rank0.log. Each call trains
+# RUN_DIR/metrics.png. The terminal shows hpcrl's lines only; the full log (vLLM's, other libraries'
+# warnings, what any process wrote to its stderr) is RUN_DIR/logs/run/rank0.log. Each call trains
 # a fresh run directory. Under 60 lines on a terminal.
 # The same run as a job: `hpcrl submit configs/tiny_grpo.toml --wait` (local processes without
 # Slurm, or `--cluster local` on tools/local_slurm.sh).

@@ -7,9 +7,12 @@ hpcrl.launch.submit.CHANGEABLE_KEYS; --resume takes any change). Runs under hpcr
 supervisor, so vLLM's engine processes end with it however it ends. It holds the run directory's
 lock (hpcrl.rundir.RunLock) for the whole run, under umask 077, and writes RUN_DIR/config.toml.
 
-The terminal (stdout) shows set-up progress, one progress line per step (rewritten in place on a
-TTY, with one kept every tenth of the run), the summary, and warnings; everything else - vLLM's
-INFO lines included - goes to RUN_DIR/logs/run/rank0.log (hpcrl.logs). --verbose shows it all.
+The terminal (stdout) shows hpcrl's lines only: set-up progress, one progress line per step
+(rewritten in place on a TTY, with one kept every tenth of the run), the summary, hpcrl's
+warnings, and other libraries' errors. Everything else - vLLM's INFO lines, other libraries'
+warnings, and what any process of the run writes to its stderr (torch's C++ warnings, vLLM's
+EngineCore before it configures its logging) - goes to RUN_DIR/logs/run/rank0.log (hpcrl.logs).
+--verbose shows it all on the terminal too.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from hpcrl.config import load_config
 from hpcrl.config.dump import dump_toml
 from hpcrl.config.schema import Config
 from hpcrl.fsio import PRIVATE_UMASK, write_atomic
-from hpcrl.logs import setup_logging
+from hpcrl.logs import setup_logging, stderr_to_log
 from hpcrl.roles.reaper import supervise
 
 log = logging.getLogger(__name__)
@@ -37,7 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction, common: argparse.Argument
         description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, metavar="N", help="stop after step N (default: trainer.steps)")
     parser.add_argument("-v", "--verbose", action="store_true",
-                        help="show every library's INFO lines (vLLM's) on the terminal too, and hpcrl's DEBUG lines")
+                        help="show every library's INFO lines and warnings (vLLM's, torch's) on the terminal too, "
+                             "and hpcrl's DEBUG lines")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run directory's checkpoints even though this config differs from the one "
                              "that made them (without it, such a run is refused with the keys that differ)")
@@ -61,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, config: Config) -> int:
     log_file = setup_logging(config.run_dir, "run", 0, args.verbose, stream="stdout")
+    assert log_file is not None
+    if not args.verbose:
+        stderr_to_log(log_file)  # before vLLM's processes start: they inherit it
     supervise("hpcrl run")  # vLLM's engine processes must not outlive this one, even after a kill -9
     from hpcrl.rl.inprocess import run as run_inprocess
 

@@ -22,6 +22,7 @@ def test_tiny_model_has_the_preset_shape_and_a_character_tokenizer(preset: str, 
     done = subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny_model.py"), "--preset", preset,
                            "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    assert (done.stdout, done.stderr) == (f"{out}: made {preset} (seed 0)\n", "")  # one line; no progress bar
     assert from_hf_config(json.loads((out / "config.json").read_text())) == PRESETS[preset]
 
     import torch

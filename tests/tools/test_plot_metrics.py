@@ -21,6 +21,7 @@ def test_plot_metrics_writes_a_png_of_the_reward_and_time_split(tmp_path: Path):
     done = subprocess.run([sys.executable, str(REPO / "tools" / "plot_metrics.py"), str(tmp_path)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+    assert (done.stdout, done.stderr) == (f"{tmp_path / 'metrics.png'}\n", "")  # the quickstart's last line, alone
     png = tmp_path / "metrics.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 10_000
