@@ -343,8 +343,7 @@ def _check_env(config: Config, shape: ModelShape) -> None:
     if env.max_tokens > shape.max_position:
         _fail("env.max_tokens", f"an episode of {env.max_tokens} tokens exceeds the model's {shape.max_position} "
                                 "positions", f"set env.max_tokens to at most {shape.max_position}")
-    if config.algorithm.overlong_buffer_fraction > 0:
-        _fail("algorithm.overlong_buffer_fraction",
-              f"is {config.algorithm.overlong_buffer_fraction}: overlong shaping measures one completion against "
-              "inference.max_tokens, and an episode's policy tokens span several turns (env.max_tokens bounds them)",
-              "set algorithm.overlong_buffer_fraction = 0.0")
+    try:
+        config.algorithm.check_episodes()
+    except ConfigError as err:
+        _fail(f"algorithm.{err.key}", err.problem, err.fix)

@@ -221,7 +221,7 @@ def _merge_algorithm_defaults(tree: dict[str, Any]) -> None:
     table = tree.get("algorithm", {})
     if not isinstance(table, dict):
         return  # build() reports a non-table with its fix
-    defaults = load_algorithm(table.get("name", "grpo")).defaults
+    defaults = load_algorithm(table.get("name", "grpo")).defaults  # a ConfigError at algorithm.name if unknown
     if defaults:
         tree["algorithm"] = {**defaults, **table}
 

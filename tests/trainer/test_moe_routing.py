@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl.algorithms.base import LossSettings
+from hpcrl.algorithms.base import Options
 from hpcrl.config.model_shapes import PRESETS
 from hpcrl.errors import TrainerError
 from hpcrl.trainer import routing
@@ -44,7 +44,7 @@ def _engine(**overrides):
     from hpcrl.trainer import EngineOptions, TrainerEngine
 
     options = dict(shape=MIXED, max_seq_len=64, lr=1e-2, betas=(0.9, 0.99), eps=1e-6, micro_batch_size=2,
-                   grad_clip=1.0, total_steps=10, seed=3, loss=LossSettings(clip_eps_low=0.2, clip_eps_high=0.28))
+                   grad_clip=1.0, total_steps=10, seed=3, loss=Options(clip_eps_low=0.2, clip_eps_high=0.28))
     options.update(overrides)
     return TrainerEngine(EngineOptions(**options))
 
