@@ -44,6 +44,9 @@ ALGORITHMS = {
     "reinforce_pp": "hpcrl.algorithms.reinforce_pp",
 }
 
+#: The algorithm of a config that names none.
+DEFAULT_ALGORITHM = "grpo"
+
 #: algorithm.name = "package.module:NAME": an Algorithm defined outside hpcrl.
 _EXTERNAL_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -92,5 +95,5 @@ def algorithm_options(values: Mapping[str, Any] | None = None, /, **keys: Any) -
     """The [algorithm] options of `values` and `keys` (the keys of the table): an instance of the named
     algorithm's options class, its defaults under the keys given. `algorithm_options()` is GRPO's."""
     table = {**(values or {}), **keys}
-    algorithm = load_algorithm(table.get("name", "grpo"))
+    algorithm = load_algorithm(table.get("name", DEFAULT_ALGORITHM))
     return algorithm.options(**{**algorithm.defaults, **table})

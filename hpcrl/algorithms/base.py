@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from hpcrl.algorithms import DEFAULT_ALGORITHM
 from hpcrl.errors import ConfigError, HpcrlError
 
 if TYPE_CHECKING:
@@ -136,7 +137,7 @@ class Options:
     filled in (`options_of`).
     """
 
-    name: str = option("grpo", "RL algorithm: a name of hpcrl.algorithms.ALGORITHMS (grpo, dapo, gspo, dr_grpo, "
+    name: str = option(DEFAULT_ALGORITHM, "RL algorithm: a name of hpcrl.algorithms.ALGORITHMS (grpo, dapo, gspo, dr_grpo, "
                                "reinforce_pp) or \"module:NAME\" (an Algorithm defined outside hpcrl)")
     group_size: int = option(8, "Completions sampled per prompt; advantages compare the completions of a group.",
                              at_least=2, why="advantages compare completions")
@@ -195,9 +196,9 @@ class Options:
     @classmethod
     def table_class(cls, table: Mapping[str, Any]) -> type[Options]:
         """The class of an [algorithm] table (hpcrl.config.build): the options of its algorithm."""
-        from hpcrl.algorithms import load_algorithm
+        from hpcrl.algorithms import DEFAULT_ALGORITHM, load_algorithm
 
-        return load_algorithm(table.get("name", "grpo")).options
+        return load_algorithm(table.get("name", DEFAULT_ALGORITHM)).options
 
 
 def options_of(config) -> Options:
@@ -268,9 +269,10 @@ class Algorithm:
     more_prompts: Callable[..., int] = one_round
     """Head, after each generate round of a batch: how many more prompts to generate (0 = the batch
     is complete), called as more_prompts(groups_so_far, settings, wanted=, rounds_done=)."""
-    max_rounds: Callable[[Options], int] = at_most_one_round
-    """Head, before a batch: the most generate rounds it may take (more_prompts asks for the rounds after
-    the first). Above 1, the inference group stays with the batch until its last round is scored."""
+    max_rounds: Callable[..., int] = at_most_one_round
+    """Head, before a batch: the most generate rounds it may take, called as max_rounds(settings)
+    (more_prompts asks for the rounds after the first). Above 1, the inference group stays with the
+    batch until its last round is scored."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.defaults) - {f.name for f in fields(self.options) if "derived" not in f.metadata})

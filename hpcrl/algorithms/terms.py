@@ -38,8 +38,8 @@ from hpcrl.algorithms.base import (
     AdvantageNorm,
     Aggregation,
     KLEstimator,
-    Options,
     LossShare,
+    Options,
     Selection,
 )
 from hpcrl.errors import HpcrlError

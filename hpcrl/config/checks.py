@@ -136,7 +136,7 @@ def _check_batches(config: Config) -> None:
     t, alg = config.trainer, config.algorithm
     if t.global_batch_size % alg.group_size:
         _fail("trainer.global_batch_size",
-              f"global_batch_size = {t.global_batch_size} is not a whole number of GRPO groups of "
+              f"global_batch_size = {t.global_batch_size} is not a whole number of groups of "
               f"group_size = {alg.group_size}",
               f"use a multiple of {alg.group_size}, e.g. {alg.group_size * max(1, t.global_batch_size // alg.group_size)}")
     dp = t.world_size  # every trainer rank (either HSDP axis) takes its own slice of the batch

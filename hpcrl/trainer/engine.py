@@ -197,7 +197,7 @@ class StepMetrics:
 
 
 class TrainerEngine:
-    """Policy (and frozen reference) model, optimizer and the GRPO step of one trainer rank."""
+    """Policy (and frozen reference) model, optimizer and the RL step (the algorithm's loss) of one trainer rank."""
 
     def __init__(self, options: EngineOptions) -> None:
         self.options = options

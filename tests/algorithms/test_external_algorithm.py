@@ -74,6 +74,14 @@ def test_a_module_name_that_loads_no_algorithm_is_a_config_error_naming_the_key_
     assert problem in caught.value.problem and fix in caught.value.fix
 
 
+def test_a_built_in_algorithm_loads_by_its_module_path_too():
+    assert load_algorithm("hpcrl.algorithms.reinforce_pp:ALGORITHM") is load_algorithm("reinforce_pp")
+    config = load_config(TINY, overrides=["algorithm.name=hpcrl.algorithms.reinforce_pp:ALGORITHM",
+                                          "algorithm.gamma=0.9"])
+    assert type(config.algorithm).__name__ == "ReinforcePPOptions" and config.algorithm.gamma == 0.9
+    assert config.algorithm.kl_estimator == "k1"     # its defaults apply, whichever way it is named
+
+
 def test_a_malformed_name_is_neither_registered_nor_module_colon_name():
     with pytest.raises(ConfigError, match="unknown algorithm 'external_algorithm:'"):
         load_algorithm("external_algorithm:")
