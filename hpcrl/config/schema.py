@@ -3,7 +3,9 @@
 A run is one TOML file (see configs/), merged over a cluster profile (see launch/) and
 `--set key=value` overrides. `hpcrl.config.load` turns the merged tables into these classes;
 each field carries a one-line docstring, and each class checks its own values in
-`__post_init__` (cross-table rules live in `hpcrl.config.checks`).
+`__post_init__` (cross-table rules live in `hpcrl.config.checks`). The [algorithm] table is the one
+not declared here: its keys are the configured algorithm's options, declared beside it with their docs
+and bounds (hpcrl.algorithms.base.Options and the algorithm's subclass).
 
     [run] [model] [trainer] [checkpoint] [inference] [reward] [algorithm] [data] [eval] [cluster] [groups.<name>]
 """

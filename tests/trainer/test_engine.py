@@ -83,7 +83,7 @@ def test_engine_options_come_from_the_embedded_default_config(repo, tiny_model):
     options = EngineOptions.from_config(config)
     assert options.device == "cpu" and options.dtype == "float32"
     assert (options.lr, options.betas, options.warmup_steps, options.micro_batch_size) == (1e-3, (0.9, 0.99), 2, 16)
-    assert options.loss.clip_eps_high == 0.28 and options.loss.aggregation == "token_mean"
+    assert options.loss.clip_eps_high == 0.28 and options.loss.loss_aggregation == "token_mean"
     assert options.weights_path.endswith("models/tiny-llama")
     assert options.max_seq_len == config.max_model_len + 1  # the role and hpcrl run no longer pass it
     engine = TrainerEngine.from_config(config, max_seq_len=64)

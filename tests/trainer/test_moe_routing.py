@@ -173,7 +173,7 @@ def test_the_tiny_moe_config_gives_the_engine_gspo_and_the_load_balancing_coeffi
     config = load_config(REPO / "configs" / "tiny_moe_grpo.toml", overrides=["algorithm.moe_aux_loss_coef=0.01"])
     options = EngineOptions.from_config(config, weights_path="")  # the shapes of the preset, no checkpoint
     assert options.shape == PRESETS["tiny-qwen3-moe"]
-    assert (options.loss.algorithm, options.moe_aux_loss_coef) == ("gspo", 0.01)
+    assert (options.loss.name, options.moe_aux_loss_coef) == ("gspo", 0.01)
     assert load_config(REPO / "configs" / "tiny_moe_grpo.toml").algorithm.moe_aux_loss_coef == 0.0
 
 
