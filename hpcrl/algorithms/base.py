@@ -126,6 +126,16 @@ def derived(default: Any, doc: str, source: str) -> Any:
     return field(default=default, metadata={"doc": doc, "derived": source})
 
 
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    """typing.get_type_hints(cls), once per class."""
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Options:
     """The [algorithm] keys every algorithm reads: the head's and the trainer's sides in one object.
@@ -168,7 +178,7 @@ class Options:
         from hpcrl.algorithms import check_name
 
         check_name(self.name, key="name")
-        hints = typing.get_type_hints(type(self))
+        hints = _type_hints(type(self))
         for f in fields(self):
             value = getattr(self, f.name)
             choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal else ()
