@@ -140,20 +140,20 @@ def _type_hints(cls: type) -> dict[str, Any]:
 class Options:
     """The [algorithm] keys every algorithm reads: the head's and the trainer's sides in one object.
 
-    An algorithm with options of its own declares a subclass beside it (its module's OPTIONS, e.g.
-    hpcrl.algorithms.dapo.DapoOptions); hpcrl.config builds the [algorithm] table as the configured
+    An algorithm with options of its own declares a subclass in its module and names it as its
+    Algorithm.options (e.g. hpcrl.algorithms.dapo.DapoOptions); hpcrl.config builds the [algorithm] table as the configured
     algorithm's class, so a key is declared once, with its doc and bounds (`option`). The head's
     `select` and `more_prompts` and the trainer's `loss` all receive it as `settings`, with max_tokens
     filled in (`options_of`).
     """
 
-    name: str = option(DEFAULT_ALGORITHM, "RL algorithm: a name of hpcrl.algorithms.ALGORITHMS (grpo, dapo, gspo, dr_grpo, "
-                               "reinforce_pp) or \"module:NAME\" (an Algorithm defined outside hpcrl)")
+    name: str = option(DEFAULT_ALGORITHM, "RL algorithm: a name of hpcrl.algorithms.ALGORITHMS (grpo, dapo, gspo, "
+                                          "dr_grpo, reinforce_pp) or \"module:NAME\" (an Algorithm outside hpcrl)")
     group_size: int = option(8, "Completions sampled per prompt; advantages compare the completions of a group.",
                              at_least=2, why="advantages compare completions")
     clip_eps_low: float = option(0.2, "Lower clip of the importance ratio: 1 - clip_eps_low.", above=0, below=1)
     clip_eps_high: float = option(0.2, "Upper clip of the importance ratio: 1 + clip_eps_high (DAPO clip-higher: "
-                                       "0.28).", above=0, below=1, example=0.2)
+                                       "0.28).", above=0, below=1)
     kl_coef: float = option(0.0, "Weight of the KL penalty to the frozen reference policy; 0 = no reference model.",
                             at_least=0)
     kl_estimator: KLEstimator = option("k3", "Per-token KL estimator (Schulman's k1, k2, k3).")
@@ -206,7 +206,7 @@ class Options:
     @classmethod
     def table_class(cls, table: Mapping[str, Any]) -> type[Options]:
         """The class of an [algorithm] table (hpcrl.config.build): the options of its algorithm."""
-        from hpcrl.algorithms import DEFAULT_ALGORITHM, load_algorithm
+        from hpcrl.algorithms import load_algorithm
 
         return load_algorithm(table.get("name", DEFAULT_ALGORITHM)).options
 

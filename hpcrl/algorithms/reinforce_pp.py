@@ -115,7 +115,7 @@ def loss(*, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Te
                              "model (TrainerEngine does) or set algorithm.kl_coef = 0")
         ref_logprobs = finite_where_masked(mask, logprobs, ref_logprobs)
         kl = kl_per_token(old_logprobs, ref_logprobs, estimator=settings.kl_estimator).detach()
-        advantages = advantages - settings.kl_coef * returns_to_go(kl, mask, getattr(settings, "gamma", 1.0))
+        advantages = advantages - settings.kl_coef * returns_to_go(kl, mask, settings.gamma)
         kl_share = aggregate(torch.where(mask, kl, torch.zeros_like(kl)), mask, aggregation="token_mean",
                              norm=norm).double()
     per_token, low, high = clipped_policy_loss(logprobs, old_logprobs, advantages, clip_eps_low=settings.clip_eps_low,
