@@ -82,7 +82,7 @@ def timed_parts(engine, batch) -> dict[str, float]:
         last = now
 
     o = engine.options
-    algorithm = load_algorithm(o.loss.algorithm)
+    algorithm = load_algorithm(o.loss.name)
     counts = engine._all_reduce(torch.cat([local_counts(batch.completion_mask), batch.lengths.sum().double().view(1)]))
     norm = Normaliser(tokens=float(counts[0]), sequences=float(counts[1]))
     micro_batches = engine._micro_batches(batch)

@@ -61,7 +61,7 @@ class TrainerRank:
         import torch
         import torch.distributed as dist
 
-        from hpcrl.algorithms.base import LossSettings
+        from hpcrl.algorithms.base import Options
         from hpcrl.config.model_shapes import load_shape
         from hpcrl.trainer import EngineOptions, TrainerEngine, group
 
@@ -78,7 +78,7 @@ class TrainerRank:
         self.shape = load_shape(preset_name="", path=model_dir)
         self.engine = TrainerEngine(EngineOptions(
             shape=self.shape, weights_path=model_dir, dtype=dtype, device=device, max_seq_len=max_seq_len,
-            lr=1e-5, total_steps=2, micro_batch_size=micro_batch_size, loss=LossSettings(kl_coef=0.05)))
+            lr=1e-5, total_steps=2, micro_batch_size=micro_batch_size, loss=Options(kl_coef=0.05)))
         self.plan = make_plan(self.shape, dtype)
         self._sync()
         return {"load_s": time.perf_counter() - started, "parameters": self.engine.num_parameters(),

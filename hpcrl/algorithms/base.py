@@ -1,8 +1,8 @@
 """What every algorithm is made of, in plain Python (no torch): the rollout, settings, the interface.
 
     Rollout     one sample: a token sequence, which tokens the policy generated, their logprobs, a reward
-    Settings    the head's knobs (group size, filtering, dynamic sampling, reward shaping)
-    LossSettings the trainer's knobs (clips, KL, aggregation), carried by EngineOptions
+    Options     the [algorithm] keys, each declared once (`option`): the shared ones here, an algorithm's
+                own in its module's subclass; the config's table, the head's and the trainer's settings
     LossShare   what a loss returns: a micro-batch's share of the step loss and its metrics
     Selection   what an algorithm makes of a batch's scored groups: the groups kept, their advantages
     Algorithm   the three things an algorithm module says (see hpcrl.algorithms)
@@ -14,11 +14,13 @@ are in the sequence with mask 0 and are neither trained on nor compared with the
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from hpcrl.errors import HpcrlError
+from hpcrl.algorithms import DEFAULT_ALGORITHM
+from hpcrl.errors import ConfigError, HpcrlError
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -27,8 +29,8 @@ Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
 KLEstimator = Literal["k1", "k2", "k3"]
 AdvantageNorm = Literal["mean_std", "mean"]
 """How rewards are normalised within a group (config key algorithm.advantage_norm)."""
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+AGGREGATIONS: tuple[Aggregation, ...] = typing.get_args(Aggregation)
+KL_ESTIMATORS: tuple[KLEstimator, ...] = typing.get_args(KLEstimator)
 
 
 # ------------------------------------------------------------------------------------ rollout
@@ -79,72 +81,140 @@ class Rollout:
         return cls(**data)
 
 
-# ----------------------------------------------------------------------------------- settings
+# ------------------------------------------------------------------------------------ options
+
+@dataclass(frozen=True)
+class Bounds:
+    """The values an option takes: at_least <= v (or above < v) and v < below (or v <= at_most)."""
+
+    at_least: float | None = None
+    above: float | None = None
+    below: float | None = None
+    at_most: float | None = None
+    why: str = ""
+    """Said after the bounds in the error, e.g. "(advantages compare completions)"."""
+
+    def holds(self, value: float) -> bool:
+        return ((self.at_least is None or value >= self.at_least) and (self.above is None or value > self.above)
+                and (self.below is None or value < self.below) and (self.at_most is None or value <= self.at_most))
+
+    def text(self) -> str:
+        low = (f"[{self.at_least:g}" if self.at_least is not None else f"({self.above:g}" if self.above is not None
+               else "")
+        high = f"{self.below:g})" if self.below is not None else f"{self.at_most:g}]" if self.at_most is not None else ""
+        if low and high:
+            return f"in {low}, {high}"
+        if self.at_least == 0:
+            return "zero or more"
+        words = {"at_least": "at least", "above": "above", "below": "below", "at_most": "at most"}
+        return " and ".join(f"{words[k]} {getattr(self, k):g}" for k in words if getattr(self, k) is not None)
+
+
+def option(default: Any, doc: str, *, at_least: float | None = None, above: float | None = None,
+           below: float | None = None, at_most: float | None = None, why: str = "", example: Any = None) -> Any:
+    """One key of the [algorithm] table, declared once as a field of an Options class: the field's name
+    and annotation are the key and its type; `default`, the one-line `doc` and the bounds are here.
+    hpcrl.config builds the table from these fields (type checks, "did you mean"), and Options checks
+    the bounds, naming the fix (`example`, else the default)."""
+    bounds = Bounds(at_least=at_least, above=above, below=below, at_most=at_most, why=why)
+    return field(default=default, metadata={"doc": doc, "bounds": bounds,
+                                            "example": default if example is None else example})
+
+
+def derived(default: Any, doc: str, source: str) -> Any:
+    """A field of an Options class that is not a key of [algorithm]: `options_of` fills it from `source`."""
+    return field(default=default, metadata={"doc": doc, "derived": source})
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    """typing.get_type_hints(cls), once per class."""
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
 
 @dataclass(frozen=True, kw_only=True)
-class Settings:
-    """The head's side of an algorithm (from [algorithm] and inference.max_tokens)."""
+class Options:
+    """The [algorithm] keys every algorithm reads: the head's and the trainer's sides in one object.
 
-    group_size: int = 8
-    advantage_norm: AdvantageNorm = "mean_std"
-    filter_zero_variance: bool = False
-    """Train only on groups whose rewards differ."""
-    dynamic_sampling: bool = False
-    """Refill groups that filtering drops by generating more prompts (DAPO)."""
-    max_sampling_rounds: int = 1
-    """Most generate rounds for one batch with dynamic sampling (the first included)."""
-    overlong_buffer_fraction: float = 0.0
-    """Share of max_tokens at the end of the budget over which the overlong penalty ramps; 0 = none."""
-    overlong_penalty: float = 1.0
-    """The penalty of a completion that reaches max_tokens (DAPO: 1)."""
-    max_tokens: int = 1
-    """Most tokens the policy generates per rollout (inference.max_tokens)."""
+    An algorithm with options of its own declares a subclass in its module and names it as its
+    Algorithm.options (e.g. hpcrl.algorithms.dapo.DapoOptions); hpcrl.config builds the [algorithm] table as the configured
+    algorithm's class, so a key is declared once, with its doc and bounds (`option`). The head's
+    `select` and `more_prompts` and the trainer's `loss` all receive it as `settings`, with max_tokens
+    filled in (`options_of`).
+    """
 
-    @classmethod
-    def from_config(cls, config) -> Settings:
-        """From an `hpcrl.config.schema.Config` (its [algorithm] table and inference.max_tokens)."""
-        a = config.algorithm
-        return cls(group_size=a.group_size, advantage_norm=a.advantage_norm,
-                   filter_zero_variance=a.filter_zero_variance, dynamic_sampling=a.dynamic_sampling,
-                   max_sampling_rounds=a.max_sampling_rounds, overlong_buffer_fraction=a.overlong_buffer_fraction,
-                   overlong_penalty=a.overlong_penalty, max_tokens=config.inference.max_tokens)
-
-
-@dataclass(frozen=True, kw_only=True)
-class LossSettings:
-    """The trainer's side of an algorithm: which loss, and its knobs."""
-
-    algorithm: str = "grpo"
-    """algorithm.name: whose `loss` the engine calls."""
-    clip_eps_low: float = 0.2
-    """Lower clip of the importance ratio: 1 - clip_eps_low."""
-    clip_eps_high: float = 0.2
-    """Upper clip of the importance ratio: 1 + clip_eps_high."""
-    kl_coef: float = 0.0
-    """Weight of the KL penalty to the reference policy; 0 = none."""
-    kl_estimator: KLEstimator = "k3"
-    """Per-token KL estimator."""
-    aggregation: Aggregation = "token_mean"
-    """How per-token losses become one number."""
-    max_tokens: int = 0
-    """The constant length of seq_mean_token_sum_norm (inference.max_tokens)."""
+    name: str = option(DEFAULT_ALGORITHM, "RL algorithm: a name of hpcrl.algorithms.ALGORITHMS (grpo, dapo, gspo, "
+                                          "dr_grpo, reinforce_pp) or \"module:NAME\" (an Algorithm outside hpcrl)")
+    group_size: int = option(8, "Completions sampled per prompt; advantages compare the completions of a group.",
+                             at_least=2, why="advantages compare completions")
+    clip_eps_low: float = option(0.2, "Lower clip of the importance ratio: 1 - clip_eps_low.", above=0, below=1)
+    clip_eps_high: float = option(0.2, "Upper clip of the importance ratio: 1 + clip_eps_high (DAPO clip-higher: "
+                                       "0.28).", above=0, below=1)
+    kl_coef: float = option(0.0, "Weight of the KL penalty to the frozen reference policy; 0 = no reference model.",
+                            at_least=0)
+    kl_estimator: KLEstimator = option("k3", "Per-token KL estimator (Schulman's k1, k2, k3).")
+    loss_aggregation: Aggregation = option(
+        "token_mean", "How per-token losses become one number (seq_mean_token_sum_norm: the sum over tokens "
+                      "divided by inference.max_tokens x sequences, Dr. GRPO's constant).")
+    filter_zero_variance: bool = option(False, "Train only on groups whose rewards differ (they carry no gradient "
+                                               "otherwise).")
+    max_policy_lag: int = option(1, "Most optimizer steps a rollout's weights may lag the trainer; 0 = fully "
+                                    "on-policy.", at_least=0)
+    moe_aux_loss_coef: float = option(
+        0.0, "Mixture-of-Experts models: weight of the routers' load-balancing loss (hpcrl/trainer/routing.py) "
+             "added to the step loss; 0 = not added (still reported as moe_aux_loss). Qwen3-MoE: 0.001.", at_least=0)
+    mismatch_every: int = option(
+        1, "With max_policy_lag > 0: measure logprob_mismatch (a trainer forward and a vLLM scoring call of one "
+           "group after the weight sync) every this many steps; at lag 0 the step's own forward measures it.",
+        at_least=1)
+    max_tokens: int = derived(0, "Most tokens the policy generates per rollout (overlong shaping, the "
+                                 "seq_mean_token_sum_norm constant); 0 = not filled in.", "inference.max_tokens")
 
     def __post_init__(self) -> None:
-        if self.aggregation not in AGGREGATIONS:
-            raise HpcrlError(f"unknown loss aggregation {self.aggregation!r}; use one of {', '.join(AGGREGATIONS)}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise HpcrlError(f"unknown KL estimator {self.kl_estimator!r}; use one of {', '.join(KL_ESTIMATORS)}")
-        if self.aggregation == "seq_mean_token_sum_norm" and self.max_tokens < 1:
-            raise HpcrlError("seq_mean_token_sum_norm divides by max_tokens, which is not set; pass "
-                             "LossSettings(max_tokens=inference.max_tokens)")
+        from hpcrl.algorithms import check_name
+
+        check_name(self.name, key="name")
+        hints = _type_hints(type(self))
+        for f in fields(self):
+            value = getattr(self, f.name)
+            choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal else ()
+            if choices and value not in choices:
+                raise ConfigError(key=f.name, problem=f"must be one of {', '.join(map(repr, choices))}; got {value!r}",
+                                  fix=f'write e.g. {f.name} = "{f.metadata.get("example", choices[0])}"')
+            bounds = f.metadata.get("bounds")
+            if bounds is not None and isinstance(value, int | float) and not bounds.holds(value):
+                why = f" ({bounds.why})" if bounds.why else ""
+                raise ConfigError(key=f.name, problem=f"must be {bounds.text()}{why}, got {value}",
+                                  fix=f"set {f.name} = {f.metadata['example']!r}")
+
+    def check_episodes(self) -> None:
+        """A ConfigError (key relative to [algorithm]) for an option that multi-turn episodes ([env]) cannot
+        honour; none by default."""
 
     @classmethod
-    def from_config(cls, algorithm, *, max_tokens: int = 0) -> LossSettings:
-        """From an `hpcrl.config.schema.AlgorithmConfig` (and inference.max_tokens)."""
-        return cls(algorithm=algorithm.name, clip_eps_low=algorithm.clip_eps_low,
-                   clip_eps_high=algorithm.clip_eps_high, kl_coef=algorithm.kl_coef,
-                   kl_estimator=algorithm.kl_estimator, aggregation=algorithm.loss_aggregation,
-                   max_tokens=max_tokens)
+    def owner_of(cls, key: str) -> str:
+        """For a key that is not one of this class's: which registered algorithms declare it, as a hint."""
+        from hpcrl.algorithms import ALGORITHMS, load_algorithm
+
+        owners = [n for n in ALGORITHMS if key in {f.name for f in fields(load_algorithm(n).options)}]
+        return f"an option of {' and '.join(owners)}: set name = \"{owners[0]}\" to use it" if owners else ""
+
+    @classmethod
+    def table_class(cls, table: Mapping[str, Any]) -> type[Options]:
+        """The class of an [algorithm] table (hpcrl.config.build): the options of its algorithm."""
+        from hpcrl.algorithms import load_algorithm
+
+        return load_algorithm(table.get("name", DEFAULT_ALGORITHM)).options
+
+
+def options_of(config) -> Options:
+    """The algorithm's settings of a run (an hpcrl.config.schema.Config): its [algorithm] table, with
+    max_tokens = inference.max_tokens. What the head's `select` and the trainer's `loss` receive."""
+    return replace(config.algorithm, max_tokens=config.inference.max_tokens)
 
 
 # ---------------------------------------------------------------------------------- interface
@@ -182,9 +252,13 @@ class Selection:
 Groups = list[list[Rollout]]
 
 
-def one_round(groups: Groups, settings: Settings, *, wanted: int, rounds_done: int) -> int:
+def one_round(groups: Groups, settings: Options, *, wanted: int, rounds_done: int) -> int:
     """No dynamic sampling: a batch is the prompts of one generate round."""
     return 0
+
+
+def at_most_one_round(settings: Options) -> int:
+    return 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,6 +266,8 @@ class Algorithm:
     """What an algorithm module defines as ALGORITHM."""
 
     name: str
+    options: type[Options] = Options
+    """The [algorithm] table of this algorithm: Options, or a subclass declaring its own keys."""
     defaults: Mapping[str, Any] = field(default_factory=dict)
     """[algorithm] keys this algorithm sets unless the user set them (config/load.py merges them)."""
     select: Callable[..., Selection]
@@ -203,4 +279,14 @@ class Algorithm:
     more_prompts: Callable[..., int] = one_round
     """Head, after each generate round of a batch: how many more prompts to generate (0 = the batch
     is complete), called as more_prompts(groups_so_far, settings, wanted=, rounds_done=)."""
+    max_rounds: Callable[..., int] = at_most_one_round
+    """Head, before a batch: the most generate rounds it may take, called as max_rounds(settings)
+    (more_prompts asks for the rounds after the first). Above 1, the inference group stays with the
+    batch until its last round is scored."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.defaults) - {f.name for f in fields(self.options) if "derived" not in f.metadata})
+        if unknown:
+            raise HpcrlError(f"algorithm {self.name!r} has defaults for {', '.join(unknown)}, which are not keys of "
+                             f"its options {self.options.__name__}; declare them there (hpcrl.algorithms.base.option)")
 

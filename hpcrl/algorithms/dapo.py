@@ -20,14 +20,47 @@ Run the tests: `python -m pytest tests/algorithms/test_dapo.py -q`.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hpcrl.algorithms.base import Algorithm, Groups, LossSettings, LossShare, Rollout, Selection, Settings
+from hpcrl.algorithms.base import Algorithm, Groups, LossShare, Options, Rollout, Selection, option
+from hpcrl.algorithms.grpo import GrpoOptions
+from hpcrl.errors import ConfigError
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from hpcrl.algorithms.terms import Normaliser
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class DapoOptions(GrpoOptions):
+    """[algorithm] of DAPO: GRPO's keys, dynamic sampling and overlong shaping."""
+
+    dynamic_sampling: bool = option(False, "Refill the groups that filter_zero_variance drops by generating more "
+                                           "prompts.")
+    max_sampling_rounds: int = option(1, "With dynamic_sampling: most generate rounds for one batch, the first "
+                                         "included.", at_least=1)
+    overlong_buffer_fraction: float = option(
+        0.0, "Overlong reward shaping: a completion reaching into the last this-share of inference.max_tokens gets a "
+             "penalty ramping to -overlong_penalty at max_tokens; 0 = none.", at_least=0, below=1, example=0.2)
+    overlong_penalty: float = option(1.0, "The overlong penalty at inference.max_tokens.", at_least=0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dynamic_sampling and not self.filter_zero_variance:
+            raise ConfigError(key="dynamic_sampling",
+                              problem="refills the groups that filtering drops, but filter_zero_variance = false "
+                                      "drops none", fix="set filter_zero_variance = true, or dynamic_sampling = false")
+
+    def check_episodes(self) -> None:
+        if self.overlong_buffer_fraction > 0:
+            raise ConfigError(key="overlong_buffer_fraction",
+                              problem=f"is {self.overlong_buffer_fraction}: overlong shaping measures one completion "
+                                      "against inference.max_tokens, and an episode's policy tokens span several turns "
+                                      "(env.max_tokens bounds them)", fix="set algorithm.overlong_buffer_fraction = 0.0")
+
 
 DEFAULTS = {"clip_eps_high": 0.28, "loss_aggregation": "token_mean", "filter_zero_variance": True,
             "dynamic_sampling": True, "max_sampling_rounds": 4, "overlong_buffer_fraction": 0.2,
@@ -45,7 +78,7 @@ def overlong_penalty(generated: int, *, max_tokens: int, buffer: int, penalty: f
     return (start - generated) / buffer * penalty
 
 
-def shaped_rewards(groups: Groups, settings: Settings) -> list[list[float]]:
+def shaped_rewards(groups: Groups, settings: DapoOptions) -> list[list[float]]:
     """Each rollout's reward plus its overlong penalty, per group."""
     buffer = int(settings.overlong_buffer_fraction * settings.max_tokens)
 
@@ -60,7 +93,7 @@ def _with_signal(rewards: list[list[float]]) -> int:
     return sum(1 for group in rewards if any(r != group[0] for r in group))
 
 
-def more_prompts(groups: Groups, settings: Settings, *, wanted: int, rounds_done: int) -> int:
+def more_prompts(groups: Groups, settings: DapoOptions, *, wanted: int, rounds_done: int) -> int:
     """Prompts of the next round: enough to fill the batch at the signal rate seen so far (a whole
     batch while no group had a signal), or 0 once `wanted` groups have one or the rounds ran out."""
     have = _with_signal(shaped_rewards(groups, settings)) if settings.filter_zero_variance else len(groups)
@@ -71,7 +104,12 @@ def more_prompts(groups: Groups, settings: Settings, *, wanted: int, rounds_done
     return min(wanted, math.ceil((wanted - have) * len(groups) / have))
 
 
-def select(groups: Groups, settings: Settings, *, wanted: int | None = None) -> Selection:
+def max_rounds(settings: DapoOptions) -> int:
+    """With dynamic sampling, max_sampling_rounds; else one."""
+    return settings.max_sampling_rounds if settings.dynamic_sampling else 1
+
+
+def select(groups: Groups, settings: DapoOptions, *, wanted: int | None = None) -> Selection:
     """The first `wanted` groups whose shaped rewards differ, with GRPO advantages of those rewards."""
     from hpcrl.algorithms.terms import group_selection
 
@@ -79,7 +117,7 @@ def select(groups: Groups, settings: Settings, *, wanted: int | None = None) -> 
                            filter_zero_variance=settings.filter_zero_variance, wanted=wanted)
 
 
-def loss(*, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, settings: LossSettings,
+def loss(*, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, settings: Options,
          norm: Normaliser, ref_logprobs: Tensor | None = None) -> LossShare:
     """This micro-batch's share of the step's DAPO loss: the per-token clipped ratio with the
     clip-higher and token-level aggregation of `settings` (DEFAULTS)."""
@@ -89,4 +127,5 @@ def loss(*, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Te
                             settings=settings, norm=norm, ref_logprobs=ref_logprobs)
 
 
-ALGORITHM = Algorithm(name="dapo", defaults=DEFAULTS, select=select, loss=loss, more_prompts=more_prompts)
+ALGORITHM = Algorithm(name="dapo", options=DapoOptions, defaults=DEFAULTS, select=select, loss=loss,
+                      more_prompts=more_prompts, max_rounds=max_rounds)

@@ -17,8 +17,8 @@ from __future__ import annotations
 from hpcrl.algorithms.base import Algorithm
 
 # Samples, advantages and the per-token loss as GRPO: what differs is DEFAULTS (advantage_norm, aggregation).
-from hpcrl.algorithms.grpo import loss, select
+from hpcrl.algorithms.grpo import GrpoOptions, loss, select
 
 DEFAULTS = {"advantage_norm": "mean", "loss_aggregation": "seq_mean_token_sum_norm"}
 
-ALGORITHM = Algorithm(name="dr_grpo", defaults=DEFAULTS, select=select, loss=loss)
+ALGORITHM = Algorithm(name="dr_grpo", options=GrpoOptions, defaults=DEFAULTS, select=select, loss=loss)

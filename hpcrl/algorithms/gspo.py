@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hpcrl.algorithms.base import Algorithm, LossSettings, LossShare
-from hpcrl.algorithms.grpo import select  # samples and advantages as GRPO
+from hpcrl.algorithms.base import Algorithm, LossShare, Options
+from hpcrl.algorithms.grpo import GrpoOptions, select  # samples and advantages as GRPO
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -40,7 +40,7 @@ def sequence_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tens
     return torch.exp(logprobs - logprobs.detach() + mean_log_ratio.detach().unsqueeze(-1))
 
 
-def loss(*, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, settings: LossSettings,
+def loss(*, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, settings: Options,
          norm: Normaliser, ref_logprobs: Tensor | None = None) -> LossShare:
     """This micro-batch's share of the step's GSPO loss (module docstring); a clipped sequence counts
     all its tokens in the clip fractions."""
@@ -57,4 +57,4 @@ def loss(*, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Te
                         ref_logprobs=ref_logprobs)
 
 
-ALGORITHM = Algorithm(name="gspo", defaults=DEFAULTS, select=select, loss=loss)
+ALGORITHM = Algorithm(name="gspo", options=GrpoOptions, defaults=DEFAULTS, select=select, loss=loss)

@@ -38,8 +38,8 @@ from hpcrl.algorithms.base import (
     AdvantageNorm,
     Aggregation,
     KLEstimator,
-    LossSettings,
     LossShare,
+    Options,
     Selection,
 )
 from hpcrl.errors import HpcrlError
@@ -143,10 +143,10 @@ def finite_where_masked(mask: Tensor, logprobs: Tensor, other: Tensor) -> Tensor
 
 
 def policy_share(per_token: Tensor, low: Tensor, high: Tensor, *, logprobs: Tensor, mask: Tensor,
-                 settings: LossSettings, norm: Normaliser, ref_logprobs: Tensor | None) -> LossShare:
+                 settings: Options, norm: Normaliser, ref_logprobs: Tensor | None) -> LossShare:
     """The share of a per-token surrogate `per_token`, aggregated, plus the KL penalty (mask is bool)."""
     per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
-    policy = aggregate(per_token, mask, aggregation=settings.aggregation, norm=norm, max_tokens=settings.max_tokens)
+    policy = aggregate(per_token, mask, aggregation=settings.loss_aggregation, norm=norm, max_tokens=settings.max_tokens)
     loss = policy
     kl_share = torch.zeros((), dtype=torch.float64, device=logprobs.device)
     if settings.kl_coef > 0:
@@ -155,7 +155,7 @@ def policy_share(per_token: Tensor, low: Tensor, high: Tensor, *, logprobs: Tens
                              "the reference model (TrainerEngine does) or set algorithm.kl_coef = 0")
         kl = torch.where(mask, kl_per_token(logprobs, ref_logprobs, estimator=settings.kl_estimator),
                          torch.zeros_like(per_token))
-        loss = loss + settings.kl_coef * aggregate(kl, mask, aggregation=settings.aggregation, norm=norm,
+        loss = loss + settings.kl_coef * aggregate(kl, mask, aggregation=settings.loss_aggregation, norm=norm,
                                                    max_tokens=settings.max_tokens)
         kl_share = aggregate(kl.detach(), mask, aggregation="token_mean", norm=norm).double()
     return LossShare(loss=loss, policy_loss=policy.detach().double(), kl=kl_share,
@@ -163,7 +163,7 @@ def policy_share(per_token: Tensor, low: Tensor, high: Tensor, *, logprobs: Tens
 
 
 def token_ratio_loss(*, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                     settings: LossSettings, norm: Normaliser, ref_logprobs: Tensor | None = None) -> LossShare:
+                     settings: Options, norm: Normaliser, ref_logprobs: Tensor | None = None) -> LossShare:
     """The clipped loss with a per-token importance ratio (GRPO, DAPO, Dr. GRPO differ in settings)."""
     mask = mask.bool()
     old_logprobs = finite_where_masked(mask, logprobs, old_logprobs)

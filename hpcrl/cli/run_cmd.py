@@ -1,4 +1,4 @@
-"""`hpcrl run CONFIG`: the whole GRPO loop in this one process (no Slurm, no bus).
+"""`hpcrl run CONFIG`: the whole RL loop in this one process (no Slurm, no bus).
 
 One trainer rank, one vLLM engine, a reward pool, with weights moving trainer -> vLLM through the
 same transfer plan and engine as in a job (see hpcrl.rl.inprocess). Resumes from the run
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 def add_parser(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     parser = subparsers.add_parser(
-        "run", parents=[common], help="run the whole GRPO loop in this process (1 trainer rank, 1 replica)",
+        "run", parents=[common], help="run the whole RL loop in this process (1 trainer rank, 1 replica)",
         description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, metavar="N", help="stop after step N (default: trainer.steps)")
     parser.add_argument("-v", "--verbose", action="store_true",

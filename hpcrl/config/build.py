@@ -2,6 +2,8 @@
 
 Checks every value against the field's annotation (str, int, float, bool, Literal, list,
 dict, nested dataclass, dict of dataclasses), rejects unknown keys with a "did you mean",
+builds a table whose class depends on its values (a dataclass with `table_class(table)`: [algorithm],
+whose keys are the configured algorithm's options, hpcrl.algorithms.base.Options),
 and reports missing required keys. Every float must be finite (TOML has nan and inf, which no
 key can use) and every integer must fit in 64 bits; bounds of single keys live in schema.py. Errors carry the dotted key; the loader adds file and line.
 """
@@ -46,9 +48,17 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def table_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of `cls` that are keys of its table: all but those marked "derived" (filled in from
+    another key by code, e.g. hpcrl.algorithms.base.Options.max_tokens from inference.max_tokens)."""
+    return [f for f in dataclasses.fields(cls) if "derived" not in f.metadata]
+
+
 def field_example(cls: type, name: str) -> str:
     """A TOML line that would be valid for field `name` of `cls`, for error fixes."""
     fld = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if "example" in fld.metadata:
+        return f"{name} = {_toml_literal(fld.metadata['example'])}"
     if fld.default is not dataclasses.MISSING:
         return f"{name} = {_toml_literal(fld.default)}"
     if fld.default_factory is not dataclasses.MISSING:
@@ -87,6 +97,8 @@ def _convert(value: Any, hint: Any, key: str, example: str) -> Any:
         return {k: _convert(v, item, f"{key}.{k}", f"{k} = {_EXAMPLES.get(item, '...')}")
                 for k, v in value.items()}
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        if isinstance(value, dict) and hasattr(hint, "table_class"):
+            hint = hint.table_class(value)  # a table whose keys depend on its values: [algorithm] on its name
         return build(hint, value, key)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         try:
@@ -113,13 +125,14 @@ def build(cls: type, table: Any, prefix: str) -> Any:
     if not isinstance(table, dict):
         raise ConfigError(key=prefix, problem=f"expected a table, got {_describe(table)}",
                           fix=f"write it as a table: a line {section} followed by key = value lines")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in table_fields(cls)}
     for name in table:
         if name not in fields:
             close = difflib.get_close_matches(name, list(fields), n=1, cutoff=0.6)
             guess = f"did you mean {close[0]!r}? " if close else ""
+            owner = cls.owner_of(name) if hasattr(cls, "owner_of") else ""  # [algorithm]: another algorithm's key
             raise ConfigError(key=f"{prefix}.{name}" if prefix else name,
-                              problem=f"unknown key {name!r} in {section}",
+                              problem=f"unknown key {name!r} in {section}" + (f" ({owner})" if owner else ""),
                               fix=f"{guess}valid keys are: {', '.join(fields)}")
     kwargs = {}
     hints = _hints(cls)

@@ -137,7 +137,7 @@ def _check_batches(config: Config) -> None:
     t, alg = config.trainer, config.algorithm
     if t.global_batch_size % alg.group_size:
         _fail("trainer.global_batch_size",
-              f"global_batch_size = {t.global_batch_size} is not a whole number of GRPO groups of "
+              f"global_batch_size = {t.global_batch_size} is not a whole number of groups of "
               f"group_size = {alg.group_size}",
               f"use a multiple of {alg.group_size}, e.g. {alg.group_size * max(1, t.global_batch_size // alg.group_size)}")
     dp = t.world_size  # every trainer rank (either HSDP axis) takes its own slice of the batch
@@ -344,8 +344,7 @@ def _check_env(config: Config, shape: ModelShape) -> None:
     if env.max_tokens > shape.max_position:
         _fail("env.max_tokens", f"an episode of {env.max_tokens} tokens exceeds the model's {shape.max_position} "
                                 "positions", f"set env.max_tokens to at most {shape.max_position}")
-    if config.algorithm.overlong_buffer_fraction > 0:
-        _fail("algorithm.overlong_buffer_fraction",
-              f"is {config.algorithm.overlong_buffer_fraction}: overlong shaping measures one completion against "
-              "inference.max_tokens, and an episode's policy tokens span several turns (env.max_tokens bounds them)",
-              "set algorithm.overlong_buffer_fraction = 0.0")
+    try:
+        config.algorithm.check_episodes()
+    except ConfigError as err:
+        _fail(f"algorithm.{err.key}", err.problem, err.fix)

@@ -10,6 +10,7 @@ import dataclasses
 import json
 from typing import Any
 
+from hpcrl.config.build import table_fields
 from hpcrl.config.schema import Config
 
 
@@ -37,10 +38,16 @@ def _table(name: str, table: dict[str, Any], out: list[str]) -> None:
         _table(f"{name}.{json.dumps(key) if not key.isidentifier() else key}", sub, out)
 
 
+def _keys(table: Any) -> dict[str, Any]:
+    """A table's keys and values: its dataclass as a dict, without the fields code fills in (table_fields)."""
+    keys = {f.name for f in table_fields(type(table))}
+    return {k: v for k, v in dataclasses.asdict(table).items() if k in keys}
+
+
 def dump_toml(config: Config) -> str:
     """The TOML text of a resolved config (every field, defaults included)."""
     out = ["# Resolved configuration of this run (profile + experiment + --set), written by hpcrl.", ""]
     for field in dataclasses.fields(config):
-        _table(field.name, dataclasses.asdict(getattr(config, field.name)) if field.name != "groups"
-               else {k: dataclasses.asdict(v) for k, v in config.groups.items()}, out)
+        _table(field.name, _keys(getattr(config, field.name)) if field.name != "groups"
+               else {k: _keys(v) for k, v in config.groups.items()}, out)
     return "\n".join(out)

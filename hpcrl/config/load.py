@@ -7,7 +7,8 @@
 Tables merge key by key; the later source wins. Every error names the file that set the key
 (or "--set"), the line where the TOML gives it, the dotted key, the problem and the fix.
 Below all of them lie the defaults of the configured algorithm (algorithm.name, hpcrl.algorithms):
-e.g. `name = "dapo"` turns on dynamic sampling unless a source sets dynamic_sampling itself.
+an algorithm may set its own value of a key (its Algorithm.defaults), which applies unless a source
+sets that key itself.
 Relative paths (model.path, data.source, run.run_dir, ...) are made absolute against the
 current directory, so the resolved config can be copied into the run directory and used from
 anywhere; $VAR, ${VAR} and ~ in them are expanded, and an unset variable is an error naming it.
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcrl.algorithms import load_algorithm
+from hpcrl.algorithms import DEFAULT_ALGORITHM, load_algorithm
 from hpcrl.config.build import build
 from hpcrl.config.checks import check_config
 from hpcrl.config.model_shapes import ModelShape
@@ -221,7 +222,7 @@ def _merge_algorithm_defaults(tree: dict[str, Any]) -> None:
     table = tree.get("algorithm", {})
     if not isinstance(table, dict):
         return  # build() reports a non-table with its fix
-    defaults = load_algorithm(table.get("name", "grpo")).defaults
+    defaults = load_algorithm(table.get("name", DEFAULT_ALGORITHM)).defaults  # a ConfigError at algorithm.name if unknown
     if defaults:
         tree["algorithm"] = {**defaults, **table}
 

@@ -3,7 +3,9 @@
 A run is one TOML file (see configs/), merged over a cluster profile (see launch/) and
 `--set key=value` overrides. `hpcrl.config.load` turns the merged tables into these classes;
 each field carries a one-line docstring, and each class checks its own values in
-`__post_init__` (cross-table rules live in `hpcrl.config.checks`).
+`__post_init__` (cross-table rules live in `hpcrl.config.checks`). The [algorithm] table is the one
+not declared here: its keys are the configured algorithm's options, declared beside it with their docs
+and bounds (hpcrl.algorithms.base.Options and the algorithm's subclass).
 
     [run] [model] [trainer] [checkpoint] [inference] [reward] [algorithm] [data] [eval] [cluster] [groups.<name>]
 """
@@ -15,7 +17,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from hpcrl.algorithms import check_name as check_algorithm_name
+from hpcrl.algorithms import algorithm_options
+from hpcrl.algorithms.base import Options
 from hpcrl.errors import ConfigError
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -304,75 +307,6 @@ class RewardConfig:
     def weighted_functions(self) -> list[RewardFunctionConfig]:
         """The functions the pool runs: `functions`, or `function` alone with weight 1."""
         return list(self.functions) or [RewardFunctionConfig(function=self.function)]
-
-
-@dataclass(frozen=True, kw_only=True)
-class AlgorithmConfig:
-    """The RL algorithm and its knobs. `name` picks a module of hpcrl.algorithms; its defaults
-    (e.g. DAPO's clip_eps_high = 0.28) replace the ones below for every key the config does not set
-    (hpcrl.config.load merges them), and keys the config sets always win."""
-
-    name: str = "grpo"
-    """RL algorithm: one of hpcrl.algorithms.ALGORITHMS (grpo, dapo, gspo, dr_grpo)."""
-    group_size: int = 8
-    """Completions sampled per prompt; advantages are normalised within each group."""
-    clip_eps_low: float = 0.2
-    """Lower clip of the importance ratio: 1 - clip_eps_low."""
-    clip_eps_high: float = 0.2
-    """Upper clip of the importance ratio: 1 + clip_eps_high (DAPO clip-higher uses 0.28)."""
-    kl_coef: float = 0.0
-    """Weight of the KL penalty to the frozen reference policy; 0 = no reference model."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token KL estimator (Schulman's k1, k2, k3)."""
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
-                              "seq_mean_token_sum_norm"] = "token_mean"
-    """How per-token losses become one number (seq_mean_token_sum_norm: the sum over tokens divided by
-    inference.max_tokens x sequences, Dr. GRPO's constant)."""
-    advantage_norm: Literal["mean_std", "mean"] = "mean_std"
-    """Group advantage: (r - mean) / std, or r - mean (Dr. GRPO)."""
-    filter_zero_variance: bool = False
-    """Drop groups whose rewards are all equal (they carry no gradient)."""
-    dynamic_sampling: bool = False
-    """Refill the groups that filter_zero_variance drops by generating more prompts (DAPO)."""
-    max_sampling_rounds: int = 1
-    """With dynamic_sampling: most generate rounds for one batch, the first included."""
-    overlong_buffer_fraction: float = 0.0
-    """Overlong reward shaping (DAPO): a completion reaching into the last this-share of
-    inference.max_tokens gets a penalty ramping to -overlong_penalty at max_tokens; 0 = none."""
-    overlong_penalty: float = 1.0
-    """The overlong penalty at inference.max_tokens."""
-    max_policy_lag: int = 1
-    """Most optimizer steps a rollout's weights may lag the trainer; 0 = fully on-policy."""
-    moe_aux_loss_coef: float = 0.0
-    """Mixture-of-Experts models: weight of the routers' load-balancing loss (Switch / Qwen: E x
-    sum_e f_e x P_e per MoE block, averaged; hpcrl/trainer/routing.py) added to the step loss;
-    0 = not added (it is still reported as `moe_aux_loss`). Qwen3-MoE was pretrained with 0.001."""
-    mismatch_every: int = 1
-    """With max_policy_lag > 0: measure `logprob_mismatch` (a trainer forward and a vLLM scoring call
-    of one group after the weight sync) every this many steps; the other steps report none. At lag 0
-    the step's own forward measures it for free at every step. 1 by default because at lag > 0 the
-    probe is the only check that each sync delivered the trainer's exact weights, and it costs one
-    group's forward on each side: raise it where that forward is not small next to a step."""
-
-    def __post_init__(self) -> None:
-        check_algorithm_name(self.name, key="name")
-        _require(self.group_size >= 2, "group_size",
-                 f"must be at least 2 (advantages compare completions), got {self.group_size}",
-                 "set group_size = 8")
-        for key in ("clip_eps_low", "clip_eps_high"):
-            value = getattr(self, key)
-            _require(0 < value < 1, key, f"must be in (0, 1), got {value}", f"set {key} = 0.2")
-        _positive(self.kl_coef, "kl_coef", allow_zero=True)
-        _positive(self.moe_aux_loss_coef, "moe_aux_loss_coef", allow_zero=True)
-        _positive(self.max_policy_lag, "max_policy_lag", allow_zero=True)
-        _positive(self.mismatch_every, "mismatch_every")
-        _positive(self.max_sampling_rounds, "max_sampling_rounds")
-        _positive(self.overlong_penalty, "overlong_penalty", allow_zero=True)
-        _require(0 <= self.overlong_buffer_fraction < 1, "overlong_buffer_fraction",
-                 f"must be in [0, 1), got {self.overlong_buffer_fraction}", "set overlong_buffer_fraction = 0.2")
-        _require(self.filter_zero_variance or not self.dynamic_sampling, "dynamic_sampling",
-                 "refills the groups that filtering drops, but filter_zero_variance = false drops none",
-                 "set filter_zero_variance = true, or dynamic_sampling = false")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -666,8 +600,9 @@ class Config:
     reward: RewardConfig = field(default_factory=lambda: RewardConfig(
         function="hpcrl.reward.builtin:exact_match"))
     """[reward]: how completions are scored."""
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    """[algorithm]: GRPO settings."""
+    algorithm: Options = field(default_factory=algorithm_options)
+    """[algorithm]: the RL algorithm and its options, declared beside it (hpcrl.algorithms: base.Options and the
+    configured algorithm's subclass, built from the table by Options.table_class)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """[eval]: pass@1 / pass@k on the held-out prompts every eval.interval steps."""
     env: EnvConfig = field(default_factory=EnvConfig)

@@ -22,7 +22,7 @@ def _rng(split: str, index: int, salt: int) -> random.Random:
 
 
 def echo(split: str, index: int) -> Example:
-    """"say 7:" -> "7": the embedded default's task, learnable by a tiny random model in ~200 GRPO steps."""
+    """"say 7:" -> "7": the embedded default's task, learnable by a tiny random model in ~200 RL steps."""
     rng = _rng(split, index, 4)
     digit = rng.randrange(10)
     return {"id": f"echo-{split}-{index}", "prompt": f"say {digit}:", "answer": str(digit)}

@@ -1,4 +1,4 @@
-"""The vLLM adapter of the inference role: build one engine, generate GRPO groups with logprobs.
+"""The vLLM adapter of the inference role: build one engine, generate groups of completions with logprobs.
 
     engine = VllmEngine.from_config(config, model_path=config.model.path)
     groups = engine.generate([Prompt(id="p0", text="1+2=", answer="3")], n=8, seed=1234)

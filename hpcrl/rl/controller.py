@@ -18,8 +18,8 @@ equals an uninterrupted one:
     version s + 1 goes to the inference group once both are done; the batch's scoring goes on
     meanwhile (the reward group is not the inference group) and ends before step s does
 
-A batch is one generate round of trainer.global_batch_size / group_size prompts; an algorithm with
-dynamic sampling (DAPO) asks for more rounds until enough groups carry a signal. Round r of batch b
+A batch is one generate round of trainer.global_batch_size / group_size prompts; an algorithm may ask
+for more rounds (algorithm.more_prompts, e.g. until enough groups carry a signal). Round r of batch b
 draws the next prompts of the stream and samples with a seed fixed by (run.seed, b, r), and every
 round ends before the batch enters the buffer, so a resumed run generates the same rounds.
 
@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from hpcrl.algorithms import load_algorithm
-from hpcrl.algorithms.base import Settings
+from hpcrl.algorithms.base import options_of
 from hpcrl.config.schema import Config
 from hpcrl.data.chat import chat_template_for
 from hpcrl.data.prompts import Prompt, PromptStream
@@ -130,7 +130,7 @@ class Controller:
         self.lag = config.algorithm.max_policy_lag
         self.prompts_per_step = config.trainer.global_batch_size // config.algorithm.group_size
         self.algorithm = load_algorithm(config.algorithm.name)
-        self.settings = Settings.from_config(config)
+        self.settings = options_of(config)
         self.stream: PromptStream | None = None
         """The prompts, read when `run` starts (see _load_stream); None until then."""
         self.buffer = ReplayBuffer(max_policy_lag=self.lag)
@@ -178,8 +178,8 @@ class Controller:
         group is done with it (or failed), while the scoring of a one-round batch may go on."""
         if index != self.state.generated:
             raise ControllerError(f"schedule broken: asked for batch {index}, next is {self.state.generated}")
-        # With dynamic sampling the inference group stays busy until the last round is scored.
-        rounds_later = self.settings.dynamic_sampling
+        # With more rounds possible the inference group stays busy until the last round is scored.
+        rounds_later = self.algorithm.max_rounds(self.settings) > 1
         groups: list[ScoredGroup] = []
         generate_s = reward_s = 0.0
         tokens = rounds = held_out = 0

@@ -1,4 +1,4 @@
-"""Run (or resume) the GRPO loop over any `Ports`: in one process (hpcrl run) or over the bus (the head).
+"""Run (or resume) the RL loop over any `Ports`: in one process (hpcrl run) or over the bus (the head).
 
     controller = await run_loop(config, ports)
 

@@ -1,7 +1,7 @@
 """Per-step metrics of a run: metrics.jsonl in the run directory, TensorBoard when installed, and
 Weights & Biases when the run names a project (`run.wandb_project`).
 
-    log = MetricsLog(run_dir, wandb=WandbTarget(project="grpo", name="tiny-grpo"))
+    log = MetricsLog(run_dir, wandb=WandbTarget(project="hpcrl", name="tiny-grpo"))
     log.write({"step": 3, "reward_mean": 0.4, ...})
     log.truncate_after(step=2)   # on resume: forget steps the checkpoint does not contain
 

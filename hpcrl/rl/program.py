@@ -1,4 +1,4 @@
-"""The RL program of a run's head: the GRPO loop over the group tasks on the bus.
+"""The RL program of a run's head: the RL loop over the group tasks on the bus.
 
     preempted = await run_program(config, router, store=address, steps=None,
                                   stop_requested=event.is_set, connect_timeout=600)

@@ -5,7 +5,7 @@ Layout (one row per rollout; B rows, T positions):
     tokens           [B, T] int64   the rollout's ids (prompt, the policy's turns, tool output), then padding
     completion_mask  [B, T] bool    True on the tokens the policy sampled (a rollout's policy mask)
     old_logprobs     [B, T] float   log p_old(tokens[b, t]) from vLLM where the mask is True
-    advantages       [B]    float   one advantage per rollout (GRPO), or [B, T] per token
+    advantages       [B]    float   one advantage per rollout (group advantages), or [B, T] per token
     ref_logprobs     [B, T] float   optional: reference logprobs (else the engine computes them)
 
 Position t holds the value of token t, which the model predicts from the logits at t - 1; the

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hpcrl.algorithms import load_algorithm
-from hpcrl.algorithms.base import LossSettings
+from hpcrl.algorithms.base import Options, options_of
 from hpcrl.algorithms.terms import Normaliser, local_counts
 from hpcrl.config.model_shapes import ModelShape, load_shape
 from hpcrl.errors import TrainerError
@@ -98,9 +98,9 @@ class EngineOptions:
     """Replicas of the model (HSDP outer axis); 1 = plain FSDP."""
     dp_shard: int = -1
     """Ranks each replica is sharded over; -1 = world size / dp_replicate."""
-    loss: LossSettings = LossSettings()
-    """The algorithm whose loss train_step calls (algorithm.name, hpcrl.algorithms) and its settings
-    (clips, KL, aggregation)."""
+    loss: Options = Options()
+    """The algorithm whose loss train_step calls (its name, hpcrl.algorithms) and its options (clips, KL,
+    aggregation, ...): the run's [algorithm] table with max_tokens filled in (options_of)."""
     logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     """Tokens per chunk of the fused lm_head + log-softmax (bounds its float32 temporaries)."""
     logprob_recompute: bool = False
@@ -154,7 +154,7 @@ class EngineOptions:
             min_lr_ratio=t.min_lr_ratio, total_steps=t.steps, micro_batch_size=t.micro_batch_size,
             grad_clip=t.grad_clip, activation_checkpointing=t.activation_checkpointing,
             dp_replicate=t.dp_replicate, dp_shard=t.dp_shard,
-            loss=LossSettings.from_config(config.algorithm, max_tokens=config.inference.max_tokens),
+            loss=options_of(config),
             moe_aux_loss_coef=config.algorithm.moe_aux_loss_coef)
         values.update(overrides)
         return cls(**values)
@@ -197,7 +197,7 @@ class StepMetrics:
 
 
 class TrainerEngine:
-    """Policy (and frozen reference) model, optimizer and the GRPO step of one trainer rank."""
+    """Policy (and frozen reference) model, optimizer and the RL step (the algorithm's loss) of one trainer rank."""
 
     def __init__(self, options: EngineOptions) -> None:
         self.options = options
@@ -354,10 +354,10 @@ class TrainerEngine:
 
     def train_step(self, batch: RolloutBatch) -> StepMetrics:
         """One optimizer step on this rank's rows of the step's batch, minimising the configured
-        algorithm's loss (options.loss.algorithm). Collective."""
+        algorithm's loss (options.loss.name). Collective."""
         start = time.perf_counter()
         o = self.options
-        algorithm = load_algorithm(o.loss.algorithm)
+        algorithm = load_algorithm(o.loss.name)
         counts = self._all_reduce(torch.cat([local_counts(batch.completion_mask),
                                              batch.lengths.sum().double().view(1)]))
         norm = Normaliser(tokens=float(counts[0]), sequences=float(counts[1]))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hpcrl.algorithms import load_algorithm
-from hpcrl.algorithms.base import LossSettings, Rollout, Settings
-from hpcrl.algorithms.dapo import overlong_penalty
+from hpcrl.algorithms.base import Options, Rollout
+from hpcrl.algorithms.dapo import DapoOptions, overlong_penalty
 from hpcrl.algorithms.terms import Normaliser
 
 DAPO = load_algorithm("dapo")
@@ -31,7 +31,7 @@ def test_overlong_penalty_ramps_over_the_last_buffer_tokens_of_the_budget(genera
 
 
 def test_overlong_shaping_gives_a_group_of_equal_rewards_a_signal_and_its_advantages():
-    settings = Settings(filter_zero_variance=True, dynamic_sampling=True, overlong_buffer_fraction=0.4, max_tokens=10)
+    settings = DapoOptions(filter_zero_variance=True, dynamic_sampling=True, overlong_buffer_fraction=0.4, max_tokens=10)
     # Both right (reward 1); 5 tokens is before the buffer (starts at 6), 8 tokens gets -0.5: shaped 1 and 0.5.
     selection = DAPO.select([[rollout(1.0, 5), rollout(1.0, 8)], [rollout(0.0, 2), rollout(0.0, 3)]], settings,
                             wanted=2)
@@ -41,7 +41,7 @@ def test_overlong_shaping_gives_a_group_of_equal_rewards_a_signal_and_its_advant
 
 
 def test_dynamic_sampling_asks_for_prompts_until_enough_groups_have_a_signal_or_the_rounds_run_out():
-    settings = Settings(filter_zero_variance=True, dynamic_sampling=True, max_sampling_rounds=3)
+    settings = DapoOptions(filter_zero_variance=True, dynamic_sampling=True, max_sampling_rounds=3)
     flat, mixed = [rollout(1.0), rollout(1.0)], [rollout(1.0), rollout(0.0)]
     # 1 group of 4 with a signal, 4 wanted: 3 missing at a rate of 1/4 -> 12 prompts, capped at a batch (4).
     assert DAPO.more_prompts([mixed, flat, flat, flat], settings, wanted=4, rounds_done=1) == 4
@@ -63,7 +63,7 @@ def test_dapo_loss_clips_higher_above_than_below_and_averages_over_every_token()
     logp = torch.tensor([[0.0, math.log(1.25), math.log(1.5)], [0.0, math.log(0.75), 0.0]], requires_grad=True)
     mask = torch.tensor([[0, 1, 1], [0, 1, 0]], dtype=torch.bool)
     share = DAPO.loss(logprobs=logp, old_logprobs=torch.zeros(2, 3), advantages=torch.tensor([1.0, -1.0]), mask=mask,
-                      settings=LossSettings(algorithm="dapo", clip_eps_low=0.2, clip_eps_high=0.28),
+                      settings=Options(name="dapo", clip_eps_low=0.2, clip_eps_high=0.28),
                       norm=Normaliser(tokens=3, sequences=2))
     # token_mean: (-1.25 - 1.28 + 0.8) / 3 = -0.5766667
     assert share.loss.item() == pytest.approx(-0.5766667, abs=1e-6)

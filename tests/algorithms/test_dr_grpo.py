@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hpcrl.algorithms import load_algorithm
-from hpcrl.algorithms.base import LossSettings, Rollout, Settings
+from hpcrl.algorithms.base import Options, Rollout
+from hpcrl.algorithms.grpo import GrpoOptions
 from hpcrl.algorithms.terms import Normaliser
 
 DR_GRPO = load_algorithm("dr_grpo")
@@ -18,7 +19,7 @@ def test_dr_grpo_defaults_drop_the_std_and_the_per_sequence_length_normalisation
 
 def test_dr_grpo_advantages_subtract_the_group_mean_without_dividing_by_the_std():
     rollouts = [Rollout.single_turn([1], [2], [-1.0], reward=r) for r in (1.0, 0.0, 0.0, 0.0)]
-    selection = DR_GRPO.select([rollouts], Settings(advantage_norm="mean"), wanted=1)
+    selection = DR_GRPO.select([rollouts], GrpoOptions(advantage_norm="mean"), wanted=1)
     # mean 0.25: 1 - 0.25, 0 - 0.25 (GRPO would give 1.5 and -0.5 after dividing by the std 0.5).
     assert selection.advantages == [[0.75, -0.25, -0.25, -0.25]]
 
@@ -29,7 +30,7 @@ def test_dr_grpo_loss_sums_token_losses_and_divides_by_max_tokens_times_sequence
     mask = torch.tensor([[0, 1, 1], [0, 1, 0]], dtype=torch.bool)
     share = DR_GRPO.loss(logprobs=logp, old_logprobs=logp.detach().clone(), advantages=torch.tensor([0.75, -0.25]),
                          mask=mask, norm=Normaliser(tokens=3, sequences=2),
-                         settings=LossSettings(aggregation="seq_mean_token_sum_norm", max_tokens=4))
+                         settings=Options(loss_aggregation="seq_mean_token_sum_norm", max_tokens=4))
     # (-0.75 - 0.75 + 0.25) / (max_tokens 4 x 2 sequences) = -1.25 / 8 = -0.15625
     # (token_mean would give -1.25 / 3, seq_mean_token_mean (-0.75 + 0.25) / 2).
     assert share.loss.item() == pytest.approx(-0.15625)

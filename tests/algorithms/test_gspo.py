@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from hpcrl.algorithms import load_algorithm
-from hpcrl.algorithms.base import LossSettings
+from hpcrl.algorithms.base import Options
 from hpcrl.algorithms.terms import Normaliser
 
 GSPO = load_algorithm("gspo")
-SETTINGS = LossSettings(algorithm="gspo", clip_eps_low=0.2, clip_eps_high=0.28, aggregation="seq_mean_token_mean")
+SETTINGS = Options(name="gspo", clip_eps_low=0.2, clip_eps_high=0.28, loss_aggregation="seq_mean_token_mean")
 
 
 def test_gspo_defaults_are_the_papers_small_clips_and_a_sequence_mean():
@@ -48,7 +48,7 @@ def test_gspo_gradient_is_the_sequence_ratio_times_the_mean_token_gradient():
     torch.testing.assert_close(grad, torch.tensor([[0.0, -1.2214028, -1.2214028]]))
     # With the paper's clips (4e-4 above) the same sequence is clipped: loss -(1 + 4e-4) * 2, no gradient.
     clipped = GSPO.loss(logprobs=logp, old_logprobs=torch.zeros(1, 3), advantages=torch.tensor([2.0]), mask=mask,
-                        settings=LossSettings(clip_eps_low=3e-4, clip_eps_high=4e-4, aggregation="seq_mean_token_mean"),
+                        settings=Options(clip_eps_low=3e-4, clip_eps_high=4e-4, loss_aggregation="seq_mean_token_mean"),
                         norm=Normaliser(tokens=2, sequences=1))
     assert clipped.loss.item() == pytest.approx(-2.0008, abs=1e-6) and clipped.clipped_high.item() == 2
     assert not torch.autograd.grad(clipped.loss, logp)[0].any()

@@ -25,3 +25,13 @@ def test_loading_an_unknown_algorithm_is_a_config_error_naming_the_known_ones():
 def test_the_registry_and_every_algorithm_module_load_without_torch():
     code = "from hpcrl.algorithms import ALGORITHMS, load_algorithm; [load_algorithm(n).defaults for n in ALGORITHMS]"
     assert modules_imported_by(code, ("torch",)) == []
+
+
+def test_how_many_generate_rounds_a_batch_takes_is_the_algorithms_answer_not_a_flag_the_controller_reads():
+    from hpcrl.algorithms import algorithm_options
+
+    dapo = algorithm_options(name="dapo", max_sampling_rounds=3)
+    assert load_algorithm("dapo").max_rounds(dapo) == 3
+    assert load_algorithm("dapo").max_rounds(algorithm_options(name="dapo", dynamic_sampling=False)) == 1
+    for name in ("grpo", "gspo", "dr_grpo", "reinforce_pp"):
+        assert load_algorithm(name).max_rounds(algorithm_options(name=name)) == 1

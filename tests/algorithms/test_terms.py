@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hpcrl.algorithms.base import LossSettings
+from hpcrl.algorithms.base import Options
 from hpcrl.algorithms.terms import (
     Normaliser,
     aggregate,
@@ -71,7 +71,7 @@ def test_shares_of_micro_batches_add_up_to_the_full_batch_loss_and_gradient(aggr
     adv = torch.randn(6)
     mask = torch.rand(6, 5) > 0.3
     mask[2] = False  # a sequence without completion tokens counts for nothing
-    settings = LossSettings(clip_eps_low=0.2, clip_eps_high=0.28, aggregation=aggregation, max_tokens=5)
+    settings = Options(clip_eps_low=0.2, clip_eps_high=0.28, loss_aggregation=aggregation, max_tokens=5)
     counts = local_counts(mask)
     norm = Normaliser(tokens=counts[0].item(), sequences=counts[1].item())
     full = token_ratio_loss(logprobs=logp, old_logprobs=old, advantages=adv, mask=mask, settings=settings, norm=norm)
@@ -89,7 +89,7 @@ def test_shares_of_micro_batches_add_up_to_the_full_batch_loss_and_gradient(aggr
 def test_padding_with_garbage_logprobs_changes_neither_loss_nor_gradient():
     logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
     mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
-    settings = LossSettings(kl_coef=0.1)
+    settings = Options(kl_coef=0.1)
     norm = Normaliser(tokens=2, sequences=1)
     clean = token_ratio_loss(logprobs=logp, old_logprobs=torch.tensor([[-1.1, -1.9, 0.0]]),
                       advantages=torch.tensor([1.0]), mask=mask, settings=settings, norm=norm,
@@ -109,7 +109,7 @@ def test_loss_adds_kl_coef_times_the_k3_kl_and_reports_clip_counts():
     ref = torch.tensor([[LOG(0.25), LOG(0.5)]])  # k3: 0.193147 and 0
     share = token_ratio_loss(logprobs=logp, old_logprobs=old, advantages=torch.tensor([1.0]),
                       mask=torch.ones(1, 2, dtype=torch.bool), norm=Normaliser(tokens=2, sequences=1),
-                      settings=LossSettings(clip_eps_high=0.28, kl_coef=0.5), ref_logprobs=ref)
+                      settings=Options(clip_eps_high=0.28, kl_coef=0.5), ref_logprobs=ref)
     # policy: (-1 + -1.28) / 2 = -1.14; kl token mean 0.0965736; loss = -1.14 + 0.5 * 0.0965736
     assert share.policy_loss.item() == pytest.approx(-1.14)
     assert share.kl.item() == pytest.approx(0.0965736, abs=1e-6)
@@ -120,5 +120,5 @@ def test_loss_adds_kl_coef_times_the_k3_kl_and_reports_clip_counts():
 def test_kl_coef_without_reference_logprobs_is_an_error_that_says_how_to_fix_it():
     with pytest.raises(HpcrlError, match="kl_coef"):
         token_ratio_loss(logprobs=torch.zeros(1, 2), old_logprobs=torch.zeros(1, 2), advantages=torch.ones(1),
-                  mask=torch.ones(1, 2), settings=LossSettings(kl_coef=0.1),
+                  mask=torch.ones(1, 2), settings=Options(kl_coef=0.1),
                   norm=Normaliser(tokens=2, sequences=1))

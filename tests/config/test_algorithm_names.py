@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.algorithms.base import Options
 from hpcrl.config import load_config
-from hpcrl.config.schema import AlgorithmConfig
 from hpcrl.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ def test_a_misspelt_algorithm_gets_a_did_you_mean(tmp_path: Path):
 
 def test_the_schema_checks_the_name_when_built_directly():
     with pytest.raises(ConfigError, match="unknown algorithm 'ppo'"):
-        AlgorithmConfig(name="ppo")
+        Options(name="ppo")
 
 
 def test_an_algorithms_defaults_fill_only_the_keys_the_config_leaves_unset():
@@ -49,9 +49,27 @@ def test_an_algorithms_defaults_fill_only_the_keys_the_config_leaves_unset():
     assert gspo.loss_aggregation == "seq_mean_token_mean"                       # GSPO's default
     assert (gspo.clip_eps_low, gspo.clip_eps_high) == (0.2, 0.28)              # tiny_grpo.toml sets both
     grpo = load_config(TINY).algorithm
-    assert grpo.name == "grpo" and not grpo.dynamic_sampling and grpo.advantage_norm == "mean_std"
+    assert grpo.name == "grpo" and not hasattr(grpo, "dynamic_sampling") and grpo.advantage_norm == "mean_std"
 
 
 def test_dynamic_sampling_without_filtering_is_a_config_error():
     with pytest.raises(ConfigError, match="filter_zero_variance = true"):
         load_config(TINY, overrides=["algorithm.name=dapo", "algorithm.filter_zero_variance=false"])
+
+
+def test_a_key_of_another_algorithm_is_refused_naming_the_algorithm_that_declares_it():
+    with pytest.raises(ConfigError) as caught:
+        load_config(TINY, overrides=["algorithm.dynamic_sampling=true"])
+    assert caught.value.key == "algorithm.dynamic_sampling"
+    assert "unknown key 'dynamic_sampling' in [algorithm] (an option of dapo" in caught.value.problem
+    assert 'set name = "dapo"' in caught.value.problem and "group_size" in caught.value.fix   # the valid keys
+
+
+def test_an_option_out_of_its_declared_bounds_names_the_bounds_and_the_fix():
+    with pytest.raises(ConfigError) as caught:
+        load_config(TINY, overrides=["algorithm.name=dapo", "algorithm.overlong_buffer_fraction=1.5"])
+    assert caught.value.key == "algorithm.overlong_buffer_fraction" and caught.value.file == "--set"
+    assert caught.value.problem == "must be in [0, 1), got 1.5"
+    assert caught.value.fix == "set overlong_buffer_fraction = 0.2"
+    with pytest.raises(ConfigError, match="did you mean 'clip_eps_high'"):
+        load_config(TINY, overrides=["algorithm.clip_eps_hi=0.3"])

@@ -86,7 +86,7 @@ CASES = [
                                    "gpus_per_node = 8\nmax_tokens", "gpus_per_node = 2\nmax_tokens"), None, [],
      "inference.tensor_parallel", ["more than the 2 GPUs", "at most 2"], 18),
     ("batch not whole groups", edit(BASE, "global_batch_size = 64", "global_batch_size = 60"), None, [],
-     "trainer.global_batch_size", ["not a whole number of GRPO groups", "multiple of 8"], 15),
+     "trainer.global_batch_size", ["not a whole number of groups", "multiple of 8"], 15),
     ("batch not split over micro-batches and ranks",
      edit(edit(BASE, "ranks_per_node = 1", "ranks_per_node = 2"), "global_batch_size = 64", "global_batch_size = 24"),
      None, ["algorithm.group_size=4"],

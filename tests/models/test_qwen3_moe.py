@@ -224,7 +224,7 @@ def test_the_trainer_engine_loads_trains_and_exports_qwen3_moe_by_hf_names(tmp_p
     import torch
     from safetensors.torch import load_file
 
-    from hpcrl.algorithms.base import LossSettings
+    from hpcrl.algorithms.base import Options
     from hpcrl.trainer import EngineOptions, TrainerEngine
     from hpcrl.trainer.batch import pad_rows
 
@@ -233,7 +233,7 @@ def test_the_trainer_engine_loads_trains_and_exports_qwen3_moe_by_hf_names(tmp_p
     engine = TrainerEngine(EngineOptions(
         shape=MIXED, weights_path=str(tmp_path), max_seq_len=64, lr=1e-2, betas=(0.9, 0.99), eps=1e-6,
         micro_batch_size=2, grad_clip=1.0, total_steps=10,
-        loss=LossSettings(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0)))
+        loss=Options(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0)))
     exported = engine.full_state_dict_hf()
     assert set(exported) == set(checkpoint)
     assert all(torch.equal(exported[name], checkpoint[name]) for name in checkpoint)

@@ -127,13 +127,13 @@ def _bytes_a_step_holds(shape, dtype: str, store: Path) -> dict[str, int]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from hpcrl.algorithms.base import LossSettings
+    from hpcrl.algorithms.base import Options
     from hpcrl.trainer import EngineOptions, TrainerEngine, pad_rows
 
     dist.init_process_group("gloo", store=dist.FileStore(str(store), 1), rank=0, world_size=1)
     try:
         engine = TrainerEngine(EngineOptions(shape=shape, dtype=dtype, max_seq_len=64, micro_batch_size=4,
-                                             loss=LossSettings(kl_coef=0.1)))
+                                             loss=Options(kl_coef=0.1)))
         gathered: list[int] = []
 
         def count_gathered(*_):  # plain tensors, not DTensor shards: what FSDP has gathered now

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from hpcrl.algorithms import algorithm_options
 from hpcrl.config.schema import (
-    AlgorithmConfig,
     Config,
     DataConfig,
     InferenceConfig,
@@ -30,4 +30,4 @@ def fake_config(run_dir: Path, *, run_name: str, seed: int, steps: int, prompts_
                               micro_batch_size=4),
         inference=InferenceConfig(gpus_per_node=0, replicas=replicas, max_tokens=1),
         reward=RewardConfig(function="hpcrl.reward.builtin:exact_match", tasks=1),
-        algorithm=AlgorithmConfig(group_size=group_size, **algorithm))
+        algorithm=algorithm_options(group_size=group_size, **algorithm))

@@ -22,7 +22,8 @@ from fake_head import FakeHead, FakeJob
 from fake_ports import FakeGroupError, FakePorts, FakeReward
 
 import hpcrl.rl.ports as ports_module
-from hpcrl.config.schema import AlgorithmConfig, Config
+from hpcrl.algorithms import algorithm_options
+from hpcrl.config.schema import Config
 from hpcrl.data.prompts import Prompt
 from hpcrl.errors import ConfigError
 from hpcrl.rl.controller import ControllerError
@@ -177,7 +178,7 @@ def test_at_lag_1_the_mismatch_is_probed_every_mismatch_every_steps(runs):
     assert ports.probes == STEPS // 2
     assert [r["logprob_mismatch"] is not None for r in rows] == [step % 2 == 0 for step in range(1, STEPS + 1)]
     with pytest.raises(ConfigError, match="at least 1"):
-        AlgorithmConfig(group_size=GROUP_SIZE, mismatch_every=0)
+        algorithm_options(group_size=GROUP_SIZE, mismatch_every=0)
 
 
 @pytest.mark.parametrize("lag", [1, 2])

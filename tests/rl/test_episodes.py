@@ -183,7 +183,7 @@ def test_the_loss_and_its_gradient_do_not_change_when_environment_tokens_change(
     """Whatever the logprobs, old logprobs and reference logprobs at the environment's tokens (mask 0), every
     algorithm's loss and its gradient are the same: those tokens are neither trained on nor compared."""
     from hpcrl.algorithms import load_algorithm
-    from hpcrl.algorithms.base import LossSettings
+    from hpcrl.algorithms.base import Options
     from hpcrl.algorithms.terms import Normaliser
 
     algorithm = load_algorithm(name)
@@ -191,7 +191,7 @@ def test_the_loss_and_its_gradient_do_not_change_when_environment_tokens_change(
     generator = torch.Generator().manual_seed(0)
     base = -torch.rand(2, 8, generator=generator)
     old, ref = base + 0.1 * torch.randn(2, 8, generator=generator), base - 0.05
-    settings = LossSettings(algorithm=name, kl_coef=0.1, max_tokens=8)
+    settings = Options(name=name, kl_coef=0.1, max_tokens=8)
     norm = Normaliser(tokens=float(mask.sum()), sequences=2.0)
 
     def loss_and_grad(noise: float):

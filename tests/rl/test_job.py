@@ -1,4 +1,4 @@
-"""The GRPO loop as a job: every group its own processes, serving the head over the control bus.
+"""The RL loop as a job: every group its own processes, serving the head over the control bus.
 
 Real vLLM (CPU), real trainer ranks (FSDP2 over gloo), the real reward pool, real weight transfer.
 """

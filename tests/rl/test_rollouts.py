@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hpcrl.algorithms import load_algorithm
-from hpcrl.algorithms.base import Settings
+from hpcrl.algorithms.grpo import GrpoOptions
 from hpcrl.data.prompts import Prompt
 from hpcrl.inference.types import Completion
 from hpcrl.reward.types import RewardResult
@@ -13,7 +13,7 @@ from hpcrl.rl.rollouts import batch_from_groups, samples_for, score_groups
 
 def build_batch(groups: list[ScoredGroup], *, norm, drop_zero_variance: bool):
     """GRPO's batch of `groups`, and how many zero-variance groups it dropped."""
-    selection = load_algorithm("grpo").select([g.rollouts for g in groups], Settings(
+    selection = load_algorithm("grpo").select([g.rollouts for g in groups], GrpoOptions(
         advantage_norm=norm, filter_zero_variance=drop_zero_variance), wanted=len(groups))
     return batch_from_groups(groups, selection), selection.dropped_zero_variance
 

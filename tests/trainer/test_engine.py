@@ -8,7 +8,7 @@ import pytest
 import torch
 from trainer_workers import engine_options, toy_batch
 
-from hpcrl.algorithms.base import LossSettings
+from hpcrl.algorithms.base import Options
 from hpcrl.config import load_config
 from hpcrl.errors import TrainerError
 from hpcrl.trainer import EngineOptions, RolloutBatch, TrainerEngine, pad_rows
@@ -19,7 +19,7 @@ from hpcrl.trainer.schedule import lr_at
 @pytest.mark.timeout(120)
 def test_a_few_grpo_steps_raise_the_probability_of_positively_advantaged_tokens(tiny_model):
     engine = TrainerEngine(engine_options(str(tiny_model), micro_batch_size=2, grad_clip=1.0,
-                                          loss=LossSettings(clip_eps_low=0.2, clip_eps_high=0.28)))
+                                          loss=Options(clip_eps_low=0.2, clip_eps_high=0.28)))
     batch = toy_batch()
     batch = dataclasses.replace(batch, old_logprobs=engine.logprobs(batch))  # on-policy rollouts
     before = engine.logprobs(batch)
@@ -68,7 +68,7 @@ def test_the_steps_entropy_and_mismatch_equal_the_plain_full_logits_computation(
 
 @pytest.mark.timeout(60)
 def test_kl_to_the_frozen_reference_starts_at_zero_and_grows_as_the_policy_moves(tiny_model):
-    engine = TrainerEngine(engine_options(str(tiny_model), loss=LossSettings(kl_coef=0.05)))
+    engine = TrainerEngine(engine_options(str(tiny_model), loss=Options(kl_coef=0.05)))
     batch = toy_batch()
     first = engine.train_step(batch)
     second = engine.train_step(batch)
@@ -83,7 +83,7 @@ def test_engine_options_come_from_the_embedded_default_config(repo, tiny_model):
     options = EngineOptions.from_config(config)
     assert options.device == "cpu" and options.dtype == "float32"
     assert (options.lr, options.betas, options.warmup_steps, options.micro_batch_size) == (1e-3, (0.9, 0.99), 2, 16)
-    assert options.loss.clip_eps_high == 0.28 and options.loss.aggregation == "token_mean"
+    assert options.loss.clip_eps_high == 0.28 and options.loss.loss_aggregation == "token_mean"
     assert options.weights_path.endswith("models/tiny-llama")
     assert options.max_seq_len == config.max_model_len + 1  # the role and hpcrl run no longer pass it
     engine = TrainerEngine.from_config(config, max_seq_len=64)

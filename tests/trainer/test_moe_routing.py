@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl.algorithms.base import LossSettings
+from hpcrl.algorithms.base import Options
 from hpcrl.config.model_shapes import PRESETS
 from hpcrl.errors import TrainerError
 from hpcrl.trainer import routing
@@ -44,7 +44,7 @@ def _engine(**overrides):
     from hpcrl.trainer import EngineOptions, TrainerEngine
 
     options = dict(shape=MIXED, max_seq_len=64, lr=1e-2, betas=(0.9, 0.99), eps=1e-6, micro_batch_size=2,
-                   grad_clip=1.0, total_steps=10, seed=3, loss=LossSettings(clip_eps_low=0.2, clip_eps_high=0.28))
+                   grad_clip=1.0, total_steps=10, seed=3, loss=Options(clip_eps_low=0.2, clip_eps_high=0.28))
     options.update(overrides)
     return TrainerEngine(EngineOptions(**options))
 
@@ -173,7 +173,7 @@ def test_the_tiny_moe_config_gives_the_engine_gspo_and_the_load_balancing_coeffi
     config = load_config(REPO / "configs" / "tiny_moe_grpo.toml", overrides=["algorithm.moe_aux_loss_coef=0.01"])
     options = EngineOptions.from_config(config, weights_path="")  # the shapes of the preset, no checkpoint
     assert options.shape == PRESETS["tiny-qwen3-moe"]
-    assert (options.loss.algorithm, options.moe_aux_loss_coef) == ("gspo", 0.01)
+    assert (options.loss.name, options.moe_aux_loss_coef) == ("gspo", 0.01)
     assert load_config(REPO / "configs" / "tiny_moe_grpo.toml").algorithm.moe_aux_loss_coef == 0.0
 
 

@@ -28,7 +28,7 @@ def toy_batch() -> RolloutBatch:
 
 
 def engine_options(model_dir: str, **overrides):
-    from hpcrl.algorithms.base import LossSettings
+    from hpcrl.algorithms.base import Options
     from hpcrl.config.model_shapes import load_shape
     from hpcrl.trainer import EngineOptions
 
@@ -37,7 +37,7 @@ def engine_options(model_dir: str, **overrides):
     # differences of up to lr; with 1e-8 the 1-vs-2-rank weights differ by 1.0e-5, with 1e-6 by 3e-7.
     values = dict(shape=load_shape(preset_name="", path=model_dir), weights_path=model_dir, max_seq_len=64,
                   lr=1e-3, betas=(0.9, 0.99), eps=1e-6, micro_batch_size=1, grad_clip=1.0, total_steps=10,
-                  loss=LossSettings(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.1))
+                  loss=Options(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.1))
     values.update(overrides)
     return EngineOptions(**values)
 
