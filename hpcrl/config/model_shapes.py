@@ -47,7 +47,7 @@ PRESETS: dict[str, ModelShape] = {
                                  num_kv_heads=2, head_dim=32, vocab_size=128, max_position=1024,
                                  rope_theta=10000.0, num_experts=8, num_experts_per_tok=2,
                                  moe_intermediate_size=32),
-    # The CPU proxy of tools/bench_trainer.py (engine step against a plain loop): the lm_head is
+    # The CPU proxy of tools/bench/bench_trainer.py (engine step against a plain loop): the lm_head is
     # ~40% of the matmul FLOPs, as the vocabulary is in a 1B model; no checkpoint exists.
     "mid-llama": _llama(hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
                         num_kv_heads=4, head_dim=64, vocab_size=32000, max_position=4096,

@@ -198,7 +198,7 @@ def vllm_expected(plan: TransferPlan, shape: ModelShape, hf: dict[str, Any], r: 
                   ) -> dict[str, Any]:
     """One TP rank's parameters as vLLM's weight loaders would fill them from the HF tensors `hf`:
     numpy arrays here (padding rows -1), or any arrays with their `concat` and `padded(shape, like)`
-    (tools/gpu_check_ranks.py passes torch's, to run it on a GPU at 1B scale)."""
+    (tools/gpu/gpu_check_ranks.py passes torch's, to run it on a GPU at 1B scale)."""
     tp = plan.inference.tensor_parallel
     nh, d = shape.num_heads // tp, shape.head_dim
     reps = tp // shape.num_kv_heads if tp >= shape.num_kv_heads else 1

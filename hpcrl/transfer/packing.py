@@ -27,7 +27,7 @@ Memory, per (plan, side, rank), made on the first sync and cached (the plan is f
 
 `Packer` chooses: "triton" for CUDA tensors when Triton imports and its kernel passes a self-check,
 "gather" (within the budget) on another accelerator, "loop" on CPU, where a strided copy costs a
-few microseconds a block and index ops cost more than the launches they save (tools/bench_pack.py,
+few microseconds a block and index ops cost more than the launches they save (tools/bench/bench_pack.py,
 BENCHMARKS.md). HPCRL_PACKING=loop|gather|triton forces one (A/B runs; the transfer tests run the
 transports through each). Every path writes the bytes of the loop path, bit for bit.
 """

@@ -1,4 +1,4 @@
-"""tools/bench_bus.py and tools/bench_bus_heartbeats.py run with tiny counts and print their figures."""
+"""tools/bench/bench_bus.py and tools/bench/bench_bus_heartbeats.py run with tiny counts and print their figures."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 
 def _run(repo, tool: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(repo / "tools" / tool), *args],
+    done = subprocess.run([sys.executable, str(repo / "tools" / "bench" / tool), *args],
                           capture_output=True, text=True, timeout=50)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return done.stdout

@@ -1,4 +1,4 @@
-"""tools/bench_trainer.py runs end to end on CPU with the tiny preset and reports its figures."""
+"""tools/bench/bench_trainer.py runs end to end on CPU with the tiny preset and reports its figures."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 
 
 def bench_tiny(repo, out, *args: str) -> subprocess.CompletedProcess:
-    """tools/bench_trainer.py on the tiny preset on CPU, one thread, writing its JSON to `out`."""
+    """tools/bench/bench_trainer.py on the tiny preset on CPU, one thread, writing its JSON to `out`."""
     return subprocess.run(
-        [sys.executable, str(repo / "tools" / "bench_trainer.py"), "--preset", "tiny-llama", "--device", "cpu",
+        [sys.executable, str(repo / "tools" / "bench" / "bench_trainer.py"), "--preset", "tiny-llama", "--device", "cpu",
          "--batch", "2", "--seq-len", "32", "--warmup", "1", *args, "--json", str(out)],
         capture_output=True, text=True, timeout=140, env={**os.environ, "OMP_NUM_THREADS": "1"})
 

@@ -1,5 +1,5 @@
-"""tools/bench_vs_trl.py's pure parts: the process tree, steps to a 0.8 mean, the table; and the
-TRL side's mapping of configs/tiny_grpo.toml (tools/bench_vs_trl_trl.py, without TRL installed)."""
+"""tools/bench/bench_vs_trl.py's pure parts: the process tree, steps to a 0.8 mean, the table; and the
+TRL side's mapping of configs/tiny_grpo.toml (tools/bench/bench_vs_trl_trl.py, without TRL installed)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -66,7 +66,7 @@ def test_the_table_joins_runs_of_a_column_and_footnotes_a_column_trl_cannot_run(
     assert "| 6.00 GiB, 8 processes / 6.00 GiB, 8 processes |" in lines[7]
     assert len(lines) == 8
     assert notes == ["[1] AttributeError: no weight_loader at trl/generation/vllm_generation.py:511, "
-                     "vllm/model_executor/layers/linear.py:1341 (see tools/bench_vs_trl.py's docstring; "
+                     "vllm/model_executor/layers/linear.py:1341 (see tools/bench/bench_vs_trl.py's docstring; "
                      "--trl-vllm-sync reload measures it patched)"]
 
 
@@ -108,7 +108,7 @@ def test_without_its_venv_the_tool_prints_the_setup_command_and_exits_2(tmp_path
     monkeypatch.setattr(bench, "VENV_TRL", tmp_path / "missing")
     monkeypatch.setattr(sys, "argv", ["bench_vs_trl.py", "--steps", "1"])
     assert bench.main() == 2
-    assert "python tools/bench_vs_trl.py --setup" in capsys.readouterr().err
+    assert "python tools/bench/bench_vs_trl.py --setup" in capsys.readouterr().err
 
 
 def test_the_trl_side_gets_hpcrls_prompts_in_order_and_its_config_field_by_field(tmp_path):

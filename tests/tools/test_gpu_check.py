@@ -1,4 +1,4 @@
-"""tools/gpu_check.py: its help, its refusal on a machine without CUDA, its pure pieces (peak FLOP/s,
+"""tools/gpu/gpu_check.py: its help, its refusal on a machine without CUDA, its pure pieces (peak FLOP/s,
 MFU, the oracle's comparisons, the verdict), on CPU its self-test (--device cpu) through every step, and
 its partial mode (what one GPU without vLLM or a checkpoint can run) on CPU."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TOOL = REPO / "tools" / "gpu_check.py"
+TOOL = REPO / "tools" / "gpu" / "gpu_check.py"
 sys.path.insert(0, str(TOOL.parent))  # the tool's modules import each other as scripts do
 
 import gpu_check  # noqa: E402 - after the path it lives on
@@ -51,7 +51,7 @@ def test_without_cuda_it_stops_at_once_with_exit_code_2_saying_so_in_one_line_an
     assert done.returncode == 2, done.stderr[-2000:]
     assert elapsed < 10
     lines = done.stderr.splitlines()
-    assert "no CUDA device: tools/gpu_check.py needs a node with >= 4 GPUs" in lines
+    assert "no CUDA device: tools/gpu/gpu_check.py needs a node with >= 4 GPUs" in lines
     imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")}
     assert "json" in imported  # -X importtime did list the imports
     assert not [name for name in imported if name == "vllm" or name.startswith("vllm.")]

@@ -1,4 +1,4 @@
-"""A trainer model without torchtitan, for transfer tests and tools/bench_reshard.py: a checkpoint's
+"""A trainer model without torchtitan, for transfer tests and tools/bench/weight_sync.py: a checkpoint's
 tensors as a plain module, and its local shards once FSDP2 has sharded it.
 
     model = checkpoint_module(model_dir)            # parameters under their HF names, float32

@@ -200,7 +200,7 @@ def test_the_triton_kernel_moves_the_bytes_of_the_block_loop_in_the_interpreter(
     """The one-launch CUDA kernel, run on CPU tensors by Triton's interpreter. Packing is checked
     with a float32 wire: the interpreter casts float32 -> bf16 by truncation where the compiled
     kernel (and torch) round to nearest even, so the cast itself is checked on a GPU
-    (tools/bench_pack.py compares every path's bytes there)."""
+    (tools/bench/bench_pack.py compares every path's bytes there)."""
     pytest.importorskip("triton")
     tests = str(Path(__file__).parent)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]), tests]))

@@ -1,13 +1,13 @@
 """Benchmark: hpcrl's embedded default against Hugging Face TRL's GRPOTrainer, same setting, one sitting.
 
-    python tools/bench_vs_trl.py --setup       # once: TRL in .venv-trl (about 30 s, no torch download)
-    python tools/bench_vs_trl.py --steps 20    # a quick check (about 3 minutes)
-    python tools/bench_vs_trl.py               # 200 steps, the default runs (about 5 minutes on 2 cores)
+    python tools/bench/bench_vs_trl.py --setup       # once: TRL in .venv-trl (about 30 s, no torch download)
+    python tools/bench/bench_vs_trl.py --steps 20    # a quick check (about 3 minutes)
+    python tools/bench/bench_vs_trl.py               # 200 steps, the default runs (about 5 minutes on 2 cores)
 
 Runs, in alternating order (hpcrl, TRL generate, TRL vLLM, hpcrl, ...; --runs-* for how many of
 each: by default hpcrl twice, each TRL column once), then prints a Markdown table:
   hpcrl run              `.venv/bin/hpcrl run configs/tiny_grpo.toml --set run.run_dir=DIR --steps N`
-  TRL, transformers generate   tools/bench_vs_trl_trl.py in .venv-trl, `model.generate` on the policy
+  TRL, transformers generate   tools/bench/bench_vs_trl_trl.py in .venv-trl, `model.generate` on the policy
   TRL + vLLM colocate    the same with use_vllm=True, vllm_mode="colocate" (vLLM in the trainer's process)
 and writes every figure to OUT/results.json (--out, default runs/bench_vs_trl).
 
@@ -15,7 +15,7 @@ The setting, the same on both sides: models/tiny-llama (tools/make_tiny_model.py
 prompts in hpcrl's order (PromptStream of data.shuffle_seed: the TRL side takes them from hpcrl's own
 stream and turns TRL's shuffling off), the reward hpcrl.reward.builtin:exact_match, 8 prompts x 16
 completions a step, AdamW lr 1e-3 betas (0.9, 0.99), constant, no warm-up, grad clip 1.0, fp32, 1 new
-token at temperature 1.0, no KL, clip 0.2 / 0.28. tools/bench_vs_trl_trl.py (trl_config) maps each
+token at temperature 1.0, no KL, clip 0.2 / 0.28. tools/bench/bench_vs_trl_trl.py (trl_config) maps each
 field of configs/tiny_grpo.toml to GRPOConfig. Where the two differ, by design or by default:
   - zero-variance groups: hpcrl drops them from the step (algorithm.filter_zero_variance), so the
     token mean is over the groups that carry a signal. TRL keeps them: their advantages are 0, so
@@ -87,14 +87,14 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny_grpo.toml"
 HPCRL = REPO / ".venv" / "bin" / "hpcrl"
 VENV_TRL = REPO / ".venv-trl"
 TRL_PIN = "trl==1.16.0"
-TRL_SIDE = REPO / "tools" / "bench_vs_trl_trl.py"
-SETUP_COMMAND = "python tools/bench_vs_trl.py --setup"
-EXIT_UNSUPPORTED = 3  # tools/bench_vs_trl_trl.py: TRL cannot run this mode here (the reason in unsupported.json)
+TRL_SIDE = REPO / "tools" / "bench" / "bench_vs_trl_trl.py"
+SETUP_COMMAND = "python tools/bench/bench_vs_trl.py --setup"
+EXIT_UNSUPPORTED = 3  # tools/bench/bench_vs_trl_trl.py: TRL cannot run this mode here (the reason in unsupported.json)
 POLL_S = 0.05         # the metrics file; the process tree every 4th poll (0.2 s)
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -316,7 +316,7 @@ def render_table(columns: list[tuple[str, list[Run]]]) -> tuple[str, list[str]]:
         for run in runs:
             if run.unsupported is not None:
                 note = (f"{run.unsupported['error']} at {', '.join(run.unsupported['trl'] + run.unsupported['vllm'])}"
-                        " (see tools/bench_vs_trl.py's docstring; --trl-vllm-sync reload measures it patched)")
+                        " (see tools/bench/bench_vs_trl.py's docstring; --trl-vllm-sync reload measures it patched)")
                 if note not in footnotes:
                     footnotes.append(note)
                 per_run.append([f"n/a [{footnotes.index(note) + 1}]"] * len(ROWS))

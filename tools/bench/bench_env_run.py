@@ -1,6 +1,6 @@
 """A multi-turn run's figures with 1, 2 and 4 environment workers: BENCHMARKS.md "Multi-turn episodes".
 
-    PYTHONPATH=. .venv/bin/python tools/bench_env_run.py [--steps 40] [--delay-ms 0 20]
+    PYTHONPATH=. .venv/bin/python tools/bench/bench_env_run.py [--steps 40] [--delay-ms 0 20]
 
 Runs `hpcrl run configs/tiny_env_grpo.toml` (the toy "feedback" task: a guess, feedback, a second guess)
 for `--steps` steps with env.workers = 1, 2, 4, once per delay: 0 is the built-in environment as it is
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from hpcrl.env.builtin import Feedback  # noqa: E402
@@ -45,7 +45,7 @@ class SlowFeedback(Feedback):
 
 def run(steps: int, workers: int, delay_ms: float, scratch: Path) -> dict[str, float]:
     run_dir = scratch / f"w{workers}-d{delay_ms:g}"
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tools'}", "HPCRL_BENCH_ENV_DELAY_MS": str(delay_ms)}
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tools' / 'bench'}", "HPCRL_BENCH_ENV_DELAY_MS": str(delay_ms)}
     args = [sys.executable, "-m", "hpcrl", "run", "configs/tiny_env_grpo.toml", "--set", f"run.run_dir={run_dir}",
             "--set", f"trainer.steps={steps}", "--set", f"env.workers={workers}", "--set", "eval.interval=0"]
     if delay_ms:

@@ -1,14 +1,14 @@
 """The GPU acceptance run of one node: trainer, vLLM and the weight transfer between them, in 10 minutes.
 
-    python tools/gpu_check.py MODEL_DIR [--out FILE]        # a node with >= 4 GPUs; MODEL_DIR: a local
+    python tools/gpu/gpu_check.py MODEL_DIR [--out FILE]        # a node with >= 4 GPUs; MODEL_DIR: a local
                                                              # HF checkpoint (Llama-3.2-1B, Qwen2.5-1.5B)
-    python tools/gpu_check.py --partial [--preset llama3-1b] [--out FILE]   # any node with a GPU
+    python tools/gpu/gpu_check.py --partial [--preset llama3-1b] [--out FILE]   # any node with a GPU
 
 The partial mode runs on a node with fewer than 4 GPUs, without vLLM or without MODEL_DIR (or when
 --partial asks for it) what one GPU can: the trainer step beside a plain torchtitan loop of the same
 model at batch 4 and 8, pack/unpack against a device copy, the gloo transfer with tensors on the GPU
 at both ends checked element-exact, and the tests that run there (steps trainer_step_b4,
-trainer_step_b8, pack_unpack_bandwidth, gloo_device_transfer, tests: tools/gpu_check_partial.py
+trainer_step_b8, pack_unpack_bandwidth, gloo_device_transfer, tests: tools/gpu/gpu_check_partial.py
 describes them); it uses --preset's shapes with random weights (MODEL_DIR is not needed), and its
 verdict is "partial", with the list of what it could not run and why (not_run).
 
@@ -16,7 +16,7 @@ It needs nothing but the project (`pip install -e .[vllm,titan]`) and the checkp
 CUDA_VISIBLE_DEVICES shows (all by default), the first two run two trainer ranks (FSDP2 over NCCL,
 bf16, hpcrl's TrainerEngine), the next two one vLLM replica at tensor parallel 2 with CUDA graphs
 and hpcrl's weight-transfer engine. Every rank is a process of its own, each seeing only its own
-GPUs as in a job (tools/gpu_check_ranks.py); this script drives them (tools/gpu_check_steps.py)
+GPUs as in a job (tools/gpu/gpu_check_ranks.py); this script drives them (tools/gpu/gpu_check_steps.py)
 and never imports vLLM itself.
 
 Steps, in order (each timed, each with its own time limit inside the overall --budget-s):
@@ -60,9 +60,9 @@ second step, and the peak used (PEAK_BF16_FLOPS: dense, no sparsity; --peak-tflo
 transfers have bytes, seconds and GB/s; oracles the mismatched and moved parameters per TP rank.
 Each process's log (vLLM's and the benchmarks' included) is under --work.
 
-    python tools/gpu_check.py models/tiny-llama --device cpu   # the same steps on CPU (gloo, float32):
+    python tools/gpu/gpu_check.py models/tiny-llama --device cpu   # the same steps on CPU (gloo, float32):
                                                                # tests this tool without a GPU
-    python tools/gpu_check.py --partial --device cpu           # the partial steps on CPU, tiny-llama
+    python tools/gpu/gpu_check.py --partial --device cpu           # the partial steps on CPU, tiny-llama
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ from gpu_check_partial import RESERVE_S, PartialRun, step_names
 from gpu_check_ranks import TENSOR_PARALLEL, TRAINER_RANKS, make_plan
 from gpu_check_steps import TEARDOWN_S, BudgetSpent, Check, Mode, Run
 
-REPO = Path(__file__).resolve().parent.parent
-NO_CUDA = "no CUDA device: tools/gpu_check.py needs a node with >= 4 GPUs"
+REPO = Path(__file__).resolve().parents[2]
+NO_CUDA = "no CUDA device: tools/gpu/gpu_check.py needs a node with >= 4 GPUs"
 EXIT_PASS, EXIT_FAIL, EXIT_UNFIT = 0, 1, 2
 GPUS_NEEDED = TRAINER_RANKS + TENSOR_PARALLEL
 
@@ -247,7 +247,7 @@ def preflight(args: argparse.Namespace, mode: Mode) -> tuple[dict, dict, list[st
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="tools/gpu_check.py", description=__doc__,
+    parser = argparse.ArgumentParser(prog="tools/gpu/gpu_check.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", metavar="MODEL_DIR", nargs="?",
                         help="local Hugging Face checkpoint directory (the full check; without it: partial)")

@@ -1,6 +1,6 @@
 """Time the environment pool's calls (hpcrl.env.pool) with 1, 2 and 4 workers: BENCHMARKS.md "Environment pool".
 
-    PYTHONPATH=. .venv/bin/python tools/bench_env_pool.py
+    PYTHONPATH=. .venv/bin/python tools/bench/bench_env_pool.py
 
 feedback: a reset and a step of 128 episodes (a wrong first guess: the reply is the feedback), the
 median of 7 calls; python_tool: 8 episodes whose one turn calls the python tool once (a sandbox each),
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hpcrl.config.schema import EnvConfig  # noqa: E402
 from hpcrl.data.builtin import guess  # noqa: E402

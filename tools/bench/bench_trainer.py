@@ -1,10 +1,10 @@
 """Benchmark one GRPO trainer step (FSDP2, torchtitan model), beside a plain training loop of the same model.
 
-    python tools/bench_trainer.py                                   # Llama-3 1B, bf16, batch 4 x 2048, cuda
-    python tools/bench_trainer.py --compare --json out.json         # the same beside the plain loop, and their ratio
-    torchrun --nproc-per-node 8 tools/bench_trainer.py --preset llama3-8b
-    python tools/bench_trainer.py --preset mid-llama --device cpu --batch 2 --seq-len 512 --compare   # CPU proxy
-    python tools/bench_trainer.py --preset tiny-llama --device cpu --batch 2 --seq-len 64   # CI smoke run
+    python tools/bench/bench_trainer.py                                   # Llama-3 1B, bf16, batch 4 x 2048, cuda
+    python tools/bench/bench_trainer.py --compare --json out.json         # the same beside the plain loop, and their ratio
+    torchrun --nproc-per-node 8 tools/bench/bench_trainer.py --preset llama3-8b
+    python tools/bench/bench_trainer.py --preset mid-llama --device cpu --batch 2 --seq-len 512 --compare   # CPU proxy
+    python tools/bench/bench_trainer.py --preset tiny-llama --device cpu --batch 2 --seq-len 64   # CI smoke run
 
 The engine side is `TrainerEngine.train_step`. The plain side (`--compare`, or `--plain` alone) is
 the least a training step does with the same model (hpcrl/trainer/titan.py's torchtitan decoder,
@@ -22,7 +22,7 @@ cost what a real step of that size costs. MFU counts 6 x (matmul parameters) + 1
 heads x head_dim x seq_len FLOPs per token (torchtitan's convention; attention not halved for
 causality) against the GPU's dense bf16 peak (--peak-tflops to override; none on CPU).
 
-From Python (tools/gpu_check.py): `run_bench(parse_args([...]))` returns the result dict.
+From Python (tools/gpu/gpu_check.py): `run_bench(parse_args([...]))` returns the result dict.
 Results go to BENCHMARKS.md ("Trainer") by hand.
 """
 
@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 #: Dense bf16 peak FLOP/s by GPU name fragment (without sparsity).

@@ -20,7 +20,7 @@ change in the machine's load hits all three alike.
 Set up Ray's environment once (Ray stays out of hpcrl's dependencies):
     python3 -m venv .venv-bench && .venv-bench/bin/pip install ray uvloop -e .
 Run (1-2 minutes on a 2-core VM; prints a Markdown table, the target figures, the spin's effect):
-    .venv-bench/bin/python tools/bench_bus.py
+    .venv-bench/bin/python tools/bench/bench_bus.py
 Any Python with hpcrl's dependencies runs the hpcrl part; without Ray it says that Ray was skipped.
 Options: --fanout-workers N (default 64, one process each); --replicas N for route();
 --transport ipc instead of tcp; --loop asyncio|uvloop (default: uvloop when installed);
@@ -28,7 +28,7 @@ Options: --fanout-workers N (default 64, one process each); --replicas N for rou
 The first row is the floor: a blocking pyzmq echo with no asyncio, auth or msgpack. The CPU
 columns are CPU time per sequential call, of the head and of the called workers' processes
 together (all threads, libzmq's I/O thread included).
-The head's CPU under 1,024 heartbeating peers is tools/bench_bus_heartbeats.py.
+The head's CPU under 1,024 heartbeating peers is tools/bench/bench_bus_heartbeats.py.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ARG = {"prompt_id": 12345, "tokens": list(range(12)), "note": "sixty-four bytes"}
 RUN_ID = "bench"
 
@@ -461,7 +461,7 @@ def main() -> int:
     except ImportError:
         ray_side = None
         print("Ray was skipped: it is not installed in this Python (see the set-up at the top of "
-              "tools/bench_bus.py)", file=sys.stderr)
+              "tools/bench/bench_bus.py)", file=sys.stderr)
     try:
         with tempfile.TemporaryDirectory(prefix="hpcrl-bench-") as run_dir:
             create_secret(run_dir)

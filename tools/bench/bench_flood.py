@@ -17,7 +17,7 @@ flooded as fast as the head reads (--rate 0: on a small VM this times the sharin
 the flooder, which a flooder on another node would not take). Per kind: step p50, small-call p50
 and the head's RSS growth (peak over the block, from before it). The flooder shares this machine.
 
-    PYTHONPATH=. .venv/bin/python tools/bench_flood.py [--steps 30] [--rounds 2]
+    PYTHONPATH=. .venv/bin/python tools/bench/bench_flood.py [--steps 30] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RUN_ID = "test-run"  # worker_proc.py's default
 SEQUENCES, TOKENS = 64, 768
 

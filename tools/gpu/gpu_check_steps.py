@@ -1,8 +1,8 @@
-"""The steps of tools/gpu_check.py after preflight, and the driver of the processes that run them.
+"""The steps of tools/gpu/gpu_check.py after preflight, and the driver of the processes that run them.
 
     run = Run(args, mode, check, work, blocks, gpu_name); run.run(); run.teardown()
 
-`Run` starts two trainer ranks and one vLLM replica (tools/gpu_check_ranks.py, each in its own
+`Run` starts two trainer ranks and one vLLM replica (tools/gpu/gpu_check_ranks.py, each in its own
 session, with its own CUDA_VISIBLE_DEVICES and log file), sends them commands (all ranks of a
 collective at once) and gathers their replies, every wait with a deadline; `Check` times and
 records each step. A process that times out or dies leaves the others in an unknown state, so
@@ -34,7 +34,7 @@ from typing import Any
 
 from gpu_check_ranks import TENSOR_PARALLEL, TRAINER_RANKS, gb_per_s
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RANKS_SCRIPT = Path(__file__).resolve().parent / "gpu_check_ranks.py"
 
 #: Dense bf16 peak FLOP/s per GPU from the vendors' spec sheets (without sparsity), most specific name
@@ -284,7 +284,7 @@ class Check:
 
 
 class Run:
-    """The steps after preflight (tools/gpu_check.py's docstring), driving 2 trainer ranks and 1 vLLM replica."""
+    """The steps after preflight (tools/gpu/gpu_check.py's docstring), driving 2 trainer ranks and 1 vLLM replica."""
 
     def __init__(self, args: argparse.Namespace, mode: Mode, check: Check, work: Path, blocks: dict[str, str],
                  gpu_name: str) -> None:

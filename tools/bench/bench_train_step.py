@@ -1,7 +1,7 @@
 """Benchmark: one GRPO train step of the embedded default, hpcrl's trainer against the same step on
 transformers' model (what TRL's GRPOTrainer runs), and where hpcrl's step spends its time.
 
-    .venv/bin/python tools/bench_train_step.py [--rows 128] [--steps 40] [--threads N]
+    .venv/bin/python tools/bench/bench_train_step.py [--rows 128] [--steps 40] [--threads N]
 
 Both sides hold the same weights (models/tiny-llama, float32, CPU) and train on the same batch:
 `--rows` sequences of 8 tokens (bos, a 6-character prompt, one completion token), completion mask
@@ -12,7 +12,7 @@ gather, the clipped-ratio loss, backward, gradient clipping, AdamW (TRL's step a
 bookkeeping to this). Steps alternate between the two sides, so that a change in the machine's
 load hits both alike; medians after `--warmup` steps. Then hpcrl's step again, timed in parts:
 forward (+ the fused logprobs and entropy), loss, backward, the logprob-diff metric, clipping,
-optimizer. (tools/bench_trainer.py --compare measures the step against a plain loop of the same
+optimizer. (tools/bench/bench_trainer.py --compare measures the step against a plain loop of the same
 torchtitan model at larger shapes.)
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 PROMPT = [1, 40, 20, 52, 70, 30, 18]  # bos + 6 characters; the ids only shape the batch

@@ -1,11 +1,11 @@
-"""The TRL side of tools/bench_vs_trl.py: TRL's GRPOTrainer on hpcrl's embedded default, one run.
+"""The TRL side of tools/bench/bench_vs_trl.py: TRL's GRPOTrainer on hpcrl's embedded default, one run.
 
-Runs in .venv-trl (TRL is no dependency of hpcrl; see tools/bench_vs_trl.py for its set-up), and
+Runs in .venv-trl (TRL is no dependency of hpcrl; see tools/bench/bench_vs_trl.py for its set-up), and
 reads hpcrl's own config, prompt stream and reward function from this checkout, so that both sides
 train on the same setting:
 
-    .venv-trl/bin/python tools/bench_vs_trl_trl.py --generation transformers --out /tmp/trl-run [--steps N]
-    .venv-trl/bin/python tools/bench_vs_trl_trl.py --generation vllm --out /tmp/trl-vllm
+    .venv-trl/bin/python tools/bench/bench_vs_trl_trl.py --generation transformers --out /tmp/trl-run [--steps N]
+    .venv-trl/bin/python tools/bench/bench_vs_trl_trl.py --generation vllm --out /tmp/trl-vllm
 
 Writes OUT/steps.jsonl, one line per optimizer step: the wall clock (time.time()) at the step's end,
 its reward mean (TRL's logged "reward"), and where its time went (`trl_config` has the mapping):
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # hpcrl from this checkout (its config, prompts and reward), before any copy .venv-trl might see.
 sys.path.insert(0, str(REPO))
 

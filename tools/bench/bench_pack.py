@@ -1,7 +1,7 @@
 """Pack and unpack GB/s of a real transfer plan, every packing path side by side, against a device copy.
 
-    PYTHONPATH=. python tools/bench_pack.py --device cuda --json     # on a GPU (tools/gpu_check.py calls bench())
-    PYTHONPATH=. python tools/bench_pack.py --device cpu --plans 8x8 # on CPU (2x2 needs ~10 GB of RAM)
+    PYTHONPATH=. python tools/bench/bench_pack.py --device cuda --json     # on a GPU (tools/gpu/gpu_check.py calls bench())
+    PYTHONPATH=. python tools/bench/bench_pack.py --device cpu --plans 8x8 # on CPU (2x2 needs ~10 GB of RAM)
 
 Plans: Llama-3 1B shapes (hpcrl.config.model_shapes.preset("llama3-1b")), trainer FSDP F -> one
 inference replica at TP T ("FxT": 2x2 and 8x8 by default), bf16 wire, random float32 master shards
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 DEFAULT_PLANS = ("2x2", "8x8")

@@ -1,7 +1,7 @@
-"""The processes tools/gpu_check.py drives: a trainer rank and the vLLM replica (the full check), and
+"""The processes tools/gpu/gpu_check.py drives: a trainer rank and the vLLM replica (the full check), and
 the two ends of the one-GPU transfer (the partial check: a sender and a receiver without vLLM).
 
-    python tools/gpu_check_ranks.py trainer|vllm|sender|receiver   # started by tools/gpu_check_steps.py
+    python tools/gpu/gpu_check_ranks.py trainer|vllm|sender|receiver   # started by tools/gpu/gpu_check_steps.py
                                                                    # and gpu_check_partial.py, never by hand
 
 Each reads one JSON command per line on stdin ({"id", "cmd", "args"}: a method of its class in
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TRAINER_RANKS = 2
 TENSOR_PARALLEL = 2
 

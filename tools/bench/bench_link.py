@@ -1,7 +1,7 @@
 """Weight-sync time of the embedded default as a hetjob on the local cluster, with the trainer's link
 as it is and slowed by a token-bucket filter, beside the time `hpcrl plan --transfer` predicts.
 
-    SLURM_CONF=.local_slurm/slurm.conf .venv/bin/python tools/bench_link.py [--rate 100mbit] [--steps 40]
+    SLURM_CONF=.local_slurm/slurm.conf .venv/bin/python tools/bench/bench_link.py [--rate 100mbit] [--steps 40]
 
 Runs configs/tiny_grpo.toml twice with `--cluster local` (one trainer rank, one replica): first as the
 cluster is, then with `tools/local_slurm.sh slow <trainer node> RATE` applied as soon as the trainer
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 UNITS = {"kbit": 1e-6, "mbit": 1e-3, "gbit": 1.0}
 
 

@@ -1,18 +1,18 @@
-"""The partial check of tools/gpu_check.py: what a node that cannot run the full check still measures.
+"""The partial check of tools/gpu/gpu_check.py: what a node that cannot run the full check still measures.
 
-    python tools/gpu_check.py --partial [--preset llama3-1b] [--out FILE]     # see gpu_check.py
+    python tools/gpu/gpu_check.py --partial [--preset llama3-1b] [--out FILE]     # see gpu_check.py
 
 On a node with fewer than 4 GPUs, without vLLM or without a checkpoint (or with --partial), gpu_check.py
 runs these steps on the first visible GPU (--device cpu: the same on CPU, to test this tool), each
 timed and each with its own time limit inside --budget-s, the most wanted first:
 
-  trainer_step_b{B}      for each of --batches (4 and 8): tools/bench_trainer.py, hpcrl's
+  trainer_step_b{B}      for each of --batches (4 and 8): tools/bench/bench_trainer.py, hpcrl's
                          TrainerEngine.train_step (FSDP2 world 1, bf16, --preset's shapes with random
                          weights, --seq-len 2048), then the same tool with --plain (a plain torchtitan
                          loop of the same model: forward, cross-entropy, backward, AdamW): step ms,
                          tokens/s and peak memory of each, and engine_vs_plain, the ratio of their
                          step times (issue 30's target: <= 1.05)
-  pack_unpack_bandwidth  tools/bench_pack.py: hpcrl.transfer.execute pack and unpack GB/s of each packing
+  pack_unpack_bandwidth  tools/bench/bench_pack.py: hpcrl.transfer.execute pack and unpack GB/s of each packing
                          path against a device copy of the same bytes (target: >= 50 % of the copy);
                          fails where a path is not bit-exact (on CPU: its smallest plan, 2 repeats)
   gloo_device_transfer   two processes on the one device: a trainer rank (hpcrl's TrainerSender, float32
@@ -42,8 +42,8 @@ from typing import Any
 
 from gpu_check_steps import Check, Child, ChildError, Skipped, StepFailed, Stuck, end_sessions
 
-REPO = Path(__file__).resolve().parent.parent
-TOOLS = REPO / "tools"
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "tools" / "bench"  # the benchmarks this check runs
 
 #: Seconds each step may take at most (always also within what is left of --budget-s). Sized from the
 #: first GPU session (a 1B step 0.15-0.36 s, so 2 x 7 steps per batch are seconds; the rest is process
@@ -137,13 +137,13 @@ class PartialRun:
 
     # -- processes ----------------------------------------------------------------------------------
     def tool(self, script: str, label: str, argv: list[str], deadline: float) -> dict:
-        """Run tools/`script` with `argv` in its own session until `deadline`; the JSON it wrote to
+        """Run tools/bench/`script` with `argv` in its own session until `deadline`; the JSON it wrote to
         `--json PATH`, or printed on stdout where its --json is a switch (json_flag)."""
         log, out = self.work / f"{label}.log", self.work / f"{label}.json"
         self.logs[label] = str(log)
         out.unlink(missing_ok=True)
-        to_file = json_flag(TOOLS / script) == "path"
-        command = [sys.executable, str(TOOLS / script), *argv, "--json", *([str(out)] if to_file else [])]
+        to_file = json_flag(BENCH / script) == "path"
+        command = [sys.executable, str(BENCH / script), *argv, "--json", *([str(out)] if to_file else [])]
         with open(log, "wb") as sink, open(os.devnull if to_file else out, "wb") as printed:
             proc = subprocess.Popen(command, stdout=sink if to_file else printed, stderr=sink, cwd=REPO, env=self.env,
                                     start_new_session=True)
@@ -170,7 +170,7 @@ class PartialRun:
     def trainer_step(self, batch: int, deadline: float) -> dict:
         """hpcrl's train_step and the plain loop of the same model: one process with --compare (one
         start-up, each side alone on the GPU with its own peak memory), else one each (--plain)."""
-        flags = options(TOOLS / "bench_trainer.py")
+        flags = options(BENCH / "bench_trainer.py")
         label = f"trainer_b{batch}"
         figures: dict[str, Any] = {"preset": self.args.preset, "batch": batch, "seq_len": self.args.seq_len}
         if "--compare" in flags:
@@ -183,7 +183,7 @@ class PartialRun:
             engine = self.tool("bench_trainer.py", f"{label}_engine", self.bench_args(batch), halfway)
             if not plain:
                 self.not_run.append({"step": f"trainer_step_b{batch} (plain loop)",
-                                     "why": "tools/bench_trainer.py has neither --compare nor --plain in this checkout"})
+                                     "why": "tools/bench/bench_trainer.py has neither --compare nor --plain in this checkout"})
                 return figures | {"engine": engine}
             loop = self.tool("bench_trainer.py", f"{label}_plain", [*self.bench_args(batch), "--plain"], deadline)
         figures["engine"] = engine
@@ -193,12 +193,12 @@ class PartialRun:
         return figures
 
     def pack_bandwidth(self, deadline: float) -> dict:
-        """tools/bench_pack.py; fails where a packing path is not bit-exact against the block loop or
+        """tools/bench/bench_pack.py; fails where a packing path is not bit-exact against the block loop or
         raised. The target is met when, in every plan, some path other than the loop (the reference,
         one copy per block) packs and unpacks at >= PACK_VS_COPY_MIN of the device copy."""
-        if not (TOOLS / "bench_pack.py").is_file():
-            raise Skipped("tools/bench_pack.py is not in this checkout")
-        flags = options(TOOLS / "bench_pack.py")
+        if not (BENCH / "bench_pack.py").is_file():
+            raise Skipped("tools/bench/bench_pack.py is not in this checkout")
+        flags = options(BENCH / "bench_pack.py")
         small = [] if self.gpu else [*(["--plans", "8x8"] if "--plans" in flags else []),
                                      *(["--repeats", "2"] if "--repeats" in flags else [])]
         figures = self.tool("bench_pack.py", "pack", ["--device", self.args.device, *small], deadline)
@@ -341,8 +341,8 @@ def options(script: Path) -> set[str]:
 
 
 def json_flag(script: Path) -> str:
-    """"path" where the tool's --json takes a file name (tools/bench_trainer.py), "switch" where it
-    prints its JSON on stdout (tools/bench_pack.py)."""
+    """"path" where the tool's --json takes a file name (tools/bench/bench_trainer.py), "switch" where it
+    prints its JSON on stdout (tools/bench/bench_pack.py)."""
     found = re.search(r"""add_argument\(\s*["']--json["']([^)]*)\)""", script.read_text())
     return "switch" if found and "store_true" in found.group(1) else "path"
 

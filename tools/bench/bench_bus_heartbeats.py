@@ -15,8 +15,8 @@ every group task of a run has; they are hosted --per-process to a process, on on
                 peers once an interval. Any other peer declared dead is a false death, counted.
 
 Run (45 s on a 2-core VM; any Python with hpcrl's dependencies, uvloop if installed):
-    .venv/bin/python tools/bench_bus_heartbeats.py [--loop asyncio] [--peers 1024 --per-process 128]
-The hosting processes are tools/bench_bus.py's (`--serve`).
+    .venv/bin/python tools/bench/bench_bus_heartbeats.py [--loop asyncio] [--peers 1024 --per-process 128]
+The hosting processes are tools/bench/bench_bus.py's (`--serve`).
 """
 
 from __future__ import annotations
