@@ -1,8 +1,10 @@
 """The head controller: the RL loop over the run's groups, on a fixed, replayable schedule.
 
-    prompts --> Ports.generate (an inference replica) --> Ports.score (the reward group)
-                     ^ more rounds (dynamic sampling)          |
-                        ReplayBuffer  <-- scored groups <------+
+    prompts --> episodes: Ports.generate (an inference replica) --> Ports.score (the reward group)
+                (hpcrl.rl.episodes; with [env]: generate_turn             |
+                 and the environments' steps between turns)               |
+                     ^ more rounds (dynamic sampling)                     |
+                        ReplayBuffer  <-- scored groups <-----------------+
                              |
                    algorithm.select: advantages, the groups kept      (hpcrl.algorithms, algorithm.name)
                              |
@@ -18,14 +20,17 @@ equals an uninterrupted one:
     version s + 1 goes to the inference group once both are done; the batch's scoring goes on
     meanwhile (the reward group is not the inference group) and ends before step s does
 
-A batch is one generate round of trainer.global_batch_size / group_size prompts; an algorithm may ask
-for more rounds (algorithm.more_prompts, e.g. until enough groups carry a signal). Round r of batch b
-draws the next prompts of the stream and samples with a seed fixed by (run.seed, b, r), and every
-round ends before the batch enters the buffer, so a resumed run generates the same rounds.
+A batch is one round of trainer.global_batch_size / group_size prompts, group_size episodes each; an
+algorithm may ask for more rounds (algorithm.more_prompts, e.g. until enough groups carry a signal). Round r
+of batch b draws the next prompts of the stream and samples with a seed fixed by (run.seed, b, r), and
+every round ends before the batch enters the buffer, so a resumed run generates the same rounds.
 
-With [env] a round's rollouts are multi-turn episodes (hpcrl.rl.episodes): Ports.generate_turn per chunk
-and turn, the environment's steps between turns, and the inference group is released for the weight sync
-only once the batch's last turn is generated, so a batch's episodes finish on the weights they started with.
+Every rollout is an episode (hpcrl.rl.episodes), and training and evaluation take one path through
+EpisodeRunner.run -> Ports.score -> hpcrl.rl.rollouts (or hpcrl.rl.evaluation). Without an environment an
+episode is one turn: the round's prompts go to one Ports.generate call with the round's seed. With [env]
+it is multi-turn: Ports.generate_turn per chunk and turn, the environment's steps between turns, and the
+inference group is released for the weight sync only once the batch's last turn is generated, so a batch's
+episodes finish on the weights they started with.
 
 A checkpoint after step s holds the trainer state (version s + 1), the prompt cursor and the
 scored batches s + 1 .. s + lag already in the buffer; resuming re-pushes version s + 1 and goes on.
@@ -71,9 +76,9 @@ from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
 from hpcrl.reward.types import RewardResult, Sample
 from hpcrl.rl.buffer import ReplayBuffer, ScoredGroup
-from hpcrl.rl.episodes import EpisodeRunner, EpisodeStats, episode_outcomes, samples_to_score, scored_groups
+from hpcrl.rl.episodes import EpisodeRunner, EpisodeStats
 from hpcrl.rl.evaluation import PromptOutcome, eval_metrics, eval_seed, prompt_outcomes
-from hpcrl.rl.rollouts import ScoreStats, batch_from_groups, samples_for, score_groups
+from hpcrl.rl.rollouts import batch_from_groups, samples_for, score_groups
 from hpcrl.rl.startup import StartupClock
 from hpcrl.trainer.types import TrainBatch
 
@@ -86,10 +91,10 @@ class ControllerError(HpcrlError):
 
 
 class Ports(Protocol):
-    """What the controller needs from the groups. generate's temperature: None = inference.temperature
-    (rollouts); the evaluation passes its own (0.0 = greedy). With [env] (hpcrl.rl.episodes): generate_turn
-    generates one turn of a chunk's episodes on one replica (prompts carry the episodes' ids so far, one
-    max_tokens each), env_reset / env_step call the environment workers (the reward group's)."""
+    """What the controller needs from the groups; the first four through hpcrl.rl.episodes. generate's
+    temperature: None = inference.temperature (rollouts); the evaluation passes its own (0.0 = greedy). With
+    [env]: generate_turn generates one turn of a chunk's episodes on one replica (prompts carry the episodes'
+    ids so far, one max_tokens each), env_reset / env_step call the environment workers (the reward group's)."""
 
     async def generate(self, prompts: list[Prompt], *, n: int, seed: int,
                        temperature: float | None = None) -> list[list[Completion]]: ...
@@ -182,31 +187,25 @@ class Controller:
         rounds_later = self.algorithm.max_rounds(self.settings) > 1
         groups: list[ScoredGroup] = []
         generate_s = reward_s = 0.0
-        tokens = rounds = held_out = 0
+        rounds = held_out = 0
         errors: list[str] = []
         parts: dict[str, list[float]] = {}
-        episodes = EpisodeStats() if self.config.env.environment else None
+        episodes = EpisodeStats()
         count = self.prompts_per_step
         try:
+            runner = await self._episodes()
             while count:
                 prompts = (await self._load_stream()).next_batch(count)
                 started = time.monotonic()
                 seed = self.config.run.seed * 1_000_003 + index + rounds * ROUND_SEED_STRIDE
                 try:
-                    if episodes is not None:
-                        made, round_stats = await (await self._episodes()).run(
-                            prompts, n=self.config.algorithm.group_size, seed=seed)
-                        episodes.merge(round_stats)
-                        versions, made_tokens = round_stats.versions, round_stats.generate_tokens
-                    else:
-                        completions = await self.ports.generate(prompts, n=self.config.algorithm.group_size,
-                                                                seed=seed)
-                        versions = {c.weight_version for g in completions for c in g}
-                        made_tokens = sum(len(c.token_ids) for g in completions for c in g)
+                    made, round_stats = await runner.run(prompts, n=self.config.algorithm.group_size, seed=seed)
                 finally:
                     if inference_done is not None and not rounds_later:
                         inference_done.set()
                 rounds += 1
+                episodes.merge(round_stats)
+                versions = round_stats.versions
                 # Normally every completion is of `version`; a replica started again after a loss is caught
                 # up to the trainer's newest weights, so a batch it finishes may be fresher (a smaller lag).
                 if versions and (min(versions) < version or max(versions) > self.state.step + 1):
@@ -214,18 +213,11 @@ class Controller:
                                           f"expected {version} (at most {self.state.step + 1}): the inference "
                                           "group missed a weight sync")
                 generated = time.monotonic()
-                scored: list[ScoredGroup]
-                stats: ScoreStats
-                if episodes is not None:
-                    results = await self.ports.score(samples_to_score(made))
-                    scored, stats = scored_groups(made, results, weight_version=version, batch=index)
-                else:
-                    results = await self.ports.score(samples_for(prompts, completions))
-                    scored, stats = score_groups(prompts, completions, results, weight_version=version, batch=index)
+                results = await self.ports.score(samples_for(made))
+                scored, stats = score_groups(made, results, weight_version=version, batch=index)
                 groups += scored
                 generate_s += generated - started
                 reward_s += time.monotonic() - generated
-                tokens += made_tokens
                 held_out += stats.groups_with_errors
                 errors += stats.errors
                 for name, values in stats.parts.items():
@@ -239,11 +231,11 @@ class Controller:
             self.buffer.put(group)
         self.state.generated += 1
         self.state.held_out_groups += held_out
-        metrics = {"time_generate_s": generate_s, "time_reward_s": reward_s, "generate_tokens": tokens,
+        metrics = {"time_generate_s": generate_s, "time_reward_s": reward_s, "generate_tokens": episodes.generate_tokens,
                    "reward_errors": len(errors), "reward_error_example": errors[0] if errors else None}
         if rounds_later:
             metrics["sampling_rounds"] = rounds
-        if episodes is not None:
+        if self.config.env.environment:
             # The share of the batch's rollout time in which every replica waited on environments.
             metrics.update(episodes.metrics(), env_wait_share=episodes.time_env_wait_s / max(generate_s, 1e-9))
         # reward.functions: each function's unweighted mean over the batch's scored samples.
@@ -251,14 +243,18 @@ class Controller:
         self.state.rollout_metrics[str(index)] = metrics
 
     async def _episodes(self) -> EpisodeRunner:
-        """The runner of [env] episodes, with the run's chat template (hpcrl.config.checks: [env] needs the chat
-        format); its tokenizer is loaded in a thread, as the stream's (see _load_stream)."""
+        """The runner of the rollouts' and the evaluation's episodes; with [env], with the run's chat template
+        (hpcrl.config.checks: [env] needs the chat format), its tokenizer loaded in a thread, as the stream's
+        (see _load_stream)."""
         if self._runner is None:
-            chat = chat_template_for(self.config.data, self.config.model.path)
-            if chat is None:
-                raise ControllerError("[env] needs the chat format, but the run's prompts are text. Fix: set "
-                                      'data.format = "chat" and model.path to a model whose tokenizer has a chat template')
-            await asyncio.to_thread(chat.tokenizer)
+            chat = None
+            if self.config.env.environment:
+                chat = chat_template_for(self.config.data, self.config.model.path)
+                if chat is None:
+                    raise ControllerError("[env] needs the chat format, but the run's prompts are text. Fix: set "
+                                          'data.format = "chat" and model.path to a model whose tokenizer has a chat '
+                                          "template")
+                await asyncio.to_thread(chat.tokenizer)
             self._runner = EpisodeRunner(self.config, self.ports, chat)
         return self._runner
 
@@ -390,20 +386,14 @@ class Controller:
 
     async def _eval_round(self, prompts: list[Prompt], version: int, *, n: int, seed: int,
                           temperature: float) -> list[PromptOutcome]:
-        if self.config.env.environment:  # the held-out prompts as episodes (greedy ones at temperature 0)
-            made, stats = await (await self._episodes()).run(prompts, n=n, seed=seed, temperature=temperature)
-            if stats.versions and stats.versions != {version}:
-                raise ControllerError(f"the evaluation after step {version} was generated with weight versions "
-                                      f"{sorted(stats.versions)}, expected {version}: the inference group missed "
-                                      "a weight sync")
-            return episode_outcomes(made, await self.ports.score(samples_to_score(made)))
-        completions = await self.ports.generate(prompts, n=n, seed=seed, temperature=temperature)
-        versions = {c.weight_version for g in completions for c in g}
-        if versions != {version}:
+        # The held-out prompts as episodes, as a batch's (greedy ones at temperature 0); with [env] every reset
+        # may fail, and then no turn is generated.
+        made, stats = await (await self._episodes()).run(prompts, n=n, seed=seed, temperature=temperature)
+        if stats.versions and stats.versions != {version}:
             raise ControllerError(f"the evaluation after step {version} was generated with weight versions "
-                                  f"{sorted(versions)}, expected {version}: the inference group missed a weight sync")
-        results = await self.ports.score(samples_for(prompts, completions))
-        return prompt_outcomes(prompts, completions, results)
+                                  f"{sorted(stats.versions)}, expected {version}: the inference group missed "
+                                  "a weight sync")
+        return prompt_outcomes(made, await self.ports.score(samples_for(made)))
 
     async def _mismatch(self, step: int, groups: list, train_metrics: dict) -> tuple[float | None, float | None]:
         """`logprob_mismatch` of step `step` and, from a probe, its largest difference (module docstring); None on

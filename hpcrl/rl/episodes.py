@@ -1,11 +1,18 @@
-"""A batch's rollouts as multi-turn episodes ([env]): policy turns on vLLM, environment steps between them.
+"""A batch's rollouts as episodes: one policy turn without an environment; with [env], policy turns on vLLM
+and environment steps between them. Training and evaluation both run through here (hpcrl.rl.controller).
 
-    runner = EpisodeRunner(config, ports, chat)                 # chat: the run's hpcrl.data.chat.ChatTemplate
+    runner = EpisodeRunner(config, ports, chat)                 # chat: the run's ChatTemplate, with [env] only
     groups, stats = await runner.run(prompts, n=group_size, seed=batch_seed)
-    samples = samples_to_score(groups)                          # episodes the environment left unrewarded
-    scored, score_stats = scored_groups(groups, await ports.score(samples), weight_version=v, batch=b)
+    samples = samples_for(groups)                               # hpcrl.rl.rollouts: the episodes left unrewarded
+    scored, score_stats = score_groups(groups, await ports.score(samples), weight_version=v, batch=b)
 
-One episode, as token ids that only grow (the trainer trains on exactly the ids vLLM saw and produced):
+Without an environment an episode is one turn: the batch's prompts go to one Ports.generate call, n samples of
+each, with the batch's seed (the inference group renders the prompts and cuts the batch into its chunks,
+hpcrl.rl.ports); an episode is the prompt's ids as vLLM rendered them (mask 0) and its completion (mask 1, with
+vLLM's logprobs), ended with vLLM's finish reason ("stop", "length"), and the run's [reward] scores it.
+
+With [env], one episode, as token ids that only grow (the trainer trains on exactly the ids vLLM saw and
+produced):
 
     reset      per prompt, one Ports.env_reset: the environment's first messages, shared by the prompt's
                group_size episodes; data.system_prompt first as for a prompt; rendered with the chat template
@@ -20,13 +27,13 @@ One episode, as token ids that only grow (the trainer trains on exactly the ids 
     end        the environment says done; or env.max_turns policy turns were made ("max_turns": cut); or the
                next turn would have no token left of env.max_tokens ("budget": truncated)
 
-Reward: the environment's when it gives one; otherwise (done without a reward, cut, truncated) the run's
-[reward] scores the episode's last policy turn (Ports.score, completion = that turn's text). An episode whose
-environment call failed (an EnvReply error: it raised, hung, its worker died) or whose reward failed has no
-outcome: its whole group is held out of training and counted, never scored zero.
+Reward: the environment's when it gives one; otherwise (no environment, done without a reward, cut, truncated)
+the run's [reward] scores the episode's last policy turn (Ports.score, completion = that turn's text). An episode
+whose environment call failed (an EnvReply error: it raised, hung, its worker died) or whose reward failed has no
+outcome: its whole group is held out of training and counted, never scored zero (hpcrl.rl.rollouts).
 
-Scheduling, the same whatever the timing (a resumed run draws the same tokens): the batch's prompts are cut
-into contiguous chunks, CHUNKS_PER_REPLICA per inference replica, and each chunk runs in waves: one
+Scheduling with [env], the same whatever the timing (a resumed run draws the same tokens): the batch's prompts
+are cut into contiguous chunks, CHUNKS_PER_REPLICA per inference replica, and each chunk runs in waves: one
 Ports.generate_turn call for its live episodes of turn t (to one replica; the seed fixed by the batch's
 seed, the chunk and the turn, so which replica serves it changes nothing), then one env_step call for them,
 then turn t + 1. Chunks run concurrently, so while one chunk waits on its environments a replica serves
@@ -36,7 +43,7 @@ inference group for the weight sync only after the batch's last turn (docs/ARCHI
 Figures (EpisodeStats): turns per episode, episodes truncated at the budget and cut at max_turns, environment
 errors, time_env_s (wall time with any environment call outstanding), time_env_wait_s (wall time with an
 environment call outstanding and no turn generating: the inference replicas idle, waiting on environments),
-time_turn_s (mean wall time of one turn's generate call).
+time_turn_s (mean wall time of one turn's generate call), the tokens generated and the weight versions.
 """
 
 from __future__ import annotations
@@ -55,10 +62,6 @@ from hpcrl.data.prompts import Prompt
 from hpcrl.env.types import EnvReply, EnvRequest
 from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
-from hpcrl.reward.types import RewardResult, Sample
-from hpcrl.rl.buffer import ScoredGroup
-from hpcrl.rl.evaluation import PromptOutcome
-from hpcrl.rl.rollouts import ScoreStats
 
 if TYPE_CHECKING:
     from hpcrl.data.chat import ChatTemplate
@@ -73,8 +76,11 @@ class EpisodeError(HpcrlError):
 
 
 class EpisodePorts(Protocol):
-    """What episodes need of the groups (a part of hpcrl.rl.controller.Ports)."""
+    """What episodes need of the groups (a part of hpcrl.rl.controller.Ports): generate without an environment;
+    generate_turn, env_reset and env_step with one."""
 
+    async def generate(self, prompts: list[Prompt], *, n: int, seed: int,
+                       temperature: float | None = None) -> list[list[Completion]]: ...
     async def generate_turn(self, prompts: list[Prompt], *, n: int, seed: int, max_tokens: list[int],
                             temperature: float | None = None) -> list[list[Completion]]: ...
     async def env_reset(self, requests: list[EnvRequest]) -> list[EnvReply]: ...
@@ -111,7 +117,8 @@ class Episode:
     """The last policy turn's text: what the run's [reward] scores when the environment gives no reward."""
     reward: float | None = None
     finish_reason: str = ""
-    """"done" (the environment ended it), "max_turns" (cut), "budget" (truncated at env.max_tokens)."""
+    """"done" (the environment ended it), "max_turns" (cut), "budget" (truncated at env.max_tokens); without an
+    environment vLLM's ("stop", "length")."""
     error: str | None = None
     """Why the episode has no outcome (an environment call failed): its group is held out."""
     versions: set[int] = field(default_factory=set)
@@ -127,6 +134,9 @@ class Episode:
 
     def append(self, ids: list[int], *, logprobs: list[float] | None = None) -> None:
         """Ids of the policy (with their logprobs: mask 1) or of anything else (mask 0)."""
+        if logprobs is not None and len(logprobs) != len(ids):
+            raise EpisodeError(f"{len(logprobs)} logprobs for a turn of {len(ids)} tokens in episode {self.id}: "
+                               "the inference group must give one per generated token")
         self.tokens += ids
         self.mask += [1 if logprobs is not None else 0] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
@@ -217,10 +227,18 @@ def _replies(replies: list[EnvReply], requests: list[EnvRequest], call: str) -> 
     return replies
 
 
+def _add_turn(episode: Episode, completion: Completion) -> None:
+    """Append a policy turn vLLM generated to the episode: its ids (mask 1) with their logprobs."""
+    episode.append(list(completion.token_ids), logprobs=list(completion.logprobs))
+    episode.turns += 1
+    episode.text = completion.text
+    episode.versions.add(completion.weight_version)
+
+
 class EpisodeRunner:
     """Runs a batch's episodes over `ports` (module docstring)."""
 
-    def __init__(self, config: Config, ports: EpisodePorts, chat: ChatTemplate) -> None:
+    def __init__(self, config: Config, ports: EpisodePorts, chat: ChatTemplate | None = None) -> None:
         self.config = config
         self.ports = ports
         self.chat = chat
@@ -232,12 +250,15 @@ class EpisodeRunner:
         groups = [[Episode(prompt=p, index=k) for k in range(n)] for p in prompts]
         if not prompts:
             return groups, EpisodeStats()
-        chunks = min(len(prompts), CHUNKS_PER_REPLICA * self.config.inference.replicas) or 1
-        size = -(-len(prompts) // chunks)
         stats, clock = EpisodeStats(), _Clock()
-        await asyncio.gather(*(self._chunk(c, groups[at:at + size], n=n, seed=seed, temperature=temperature,
-                                           stats=stats, clock=clock)
-                               for c, at in enumerate(range(0, len(prompts), size))))
+        if self.env.environment:
+            chunks = min(len(prompts), CHUNKS_PER_REPLICA * self.config.inference.replicas) or 1
+            size = -(-len(prompts) // chunks)
+            await asyncio.gather(*(self._chunk(c, groups[at:at + size], n=n, seed=seed, temperature=temperature,
+                                               stats=stats, clock=clock)
+                                   for c, at in enumerate(range(0, len(prompts), size))))
+        else:
+            await self._one_turn(groups, n=n, seed=seed, temperature=temperature, stats=stats, clock=clock)
         clock._tick()
         stats.time_env_s, stats.time_env_wait_s = clock.env_s, clock.wait_s
         for group in groups:
@@ -248,6 +269,17 @@ class EpisodeRunner:
                     stats.truncated += episode.finish_reason == "budget"
                     stats.cut += episode.finish_reason == "max_turns"
         return groups, stats
+
+    async def _one_turn(self, groups: list[list[Episode]], *, n: int, seed: int, temperature: float | None,
+                        stats: EpisodeStats, clock: _Clock) -> None:
+        """Without an environment: the prompts as they are to one generate call (module docstring)."""
+        completions = await self._generate([group[0].prompt for group in groups], n=n, seed=seed, limits=None,
+                                           temperature=temperature, stats=stats, clock=clock)
+        for group, made in zip(groups, completions):
+            for episode, completion in zip(group, made, strict=True):
+                episode.append(list(completion.prompt_token_ids))
+                _add_turn(episode, completion)
+                episode.finish_reason = completion.finish_reason
 
     async def _chunk(self, chunk: int, groups: list[list[Episode]], *, n: int, seed: int,
                      temperature: float | None, stats: EpisodeStats, clock: _Clock) -> None:
@@ -263,6 +295,7 @@ class EpisodeRunner:
                 for episode in group:
                     episode.error = f"reset: {reply.error}"
                 continue
+            assert self.chat is not None, "episodes with an environment need the run's chat template"
             messages, ids = self.chat.opening(group[0].prompt, reply.messages)
             for episode in group:
                 episode.messages = list(messages)
@@ -289,10 +322,7 @@ class EpisodeRunner:
                 if completion.prompt_token_ids != episode.tokens:
                     raise EpisodeError(f"vLLM generated turn {turn} of episode {episode.id} from other ids than the "
                                        "episode's")
-                episode.append(list(completion.token_ids), logprobs=list(completion.logprobs))
-                episode.turns += 1
-                episode.text = completion.text
-                episode.versions.add(completion.weight_version)
+                _add_turn(episode, completion)
                 episode.messages.append({"role": "assistant", "content": completion.text})
             await self._step([e for e, _ in pairs], [c for _, c in pairs], last=turn + 1 == self.env.max_turns,
                              stats=stats, clock=clock)
@@ -310,12 +340,16 @@ class EpisodeRunner:
         if not episode.ended and len(episode.tokens) >= self.env.max_tokens:
             episode.finish_reason = "budget"
 
-    async def _generate(self, prompts: list[Prompt], *, n: int, seed: int, limits: list[int],
+    async def _generate(self, prompts: list[Prompt], *, n: int, seed: int, limits: list[int] | None,
                         temperature: float | None, stats: EpisodeStats, clock: _Clock) -> list[list[Completion]]:
+        """A turn of `prompts`: without `limits` (no environment) the plain generate call, else generate_turn."""
         started = time.monotonic()
         async with clock.generate():
-            completions = await self.ports.generate_turn(prompts, n=n, seed=seed, max_tokens=limits,
-                                                         temperature=temperature)
+            if limits is None:
+                completions = await self.ports.generate(prompts, n=n, seed=seed, temperature=temperature)
+            else:
+                completions = await self.ports.generate_turn(prompts, n=n, seed=seed, max_tokens=limits,
+                                                             temperature=temperature)
         stats.turn_times.append(time.monotonic() - started)
         if len(completions) != len(prompts) or any(len(c) != n for c in completions):
             raise EpisodeError(f"generate_turn answered {[len(c) for c in completions]} completions to "
@@ -338,59 +372,10 @@ class EpisodeRunner:
                 episode.finish_reason = "max_turns"
             else:
                 new = list(reply.messages or [])
+                assert self.chat is not None
                 ids = self.chat.continuation(episode.messages, new, list(completion.token_ids))
                 if len(episode.tokens) + len(ids) >= self.env.max_tokens:
                     episode.finish_reason = "budget"  # the environment's answer and a next turn do not fit
                 else:
                     episode.append(ids)
                     episode.messages += new
-
-
-def samples_to_score(groups: list[list[Episode]]) -> list[Sample]:
-    """The [reward] requests of the episodes the environment left unrewarded (module docstring), ids
-    "prompt_id/k"; none for a group held out already (an episode without an outcome)."""
-    return [Sample(id=e.id, prompt_id=e.prompt.id, prompt=e.prompt.text, completion=e.text, answer=e.prompt.answer)
-            for group in groups if all(e.error is None for e in group) for e in group if e.reward is None]
-
-
-def scored_groups(groups: list[list[Episode]], results: list[RewardResult], *, weight_version: int,
-                  batch: int = 0) -> tuple[list[ScoredGroup], ScoreStats]:
-    """The episodes' groups as scored groups: each episode's reward the environment's, else its [reward]
-    result; a group with an environment error or a reward error is held out (counted, never scored zero)."""
-    by_id = {r.id: r for r in results}
-    scored, errors, bad = [], [], 0
-    parts: dict[str, list[float]] = {}
-    for group in groups:
-        if any(e.error is not None for e in group):
-            bad += 1
-            continue
-        results_of = {e.id: by_id[e.id] for e in group if e.reward is None}
-        failed = [r for r in results_of.values() if r.reward is None]
-        if failed:
-            bad += 1
-            errors += [f"{r.id}: {r.error}" for r in failed]
-            continue
-        for r in results_of.values():
-            for name, value in (r.parts or {}).items():
-                parts.setdefault(name, []).append(value)
-        rewards = [e.reward if e.reward is not None else results_of[e.id].reward for e in group]
-        rollouts = [e.rollout(float(reward)) for e, reward in zip(group, rewards) if reward is not None]
-        versions = {v for e in group for v in e.versions}
-        scored.append(ScoredGroup(prompt_id=group[0].prompt.id, rollouts=rollouts, batch=batch,
-                                  weight_version=min(versions, default=weight_version)))
-    return scored, ScoreStats(groups=len(groups), groups_with_errors=bad, errors=errors, parts=parts)
-
-
-def episode_outcomes(groups: list[list[Episode]], results: list[RewardResult]) -> list[PromptOutcome]:
-    """An evaluation's episodes as hpcrl.rl.evaluation outcomes: each episode's reward (the environment's,
-    else its [reward] result; None without an outcome, which leaves its prompt out) and its policy tokens."""
-    by_id = {r.id: r for r in results}
-    outcomes = []
-    for group in groups:
-        rewards: list[float | None] = []
-        for e in group:
-            result = by_id.get(e.id)
-            rewards.append(None if e.error is not None else e.reward if e.reward is not None
-                           else result.reward if result is not None else None)
-        outcomes.append(PromptOutcome(rewards=rewards, lengths=[sum(e.mask) for e in group]))
-    return outcomes

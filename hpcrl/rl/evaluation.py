@@ -1,6 +1,6 @@
 """Evaluation on the held-out prompts while a run trains ([eval]): pass@1, pass@k, mean reward and length.
 
-    outcomes = prompt_outcomes(prompts, completions, results)         # per prompt: rewards and lengths
+    outcomes = prompt_outcomes(episodes, results)                      # per prompt: rewards and lengths
     figures = eval_metrics(greedy=outcomes, sampled=None, k=0, threshold=1.0)
     pass_at_k(n=8, c=3, k=4)                                           # 1 - C(5, 4) / C(8, 4) = 13/14
 
@@ -15,8 +15,9 @@ A completion whose reward could not be computed (the verifier raised, hung or di
 zero, as in training: its prompt is left out of the pass figures and the sample is counted in
 eval/reward_errors, so a broken verifier shows instead of reading as a bad policy.
 
-The controller (hpcrl.rl.controller) makes the calls: generate on the inference group with the
-weights just synced, score with the run's reward; these functions only count.
+The controller (hpcrl.rl.controller) makes the calls: the held-out prompts' episodes (hpcrl.rl.episodes, as
+a batch's: one turn, or with [env] the environment's) on the inference group with the weights just synced,
+scored with the run's reward; these functions only count.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hpcrl.data.prompts import Prompt
-from hpcrl.inference.types import Completion
 from hpcrl.reward.types import RewardResult
+from hpcrl.rl.episodes import Episode
 
 #: Evaluation sampling seeds sit this far above every training seed (run.seed x 1,000,003 + batch + round x
 #: 1,000,000,007, below 2**60 short of a billion sampling rounds), so an evaluation never draws a training
@@ -63,13 +63,20 @@ class PromptOutcome:
         return sum(1 for r in self.rewards if r is not None and r >= threshold)
 
 
-def prompt_outcomes(prompts: list[Prompt], completions: list[list[Completion]],
-                    results: list[RewardResult]) -> list[PromptOutcome]:
-    """Pair each prompt's completions with their rewards (sample ids "prompt_id/index", as hpcrl.rl.rollouts)."""
+def prompt_outcomes(groups: list[list[Episode]], results: list[RewardResult]) -> list[PromptOutcome]:
+    """Each prompt's episodes (hpcrl.rl.episodes) with their rewards (the environment's, else the [reward]
+    result of sample id "prompt_id/k"; None without an outcome, which leaves the prompt out) and their lengths
+    (the tokens the policy generated)."""
     by_id = {r.id: r for r in results}
-    return [PromptOutcome(rewards=[by_id[f"{p.id}/{c.index}"].reward for c in group],
-                          lengths=[len(c.token_ids) for c in group])
-            for p, group in zip(prompts, completions, strict=True)]
+    outcomes = []
+    for group in groups:
+        rewards: list[float | None] = []
+        for e in group:
+            result = by_id.get(e.id)
+            rewards.append(None if e.error is not None else e.reward if e.reward is not None
+                           else result.reward if result is not None else None)
+        outcomes.append(PromptOutcome(rewards=rewards, lengths=[sum(e.mask) for e in group]))
+    return outcomes
 
 
 def _mean(values: list[float]) -> float | None:

@@ -1,34 +1,35 @@
-"""From generated completions and their rewards to scored groups and a training batch.
+"""From a batch's episodes (hpcrl.rl.episodes) and their rewards to scored groups and a training batch.
 
-    groups = score_groups(prompts, completions, results, weight_version=3)
+    results = await ports.score(samples_for(episodes))       # the episodes no environment rewarded
+    groups, stats = score_groups(episodes, results, weight_version=3)
     selection = algorithm.select([g.rollouts for g in groups], settings, wanted=8)   # hpcrl.algorithms
     batch = batch_from_groups(groups, selection)
 
 A sample is a hpcrl.algorithms.base.Rollout (tokens, the policy's mask over them, their sampling
-logprobs, a reward); a single-turn completion fills it as prompt (mask 0) + completion (mask 1).
-A completion whose reward could not be computed (the verifier raised, hung or died) is never
-scored zero: its whole group is held out of training and counted, so a broken verifier shows up
-in the metrics instead of silently teaching the policy.
+logprobs, a reward): an episode's ids, mask 1 on its policy turns (a one-turn episode: prompt, mask 0,
+then completion, mask 1). An episode whose reward could not be computed (the verifier raised, hung or
+died) or whose environment failed is never scored zero: its whole group is held out of training and
+counted, so a broken verifier shows up in the metrics instead of silently teaching the policy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcrl.algorithms.base import Rollout, Selection
-from hpcrl.data.prompts import Prompt
-from hpcrl.inference.types import Completion
+from hpcrl.algorithms.base import Selection
 from hpcrl.reward.types import RewardResult, Sample
 from hpcrl.rl.buffer import ScoredGroup
+from hpcrl.rl.episodes import Episode
 from hpcrl.trainer.types import TrainBatch
 
 
-def samples_for(prompts: list[Prompt], completions: list[list[Completion]]) -> list[Sample]:
-    """The reward requests of a batch: one per completion, ids "prompt_id/k". The prompt is the row's text in
-    both formats, never the chat template's rendering (hpcrl.data.chat); the trainer's tokens are the
-    completion's prompt_token_ids, the rendered ids vLLM generated from (score_groups)."""
-    return [Sample(id=f"{p.id}/{c.index}", prompt_id=p.id, prompt=p.text, completion=c.text, answer=p.answer)
-            for p, group in zip(prompts, completions) for c in group]
+def samples_for(groups: list[list[Episode]]) -> list[Sample]:
+    """The [reward] requests of a batch's episodes: one per episode the environment left unrewarded (every one
+    without an environment), ids "prompt_id/k"; none for a group held out already (an episode without an
+    outcome). The prompt is the row's text in both formats, never the chat template's rendering
+    (hpcrl.data.chat); the completion is the episode's last policy turn."""
+    return [Sample(id=e.id, prompt_id=e.prompt.id, prompt=e.prompt.text, completion=e.text, answer=e.prompt.answer)
+            for group in groups if all(e.error is None for e in group) for e in group if e.reward is None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,28 +42,32 @@ class ScoreStats:
     """With several reward functions: each one's scores over the samples of the groups kept."""
 
 
-def score_groups(prompts: list[Prompt], completions: list[list[Completion]], results: list[RewardResult],
-                 *, weight_version: int, batch: int = 0) -> tuple[list[ScoredGroup], ScoreStats]:
-    """Pair completions with rewards; groups with any reward error are held out (see the docstring)."""
+def score_groups(groups: list[list[Episode]], results: list[RewardResult], *, weight_version: int,
+                 batch: int = 0) -> tuple[list[ScoredGroup], ScoreStats]:
+    """The episodes' groups as scored groups: each episode's reward the environment's, else its [reward]
+    result; a group with an environment error or a reward error is held out (see the docstring)."""
     by_id = {r.id: r for r in results}
-    groups, errors, bad = [], [], 0
+    scored, errors, bad = [], [], 0
     parts: dict[str, list[float]] = {}
-    for prompt, group in zip(prompts, completions):
-        rewards = [by_id[f"{prompt.id}/{c.index}"] for c in group]
-        failed = [r for r in rewards if r.reward is None]
+    for group in groups:
+        if any(e.error is not None for e in group):
+            bad += 1
+            continue
+        results_of = {e.id: by_id[e.id] for e in group if e.reward is None}
+        failed = [r for r in results_of.values() if r.reward is None]
         if failed:
             bad += 1
             errors += [f"{r.id}: {r.error}" for r in failed]
             continue
-        for r in rewards:
+        for r in results_of.values():
             for name, value in (r.parts or {}).items():
                 parts.setdefault(name, []).append(value)
-        rollouts = [Rollout.single_turn(c.prompt_token_ids, c.token_ids, c.logprobs, reward=float(r.reward),
-                                        finish_reason=c.finish_reason)
-                    for c, r in zip(group, rewards) if r.reward is not None]  # all scored: see above
-        groups.append(ScoredGroup(prompt_id=prompt.id, rollouts=rollouts, batch=batch,
-                                  weight_version=min((c.weight_version for c in group), default=weight_version)))
-    return groups, ScoreStats(groups=len(prompts), groups_with_errors=bad, errors=errors, parts=parts)
+        rewards = [e.reward if e.reward is not None else results_of[e.id].reward for e in group]
+        rollouts = [e.rollout(float(reward)) for e, reward in zip(group, rewards) if reward is not None]
+        versions = {v for e in group for v in e.versions}
+        scored.append(ScoredGroup(prompt_id=group[0].prompt.id, rollouts=rollouts, batch=batch,
+                                  weight_version=min(versions, default=weight_version)))
+    return scored, ScoreStats(groups=len(groups), groups_with_errors=bad, errors=errors, parts=parts)
 
 
 def batch_from_groups(groups: list[ScoredGroup], selection: Selection) -> TrainBatch:

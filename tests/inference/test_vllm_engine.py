@@ -107,10 +107,13 @@ def test_generate_sends_one_unseeded_request_per_prompt_with_n_the_group_size(en
 def test_a_chat_prompt_with_a_system_prompt_reaches_vllm_and_the_trainer_as_the_same_ids(engine, tiny_model,
                                                                                          monkeypatch):
     """The head renders once; vLLM generates from those ids (told to stop at the template's <|end|>) and
-    the trainer trains on them: its logprobs of the sampled tokens equal vLLM's (CPU, fp32)."""
+    the trainer trains on them, as one-turn episodes: its logprobs of the sampled tokens equal vLLM's (CPU, fp32)."""
+    import asyncio
+
     from hpcrl.algorithms.base import Selection
     from hpcrl.data.chat import ChatTemplate
     from hpcrl.reward.types import RewardResult
+    from hpcrl.rl.episodes import EpisodeRunner
     from hpcrl.rl.rollouts import batch_from_groups, score_groups
     from hpcrl.trainer import TrainerEngine
 
@@ -125,21 +128,31 @@ def test_a_chat_prompt_with_a_system_prompt_reaches_vllm_and_the_trainer_as_the_
         return enqueue(inputs, params, **kwargs)
 
     monkeypatch.setattr(engine.llm, "enqueue", spy)
-    groups = engine.generate(prompts, n=4, seed=5)
+    config = load_config(REPO / "configs" / "tiny_grpo.toml", overrides=[f"model.path={tiny_model}"])
+    episodes, _ = asyncio.run(EpisodeRunner(config, _OneTurnPorts(engine)).run(prompts, n=4, seed=5))
     (inputs, params), = sent
     assert [i["prompt_token_ids"] for i in inputs] == [p.token_ids for p in prompts]  # not tokenized again
     assert params.stop_token_ids == [102]  # <|end|>: not the eos token, nor in generation_config.json
-    assert all(c.prompt_token_ids == p.token_ids for p, g in zip(prompts, groups) for c in g)
-    results = [RewardResult(id=f"{p.id}/{c.index}", prompt_id=p.id, reward=float(c.index)) for p, g in
-               zip(prompts, groups) for c in g]
-    scored, _ = score_groups(prompts, groups, results, weight_version=0)
+    assert all(e.tokens[:len(p.token_ids or [])] == p.token_ids and e.turns == 1 for p, g in zip(prompts, episodes)
+               for e in g)
+    results = [RewardResult(id=e.id, prompt_id=e.prompt.id, reward=float(e.index)) for g in episodes for e in g]
+    scored, _ = score_groups(episodes, results, weight_version=0)
     batch = batch_from_groups(scored, Selection(kept=[0, 1], advantages=[[1.0] * 4] * 2))
     assert [ids[:len(p.token_ids or [])] for ids, p in zip(batch.input_ids[::4], prompts)] == \
         [p.token_ids for p in prompts]
-    config = load_config(REPO / "configs" / "tiny_grpo.toml", overrides=[f"model.path={tiny_model}"])
     rows = batch.rows()
     trainer = TrainerEngine.from_config(config, max_seq_len=64).logprobs(rows)
     assert (trainer - rows.old_logprobs)[rows.completion_mask].abs().max().item() < 1e-6
+
+
+class _OneTurnPorts:
+    """The episodes' ports without an environment: generate over the module's engine."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    async def generate(self, prompts, *, n, seed, temperature=None):
+        return self.engine.generate(prompts, n=n, seed=seed, temperature=temperature)
 
 
 class _TwoTurnPorts:
@@ -174,8 +187,8 @@ def test_an_episode_grows_from_the_ids_vllm_returned_and_the_trainer_scores_its_
     from hpcrl.algorithms.base import Selection
     from hpcrl.data.chat import ChatTemplate
     from hpcrl.reward.types import RewardResult
-    from hpcrl.rl.episodes import EpisodeRunner, samples_to_score, scored_groups
-    from hpcrl.rl.rollouts import batch_from_groups
+    from hpcrl.rl.episodes import EpisodeRunner
+    from hpcrl.rl.rollouts import batch_from_groups, samples_for, score_groups
     from hpcrl.trainer import TrainerEngine
 
     config = load_config(REPO / "configs" / "tiny_grpo.toml", overrides=[
@@ -193,8 +206,8 @@ def test_an_episode_grows_from_the_ids_vllm_returned_and_the_trainer_scores_its_
     assert max(e.turns for e in episodes) == 2 and stats.env_errors == []
     assert all(len(e.tokens) <= 17 and e.finish_reason in ("done", "budget") for e in episodes)
     results = [RewardResult(id=s.id, prompt_id=s.prompt_id, reward=float(k)) for k, s in
-               enumerate(samples_to_score(groups))]
-    scored, _ = scored_groups(groups, results, weight_version=0)
+               enumerate(samples_for(groups))]
+    scored, _ = score_groups(groups, results, weight_version=0)
     rows = batch_from_groups(scored, Selection(kept=[0], advantages=[[1.0] * 3])).rows()
     trainer = TrainerEngine.from_config(config, max_seq_len=64).logprobs(rows)
     assert rows.completion_mask.sum().item() == sum(sum(e.mask) for e in episodes)

@@ -197,9 +197,9 @@ class ScoringEndsOnlyAfterASync(FakePorts):
         super().__init__(reward=FakeReward(broken_sample))
         self.lag, self.batch, self.synced = lag, -1, asyncio.Event()
 
-    async def generate(self, prompts, *, n, seed):
+    async def generate(self, prompts, *, n, seed, temperature=None):
         self.batch, self.synced = batch_of(seed), asyncio.Event()
-        return await super().generate(prompts, n=n, seed=seed)
+        return await super().generate(prompts, n=n, seed=seed, temperature=temperature)
 
     async def score(self, samples):
         if self.batch >= self.lag:  # batches 0 .. lag - 1 come before the first step, with no sync after them

@@ -240,7 +240,7 @@ def test_over_bus_ports_episodes_spread_over_the_replicas_and_give_the_in_memory
     ("data.format=text", "data.format", 'set data.format = "chat"'),
     ("reward.tasks=0", "reward.tasks", "set reward.tasks = 1 or more"),
     ("inference.max_model_len=32", "inference.max_model_len", "set max_model_len = 64 or 0"),
-    ("algorithm.overlong_buffer_fraction=0.2", "algorithm.overlong_buffer_fraction", "= 0.0"),
+    ("algorithm.name=dapo", "algorithm.overlong_buffer_fraction", "= 0.0"),  # DAPO shapes overlong answers
     ("env.environment=feedbak", "env.environment", "did you mean 'feedback'?"),
     ("env.environment=no_such_module:Env", "env.environment", "add its directory to PYTHONPATH"),
 ])

@@ -1,6 +1,13 @@
-"""Rollouts to scored groups and batches: policy masks, advantages, held-out groups, sharding."""
+"""Episodes to scored groups and batches: one-turn episodes, policy masks, advantages, held-out groups, sharding."""
 
 from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from fake_config import fake_config
+from fake_ports import FakePorts
 
 from hpcrl.algorithms import load_algorithm
 from hpcrl.algorithms.grpo import GrpoOptions
@@ -8,6 +15,7 @@ from hpcrl.data.prompts import Prompt
 from hpcrl.inference.types import Completion
 from hpcrl.reward.types import RewardResult
 from hpcrl.rl.buffer import ScoredGroup
+from hpcrl.rl.episodes import Episode, EpisodeRunner
 from hpcrl.rl.rollouts import batch_from_groups, samples_for, score_groups
 
 
@@ -27,27 +35,72 @@ def completions(prompt: Prompt, texts: list[str]) -> list[Completion]:
             for k, t in enumerate(texts)]
 
 
+class _Generated:
+    """The inference group's side of one-turn episodes: generate answers the completions it was given."""
+
+    def __init__(self, completions: list[list[Completion]]) -> None:
+        self.completions = completions
+
+    async def generate(self, prompts, *, n, seed, temperature=None):
+        return self.completions
+
+
+def one_turn(prompts: list[Prompt], completions: list[list[Completion]]) -> list[list[Episode]]:
+    """The episodes EpisodeRunner makes of `completions` without an environment."""
+    config = fake_config(Path("/nonexistent"), run_name="rollouts", seed=0, steps=1, prompts_per_step=1,
+                         group_size=2)  # the runner reads [inference] and [env] only
+    groups, _ = asyncio.run(EpisodeRunner(config, _Generated(completions)).run(prompts, n=len(completions[0]), seed=0))
+    return groups
+
+
+def test_without_an_environment_an_episode_is_one_generate_call_with_the_batchs_seed_prompt_then_completion():
+    ports = FakePorts()
+    config = fake_config(Path("/nonexistent"), run_name="rollouts", seed=0, steps=1, prompts_per_step=2, group_size=3)
+    groups, stats = asyncio.run(EpisodeRunner(config, ports).run(PROMPTS, n=3, seed=17, temperature=0.5))
+    assert ports.events == [("generate", 17, 0.5)]  # no generate_turn, no environment, the seed as given
+    made = ports.inference.generate(PROMPTS, n=3, seed=17, temperature=0.5)  # the same call, made again
+    for group, completions_of in zip(groups, made, strict=True):
+        for episode, completion in zip(group, completions_of, strict=True):
+            prompt = completion.prompt_token_ids
+            assert episode.tokens == prompt + completion.token_ids
+            assert episode.mask == [0] * len(prompt) + [1] * len(completion.token_ids)
+            assert episode.logprobs == [0.0] * len(prompt) + completion.logprobs
+            assert (episode.turns, episode.text, episode.finish_reason) == (1, completion.text, "length")
+            assert episode.reward is None and episode.error is None  # the run's [reward] scores it
+    assert stats.turns == [1] * 6 and stats.generate_tokens == 6 and stats.versions == {0}
+
+
+def test_a_turn_with_other_than_one_logprob_per_token_is_refused_naming_the_episode():
+    from hpcrl.rl.episodes import EpisodeError
+
+    bad = [[Completion(prompt_id="a", index=0, prompt_token_ids=[1], token_ids=[10, 11], logprobs=[-0.5], text="1",
+                       finish_reason="length", weight_version=0)]]
+    with pytest.raises(EpisodeError, match="1 logprobs for a turn of 2 tokens in episode a/0"):
+        one_turn(PROMPTS[:1], bad)
+
+
 def test_a_group_with_a_failed_reward_is_held_out_not_scored_zero():
-    comps = [completions(PROMPTS[0], ["1", "3"]), completions(PROMPTS[1], ["2", "2"])]
-    samples = samples_for(PROMPTS, comps)
+    comps = one_turn(PROMPTS, [completions(PROMPTS[0], ["1", "3"]), completions(PROMPTS[1], ["2", "2"])])
+    samples = samples_for(comps)
     assert [s.id for s in samples] == ["a/0", "a/1", "b/0", "b/1"]
     results = [RewardResult(id="a/0", prompt_id="a", reward=1.0), RewardResult(id="a/1", prompt_id="a", reward=0.0),
                RewardResult(id="b/0", prompt_id="b", reward=1.0),
                RewardResult(id="b/1", prompt_id="b", reward=None, error="timed out after 5 s")]
-    groups, stats = score_groups(PROMPTS, comps, results, weight_version=2)
+    groups, stats = score_groups(comps, results, weight_version=2)
     assert [g.prompt_id for g in groups] == ["a"]
     assert stats.groups_with_errors == 1 and stats.errors == ["b/1: timed out after 5 s"]
     assert groups[0].rewards == [1.0, 0.0]
     assert [r.tokens for r in groups[0].rollouts] == [[1, 5, 10], [1, 5, 11]]
     assert [r.policy_mask for r in groups[0].rollouts] == [[0, 0, 1], [0, 0, 1]]
     assert [r.logprobs for r in groups[0].rollouts] == [[0.0, 0.0, -0.5], [0.0, 0.0, -1.5]]
+    assert [r.finish_reason for r in groups[0].rollouts] == ["length", "length"] and groups[0].weight_version == 2
 
 
 def test_batches_concatenate_prompt_and_completion_and_drop_zero_variance_groups_on_request():
-    comps = [completions(PROMPTS[0], ["1", "3"]), completions(PROMPTS[1], ["2", "2"])]
+    comps = one_turn(PROMPTS, [completions(PROMPTS[0], ["1", "3"]), completions(PROMPTS[1], ["2", "2"])])
     results = [RewardResult(id=f"{p}/{k}", prompt_id=p, reward=r)
                for p, k, r in [("a", 0, 1.0), ("a", 1, 0.0), ("b", 0, 1.0), ("b", 1, 1.0)]]
-    groups, _ = score_groups(PROMPTS, comps, results, weight_version=2)
+    groups, _ = score_groups(comps, results, weight_version=2)
     batch, dropped = build_batch(groups, norm="mean", drop_zero_variance=True)
     assert dropped == 1 and batch.prompt_ids == ["a", "a"]
     assert batch.input_ids == [[1, 5, 10], [1, 5, 11]] and batch.policy_mask == [[0, 0, 1], [0, 0, 1]]
@@ -57,9 +110,9 @@ def test_batches_concatenate_prompt_and_completion_and_drop_zero_variance_groups
 
 
 def test_shards_split_like_torch_chunk_and_cover_the_batch_once():
-    comps = [completions(PROMPTS[0], ["1", "3", "1"])]
+    comps = one_turn(PROMPTS[:1], [completions(PROMPTS[0], ["1", "3", "1"])])
     results = [RewardResult(id=f"a/{k}", prompt_id="a", reward=float(k == 1)) for k in range(3)]
-    groups, _ = score_groups(PROMPTS[:1], comps, results, weight_version=0)
+    groups, _ = score_groups(comps, results, weight_version=0)
     batch, _ = build_batch(groups, norm="mean", drop_zero_variance=False)
     shards = [batch.shard(r, 2) for r in range(2)]
     assert [len(s) for s in shards] == [2, 1]
