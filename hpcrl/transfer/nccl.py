@@ -17,7 +17,7 @@ every send and receive returns at once having moved nothing (`if self.disabled: 
 the group refuses such a communicator.
 
 NCCL matches a peer pair's point-to-point operations in the order they are issued, with no tags:
-the round schedule (hpcrl.plan.transfer_rounds) keeps plan order per (sender, receiver) pair, and
+the round schedule (hpcrl.plan.transfer.rounds) keeps plan order per (sender, receiver) pair, and
 both ends issue a round's operations in plan order, so the message number (`tag`) is checked by
 the schedule, not by NCCL. Operations run on the calling thread's current CUDA stream, the stream
 execute.py packs and unpacks on, so no extra synchronisation is needed between them.

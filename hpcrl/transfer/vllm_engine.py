@@ -46,9 +46,9 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from hpcrl.config.model_shapes import from_hf_config
 from hpcrl.errors import TransferError
-from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
-from hpcrl.plan.transfer_plan import TransferPlan
-from hpcrl.plan.transfer_planner import plan as plan_transfer
+from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
+from hpcrl.plan.transfer.plan import TransferPlan
+from hpcrl.plan.transfer.planner import plan as plan_transfer
 from hpcrl.transfer import execute
 from hpcrl.transfer.listen import seal_loopback_gloo
 from hpcrl.transfer.registry import TransferLink, open_group
@@ -99,7 +99,7 @@ def check_experts(module: torch.nn.Module, plan: TransferPlan, tp_rank: int, *, 
     """TransferError unless the FusedMoE layer holds the experts the plan writes to this rank: all of
     them (TP) or, under expert parallel, those of `experts_of_rank` in that order (vLLM's
     expert_map), and its backend computes from the weights as loaded (CPU: repacked at finish)."""
-    from hpcrl.plan.transfer_layout import experts_of_rank
+    from hpcrl.plan.transfer.layout import experts_of_rank
 
     inference = plan.inference
     total = int(getattr(module, "global_num_experts"))  # noqa: B009 - an int of vLLM's layer (mypy: Module attr)

@@ -12,9 +12,9 @@ import hpcrl.models
 from hpcrl.config.model_shapes import PRESETS, from_hf_config
 from hpcrl.errors import ConfigError, PlanError, TrainerError
 from hpcrl.models import Family, ModelShape, architectures, register
-from hpcrl.plan.transfer_check import check_plan, verify_elements
-from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
-from hpcrl.plan.transfer_planner import plan
+from hpcrl.plan.transfer.check import check_plan, verify_elements
+from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
+from hpcrl.plan.transfer.planner import plan
 
 TOY_CONFIG = {"architectures": ["ToyForCausalLM"], "model_type": "toy", "n_embd": 64, "n_inner": 96,
               "n_layer": 2, "n_head": 4, "n_kv_head": 2, "vocab_size": 90, "n_positions": 256}

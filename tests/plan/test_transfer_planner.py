@@ -11,9 +11,9 @@ import pytest
 
 from hpcrl.config.model_shapes import PRESETS, ModelShape
 from hpcrl.errors import PlanError
-from hpcrl.plan.transfer_check import check_plan, verify_elements
-from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout, chunk_rows, pad_vocab_size
-from hpcrl.plan.transfer_planner import plan
+from hpcrl.plan.transfer.check import check_plan, verify_elements
+from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout, chunk_rows, pad_vocab_size
+from hpcrl.plan.transfer.planner import plan
 
 LLAMA, QWEN2 = PRESETS["tiny-llama"], PRESETS["tiny-qwen2"]
 
@@ -92,7 +92,7 @@ def test_torchtitan_layout_matches_torchtitan_permutation_code():
     torch = pytest.importorskip("torch")
     adapter = pytest.importorskip("torchtitan.models.llama3.state_dict_adapter")
     permute = adapter.Llama3StateDictAdapter._permute  # to_hf direction, an exact copy of HF's script
-    from hpcrl.plan.transfer_check import _hf_ids, _trainer_tensors
+    from hpcrl.plan.transfer.check import _hf_ids, _trainer_tensors
     p = make(LLAMA, naming="torchtitan", fuse_qkv=False)
     hf = _hf_ids(LLAMA)
     tt = _trainer_tensors(p, LLAMA, hf)
@@ -183,7 +183,7 @@ def test_torchtitan_fused_wqkv_layout_is_what_torchtitans_own_load_hooks_build()
     fused = pytest.importorskip("torchtitan.models.common.attention").FusedQKVLinear
     from types import SimpleNamespace
 
-    from hpcrl.plan.transfer_check import _hf_ids, _trainer_tensors
+    from hpcrl.plan.transfer.check import _hf_ids, _trainer_tensors
     p = make(LLAMA, naming="torchtitan", fuse_qkv=True)
     hf = {k: torch.from_numpy(v).double() for k, v in _hf_ids(LLAMA).items()}
     nh, nkv, d, h = LLAMA.num_heads, LLAMA.num_kv_heads, LLAMA.head_dim, LLAMA.hidden_size
@@ -204,7 +204,7 @@ def test_a_real_torchtitan_llama3_with_fused_qkv_holds_exactly_the_tensors_the_p
     from titan_stock import stock_fused_llama3
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
-    from hpcrl.plan.transfer_check import _hf_ids, _trainer_tensors
+    from hpcrl.plan.transfer.check import _hf_ids, _trainer_tensors
     s = LLAMA
     config, model = stock_fused_llama3(s)
     hf = _hf_ids(s)

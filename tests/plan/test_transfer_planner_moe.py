@@ -20,9 +20,9 @@ from hpcrl.errors import PlanError
 from hpcrl.models import ModelShape, register
 from hpcrl.models.dense import DenseDecoder, titan_model
 from hpcrl.models.layout import VllmParam
-from hpcrl.plan.transfer_check import check_plan, verify_elements
-from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout, experts_of_rank
-from hpcrl.plan.transfer_planner import plan
+from hpcrl.plan.transfer.check import check_plan, verify_elements
+from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout, experts_of_rank
+from hpcrl.plan.transfer.planner import plan
 
 
 class ToyMoe(DenseDecoder):

@@ -1,4 +1,4 @@
-"""The transfer schedule (hpcrl.plan.transfer_rounds): properties every transport relies on, for every
+"""The transfer schedule (hpcrl.plan.transfer.rounds): properties every transport relies on, for every
 shipped config and for random plans (hypothesis)."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from hpcrl.config import load_config
 from hpcrl.config.model_shapes import PRESETS
 from hpcrl.plan.for_config import plan_for_config
-from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
-from hpcrl.plan.transfer_plan import TransferPlan
-from hpcrl.plan.transfer_planner import plan as make_plan
-from hpcrl.plan.transfer_rounds import messages, receiver_rank, rounds
+from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
+from hpcrl.plan.transfer.plan import TransferPlan
+from hpcrl.plan.transfer.planner import plan as make_plan
+from hpcrl.plan.transfer.rounds import messages, receiver_rank, rounds
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -114,8 +114,8 @@ def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_store: str, 
         from hf_module import checkpoint_module, local_shards
         from torch.distributed.fsdp import fully_shard
 
-        from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
-        from hpcrl.plan.transfer_planner import plan as plan_transfer
+        from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
+        from hpcrl.plan.transfer.planner import plan as plan_transfer
         from hpcrl.transfer.rendezvous import client_store
         from hpcrl.transfer.trainer import TrainerSender
 
@@ -174,8 +174,8 @@ def main() -> int:
     import torch.distributed as dist
     from vllm import LLM, SamplingParams
 
-    from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
-    from hpcrl.plan.transfer_planner import plan as plan_transfer
+    from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
+    from hpcrl.plan.transfer.planner import plan as plan_transfer
     from hpcrl.transfer.rendezvous import serve_store
     from hpcrl.transfer.vllm_engine import init_info
 

@@ -24,8 +24,8 @@ import numpy as np
 
 from hpcrl.config.model_shapes import ModelShape
 from hpcrl.errors import PlanError
-from hpcrl.plan.transfer_layout import chunk_source_rows, pad_vocab_size
-from hpcrl.plan.transfer_plan import TransferPlan
+from hpcrl.plan.transfer.layout import chunk_source_rows, pad_vocab_size
+from hpcrl.plan.transfer.plan import TransferPlan
 
 
 def _runs(plan: TransferPlan, side: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

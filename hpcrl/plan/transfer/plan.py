@@ -21,14 +21,14 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from hpcrl.plan.transfer_layout import DestTensor, InferenceLayout, TrainerLayout, chunk_source_rows
-from hpcrl.plan.transfer_names import SourceTensor
+from hpcrl.plan.transfer.layout import DestTensor, InferenceLayout, TrainerLayout, chunk_source_rows
+from hpcrl.plan.transfer.names import SourceTensor
 
 PLAN_VERSION = 1
 COLUMNS = ("src_rank", "replica", "tp_rank", "source", "dest", "src_offset", "src_stride",
            "dst_offset", "dst_stride", "length", "count", "message")
 WIRE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-#: Staging bytes per rank and round of the transfer schedule (hpcrl.plan.transfer_rounds), about 256 MB.
+#: Staging bytes per rank and round of the transfer schedule (hpcrl.plan.transfer.rounds), about 256 MB.
 DEFAULT_ROUND_BYTES = 256 << 20
 
 
@@ -57,7 +57,7 @@ class TransferPlan:
     blocks: dict[str, np.ndarray] = field(repr=False)
     """Column name (COLUMNS) -> int64 array, one entry per block."""
     round_bytes: int = DEFAULT_ROUND_BYTES
-    """Staging bytes per rank and round when the plan is executed (hpcrl.plan.transfer_rounds); part of the
+    """Staging bytes per rank and round when the plan is executed (hpcrl.plan.transfer.rounds); part of the
     digest, so both ends run the same rounds."""
 
     @property
