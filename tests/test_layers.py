@@ -1,8 +1,8 @@
 """Imports only point down the layers of docs/ARCHITECTURE.md, and no package has an import cycle.
 
 The contracts are [tool.importlinter] in pyproject.toml, checked by import-linter (`lint-imports`,
-from the `test` extra). The last two tests check that the contracts can fail: they add an upward
-import, and a cycle, to a copy of the package in a temporary directory (the tree stays untouched).
+from the `test` extra). Three tests check that the contracts can fail: they add an upward
+import, a trainer module importing the weight transfer, and a cycle, to a copy of the package in a temporary directory (the tree stays untouched).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def package_copy(tmp_path: Path):
 def test_imports_only_point_down_the_layers_and_no_package_has_a_cycle():
     done = lint_imports(REPO)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "2 kept, 0 broken" in done.stdout, done.stdout[-2000:]
+    assert "3 kept, 0 broken" in done.stdout, done.stdout[-2000:]
 
 
 def test_an_upward_import_in_a_low_layer_breaks_the_layers_contract(package_copy: Path):
@@ -53,6 +53,14 @@ def test_an_upward_import_in_a_low_layer_breaks_the_layers_contract(package_copy
     assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-2000:]
     assert "hpcrl.config is not allowed to import hpcrl.cli" in done.stdout, done.stdout[-4000:]
     assert "hpcrl.config._upward_probe -> hpcrl.cli.main" in done.stdout, done.stdout[-4000:]
+
+
+def test_the_trainer_importing_the_weight_transfer_breaks_the_trainer_apart_contract(package_copy: Path):
+    (package_copy / "hpcrl" / "trainer" / "_transfer_probe.py").write_text("import hpcrl.transfer.gloo\n")
+    done = lint_imports(package_copy)
+    assert done.returncode == 1, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "hpcrl.trainer is not allowed to import hpcrl.transfer" in done.stdout, done.stdout[-4000:]
+    assert "hpcrl.trainer._transfer_probe -> hpcrl.transfer.gloo" in done.stdout, done.stdout[-4000:]
 
 
 def test_two_modules_importing_each_other_break_the_acyclic_contract(package_copy: Path):

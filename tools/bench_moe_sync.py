@@ -73,7 +73,7 @@ def trainer(ckpt: str, shape_json: str, rank: int, world: int, tp: int, ep: bool
         from hpcrl.config.model_shapes import ModelShape
         from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
         from hpcrl.plan.transfer.planner import plan as plan_transfer
-        from hpcrl.transfer.rendezvous import client_store
+        from hpcrl.rendezvous.meet import client_store
         from hpcrl.transfer.trainer import TrainerSender
 
         store = client_store(f"tcp://127.0.0.1:{fsdp_port}", timeout_s=300)
@@ -109,7 +109,7 @@ def bench_update(*, tp: int, ep: bool, fsdp: int, rounds: int) -> list[str]:
     from hpcrl.config.model_shapes import PRESETS
     from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
     from hpcrl.plan.transfer.planner import plan as plan_transfer
-    from hpcrl.transfer.rendezvous import serve_store
+    from hpcrl.rendezvous.meet import serve_store
 
     shape = dataclasses.replace(PRESETS["tiny-qwen3-moe"], hidden_size=256, num_layers=8, num_heads=8,
                                 num_kv_heads=4, head_dim=32, vocab_size=4096, num_experts=16,

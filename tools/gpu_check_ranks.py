@@ -70,7 +70,7 @@ class TrainerRank:
         self.sender: Any = None  # a TrainerSender once connected
         if device == "cuda":
             torch.cuda.set_device(0)  # this process sees only its own GPU (CUDA_VISIBLE_DEVICES)
-        from hpcrl.transfer.rendezvous import client_store
+        from hpcrl.rendezvous.meet import client_store
 
         store = client_store(f"tcp://127.0.0.1:{store_port}", timeout_s=timeout_s)
         group.join(dist.PrefixStore("hpcrl-gpu-check", store), rank=rank, world=TRAINER_RANKS, device=device,

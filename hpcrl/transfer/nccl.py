@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from hpcrl.errors import TransferError
-from hpcrl.transfer.rendezvous import rendezvous_store, store_digests
+from hpcrl.rendezvous.meet import rendezvous_store, store_digests
 
 
 def _cuda_device() -> torch.device:

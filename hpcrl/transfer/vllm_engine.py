@@ -50,7 +50,7 @@ from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
 from hpcrl.plan.transfer.plan import TransferPlan
 from hpcrl.plan.transfer.planner import plan as plan_transfer
 from hpcrl.transfer import execute
-from hpcrl.transfer.listen import seal_loopback_gloo
+from hpcrl.rendezvous.listen import seal_loopback_gloo
 from hpcrl.transfer.registry import TransferLink, open_group
 
 ENGINE_NAME = "hpcrl"
@@ -156,7 +156,7 @@ def init_info(*, store: str, replica: int, trainer: TrainerLayout, inference: In
 @dataclass
 class HpcrlInitInfo(WeightTransferInitInfo):
     store: str
-    """The rendezvous store's ZeroMQ address (hpcrl.transfer.rendezvous; its key: the run's secret)."""
+    """The rendezvous store's ZeroMQ address (hpcrl.rendezvous.meet; its key: the run's secret)."""
     replica: int
     trainer: dict
     inference: dict
@@ -220,7 +220,7 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         rank = execute.inference_group_rank(plan, self.replica, self.tp_rank)
         world = plan.trainer.world_size + inference.replicas * inference.tensor_parallel
         # vLLM's own gloo groups formed when its engine started: seal their listeners (on loopback:
-        # vllm_llm.py) as ours are sealed once formed (hpcrl.transfer.listen); on one node its processes
+        # vllm_llm.py) as ours are sealed once formed (hpcrl.rendezvous.listen); on one node its processes
         # hold no other TCP listener there (docs/FACTS.md, "gloo's listener").
         seal_loopback_gloo()
         self.group = group = open_group(info.transport, store=info.store, rank=rank, world_size=world,

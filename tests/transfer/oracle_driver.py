@@ -116,7 +116,7 @@ def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_store: str, 
 
         from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
         from hpcrl.plan.transfer.planner import plan as plan_transfer
-        from hpcrl.transfer.rendezvous import client_store
+        from hpcrl.rendezvous.meet import client_store
         from hpcrl.transfer.trainer import TrainerSender
 
         store = client_store(fsdp_store, timeout_s=120)
@@ -176,7 +176,7 @@ def main() -> int:
 
     from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
     from hpcrl.plan.transfer.planner import plan as plan_transfer
-    from hpcrl.transfer.rendezvous import serve_store
+    from hpcrl.rendezvous.meet import serve_store
     from hpcrl.transfer.vllm_engine import init_info
 
     moe = "moe" in args.preset and not args.reference

@@ -124,7 +124,7 @@ def fake_scenario(scenario: str, rank: int, store: str, results) -> None:
         import torch.distributed as dist
         from vllm.distributed.utils import StatelessProcessGroup
 
-        from hpcrl.transfer.rendezvous import rendezvous_store
+        from hpcrl.rendezvous.meet import rendezvous_store
         client, prefix = rendezvous_store(store=store, rank=rank, world_size=2, timeout_s=60, generation=0)
         comm = fake_pynccl.StrictFakePyNccl(StatelessProcessGroup(rank=rank, world_size=2, store=prefix),
                                             torch.device("cpu"), op_timeout=timedelta(seconds=3))

@@ -14,7 +14,7 @@ import torch
 
 from hpcrl.errors import TransferError
 from hpcrl.transfer import execute
-from hpcrl.transfer.rendezvous import client_store, serve_store
+from hpcrl.rendezvous.meet import client_store, serve_store
 
 
 def run(spec: dict, *, deadline: float = 90.0) -> list[tuple]:
