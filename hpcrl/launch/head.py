@@ -116,9 +116,9 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
     Returns True when the run was preempted (SIGUSR2, Slurm's pre-timeout signal): it checkpointed
     after the step in progress and stopped; False when it trained to the end."""
     from hpcrl.config.load import load_config
+    from hpcrl.rendezvous.meet import serve_store
     from hpcrl.rl.checkpointing import refuse_unusable_checkpoints
     from hpcrl.rl.program import run_program
-    from hpcrl.rendezvous.meet import serve_store
 
     launch = sup.launch
     config = load_config(sup.run_dir / CONFIG_FILE)

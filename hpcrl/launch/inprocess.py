@@ -43,8 +43,8 @@ from hpcrl.roles.trainer import local_tensors
 from hpcrl.trainer.types import TrainBatch
 
 if TYPE_CHECKING:
-    from hpcrl.trainer import EngineOptions, TrainerEngine
     from hpcrl.rendezvous.meet import ServedStore
+    from hpcrl.trainer import EngineOptions, TrainerEngine
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -95,8 +95,8 @@ class TrainerRole(Role):
         """Join the trainer group and build the engine (on the engine thread, on its device)."""
         import torch.distributed as dist
 
-        from hpcrl.trainer import TrainerEngine, group
         from hpcrl.rendezvous.meet import client_store
+        from hpcrl.trainer import TrainerEngine, group
 
         if self.world > 1:
             address = env.get("HPCRL_STORE_ADDR", "")

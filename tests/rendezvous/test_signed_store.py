@@ -22,8 +22,8 @@ import zmq
 from hpcrl.bus.secret import Secret, load_secret
 from hpcrl.bus.zap import as_client
 from hpcrl.rendezvous import store as signed_store
-from hpcrl.rendezvous.store import BusStore, StoreServer
 from hpcrl.rendezvous.meet import SECRET_DIR_ENV, serve_private_store
+from hpcrl.rendezvous.store import BusStore, StoreServer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from listening import _listeners_of, accepting, as_on_a_node, is_loopback
 
+from hpcrl.rendezvous.listen import GLOO_INTERFACE_ENV, GLOO_LAZY_ENV, NODE_INTERFACE_ENV, gloo_devices, one_machine
+from hpcrl.rendezvous.meet import SECRET_DIR_ENV, client_store, serve_private_store
 from hpcrl.trainer import group
 from hpcrl.trainer.parallel import make_dp_mesh
 from hpcrl.transfer.gloo import open_gloo_group
-from hpcrl.rendezvous.listen import GLOO_INTERFACE_ENV, GLOO_LAZY_ENV, NODE_INTERFACE_ENV, gloo_devices, one_machine
-from hpcrl.rendezvous.meet import SECRET_DIR_ENV, client_store, serve_private_store
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
