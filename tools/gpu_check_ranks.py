@@ -41,7 +41,7 @@ def make_plan(shape, dtype: str):
     from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
     from hpcrl.plan.transfer.planner import plan as plan_transfer
 
-    return plan_transfer(TrainerLayout(dp_shard=TRAINER_RANKS, naming="hf"),
+    return plan_transfer(TrainerLayout(dp_shard=TRAINER_RANKS),
                          InferenceLayout(replicas=1, tensor_parallel=TENSOR_PARALLEL), shape,
                          wire_dtype=dtype, bucket_bytes=BUCKET_BYTES)
 
@@ -233,7 +233,7 @@ def one_gpu_plan(preset: str, wire_dtype: str):
     from hpcrl.plan.transfer.planner import plan as plan_transfer
 
     shape = shape_of(preset)
-    return plan_transfer(TrainerLayout(dp_shard=1, naming="hf"), InferenceLayout(replicas=1, tensor_parallel=1), shape,
+    return plan_transfer(TrainerLayout(dp_shard=1), InferenceLayout(replicas=1, tensor_parallel=1), shape,
                          wire_dtype=wire_dtype, bucket_bytes=BUCKET_BYTES), shape
 
 

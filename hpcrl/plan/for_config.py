@@ -45,7 +45,7 @@ def plan_for_config(config: Config, shape: ModelShape | None = None) -> Transfer
     moe = bool(getattr(shape, "num_experts", 0))
     # A MoE trainer holds each layer's experts as torchtitan's grouped stacks (hpcrl.trainer.weights
     # names them as HF without the expert index); vLLM's expert parallel only matters for a MoE.
-    plan = plan_transfer(TrainerLayout(dp_replicate=replicate, dp_shard=world // replicate, naming="hf",
+    plan = plan_transfer(TrainerLayout(dp_replicate=replicate, dp_shard=world // replicate,
                                        grouped_experts=moe),
                          InferenceLayout(replicas=config.inference.replicas,
                                          tensor_parallel=config.inference.tensor_parallel,

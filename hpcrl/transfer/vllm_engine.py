@@ -49,8 +49,8 @@ from hpcrl.errors import TransferError
 from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
 from hpcrl.plan.transfer.plan import TransferPlan
 from hpcrl.plan.transfer.planner import plan as plan_transfer
-from hpcrl.transfer import execute
 from hpcrl.rendezvous.listen import seal_loopback_gloo
+from hpcrl.transfer import execute
 from hpcrl.transfer.registry import TransferLink, open_group
 
 ENGINE_NAME = "hpcrl"
@@ -146,8 +146,8 @@ def init_info(*, store: str, replica: int, trainer: TrainerLayout, inference: In
     return dict(store=store, replica=replica, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes,
                 timeout_s=timeout_s, digest=digest, generation=generation,
                 transport=transport,
-                trainer=dict(dp_replicate=trainer.dp_replicate, dp_shard=trainer.dp_shard, naming=trainer.naming,
-                             fuse_qkv=trainer.fuse_qkv, grouped_experts=trainer.grouped_experts),
+                trainer=dict(dp_replicate=trainer.dp_replicate, dp_shard=trainer.dp_shard,
+                             grouped_experts=trainer.grouped_experts),
                 inference=dict(replicas=inference.replicas, tensor_parallel=inference.tensor_parallel,
                                vocab_padding=inference.vocab_padding, expert_parallel=inference.expert_parallel,
                                expert_placement=inference.expert_placement))

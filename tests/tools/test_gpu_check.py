@@ -213,7 +213,7 @@ def test_the_receivers_expected_tensors_in_torch_are_the_plan_checks_element_ids
     from hpcrl.plan.transfer.planner import plan as plan_transfer
 
     shape = PRESETS[preset]
-    plan = plan_transfer(TrainerLayout(dp_shard=1, naming="hf"), InferenceLayout(replicas=1, tensor_parallel=tp),
+    plan = plan_transfer(TrainerLayout(dp_shard=1), InferenceLayout(replicas=1, tensor_parallel=tp),
                          shape, wire_dtype="float32", bucket_bytes=1 << 16)
     ids = _hf_ids(shape)
     hf = {name: torch.from_numpy(a.reshape(dims)) for (name, dims), a in zip(shape.hf_parameters(), ids.values())}

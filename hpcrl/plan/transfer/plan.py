@@ -116,7 +116,7 @@ class TransferPlan:
     def describe(self, limit: int = 20) -> str:
         """Printable form: header, digest, then the first `limit` blocks of the table."""
         lines = [f"transfer plan {self.digest[:16]}: {self.model}, trainer {self.trainer.dp_replicate} x "
-                 f"{self.trainer.dp_shard} ({self.trainer.naming}), {self.inference.replicas} replicas x TP "
+                 f"{self.trainer.dp_shard}, {self.inference.replicas} replicas x TP "
                  f"{self.inference.tensor_parallel}, {self.num_blocks} blocks, wire {self.wire_dtype}",
                  "  src -> (rep,tp)  message  source -> dest  src_off/stride  dst_off/stride  length x count"]
         b = self.blocks

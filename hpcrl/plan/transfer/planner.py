@@ -109,8 +109,7 @@ def plan(trainer: TrainerLayout, inference: InferenceLayout, shape: ModelShape, 
                         f"replicas, TP {tp} (limits 2^17, 2^12, 2^10)")
     dests, segs = vllm_layout(shape, tp, inference.vocab_padding, expert_parallel=inference.expert_parallel,
                               expert_placement=inference.expert_placement)
-    sources, pieces = trainer_sources(shape, naming=trainer.naming, fuse_qkv=trainer.fuse_qkv,
-                                      grouped_experts=trainer.grouped_experts)
+    sources, pieces = trainer_sources(shape, grouped_experts=trainer.grouped_experts)
     src_unit = {s.name: s.shard_rows for s in sources}
     src_index = {s.name: i for i, s in enumerate(sources)}
     dst_index = {d.name: i for i, d in enumerate(dests)}
