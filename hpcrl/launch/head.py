@@ -164,7 +164,7 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
         for task in (loop_task, watch_task):
             task.cancel()
         await asyncio.gather(loop_task, watch_task, return_exceptions=True)
-        refused = {k: v for k, v in server.refused.items() if v}
+        refused = {k: v for k, v in server.refused().items() if v}
         if refused:
             log.warning(f"the rendezvous store refused requests: {refused}")
         server.close()

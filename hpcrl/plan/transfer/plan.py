@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from hpcrl.plan.transfer.layout import DestTensor, InferenceLayout, TrainerLayout, chunk_source_rows
+from hpcrl.plan.transfer.layout import DestTensor, InferenceLayout, TrainerLayout
 from hpcrl.plan.transfer.names import SourceTensor
 
 PLAN_VERSION = 1
@@ -86,13 +86,6 @@ class TransferPlan:
 
     def elements(self) -> np.ndarray:
         return self.blocks["length"] * self.blocks["count"]
-
-    def local_numel(self, source: int, src_rank: int) -> int:
-        """Elements of trainer tensor `source` held by `src_rank` (torch.chunk over dp_shard)."""
-        rows, cols = self.sources[source].shape
-        unit = self.sources[source].shard_rows
-        start, end = chunk_source_rows(rows, self.trainer.dp_shard, unit)[src_rank % self.trainer.dp_shard]
-        return (end - start) * cols
 
     def route(self, src_rank: int, replica: int, tp_rank: int) -> dict[str, np.ndarray]:
         """The blocks src_rank sends to (replica, tp_rank), in order."""
