@@ -98,12 +98,6 @@ VLLM_RUNTIME = NcclRuntime(device=_cuda_device, communicator=_vllm_communicator,
 RUNTIME = VLLM_RUNTIME
 
 
-def use_runtime(runtime: NcclRuntime) -> None:
-    """Make this process open NCCL groups with `runtime` (the CPU tests' fake)."""
-    global RUNTIME
-    RUNTIME = runtime
-
-
 def check_communicator(comm: Any, *, rank: int) -> Any:
     """`comm` if it will move data; a TransferError if PyNccl turned itself off (sends would be no-ops)."""
     if not getattr(comm, "available", False) or getattr(comm, "disabled", True):

@@ -46,7 +46,7 @@ def transport(spec: dict) -> str:
         import fake_pynccl
 
         from hpcrl.transfer import nccl
-        nccl.use_runtime({"nccl-fake": fake_pynccl.RUNTIME, "nccl-disabled": fake_pynccl.DISABLED_RUNTIME}[name])
+        nccl.RUNTIME = {"nccl-fake": fake_pynccl.RUNTIME, "nccl-disabled": fake_pynccl.DISABLED_RUNTIME}[name]
         return "nccl"
     return name
 
