@@ -233,10 +233,6 @@ class Router:
         st = self._peers.get(name)
         return st is not None and st.healthy
 
-    def unhealthy_reason(self, name: str) -> str:
-        """Why the peer was declared unhealthy ("left: ..." when it said goodbye); "" while healthy."""
-        return self._state(name).dead_reason
-
     def outstanding(self, name: str) -> int:
         st = self._peers.get(name)
         return st.outstanding if st else 0

@@ -194,13 +194,6 @@ class Sealer:
         return [header + _VERSION_BYTE + self._mac.digest([header, *views], 1 + len(views)), *views]
 
 
-def seal_raw(key: bytes, header: bytes, *, version: int = PROTOCOL_VERSION) -> list[bytes]:
-    """A one-frame message around an already packed `header`, MAC'd with `key` (for tests that
-    forge authentic-but-malformed headers, or other versions)."""
-    v = bytes([version])
-    return [header + v + _Mac(key, v).digest((header,), 1)]
-
-
 class Opener:
     """Authenticates incoming messages for one receiver (`me`: its incarnation id)."""
 

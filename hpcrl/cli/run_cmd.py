@@ -1,7 +1,7 @@
 """`hpcrl run CONFIG`: the whole RL loop in this one process (no Slurm, no bus).
 
 One trainer rank, one vLLM engine, a reward pool, with weights moving trainer -> vLLM through the
-same transfer plan and engine as in a job (see hpcrl.rl.inprocess). Resumes from the run
+same transfer plan and engine as in a job (see hpcrl.launch.inprocess). Resumes from the run
 directory's newest complete checkpoint when there is one, with the config that made it (but for
 hpcrl.launch.submit.CHANGEABLE_KEYS; --resume takes any change). Runs under hpcrl.roles.reaper's
 supervisor, so vLLM's engine processes end with it however it ends. It holds the run directory's
@@ -69,7 +69,7 @@ def _run(args: argparse.Namespace, config: Config) -> int:
     if not args.verbose:
         stderr_to_log(log_file)  # before vLLM's processes start: they inherit it
     supervise("hpcrl run")  # vLLM's engine processes must not outlive this one, even after a kill -9
-    from hpcrl.rl.inprocess import run as run_inprocess
+    from hpcrl.launch.inprocess import run as run_inprocess
 
     log.info(f"hpcrl run {config.run.name}: {args.steps or config.trainer.steps} steps, run directory {config.run_dir}, "
              f"full log in {log_file}")

@@ -4,7 +4,7 @@ The plan is the run's own: hpcrl.plan.for_config.plan_for_config, the function e
 inference replica and the head call, on the same config (the wire dtype vLLM serves, float32 on
 CPU; the run's message and round sizes), so the digest printed first is the one the run logs
 ("weight transfer plan <digest>: ..."). The predicted sync per transport, per trainer rank and per
-inference GPU, is hpcrl.plan.transfer_speed's, at the bandwidths it states (--link-gbps and
+inference GPU, is hpcrl.plan.transfer.speed's, at the bandwidths it states (--link-gbps and
 --tcp-gbps set two).
 """
 
@@ -17,9 +17,9 @@ from hpcrl.config.model_shapes import DTYPE_BYTES, ModelShape
 from hpcrl.config.schema import Config
 from hpcrl.errors import ConfigError
 from hpcrl.plan.for_config import describe_plan, plan_for_config
-from hpcrl.plan.transfer_baselines import baseline_bytes_per_rank
-from hpcrl.plan.transfer_check import check_plan
-from hpcrl.plan.transfer_speed import Bandwidths, SyncPrediction, host_round_trip_warning, predict_sync
+from hpcrl.plan.transfer.baselines import baseline_bytes_per_rank
+from hpcrl.plan.transfer.check import check_plan
+from hpcrl.plan.transfer.speed import Bandwidths, SyncPrediction, host_round_trip_warning, predict_sync
 
 
 def _size(n: float) -> str:

@@ -217,7 +217,7 @@ def _check_cluster(config: Config) -> None:
 
 def _check_weight_transport(config: Config) -> None:
     """NCCL moves GPU tensors between GPUs: both ends need them. (Gloo or UCX on GPUs is allowed when written;
-    `hpcrl plan` warns of the host round trip, hpcrl.plan.transfer_speed.host_round_trip_warning.)"""
+    `hpcrl plan` warns of the host round trip, hpcrl.plan.transfer.speed.host_round_trip_warning.)"""
     if config.inference.weight_transport != "nccl":
         return
     on_cpu = [f"{key} = 0" for key, gpus in (("trainer.gpus_per_node", config.trainer.gpus_per_node),

@@ -96,18 +96,6 @@ def resolve(environment: str) -> type:
     return cls
 
 
-def check_at_start(environment: str, cls: type) -> None:
-    """Call the class's `check_at_start()` where it has one, so that an environment that cannot work here
-    fails the pool's start, not every episode."""
-    check = getattr(cls, "check_at_start", None)
-    if check is None:
-        return
-    try:
-        check()
-    except Exception as err:  # noqa: BLE001 - reported as the reason the pool cannot start
-        raise EnvError(f"environment {environment!r} cannot run here: {type(err).__name__}: {err}") from None
-
-
 class Malformed(Exception):
     """An environment returned something that is not what the interface says (the episode's error)."""
 

@@ -6,7 +6,7 @@ feedback      the toy multi-turn task of the tiny character-level model (data.so
               copies the digit it was told scores 1.0 whatever its first guess.
 python_tool   a math task for chat models with a Python tool (Hermes tool calls, hpcrl.env.tools): the row's
               prompt (or its "messages") after a system message listing the tool; each
-              "python" call runs its code in code_tests' sandbox (hpcrl.reward.sandbox) and its output
+              "python" call runs its code in code_tests' sandbox (hpcrl.workers.sandbox) and its output
               comes back as a tool message; a turn without a tool call is the final answer, scored by
               the run's [reward] (e.g. math_verify).
 
@@ -21,7 +21,7 @@ import re
 from hpcrl.env.base import StepResult
 from hpcrl.env.tools import parse_tool_calls, tool_message, tool_schema, tools_system_prompt
 from hpcrl.env.types import Message
-from hpcrl.reward.sandbox import Limits, check_sandbox, run_code
+from hpcrl.workers.sandbox import Limits, check_sandbox, run_code
 
 
 def _last_policy_turn(messages: list[Message]) -> str:
@@ -47,7 +47,7 @@ class Feedback:
         return StepResult(reward=0.0, done=True)
 
 
-#: The sandbox's frames in a traceback (hpcrl/reward/_sandbox_boot.py running solution.py): not the model's.
+#: The sandbox's frames in a traceback (hpcrl/workers/_sandbox_boot.py running solution.py): not the model's.
 _BOOT_FRAME = re.compile(r'  File "[^"]*_sandbox_boot\.py", line \d+, in \w+\n(?:    .*\n)*?(?=  File |\S)')
 
 
@@ -69,7 +69,7 @@ class PythonTool:
 
     @staticmethod
     def check_at_start() -> None:
-        """The pool does not start where no sandbox can be built (hpcrl.env.base.check_at_start)."""
+        """The pool does not start where no sandbox can be built (hpcrl.workers.process.check_at_start)."""
         check_sandbox()
 
     def reset(self, row: dict) -> list[Message]:

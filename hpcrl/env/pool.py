@@ -15,7 +15,7 @@ instance is dropped when a reply says done or is an error, and a worker holds at
 `held_per_worker` instances (the least recently used goes first: episodes the head cut at max_turns
 or its token budget never say done).
 
-Calls travel as JSON over pipes (no pickle). A call that raises, hangs past env.step_timeout_s,
+Calls travel as JSON over pipes (no pickle; the workers are hpcrl.workers.process's). A call that raises, hangs past env.step_timeout_s,
 kills its worker (os._exit, a segfault) or returns something the interface does not allow gives an
 EnvReply with `error` naming the environment, the episode and why; the head holds that episode's
 group out (never scored zero). A worker that hung or died is replaced (`restarts` counts them) and
@@ -29,21 +29,22 @@ requests and wait on futures, so concurrent calls share the workers instead of q
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import threading
 import time
 import traceback
 import zlib
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Literal, cast
 
 from hpcrl.config.schema import EnvConfig
-from hpcrl.env.base import RESET_ROLES, Malformed, check_at_start, checked_messages, checked_step, resolve
+from hpcrl.env.base import RESET_ROLES, Malformed, checked_messages, checked_step, resolve
 from hpcrl.env.types import EnvError, EnvReply, EnvRequest
+from hpcrl.workers.process import SPAWN, Worker, check_at_start, serve, start_workers
 
 Op = Literal["reset", "step"]
 
@@ -52,28 +53,24 @@ MAX_REPLY_BYTES = 1 << 20
 
 
 def _worker_main(spec: str, conn: Connection) -> None:
-    """Worker loop: a JSON list of calls in, one JSON reply out per call as each is served, in order,
-    until the pipe closes. `spec`: JSON {"environment", "held"}."""
-    config = json.loads(spec)
+    """Worker process: serves calls (hpcrl.workers.process.serve) on the environment `spec` names
+    (JSON {"environment", "held"}), each reply timed."""
+    serve(conn, lambda: _handler(json.loads(spec)), EnvError)
+
+
+def _handler(config: dict) -> Callable[[dict], dict]:
+    """The environment's class, checked at start; each call served on its episode's instance."""
     environment = config["environment"]
-    try:
-        cls = resolve(environment)
-        check_at_start(environment, cls)
-    except EnvError as err:
-        conn.send_bytes(json.dumps({"fatal": str(err)}).encode())
-        return
-    conn.send_bytes(b'{"ready": true}')
+    cls = resolve(environment)
+    check_at_start(f"environment {environment!r}", cls, EnvError)
     held: OrderedDict[str, Any] = OrderedDict()
-    while True:
-        try:
-            calls = json.loads(conn.recv_bytes())
-        except EOFError:
-            return
-        for call in calls:
-            started = time.monotonic()
-            reply = _serve(cls, held, call, config["held"])
-            reply["seconds"] = time.monotonic() - started
-            conn.send_bytes(json.dumps(reply).encode())
+
+    def handle(call: dict) -> dict:
+        started = time.monotonic()
+        reply = _serve(cls, held, call, config["held"])
+        reply["seconds"] = time.monotonic() - started
+        return reply
+    return handle
 
 
 def _serve(cls: type, held: OrderedDict[str, Any], call: dict, most: int) -> dict:
@@ -127,44 +124,21 @@ class _Job:
                 "messages": self.request.messages}
 
 
-class _Worker:
-    def __init__(self, ctx: mp.context.SpawnContext, spec: str) -> None:
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(spec, child), daemon=True, name="hpcrl-env-worker")
-        self.process.start()
-        child.close()
+class _Worker(Worker):
+    """An environment worker (hpcrl.workers.process.Worker) with the calls routed to it."""
+
+    def __init__(self, spec: str) -> None:
+        super().__init__(_worker_main, spec, what="environment", error=EnvError)
         self.backlog: deque[_Job] = deque()
         """Calls routed here and not sent yet: sent together once the worker has answered the last share."""
         self.sent: deque[_Job] = deque()
         """Calls sent and not answered yet, in the order the worker serves them."""
-        self.started = 0.0
-        """When the worker began the first call of `sent` (its deadline counts from here)."""
-
-    def wait_ready(self, timeout: float) -> None:
-        if not self.conn.poll(timeout):
-            self.kill()
-            raise EnvError(f"environment worker did not start within {timeout:.0f} s")
-        try:
-            hello = json.loads(self.conn.recv_bytes())
-        except EOFError:
-            self.process.join(5)
-            raise EnvError(f"environment worker exited at start (exit code {self.process.exitcode})") from None
-        if "fatal" in hello:
-            self.kill()
-            raise EnvError(hello["fatal"])
 
     def send_backlog(self) -> None:
         """Send what waits here, in one message, to the idle worker (its first call starts now)."""
         self.sent.extend(self.backlog)
         self.backlog.clear()
-        self.started = time.monotonic()
-        self.conn.send_bytes(json.dumps([job.wire() for job in self.sent]).encode())
-
-    def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(5)
-        self.conn.close()
+        self.send([job.wire() for job in self.sent])
 
 
 class EnvPool:
@@ -179,18 +153,9 @@ class EnvPool:
         self.restarts = 0
         """Workers replaced after a call hung or took its process down."""
         self._spec = json.dumps({"environment": config.environment, "held": held_per_worker})
-        self._ctx = mp.get_context("spawn")
         self._start_timeout_s = start_timeout_s
-        self._workers: list[_Worker | None] = []
-        try:
-            for _ in range(config.workers):
-                self._workers.append(_Worker(self._ctx, self._spec))
-            for worker in self._workers:
-                cast(_Worker, worker).wait_ready(start_timeout_s)
-        except BaseException:
-            for worker in self._workers:
-                cast(_Worker, worker).kill()
-            raise
+        self._workers: list[_Worker | None] = start_workers(config.workers, lambda: _Worker(self._spec),
+                                                            start_timeout_s)
         self._inbox: deque[_Job] = deque()
         self._lock = threading.Lock()
         self._closing = False
@@ -200,7 +165,7 @@ class EnvPool:
         """Why the last worker started in place of a lost one did not start."""
         self._woken = False
         """A wake-up is in the pipe and the inbox not yet taken: callers need not write another."""
-        self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
+        self._wake_r, self._wake_w = SPAWN.Pipe(duplex=False)
         self._thread = threading.Thread(target=self._run, name="hpcrl-env-pool", daemon=True)
         self._thread.start()
 
@@ -293,7 +258,7 @@ class EnvPool:
                     continue
                 index = zlib.crc32(job.request.episode.encode()) % len(self._workers)
                 if self._workers[index] is None:  # the last replacement failed: try again
-                    self._workers[index] = self._start_replacement()
+                    self._workers[index] = self._start_replacement(None)
                 worker = self._workers[index]
                 if worker is None:
                     self._answer(job, {"error": f"no worker could be started in place of a lost one: "
@@ -325,10 +290,8 @@ class EnvPool:
 
     def _read(self, index: int) -> None:
         worker = cast(_Worker, self._workers[index])
-        try:
-            reply = json.loads(worker.conn.recv_bytes())
-        except EOFError:  # the environment took its process down with it
-            worker.process.join(5)
+        reply = worker.receive()
+        if reply is None:  # the environment took its process down with it
             self._lost(index, f"its worker process died (exit code {worker.process.exitcode})")
             return
         job = worker.sent.popleft()
@@ -350,8 +313,7 @@ class EnvPool:
         job = worker.sent.popleft()
         self._answer(job, {"error": why, "seconds": time.monotonic() - worker.started})
         rest = [*worker.sent, *worker.backlog]
-        worker.kill()
-        fresh = self._start_replacement()
+        fresh = self._start_replacement(worker)
         self._workers[index] = fresh
         for job in rest:
             if fresh is not None:
@@ -360,9 +322,12 @@ class EnvPool:
                 self._answer(job, {"error": f"its worker was lost and none could be started in its place: "
                                             f"{self._start_error}"})
 
-    def _start_replacement(self) -> _Worker | None:
+    def _start_replacement(self, lost: _Worker | None) -> _Worker | None:
+        """A ready worker in place of `lost` (killed), or None (why: `_start_error`) when none starts."""
         self.restarts += 1
-        fresh = _Worker(self._ctx, self._spec)
+        if lost is not None:
+            lost.kill()
+        fresh = _Worker(self._spec)
         try:
             fresh.wait_ready(self._start_timeout_s)
         except EnvError as err:
@@ -370,4 +335,3 @@ class EnvPool:
             self._start_error = str(err)
             return None
         return fresh
-

@@ -79,11 +79,6 @@ def _parse_one(body: str, i: int) -> ToolCall:
     return ToolCall(name=name, arguments=arguments)
 
 
-def format_tool_call(name: str, arguments: dict) -> str:
-    """The block a model writes to call `name` (what parse_tool_calls reads back)."""
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
-
-
 def tool_message(content: str, *, name: str = "") -> Message:
     """A "tool" role message with a tool's output (or the reason a call was not run)."""
     message: Message = {"role": "tool", "content": content}

@@ -61,7 +61,7 @@ from hpcrl.inference.types import Completion, InferenceError
 from hpcrl.inference.vllm_llm import WORKER_EXTENSION, shut_down_llm, start_llm
 
 if TYPE_CHECKING:
-    from hpcrl.plan.transfer_plan import TransferPlan
+    from hpcrl.plan.transfer.plan import TransferPlan
 
 __all__ = ["InferenceError", "VllmEngine", "chunk_seed"]
 

@@ -17,7 +17,7 @@ its own, a third interpreter importing torch and vLLM, 7-8 s of a 2-core machine
 
 vLLM's processes start with its own groups on the loopback address (`loopback_environment`): its
 tensor-parallel workers share a node, and gloo's listeners, one per CPU group, authenticate no
-peer (hpcrl.transfer.listen). The weight-transfer group's end in vLLM's worker still listens on
+peer (hpcrl.rendezvous.listen). The weight-transfer group's end in vLLM's worker still listens on
 the node's address when trainer ranks elsewhere must reach it (hpcrl.transfer.gloo builds its
 device itself).
 """
@@ -89,8 +89,8 @@ def loopback_environment() -> dict[str, str]:
     groups (world, TP, PP, DP, EP, ...: torch reads GLOO_SOCKET_IFNAME for each), and VLLM_HOST_IP,
     the address vLLM's get_ip() gives for the stores and sockets it would open for peers on other
     nodes (none here: hpcrl starts vLLM on one node)."""
-    from hpcrl.transfer.listen import LOOPBACK_ADDRESS
-    from hpcrl.transfer.listen import loopback_environment as gloo_loopback
+    from hpcrl.rendezvous.listen import LOOPBACK_ADDRESS
+    from hpcrl.rendezvous.listen import loopback_environment as gloo_loopback
 
     return {**gloo_loopback(), "VLLM_HOST_IP": LOOPBACK_ADDRESS}
 

@@ -8,4 +8,6 @@
     steps.py       starting a group: `srun --het-group=i`, an srun on a node range (split), or
                    local process trees
     follow.py      a submitted run from the login node: status, logs, cancel, wait
+    inprocess.py   `hpcrl run`: every group of a run in this one process, driven by the same
+                   Controller and Ports as a job's
 """

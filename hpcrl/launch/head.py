@@ -10,7 +10,7 @@ program, records how the run ended, and requeues it after a lost task.
   1. reads RUN_DIR/launch.json (hpcrl.slurm.record), checks that its interpreter (cluster.python, or
      the one that ran hpcrl submit) exists and is executable on this node, and binds the control
      bus (hpcrl.bus.Router, the run's secret): the head's one control port. Program "rl" also
-     serves the rendezvous store (hpcrl.transfer.bus_store: every request signed with the run's
+     serves the rendezvous store (hpcrl.rendezvous.store: every request signed with the run's
      secret, like the bus) for the trainer ranks' torch.distributed process group and for the
      weight-transfer group (trainer ranks + inference engines).
   2. starts one step per group (hpcrl.launch.supervisor): `srun --het-group=i` (hetjob), srun on the
@@ -117,9 +117,9 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
     Returns True when the run was preempted (SIGUSR2, Slurm's pre-timeout signal): it checkpointed
     after the step in progress and stopped; False when it trained to the end."""
     from hpcrl.config.load import load_config
+    from hpcrl.rendezvous.meet import serve_store
     from hpcrl.rl.checkpointing import refuse_unusable_checkpoints
     from hpcrl.rl.program import run_program
-    from hpcrl.transfer.rendezvous import serve_store
 
     launch = sup.launch
     config = load_config(sup.run_dir / CONFIG_FILE)
@@ -165,7 +165,7 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
         for task in (loop_task, watch_task):
             task.cancel()
         await asyncio.gather(loop_task, watch_task, return_exceptions=True)
-        refused = {k: v for k, v in server.refused.items() if v}
+        refused = {k: v for k, v in server.refused().items() if v}
         if refused:
             log.warning(f"the rendezvous store refused requests: {refused}")
         server.close()
@@ -263,7 +263,7 @@ def _run_head_locked(run_dir: Path) -> dict:
     router = Router(run_id=launch.run_name, secret=load_secret(run_dir), address="tcp://0.0.0.0:0",
                     config=_bus_config(run_dir, launch.program))
     # The tasks key the rendezvous store with the run's secret (HPCRL_RUN_DIR), never with one inherited
-    # from whoever started this head (hpcrl.transfer.rendezvous).
+    # from whoever started this head (hpcrl.rendezvous.meet).
     os.environ.pop("HPCRL_STORE_SECRET_DIR", None)
     sup = Supervisor(launch, run_dir, router)
     previous = {sig: signal.signal(sig, _raise_cancelled) for sig in (signal.SIGTERM, signal.SIGINT)}

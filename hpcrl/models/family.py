@@ -5,7 +5,7 @@ Every module that once asked `if architecture == ...` asks the shape's family in
   config       `shape_from_hf_config` (config.json -> ModelShape), `to_hf_config` (the reverse)
   plan         `hf_parameters` (names and shapes), `layer_parameters` and
                `activation_values_per_token` (memory estimate terms), `vllm_parameters` (vLLM's
-               tensor-parallel layout), `torchtitan_layout` (the planner's "torchtitan" naming)
+               tensor-parallel layout)
   trainer      `titan`: the torchtitan model, block and state-dict adapter classes, by dotted
                path, and the HF -> torchtitan name templates its adapter lacks (hpcrl.trainer.titan
                imports them: it stays the only module that imports torchtitan)
@@ -21,8 +21,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpcrl.errors import PlanError
-from hpcrl.models.layout import Piece, SourceTensor, VllmParam
+from hpcrl.models.layout import VllmParam
 from hpcrl.models.shape import ModelShape
 
 
@@ -76,12 +75,3 @@ class Family(ABC):
     @abstractmethod
     def vllm_parameters(self, shape: ModelShape) -> Iterator[VllmParam]:
         """vLLM's parameters of `shape` and the layers that shard them, in vLLM's order."""
-
-    def torchtitan_layout(self, shape: ModelShape, *, fuse_qkv: bool
-                          ) -> tuple[list[SourceTensor], dict[str, list[Piece]]]:
-        """The trainer tensors of torchtitan's own naming and the pieces of every HF row.
-
-        Only for a family whose torchtitan naming the planner models (hpcrl's trainer itself uses
-        HF names: the "hf" naming, which every family has)."""
-        raise PlanError(f"torchtitan naming is not modelled for {self.architecture}; "
-                        "set the trainer naming to 'hf'")

@@ -4,10 +4,9 @@ A family describes both ends of a weight transfer in rows of its HF tensors (a 1
 column), and hpcrl.plan turns the descriptions into a plan:
 
   trainer  `SourceTensor`s and `Piece`s: which trainer tensor, and which of its rows, holds each
-           HF row (the identity for the "hf" naming; torchtitan's own naming where a family
-           models it, e.g. hpcrl/models/llama/titan_layout.py).
+           HF row (the trainer holds HF names: the identity, experts grouped or not).
   vLLM     `VllmParam`s: each vLLM parameter, the vLLM layer class that shards it over tensor
-           parallelism, and the HF tensors its weight loader reads (hpcrl/plan/transfer_layout.py
+           parallelism, and the HF tensors its weight loader reads (hpcrl/plan/transfer/layout.py
            implements each layer's rule once, for every family).
 """
 
@@ -45,7 +44,7 @@ def as2d(shape: tuple[int, ...]) -> tuple[int, int]:
 
 
 VllmLayer = Literal["vocab", "replicated", "qkv", "merged_column", "row", "moe_w13", "moe_w2"]
-"""The vLLM layer classes whose tensor-parallel sharding hpcrl.plan.transfer_layout models:
+"""The vLLM layer classes whose tensor-parallel sharding hpcrl.plan.transfer.layout models:
 
   vocab          VocabParallelEmbedding / ParallelLMHead: rows split after padding the vocabulary
   replicated     norms: the whole tensor on every rank

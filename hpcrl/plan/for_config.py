@@ -20,7 +20,7 @@ import dataclasses
 
 from hpcrl.config.model_shapes import ModelShape
 from hpcrl.config.schema import Config
-from hpcrl.plan.transfer_plan import TransferPlan
+from hpcrl.plan.transfer.plan import TransferPlan
 
 #: Bytes per transfer message (the planner buckets runs up to this size).
 BUCKET_BYTES = 16 << 20
@@ -35,8 +35,8 @@ def plan_for_config(config: Config, shape: ModelShape | None = None) -> Transfer
     """The run's transfer plan. `shape` is the config's model (load_shape of [model]), read here when
     not given; a caller that already read it passes it so the model files are read once."""
     from hpcrl.config.model_shapes import load_shape
-    from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
-    from hpcrl.plan.transfer_planner import plan as plan_transfer
+    from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
+    from hpcrl.plan.transfer.planner import plan as plan_transfer
 
     world = config.trainer.world_size
     replicate = max(1, config.trainer.dp_replicate)
@@ -45,7 +45,7 @@ def plan_for_config(config: Config, shape: ModelShape | None = None) -> Transfer
     moe = bool(getattr(shape, "num_experts", 0))
     # A MoE trainer holds each layer's experts as torchtitan's grouped stacks (hpcrl.trainer.weights
     # names them as HF without the expert index); vLLM's expert parallel only matters for a MoE.
-    plan = plan_transfer(TrainerLayout(dp_replicate=replicate, dp_shard=world // replicate, naming="hf",
+    plan = plan_transfer(TrainerLayout(dp_replicate=replicate, dp_shard=world // replicate,
                                        grouped_experts=moe),
                          InferenceLayout(replicas=config.inference.replicas,
                                          tensor_parallel=config.inference.tensor_parallel,

@@ -42,7 +42,7 @@ from hpcrl.config.components import Component, make_components
 from hpcrl.config.model_shapes import DTYPE_BYTES, ModelShape
 from hpcrl.config.schema import Config
 from hpcrl.models.shape import numel
-from hpcrl.plan.transfer_speed import host_round_trip_warning
+from hpcrl.plan.transfer.speed import host_round_trip_warning
 
 GIB = 1024**3
 #: CUDA context, NCCL buffers, allocator slack per GPU.

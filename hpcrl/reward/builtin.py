@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from fractions import Fraction
 
-from hpcrl.reward.sandbox import Limits, check_sandbox, extract_code, run_tests
 from hpcrl.reward.types import RewardError
+from hpcrl.workers.sandbox import Limits, check_sandbox, extract_code, run_tests
 
 #: Seconds math_verify may spend on one sample (parsing both sides and comparing) before it is an error.
 MATH_VERIFY_TIMEOUT_S = 5.0
@@ -147,7 +147,7 @@ def math_verify(prompt: str, completion: str, answer: str) -> float:
 def code_tests(prompt: str, completion: str, answer: str) -> tuple[float, str]:
     """1 when the completion's code (its last ```python block, else all of it) passes the tests in
     `answer` (Python run after the code in one namespace: `assert f(1) == 2` lines, or a `check(f)`
-    call), run in a sandbox with CODE_TESTS_LIMITS (hpcrl.reward.sandbox); 0 with the reason otherwise."""
+    call), run in a sandbox with CODE_TESTS_LIMITS (hpcrl.workers.sandbox); 0 with the reason otherwise."""
     outcome = run_tests(extract_code(completion), answer, CODE_TESTS_LIMITS)
     return float(outcome.passed), outcome.reason
 

@@ -16,7 +16,7 @@ pool does not start (code_tests checks that a sandbox can be built on this node)
 A verifier that raises, hangs past `timeout_s`, returns something that is not a finite number, or
 kills its process yields a `RewardResult` with `error` set and `reward` None — never a silent zero —
 and the pool replaces the worker and goes on. Samples travel to workers as JSON over pipes (no
-pickle); workers are spawned, so nothing of the parent (threads, sockets, CUDA) leaks into them.
+pickle); workers are spawned (hpcrl.workers.process), so nothing of the parent (threads, sockets, CUDA) leaks into them.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import multiprocessing as mp
 import os
 import time
 import traceback
@@ -35,6 +34,7 @@ from multiprocessing.connection import Connection, wait
 from typing import cast
 
 from hpcrl.reward.types import RewardError, RewardResult, Sample, WeightedFunction
+from hpcrl.workers.process import Worker, check_at_start, serve, start_workers
 
 
 def resolve(function: str) -> Callable[[str, str, str], float]:
@@ -51,37 +51,18 @@ def resolve(function: str) -> Callable[[str, str, str], float]:
 
 
 def _worker_main(spec: str, conn: Connection) -> None:
-    """Worker loop: a JSON list of samples in, one JSON {"reward"} or {"error"} out per sample as each
-    is scored, in order, until the pipe closes. `spec`: JSON {"functions": [[name, function, weight]...],
-    "combined": bool} (the pool's functions; combined = several weighted, with parts)."""
-    config = json.loads(spec)
-    try:
-        functions = [(name, resolve(function), weight) for name, function, weight in config["functions"]]
-        for (_, function, _), (_, fn, _) in zip(config["functions"], functions):
-            _check_at_start(function, fn)
-    except RewardError as err:
-        conn.send_bytes(json.dumps({"fatal": str(err)}).encode())
-        return
-    conn.send_bytes(b'{"ready": true}')
-    while True:
-        try:
-            requests = json.loads(conn.recv_bytes())
-        except EOFError:
-            return
-        for request in requests:
-            conn.send_bytes(json.dumps(_score_all(functions, request, combined=config["combined"])).encode())
+    """Worker process: scores samples (hpcrl.workers.process.serve), one {"reward"} or {"error"} per
+    sample. `spec`: JSON {"functions": [[name, function, weight]...], "combined": bool} (the pool's
+    functions; combined = several weighted, with parts)."""
+    serve(conn, lambda: _scorer(json.loads(spec)), RewardError)
 
 
-def _check_at_start(function: str, fn: Callable) -> None:
-    """Run the function's `check_at_start()` where it has one (code_tests: can a sandbox be built
-    here?), so that a function that cannot work fails the pool's start, not every sample."""
-    check = getattr(fn, "check_at_start", None)
-    if check is None:
-        return
-    try:
-        check()
-    except Exception as err:  # noqa: BLE001 - reported as the reason the pool cannot start
-        raise RewardError(f"reward function {function!r} cannot run here: {err}") from None
+def _scorer(config: dict) -> Callable[[dict], dict]:
+    """The pool's functions, imported and checked at start; a sample's reply from all of them."""
+    functions = [(name, resolve(function), weight) for name, function, weight in config["functions"]]
+    for (_, function, _), (_, fn, _) in zip(config["functions"], functions):
+        check_at_start(f"reward function {function!r}", fn, RewardError)
+    return lambda request: _score_all(functions, request, combined=config["combined"])
 
 
 def _score_all(functions: list[tuple[str, Callable, float]], request: dict, *, combined: bool) -> dict:
@@ -118,41 +99,18 @@ def _score_one(fn: Callable[[str, str, str], float], request: dict) -> dict[str,
     return {"reward": float(value), "reason": reason} if reason else {"reward": float(value)}
 
 
-class _Worker:
-    def __init__(self, ctx: mp.context.SpawnContext, spec: str) -> None:
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(spec, child), daemon=True,
-                                   name="hpcrl-reward-worker")
-        self.process.start()
-        child.close()
+class _Worker(Worker):
+    """A reward worker (hpcrl.workers.process.Worker) with the samples it was sent."""
+
+    def __init__(self, spec: str) -> None:
+        super().__init__(_worker_main, spec, what="reward", error=RewardError)
         self.queue: deque[Sample] = deque()
         """Samples sent and not answered yet, in the order the worker scores them."""
-        self.started = 0.0
-        """When the worker began the first sample of its queue (its deadline counts from here)."""
 
-    def wait_ready(self, timeout: float) -> None:
-        if not self.conn.poll(timeout):
-            self.kill()
-            raise RewardError(f"reward worker did not start within {timeout:.0f} s")
-        try:
-            hello = json.loads(self.conn.recv_bytes())
-        except EOFError:
-            raise RewardError(f"reward worker exited at start (exit code {self.process.exitcode})") from None
-        if "fatal" in hello:
-            self.kill()
-            raise RewardError(hello["fatal"])
-
-    def send(self, samples: list[Sample]) -> None:
+    def send_samples(self, samples: list[Sample]) -> None:
         """Queue `samples` on the worker (an idle one: its first one starts now), in one message."""
         self.queue.extend(samples)
-        self.started = time.monotonic()
-        self.conn.send_bytes(json.dumps([asdict(s) for s in samples]).encode())
-
-    def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(5)
-        self.conn.close()
+        self.send([asdict(s) for s in samples])
 
 
 class RewardPool:
@@ -169,15 +127,12 @@ class RewardPool:
         self._spec = json.dumps({"functions": [[f.name, f.function, f.weight] for f in listed],
                                  "combined": combined})
         self.timeout_s = timeout_s
-        self._ctx = mp.get_context("spawn")
         self._start_timeout_s = start_timeout_s
-        self._workers = [_Worker(self._ctx, self._spec) for _ in range(workers)]
-        for worker in self._workers:
-            worker.wait_ready(start_timeout_s)
+        self._workers: list[_Worker] = start_workers(workers, lambda: _Worker(self._spec), start_timeout_s)
 
     def _replace(self, worker: _Worker) -> _Worker:
         worker.kill()
-        fresh = _Worker(self._ctx, self._spec)
+        fresh = _Worker(self._spec)
         fresh.wait_ready(self._start_timeout_s)
         self._workers[self._workers.index(worker)] = fresh
         return fresh
@@ -214,15 +169,13 @@ class RewardPool:
             while pending and idle:
                 share = -(-len(pending) // len(idle))  # ceil: every idle worker gets some
                 worker = idle.pop()
-                worker.send([pending.popleft() for _ in range(share)])
+                worker.send_samples([pending.popleft() for _ in range(share)])
                 busy[worker.conn] = worker
             next_deadline = min(w.started + self.timeout_s for w in busy.values())
             for ready in wait(list(busy), timeout=max(0.0, next_deadline - time.monotonic())):
                 worker = busy[cast(Connection, ready)]  # wait() returns some of the connections it was given
-                try:
-                    reply = json.loads(worker.conn.recv_bytes())
-                except EOFError:  # the verifier took its process down with it
-                    worker.process.join(5)
+                reply = worker.receive()
+                if reply is None:  # the verifier took its process down with it
                     lost(worker, f"worker process died (exit code {worker.process.exitcode})", time.monotonic())
                     continue
                 finish(worker, reply, time.monotonic())

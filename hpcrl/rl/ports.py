@@ -1,6 +1,6 @@
 """The controller's `Ports` bound to the control bus: the groups of a job, seen from the head.
 
-    ports = BusPorts(config, head, store=address)   # the rendezvous store (hpcrl.transfer.rendezvous)
+    ports = BusPorts(config, head, store=address)   # the rendezvous store (hpcrl.rendezvous.meet)
     await ports.connect(timeout=600)       # every group registered; weight-transfer group formed
     await run_loop(config, ports)          # hpcrl.rl.loop
 

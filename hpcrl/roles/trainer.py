@@ -10,7 +10,7 @@ Its endpoints, with their request and reply types, are declared in hpcrl.contrac
     save {directory} / load {directory}   DCP checkpoint of model and optimizer (collective)
 
 Ranks form their torch.distributed group (gloo on CPU, NCCL+gloo on GPUs) through the head's
-rendezvous store (HPCRL_STORE_ADDR, keyed with the run's secret: hpcrl.transfer.rendezvous)
+rendezvous store (HPCRL_STORE_ADDR, keyed with the run's secret: hpcrl.rendezvous.meet)
 before they register on the bus, so a registered trainer
 rank is a ready one; a single rank forms a group of one (hpcrl.trainer.group), so mixed precision
 runs through FSDP2 there too. The head sends every call to all ranks at once (Service.call_all).
@@ -114,8 +114,8 @@ class TrainerRole(Role):
         """Join the trainer group and build the engine (on the engine thread, on its device)."""
         import torch.distributed as dist
 
+        from hpcrl.rendezvous.meet import client_store
         from hpcrl.trainer import TrainerEngine, group
-        from hpcrl.transfer.rendezvous import client_store
 
         if self.world > 1:
             address = env.get("HPCRL_STORE_ADDR", "")

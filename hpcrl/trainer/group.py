@@ -12,7 +12,7 @@ runs the engine, after it has taken its CUDA device (hpcrl.roles.base.EngineThre
 
 A group whose ranks all share this machine (a group of one, or ranks on one node) listens on the
 loopback address, and every group's gloo listener is sealed once it formed: gloo's listeners
-authenticate no peer (hpcrl.transfer.listen). Groups torch makes from it later (a device mesh's)
+authenticate no peer (hpcrl.rendezvous.listen). Groups torch makes from it later (a device mesh's)
 are sealed by whoever asks for them: `with sealing(): init_device_mesh(...)` (trainer/parallel.py).
 """
 
@@ -42,7 +42,7 @@ def join(store: Any, *, rank: int, world: int, device: str, timeout_s: float) ->
     (docs/FACTS.md, "gloo's listener"): made at the first collective, after this returned."""
     import torch.distributed as dist
 
-    from hpcrl.transfer.listen import one_machine, sealing, use_loopback
+    from hpcrl.rendezvous.listen import one_machine, sealing, use_loopback
 
     if dist.is_initialized():
         raise TrainerError("this process is already in a torch.distributed group; a trainer rank forms its own "

@@ -34,10 +34,10 @@ def dp_layout(*, dp_replicate: int, dp_shard: int, world_size: int) -> tuple[int
 
 def make_dp_mesh(*, dp_replicate: int, dp_shard: int, device_type: str):
     """The data-parallel device mesh over the default process group (1-D unless HSDP). torch makes a
-    group per mesh dimension: their gloo listeners are sealed once made (hpcrl.transfer.listen)."""
+    group per mesh dimension: their gloo listeners are sealed once made (hpcrl.rendezvous.listen)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hpcrl.transfer.listen import sealing
+    from hpcrl.rendezvous.listen import sealing
 
     replicate, shard = dp_layout(dp_replicate=dp_replicate, dp_shard=dp_shard, world_size=dist.get_world_size())
     with sealing():

@@ -358,22 +358,6 @@ def expert_stack_name(hf_expert_name: str) -> tuple[str, int] | None:
 _EXPERT = re.compile(r"^(.*\.experts\.)(\d+)\.(.*)$")
 
 
-def hf_state_dict_to_titan(shape: ModelShape, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A torchtitan state dict of `shape` from HF tensors: renamed, and each MoE layer's experts stacked."""
-    names, slots = hf_to_titan_names(shape), hf_expert_slots(shape)
-    state: dict[str, torch.Tensor] = {}
-    stacks: dict[str, dict[int, torch.Tensor]] = {}
-    for name, tensor in tensors.items():
-        stack = expert_stack_name(name) if name in slots else None
-        if stack is None:
-            state[names[name]] = tensor
-        else:
-            stacks.setdefault(stack[0], {})[stack[1]] = tensor
-    for stack_name, experts in stacks.items():
-        state[names[stack_name]] = torch.stack([experts[e] for e in range(len(experts))])
-    return state
-
-
 def hf_to_titan_names(shape: ModelShape, *, max_seq_len: int = 16) -> dict[str, str]:
     """Every HF parameter name of `shape` -> the torchtitan parameter name holding the same tensor.
 

@@ -1,7 +1,5 @@
 """Executing weight-transfer plans: trainer FSDP shards -> live vLLM parameters, point to point.
 
-  rendezvous.py    the rendezvous store every group forms on (serve_store for the head), digest comparison
-  bus_store.py     that store: a torch.distributed.Store over requests signed with the run's secret
   registry.py      open_group(transport, ...): the transports by name, and the TransferLink they give
   gloo.py          a gloo process group spanning trainer ranks and vLLM workers, digest handshake
   ucx.py           the same over UCX (optional: ucxx)
@@ -10,7 +8,8 @@
   vllm_engine.py   the vLLM side: a WeightTransferEngine ("hpcrl") in vLLM's registry, and its init info
                    (the worker extension that registers it in vLLM's workers: hpcrl.inference.vllm_worker)
 
-The plan both ends execute is hpcrl.plan.for_config.plan_for_config's.
+The plan both ends execute is hpcrl.plan.for_config.plan_for_config's; the groups form on the signed
+rendezvous store and compare the plan's digest there (hpcrl.rendezvous).
 
 Ranks in the transfer group: trainer rank t is t; inference (replica j, TP rank r) is
 trainer_world_size + j * tensor_parallel + r.

@@ -5,7 +5,7 @@
 in `inference_group_rank` (trainer ranks first).
 
 A message is a run of consecutive plan blocks of one route (plan.blocks["message"]). Every
-transport runs the same schedule: the plan's messages in rounds (hpcrl.plan.transfer_rounds,
+transport runs the same schedule: the plan's messages in rounds (hpcrl.plan.transfer.rounds,
 `plan.round_bytes` of staging per rank and round). In each round a receiver posts all its `recv`s,
 a sender packs each block's `count` strided runs out of its local shard, cast to the wire dtype,
 into one buffer per message and `send`s it with the message number as tag; both wait, then the
@@ -34,9 +34,9 @@ from datetime import timedelta
 import torch
 
 from hpcrl.errors import TransferError
-from hpcrl.plan.transfer_layout import chunk_source_rows
-from hpcrl.plan.transfer_plan import TransferPlan
-from hpcrl.plan.transfer_rounds import Message, receiver_rank, rounds
+from hpcrl.plan.transfer.layout import chunk_source_rows
+from hpcrl.plan.transfer.plan import TransferPlan
+from hpcrl.plan.transfer.rounds import Message, receiver_rank, rounds
 from hpcrl.transfer.packing import PATHS, Packer, pack, unpack  # noqa: F401 - pack/unpack: the reference, here too
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -249,7 +249,7 @@ def plan_digest(plan: TransferPlan) -> str:
 
 
 def send(link, plan: TransferPlan, rank: int, sources: list[torch.Tensor | None], *, timeout_s: float) -> int:
-    """Send every message of trainer `rank`, round by round (hpcrl.plan.transfer_rounds); the bytes sent.
+    """Send every message of trainer `rank`, round by round (hpcrl.plan.transfer.rounds); the bytes sent.
 
     Per round: pack this rank's messages into staging (hpcrl.transfer.packing: a number of
     operations that does not grow with the round's blocks, the cast to the wire dtype included),

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.errors import TransferError
-from hpcrl.transfer.bus_store import BusStore
-from hpcrl.transfer.listen import gloo_options, one_machine, sealing
-from hpcrl.transfer.rendezvous import compare_digests, rendezvous_store
+from hpcrl.rendezvous.listen import gloo_options, one_machine, sealing
+from hpcrl.rendezvous.meet import compare_digests, rendezvous_store
+from hpcrl.rendezvous.store import BusStore
 
 DIGEST_BYTES = 32
 

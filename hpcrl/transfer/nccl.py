@@ -17,7 +17,7 @@ every send and receive returns at once having moved nothing (`if self.disabled: 
 the group refuses such a communicator.
 
 NCCL matches a peer pair's point-to-point operations in the order they are issued, with no tags:
-the round schedule (hpcrl.plan.transfer_rounds) keeps plan order per (sender, receiver) pair, and
+the round schedule (hpcrl.plan.transfer.rounds) keeps plan order per (sender, receiver) pair, and
 both ends issue a round's operations in plan order, so the message number (`tag`) is checked by
 the schedule, not by NCCL. Operations run on the calling thread's current CUDA stream, the stream
 execute.py packs and unpacks on, so no extra synchronisation is needed between them.
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from hpcrl.errors import TransferError
-from hpcrl.transfer.rendezvous import rendezvous_store, store_digests
+from hpcrl.rendezvous.meet import rendezvous_store, store_digests
 
 
 def _cuda_device() -> torch.device:
@@ -96,12 +96,6 @@ class NcclRuntime:
 VLLM_RUNTIME = NcclRuntime(device=_cuda_device, communicator=_vllm_communicator, stream=_cuda_stream,
                            completion=_cuda_completion)
 RUNTIME = VLLM_RUNTIME
-
-
-def use_runtime(runtime: NcclRuntime) -> None:
-    """Make this process open NCCL groups with `runtime` (the CPU tests' fake)."""
-    global RUNTIME
-    RUNTIME = runtime
 
 
 def check_communicator(comm: Any, *, rank: int) -> Any:

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hpcrl.plan.transfer_plan import TransferPlan
-from hpcrl.plan.transfer_rounds import Message
+from hpcrl.plan.transfer.plan import TransferPlan
+from hpcrl.plan.transfer.rounds import Message
 
 log = logging.getLogger(__name__)
 

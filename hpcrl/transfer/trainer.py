@@ -16,7 +16,7 @@ import time
 import torch
 
 from hpcrl.errors import TransferError
-from hpcrl.plan.transfer_plan import TransferPlan
+from hpcrl.plan.transfer.plan import TransferPlan
 from hpcrl.transfer import execute
 from hpcrl.transfer.registry import open_group
 

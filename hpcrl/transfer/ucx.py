@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.errors import TransferError
-from hpcrl.transfer.bus_store import BusStore
-from hpcrl.transfer.rendezvous import rendezvous_store, store_digests
+from hpcrl.rendezvous.meet import rendezvous_store, store_digests
+from hpcrl.rendezvous.store import BusStore
 
 _TAG_BITS = 32
 _IDLE_SPINS = 64  # progress() calls without progress before the thread sleeps a little

@@ -46,11 +46,11 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from hpcrl.config.model_shapes import from_hf_config
 from hpcrl.errors import TransferError
-from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
-from hpcrl.plan.transfer_plan import TransferPlan
-from hpcrl.plan.transfer_planner import plan as plan_transfer
+from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
+from hpcrl.plan.transfer.plan import TransferPlan
+from hpcrl.plan.transfer.planner import plan as plan_transfer
+from hpcrl.rendezvous.listen import seal_loopback_gloo
 from hpcrl.transfer import execute
-from hpcrl.transfer.listen import seal_loopback_gloo
 from hpcrl.transfer.registry import TransferLink, open_group
 
 ENGINE_NAME = "hpcrl"
@@ -99,7 +99,7 @@ def check_experts(module: torch.nn.Module, plan: TransferPlan, tp_rank: int, *, 
     """TransferError unless the FusedMoE layer holds the experts the plan writes to this rank: all of
     them (TP) or, under expert parallel, those of `experts_of_rank` in that order (vLLM's
     expert_map), and its backend computes from the weights as loaded (CPU: repacked at finish)."""
-    from hpcrl.plan.transfer_layout import experts_of_rank
+    from hpcrl.plan.transfer.layout import experts_of_rank
 
     inference = plan.inference
     total = int(getattr(module, "global_num_experts"))  # noqa: B009 - an int of vLLM's layer (mypy: Module attr)
@@ -146,8 +146,8 @@ def init_info(*, store: str, replica: int, trainer: TrainerLayout, inference: In
     return dict(store=store, replica=replica, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes,
                 timeout_s=timeout_s, digest=digest, generation=generation,
                 transport=transport,
-                trainer=dict(dp_replicate=trainer.dp_replicate, dp_shard=trainer.dp_shard, naming=trainer.naming,
-                             fuse_qkv=trainer.fuse_qkv, grouped_experts=trainer.grouped_experts),
+                trainer=dict(dp_replicate=trainer.dp_replicate, dp_shard=trainer.dp_shard,
+                             grouped_experts=trainer.grouped_experts),
                 inference=dict(replicas=inference.replicas, tensor_parallel=inference.tensor_parallel,
                                vocab_padding=inference.vocab_padding, expert_parallel=inference.expert_parallel,
                                expert_placement=inference.expert_placement))
@@ -156,7 +156,7 @@ def init_info(*, store: str, replica: int, trainer: TrainerLayout, inference: In
 @dataclass
 class HpcrlInitInfo(WeightTransferInitInfo):
     store: str
-    """The rendezvous store's ZeroMQ address (hpcrl.transfer.rendezvous; its key: the run's secret)."""
+    """The rendezvous store's ZeroMQ address (hpcrl.rendezvous.meet; its key: the run's secret)."""
     replica: int
     trainer: dict
     inference: dict
@@ -220,7 +220,7 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         rank = execute.inference_group_rank(plan, self.replica, self.tp_rank)
         world = plan.trainer.world_size + inference.replicas * inference.tensor_parallel
         # vLLM's own gloo groups formed when its engine started: seal their listeners (on loopback:
-        # vllm_llm.py) as ours are sealed once formed (hpcrl.transfer.listen); on one node its processes
+        # vllm_llm.py) as ours are sealed once formed (hpcrl.rendezvous.listen); on one node its processes
         # hold no other TCP listener there (docs/FACTS.md, "gloo's listener").
         seal_loopback_gloo()
         self.group = group = open_group(info.transport, store=info.store, rank=rank, world_size=world,

@@ -15,6 +15,14 @@ WORKER_PROC = Path(__file__).with_name("worker_proc.py")
 RUN_ID = "test-run"
 
 
+def seal_raw(key: bytes, header: bytes, *, version: int | None = None) -> list[bytes]:
+    """A one-frame message around an already packed `header`, MAC'd with `key` as Sealer.seal does
+    (to forge authentic-but-malformed headers, or other protocol versions)."""
+    from hpcrl.bus.wire import PROTOCOL_VERSION, _Mac
+    v = bytes([PROTOCOL_VERSION if version is None else version])
+    return [header + v + _Mac(key, v).digest((header,), 1)]
+
+
 def fast_config(**overrides):
     from hpcrl.bus import BusConfig
     return BusConfig(**{"heartbeat_interval": 0.1, "heartbeat_timeout": 1.0, "register_timeout": 10,

@@ -14,14 +14,14 @@ import time
 import msgpack
 import pytest
 import zmq
-from bus_helpers import RUN_ID, LoopThread, echo_worker, fast_config
+from bus_helpers import RUN_ID, LoopThread, echo_worker, fast_config, seal_raw
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hpcrl.bus import PeerInfo, Router
 from hpcrl.bus.router import routing_id
 from hpcrl.bus.secret import Secret
-from hpcrl.bus.wire import PROTOCOL_VERSION, TRAILER_BYTES, Counters, Kind, Opener, Sealer, seal_raw
+from hpcrl.bus.wire import PROTOCOL_VERSION, TRAILER_BYTES, Counters, Kind, Opener, Sealer
 from hpcrl.bus.zap import as_client, guard
 
 MAX_BYTES, MAX_FRAMES = 4096, 8

@@ -6,9 +6,10 @@ import secrets
 
 import msgpack
 import pytest
+from bus_helpers import seal_raw
 
 from hpcrl.bus.secret import Secret
-from hpcrl.bus.wire import PROTOCOL_VERSION, TRAILER_BYTES, Counters, Kind, Opener, Sealer, seal_raw
+from hpcrl.bus.wire import PROTOCOL_VERSION, TRAILER_BYTES, Counters, Kind, Opener, Sealer
 
 A, B = b"A" * 16, b"B" * 16
 

@@ -12,7 +12,6 @@ from hpcrl.config.schema import EnvConfig
 from hpcrl.data.builtin import guess
 from hpcrl.env.base import ENVIRONMENTS, resolve
 from hpcrl.env.pool import EnvPool
-from hpcrl.env.tools import format_tool_call
 from hpcrl.env.types import EnvRequest
 
 pytestmark = pytest.mark.timeout(60)
@@ -77,7 +76,7 @@ def test_every_character_feedback_writes_is_in_the_tiny_models_alphabet(repo):
 
 def test_python_tool_runs_each_call_in_the_sandbox_returns_its_output_and_ends_at_a_turn_without_a_call():
     row = {"id": "m1", "prompt": "What is 2**100 mod 7?", "answer": "2"}
-    code = format_tool_call("python", {"code": "print(pow(2, 100, 7))"})
+    code = '<tool_call>\n{"name": "python", "arguments": {"code": "print(pow(2, 100, 7))"}}\n</tool_call>'
     turns = [[f"Let me compute.\n{code}", "\\boxed{2}"],
              ['<tool_call>{"name": "python", "arguments": {"code": "1/0"}}</tool_call>'
               '<tool_call>{"name": "shell", "arguments": {}}</tool_call><tool_call>{"name": "python", "arguments": }'

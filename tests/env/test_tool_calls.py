@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpcrl.env.tools import ToolCall, format_tool_call, parse_tool_calls, tool_message, tool_schema, tools_system_prompt
+from hpcrl.env.tools import ToolCall, parse_tool_calls, tool_message, tool_schema, tools_system_prompt
 
 CALL = '<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>'
 
@@ -34,8 +34,7 @@ def test_tool_calls_are_read_in_order_and_a_malformed_one_says_what_is_wrong(tex
 
 
 def test_a_written_call_reads_back_and_the_tool_answers_in_a_tool_message():
-    text = format_tool_call("python", {"code": "print('é')"})
-    assert text == '<tool_call>\n{"name": "python", "arguments": {"code": "print(\'é\')"}}\n</tool_call>'
+    text = '<tool_call>\n{"name": "python", "arguments": {"code": "print(\'é\')"}}\n</tool_call>'  # as Hermes writes it
     assert parse_tool_calls(text) == [ToolCall("python", {"code": "print('é')"})]
     assert tool_message("é\n", name="python") == {"role": "tool", "content": "é\n", "name": "python"}
     assert tool_message("x") == {"role": "tool", "content": "x"}

@@ -221,7 +221,7 @@ def test_hpcrl_runs_ports_take_two_chunks_turns_at_once_to_vllm_one_after_the_ot
     import asyncio
     import threading
 
-    from hpcrl.rl.inprocess import InProcessPorts
+    from hpcrl.launch.inprocess import InProcessPorts
 
     ports = object.__new__(InProcessPorts)  # its engines without starting a trainer: the module's vLLM engine
     ports.inference = engine

@@ -10,11 +10,11 @@ from toy_family import TOY
 
 import hpcrl.models
 from hpcrl.config.model_shapes import PRESETS, from_hf_config
-from hpcrl.errors import ConfigError, PlanError, TrainerError
+from hpcrl.errors import ConfigError, TrainerError
 from hpcrl.models import Family, ModelShape, architectures, register
-from hpcrl.plan.transfer_check import check_plan, verify_elements
-from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
-from hpcrl.plan.transfer_planner import plan
+from hpcrl.plan.transfer.check import check_plan, verify_elements
+from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
+from hpcrl.plan.transfer.planner import plan
 
 TOY_CONFIG = {"architectures": ["ToyForCausalLM"], "model_type": "toy", "n_embd": 64, "n_inner": 96,
               "n_layer": 2, "n_head": 4, "n_kv_head": 2, "vocab_size": 90, "n_positions": 256}
@@ -59,11 +59,6 @@ def test_a_registered_family_gets_a_transfer_plan_that_fills_every_vllm_rank(toy
     assert p.stats().ratio() == 1.0
     assert {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.qkv_proj.weight"} <= {
         d.name for d in p.dests}
-
-
-def test_a_family_without_a_torchtitan_layout_is_refused_for_the_torchtitan_naming(toy: ModelShape):
-    with pytest.raises(PlanError, match="torchtitan naming is not modelled for ToyForCausalLM"):
-        plan(TrainerLayout(naming="torchtitan"), InferenceLayout(), toy)
 
 
 def test_a_registered_family_is_built_by_torchtitan_with_every_parameter_named(toy: ModelShape):

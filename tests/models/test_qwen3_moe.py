@@ -144,19 +144,17 @@ def _save_hf_checkpoint(shape: ModelShape, out: Path) -> None:
 def test_torchtitan_qwen3_moe_gives_transformers_logits_from_the_same_checkpoint(shape: ModelShape, tmp_path: Path):
     pytest.importorskip("torchtitan")
     import torch
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from hpcrl.trainer import titan
+    from hpcrl.trainer.weights import load_hf_weights
 
     _save_hf_checkpoint(shape, tmp_path)
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     model = titan.build_model(shape, max_seq_len=64, device="meta")
     model.to_empty(device="cpu")
     titan.init_states(model, device=torch.device("cpu"))
-    state = titan.hf_state_dict_to_titan(shape, load_file(tmp_path / "model.safetensors"))
-    assert not model.load_state_dict(state, strict=False).unexpected_keys
-    assert set(state) == {titan.clean_name(n) for n, _ in model.named_parameters()}
+    load_hf_weights(model, titan.hf_to_titan_names(shape), tmp_path)  # the trainer's loader: every parameter
     tokens = torch.randint(0, shape.vocab_size, (3, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="In CPU autocast")  # torchtitan's fp32 router autocast
@@ -174,18 +172,18 @@ def test_fsdp2_shards_whole_experts_and_keeps_the_logits_and_gradients(tmp_path:
     import torch
     import torch.multiprocessing as mp
     from moe_fsdp_worker import fsdp_rank
-    from safetensors.torch import load_file
 
     from hpcrl.trainer import titan
+    from hpcrl.trainer.weights import load_hf_weights
 
     shape = PRESETS["tiny-qwen3-moe"]
     _save_hf_checkpoint(shape, tmp_path)
-    state = titan.hf_state_dict_to_titan(shape, load_file(tmp_path / "model.safetensors"))
     tokens = torch.randint(0, shape.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
     model = titan.build_model(shape, max_seq_len=64, device="meta")
     model.to_empty(device="cpu")
     titan.init_states(model, device=torch.device("cpu"))
-    model.load_state_dict(state, strict=False)
+    load_hf_weights(model, titan.hf_to_titan_names(shape), tmp_path)
+    state = {titan.clean_name(n): p.detach().clone() for n, p in model.named_parameters()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="In CPU autocast")
         logits = model(tokens)

@@ -20,9 +20,9 @@ from hpcrl.errors import PlanError
 from hpcrl.models import ModelShape, register
 from hpcrl.models.dense import DenseDecoder, titan_model
 from hpcrl.models.layout import VllmParam
-from hpcrl.plan.transfer_check import check_plan, verify_elements
-from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout, experts_of_rank
-from hpcrl.plan.transfer_planner import plan
+from hpcrl.plan.transfer.check import check_plan, verify_elements
+from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout, chunk_source_rows, experts_of_rank
+from hpcrl.plan.transfer.planner import plan
 
 
 class ToyMoe(DenseDecoder):
@@ -125,9 +125,10 @@ def test_expert_parallel_gives_ranks_whole_experts_as_vllms_determine_expert_map
 def test_grouped_experts_are_fsdp_sharded_in_whole_experts():
     shape = moe_shape(5, 6)
     p = make(shape, shard=4, tp=2, grouped=True)  # 5 experts over 4 ranks: 2, 2, 1, 0
-    src = next(i for i, s in enumerate(p.sources) if s.name == "model.layers.0.mlp.experts.gate_proj.weight")
-    assert p.sources[src].shape == (5 * 6, 16)
-    assert [p.local_numel(src, r) for r in range(4)] == [2 * 6 * 16, 2 * 6 * 16, 6 * 16, 0]
+    src = next(s for s in p.sources if s.name == "model.layers.0.mlp.experts.gate_proj.weight")
+    assert src.shape == (5 * 6, 16)
+    assert [(end - start) * 16 for start, end in chunk_source_rows(5 * 6, 4, src.shard_rows)] == \
+        [2 * 6 * 16, 2 * 6 * 16, 6 * 16, 0]
     assert not any(".experts.0." in s.name for s in p.sources)
 
 

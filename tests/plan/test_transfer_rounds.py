@@ -1,4 +1,4 @@
-"""The transfer schedule (hpcrl.plan.transfer_rounds): properties every transport relies on, for every
+"""The transfer schedule (hpcrl.plan.transfer.rounds): properties every transport relies on, for every
 shipped config and for random plans (hypothesis)."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from hpcrl.config import load_config
 from hpcrl.config.model_shapes import PRESETS
 from hpcrl.plan.for_config import plan_for_config
-from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
-from hpcrl.plan.transfer_plan import TransferPlan
-from hpcrl.plan.transfer_planner import plan as make_plan
-from hpcrl.plan.transfer_rounds import messages, receiver_rank, rounds
+from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
+from hpcrl.plan.transfer.plan import TransferPlan
+from hpcrl.plan.transfer.planner import plan as make_plan
+from hpcrl.plan.transfer.rounds import messages, receiver_rank, rounds
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,17 +63,17 @@ def test_the_schedule_of_every_shipped_config_keeps_every_property(path: Path, r
        round_bytes=st.integers(1, 1 << 18))
 def test_the_schedule_of_a_random_plan_keeps_every_property(preset, shard, replicate, replicas, tp, bucket,
                                                             round_bytes):
-    plan = make_plan(TrainerLayout(dp_replicate=replicate, dp_shard=shard, naming="hf"),
+    plan = make_plan(TrainerLayout(dp_replicate=replicate, dp_shard=shard),
                      InferenceLayout(replicas=replicas, tensor_parallel=tp), PRESETS[preset], bucket_bytes=bucket)
     check_schedule(plan, round_bytes)
 
 
 def test_a_message_larger_than_a_round_goes_alone_for_its_ranks_and_the_next_starts_a_new_round():
-    plan = make_plan(TrainerLayout(dp_replicate=1, dp_shard=1, naming="hf"), InferenceLayout(replicas=1,
+    plan = make_plan(TrainerLayout(dp_replicate=1, dp_shard=1), InferenceLayout(replicas=1,
                      tensor_parallel=1), PRESETS["tiny-llama"], bucket_bytes=1 << 30)
     (only,) = messages(plan)  # one rank to one rank, one big message
     assert rounds(plan, 1) == [[only]]
-    small = make_plan(TrainerLayout(dp_replicate=1, dp_shard=1, naming="hf"), InferenceLayout(replicas=1,
+    small = make_plan(TrainerLayout(dp_replicate=1, dp_shard=1), InferenceLayout(replicas=1,
                       tensor_parallel=1), PRESETS["tiny-llama"], bucket_bytes=1 << 12)
     assert len(rounds(small, 1)) == len(messages(small))  # every message over 1 byte: one round each
 

@@ -1,4 +1,4 @@
-"""The predicted sync per transport (hpcrl.plan.transfer_speed): by table, from stated bandwidths."""
+"""The predicted sync per transport (hpcrl.plan.transfer.speed): by table, from stated bandwidths."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from hpcrl.config.schema import Config, DataConfig, InferenceConfig, ModelConfig, RunConfig, TrainerConfig
 from hpcrl.errors import PlanError
-from hpcrl.plan.transfer_speed import Bandwidths, host_round_trip_warning, predict_sync
+from hpcrl.plan.transfer.speed import Bandwidths, host_round_trip_warning, predict_sync
 
 # Round figures so the expected seconds read off: InfiniBand 50 GB/s per GPU, NVLink 500 GB/s, PCIe 25 GB/s,
 # Ethernet 3.125 GB/s (25 Gbit/s) per node.

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from hpcrl.reward.pool import RewardPool
-from hpcrl.reward.sandbox import extract_code
 from hpcrl.reward.types import Sample
+from hpcrl.workers.sandbox import extract_code
 
 HERE = Path(__file__).resolve().parent
 ADD_TESTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0"

@@ -90,5 +90,5 @@ def test_repeated_sample_ids_are_refused(pool):
 def test_a_reward_function_whose_start_up_check_fails_stops_the_pool_at_start_with_its_reason(monkeypatch):
     monkeypatch.syspath_prepend(str(HERE))
     with pytest.raises(RewardError, match="'verifiers_for_tests:needs_what_is_missing' cannot run here: "
-                                          "this node lacks what the function needs"):
+                                          "RuntimeError: this node lacks what the function needs"):
         RewardPool("verifiers_for_tests:needs_what_is_missing", workers=1, timeout_s=1)

@@ -24,7 +24,7 @@ def by_prompt(prompt: str, completion: str, answer: str) -> float:
 def code_tests_quick(prompt: str, completion: str, answer: str) -> tuple[float, str]:
     """hpcrl.reward.builtin.code_tests with limits small enough for tests: 1 s of CPU, 2 s of wall
     time, 256 MiB, 16 processes."""
-    from hpcrl.reward.sandbox import Limits, extract_code, run_tests
+    from hpcrl.workers.sandbox import Limits, extract_code, run_tests
 
     outcome = run_tests(extract_code(completion), answer, Limits(cpu_s=1, wall_s=2, memory_mib=256, processes=16))
     return float(outcome.passed), outcome.reason

@@ -13,10 +13,10 @@ listener authenticates no peer: after its group formed it accepts a stranger's c
 keeps its socket, junk sent on it does not disturb the group, and enough such connections to
 exhaust the process's file descriptors abort it ("accept: Too many open files" thrown in gloo's
 listener thread; docs/FACTS.md, "gloo's listener"). So a group whose ranks share a machine
-listens on the loopback address (hpcrl.transfer.listen), and only a group that spans nodes - the
+listens on the loopback address (hpcrl.rendezvous.listen), and only a group that spans nodes - the
 trainer ranks' across nodes, the weight-transfer group between trainer and inference nodes - may
 be on the node's. Each gloo listener is sealed once its group formed (a
-socket filter that drops every packet: hpcrl.transfer.listen), so check_listening also connects
+socket filter that drops every packet: hpcrl.rendezvous.listen), so check_listening also connects
 to every listener of a role that does not authenticate, from the listener's network namespace,
 and fails on one that accepts. A new listener, one on the node's address where loopback would
 do, or one left open fails the tests that fold this check in (tests/rl/test_inprocess.py,
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import psutil
 
-from hpcrl.transfer.listen import tcp_listeners
+from hpcrl.rendezvous.listen import tcp_listeners
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class Allowed:
 
 _GLOO = ("gloo's (no authentication: a stranger's connection would be accepted and kept, enough of them abort "
          "the process; kept for the group's life, so sealed once the group formed: a drop-all socket filter, "
-         "every connection refused, hpcrl.transfer.listen)")
+         "every connection refused, hpcrl.rendezvous.listen)")
 _VLLM_OWN = ("vLLM's own: gloo's listeners of its CPU groups (world, TP, PP, DP, EP, ...); on the loopback address "
              "(VLLM_HOST_IP and GLOO_SOCKET_IFNAME of vLLM's processes: hpcrl.inference.vllm_llm), its "
              "tensor-parallel workers sharing one node; sealed by hpcrl in each worker before the weight-transfer "
@@ -71,7 +71,7 @@ HPCRL_RUN = {
     "VLLM::EngineCore": Allowed(14, 0, f"{_VLLM_OWN}; and {_TRANSFER_VLLM_END}, its ranks on this machine"),
 }
 
-_HEAD = Allowed(2, 2, "the control bus (ZeroMQ ROUTER) and the rendezvous store (transfer/bus_store.py): PLAIN "
+_HEAD = Allowed(2, 2, "the control bus (ZeroMQ ROUTER) and the rendezvous store (rendezvous/store.py): PLAIN "
                       "with the run's token at the connection, then every message HMAC-signed with the run's "
                       "secret and checked before it is unpacked; on every interface", authenticates=True)
 
@@ -159,7 +159,7 @@ def is_loopback(ip: str) -> bool:
 
 
 def _listeners_of(pid: int) -> list[tuple[str, int]]:
-    """(address, port) of the TCP sockets process `pid` listens on: hpcrl.transfer.listen.tcp_listeners, which
+    """(address, port) of the TCP sockets process `pid` listens on: hpcrl.rendezvous.listen.tcp_listeners, which
     reads the tables of the process's own network namespace (psutil reads the caller's, and the local
     cluster's nodes each have their own), matched by socket inode to the process's descriptors."""
     return list(tcp_listeners(pid).values())
@@ -254,8 +254,8 @@ def check_listening(sockets: list[tuple[str, int, str, int]], allowed: dict[str,
         assert len(outside) <= rule.beyond_loopback, (
             f"{role} (pid {pid}) listens on {len(outside)} TCP socket(s) beyond the loopback address ({outside}), "
             f"{rule.beyond_loopback} are listed (tests/rl/listening.py): a group whose ranks share a machine must "
-            f"listen on loopback (hpcrl.transfer.listen)\n{listed}")
+            f"listen on loopback (hpcrl.rendezvous.listen)\n{listed}")
         open_ = sorted((ip, port) for p, ip, port in unsealed if p == pid)
         assert not open_, (
             f"{role} (pid {pid}) accepted a TCP connection on {open_}: its listeners authenticate nobody, so "
-            f"each must be sealed once its group formed (hpcrl.transfer.listen.sealing)\n{listed}")
+            f"each must be sealed once its group formed (hpcrl.rendezvous.listen.sealing)\n{listed}")

@@ -15,7 +15,7 @@ import psutil
 import pytest
 from listening import HPCRL_RUN, as_on_a_node, check_listening, listening
 
-from hpcrl.rl import inprocess
+from hpcrl.launch import inprocess
 from hpcrl.rl.metrics import read_metrics
 from hpcrl.roles.reaper import descendants, live
 

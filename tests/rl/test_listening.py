@@ -1,4 +1,4 @@
-"""Where gloo listens (hpcrl.transfer.listen): on loopback when a group's ranks share a machine, else on the node's;
+"""Where gloo listens (hpcrl.rendezvous.listen): on loopback when a group's ranks share a machine, else on the node's;
 and that every gloo listener of ours refuses all connections once its group formed (sealed).
 
 Every test runs with gloo's default on this machine's network address (GLOO_SOCKET_IFNAME naming
@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from listening import _listeners_of, accepting, as_on_a_node, is_loopback
 
+from hpcrl.rendezvous.listen import GLOO_INTERFACE_ENV, GLOO_LAZY_ENV, NODE_INTERFACE_ENV, gloo_devices, one_machine
+from hpcrl.rendezvous.meet import SECRET_DIR_ENV, client_store, serve_private_store
 from hpcrl.trainer import group
 from hpcrl.trainer.parallel import make_dp_mesh
 from hpcrl.transfer.gloo import open_gloo_group
-from hpcrl.transfer.listen import GLOO_INTERFACE_ENV, GLOO_LAZY_ENV, NODE_INTERFACE_ENV, gloo_devices, one_machine
-from hpcrl.transfer.rendezvous import SECRET_DIR_ENV, client_store, serve_private_store
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
@@ -107,7 +107,7 @@ def test_a_transfer_group_listens_on_loopback_refuses_strangers_once_formed_and_
 _RANKS = """
 import os, resource, sys, threading, torch
 from hpcrl.transfer.gloo import open_gloo_group
-from hpcrl.transfer.listen import tcp_listeners
+from hpcrl.rendezvous.listen import tcp_listeners
 before, groups = set(tcp_listeners()), {}
 ts = [threading.Thread(target=lambda r=r: groups.__setitem__(r, open_gloo_group(store=sys.argv[1], rank=r,
       world_size=2, timeout_s=30))) for r in range(2)]
@@ -148,8 +148,8 @@ def test_ranks_in_two_network_namespaces_are_not_on_one_machine_and_those_in_one
     for generation, where in enumerate([["unshare", "--net"], []]):  # another network namespace: another node
         prefix = f"formation-{generation}"
         # (a Python store must outlive the PrefixStore over it: torch keeps only its C++ half)
-        code = ("import sys, torch.distributed as dist; from hpcrl.transfer.rendezvous import client_store; "
-                "from hpcrl.transfer.listen import one_machine; client = client_store(sys.argv[1], timeout_s=30); "
+        code = ("import sys, torch.distributed as dist; from hpcrl.rendezvous.meet import client_store; "
+                "from hpcrl.rendezvous.listen import one_machine; client = client_store(sys.argv[1], timeout_s=30); "
                 f"print(one_machine(dist.PrefixStore({prefix!r}, client), rank=1, world=2))")
         other = subprocess.Popen([*where, sys.executable, "-c", code, store], stdout=subprocess.PIPE, text=True,
                                  env={**os.environ, "PYTHONPATH": str(REPO)})

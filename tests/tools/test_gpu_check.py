@@ -203,17 +203,17 @@ def test_the_worst_pack_to_copy_ratio_is_found_anywhere_in_the_benchmarks_json()
 
 @pytest.mark.parametrize(("preset", "tp"), [("tiny-llama", 1), ("tiny-llama", 2), ("tiny-qwen2", 2)])
 def test_the_receivers_expected_tensors_in_torch_are_the_plan_checks_element_ids(preset, tp):
-    """The one-GPU transfer's oracle (torch, on the device) against hpcrl.plan.transfer_check's (numpy)."""
+    """The one-GPU transfer's oracle (torch, on the device) against hpcrl.plan.transfer.check's (numpy)."""
     import numpy as np
     import torch
 
     from hpcrl.config.model_shapes import PRESETS
-    from hpcrl.plan.transfer_check import _hf_ids, vllm_expected
-    from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
-    from hpcrl.plan.transfer_planner import plan as plan_transfer
+    from hpcrl.plan.transfer.check import _hf_ids, vllm_expected
+    from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
+    from hpcrl.plan.transfer.planner import plan as plan_transfer
 
     shape = PRESETS[preset]
-    plan = plan_transfer(TrainerLayout(dp_shard=1, naming="hf"), InferenceLayout(replicas=1, tensor_parallel=tp),
+    plan = plan_transfer(TrainerLayout(dp_shard=1), InferenceLayout(replicas=1, tensor_parallel=tp),
                          shape, wire_dtype="float32", bucket_bytes=1 << 16)
     ids = _hf_ids(shape)
     hf = {name: torch.from_numpy(a.reshape(dims)) for (name, dims), a in zip(shape.hf_parameters(), ids.values())}
@@ -274,8 +274,8 @@ def test_the_summary_is_strict_json_even_when_a_figure_is_nan():
 def test_the_vllm_side_plans_the_same_transfer_from_the_init_info_the_check_sends_it():
     pytest.importorskip("vllm")
     from hpcrl.config.model_shapes import PRESETS
-    from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
-    from hpcrl.plan.transfer_planner import plan as plan_transfer
+    from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
+    from hpcrl.plan.transfer.planner import plan as plan_transfer
     from hpcrl.transfer.vllm_engine import HpcrlInitInfo, init_info
 
     for preset in ("llama3-1b", "qwen2.5-0.5b"):

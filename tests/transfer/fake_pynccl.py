@@ -1,7 +1,7 @@
 """A strict fake of vLLM's PyNcclCommunicator for CPU tests, backed by gloo point to point.
 
     from hpcrl.transfer import nccl
-    nccl.use_runtime(fake_pynccl.RUNTIME)     # in every process of the test, before opening "nccl"
+    nccl.RUNTIME = fake_pynccl.RUNTIME     # in every process of the test, before opening "nccl"
 
 It keeps the surface hpcrl/transfer/nccl.py uses (send, recv, group_start, group_end, destroy,
 available, disabled, device, rank, world_size) and NCCL's matching rule: a pair's operations match

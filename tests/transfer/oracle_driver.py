@@ -41,7 +41,7 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))  # titan_stock, for this script and the trainer ranks it spawns
+sys.path.insert(0, str(REPO / "tests"))  # hf_module, for this script and the trainer ranks it spawns
 PROMPTS = ["1+2=", "rev abc:", "hello world", "7*6="]
 
 
@@ -94,46 +94,29 @@ def model_shape(spec: dict):
     return load_shape(preset_name="", path=spec["model"]) if "moe" in spec["preset"] else PRESETS[spec["preset"]]
 
 
-def titan_module(ckpt: str, preset: str):
-    """torchtitan's llama3 (fused wqkv) holding the checkpoint, loaded through torchtitan's own adapter."""
-    from safetensors.torch import load_file
-    from titan_stock import stock_fused_llama3
-    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
-
-    from hpcrl.config.model_shapes import PRESETS
-    config, model = stock_fused_llama3(PRESETS[preset])
-    hf = load_file(str(Path(ckpt) / "model.safetensors"))
-    model.load_state_dict(Llama3StateDictAdapter(config, None).from_hf({k: v.float() for k, v in hf.items()}),
-                          strict=True)
-    return model, list(model.layers.children())
-
-
 def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_store: str, transfer_store: str, results) -> None:
     try:
         import torch.distributed as dist
         from hf_module import checkpoint_module, local_shards
         from torch.distributed.fsdp import fully_shard
 
-        from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
-        from hpcrl.plan.transfer_planner import plan as plan_transfer
-        from hpcrl.transfer.rendezvous import client_store
+        from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
+        from hpcrl.plan.transfer.planner import plan as plan_transfer
+        from hpcrl.rendezvous.meet import client_store
         from hpcrl.transfer.trainer import TrainerSender
 
         store = client_store(fsdp_store, timeout_s=120)
         dist.init_process_group("gloo", store=dist.PrefixStore("fsdp", store), rank=rank, world_size=world)
-        naming, grouped = spec.get("naming", "hf"), spec.get("grouped_experts", False)
-        if naming == "torchtitan":
-            model, layers = titan_module(ckpt, spec["preset"])
-        else:
-            model = checkpoint_module(ckpt, grouped_experts=grouped)
-            layers = list(model.model.layers.children())
+        grouped = spec.get("grouped_experts", False)
+        model = checkpoint_module(ckpt, grouped_experts=grouped)
+        layers = list(model.model.layers.children())
         mesh = dist.init_device_mesh("cpu", (world,))
         for layer in layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         shards = local_shards(model)
         assert all(type(p.data).__name__ == "DTensor" for p in model.parameters())
-        p = plan_transfer(TrainerLayout(dp_shard=world, naming=naming, grouped_experts=grouped),
+        p = plan_transfer(TrainerLayout(dp_shard=world, grouped_experts=grouped),
                           InferenceLayout(tensor_parallel=spec["tp"], expert_parallel=spec.get("ep", False)),
                           model_shape(spec), wire_dtype=spec["wire"], bucket_bytes=spec["bucket"])
         sender = TrainerSender.connect(p, rank=rank, store=transfer_store, timeout_s=120,
@@ -174,9 +157,9 @@ def main() -> int:
     import torch.distributed as dist
     from vllm import LLM, SamplingParams
 
-    from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
-    from hpcrl.plan.transfer_planner import plan as plan_transfer
-    from hpcrl.transfer.rendezvous import serve_store
+    from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
+    from hpcrl.plan.transfer.planner import plan as plan_transfer
+    from hpcrl.rendezvous.meet import serve_store
     from hpcrl.transfer.vllm_engine import init_info
 
     moe = "moe" in args.preset and not args.reference
@@ -222,14 +205,14 @@ def main() -> int:
     before = llm.collective_rpc("hpcrl_weight_digests")
     ctx = mp.get_context("spawn")
     for entry in args.fsdp.split(","):
-        k, naming = int(entry.rstrip("tug")), "torchtitan" if "t" in entry else "hf"
+        k = int(entry.rstrip("ug"))
         transport = "ucx" if "u" in entry else "gloo"
         ckpt = Path(model) if moe else perturb(args.model, work / f"{args.preset}-tp{args.tp}-fsdp{entry}",
-                                               seed=100 + k + 50 * (naming != "hf"))
+                                               seed=100 + k)
         reference, rounded = ckpt, 0.0
         if args.wire == "bfloat16":
             reference, rounded = as_bfloat16(ckpt, work / f"{ckpt.name}-bf16")
-        spec = {"preset": args.preset, "tp": args.tp, "bucket": args.bucket, "naming": naming, "transport": transport,
+        spec = {"preset": args.preset, "tp": args.tp, "bucket": args.bucket, "transport": transport,
                 "wire": args.wire, "grouped_experts": "g" in entry, "ep": args.ep, "model": args.model}
         fsdp_store, transfer_store = serve_store(), serve_store()
         results = ctx.Queue()
@@ -237,7 +220,7 @@ def main() -> int:
                                                         results)) for r in range(k)]
         for p in procs:
             p.start()
-        p = plan_transfer(TrainerLayout(dp_shard=k, naming=naming, grouped_experts="g" in entry),
+        p = plan_transfer(TrainerLayout(dp_shard=k, grouped_experts="g" in entry),
                           InferenceLayout(tensor_parallel=args.tp, expert_parallel=args.ep), model_shape(spec),
                           wire_dtype=args.wire, bucket_bytes=args.bucket)
         llm.init_weight_transfer_engine({"init_info": init_info(
@@ -266,7 +249,7 @@ def main() -> int:
             gen_ref = generate()
         reload_s = time.perf_counter() - t2
         print(json.dumps({
-            "event": "update", "fsdp": k, "naming": naming, "transport": transport, "tp": args.tp, "preset": args.preset, "digest": p.digest,
+            "event": "update", "fsdp": k, "transport": transport, "tp": args.tp, "preset": args.preset, "digest": p.digest,
             "wire": args.wire, "served": served, "rounded": rounded, "wire_numel": int(p.elements().sum()),
             "checkpoint": str(reference), "digests": ours,
             "trainers": trainers, "update_s": update_s, "reload_s": reload_s, "last": last,

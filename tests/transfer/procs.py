@@ -9,8 +9,8 @@ import numpy as np
 
 def _plan(spec: dict):
     from hpcrl.config.model_shapes import PRESETS
-    from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
-    from hpcrl.plan.transfer_planner import plan
+    from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
+    from hpcrl.plan.transfer.planner import plan
     shape = PRESETS[spec["preset"]]
     if "shape" in spec:  # a variant of the preset (e.g. a MoE with an odd number of experts)
         import dataclasses
@@ -28,8 +28,8 @@ def id_shards(p, shape, rank: int) -> dict:
     expert stack's shard as FSDP2 holds torchtitan's, 3-D [experts here, rows, columns]."""
     import torch
 
-    from hpcrl.plan.transfer_check import _hf_ids, _trainer_tensors
-    from hpcrl.plan.transfer_layout import chunk_source_rows
+    from hpcrl.plan.transfer.check import _hf_ids, _trainer_tensors
+    from hpcrl.plan.transfer.layout import chunk_source_rows
     tensors = _trainer_tensors(p, shape, _hf_ids(shape))
     out = {}
     for s in p.sources:
@@ -46,7 +46,7 @@ def transport(spec: dict) -> str:
         import fake_pynccl
 
         from hpcrl.transfer import nccl
-        nccl.use_runtime({"nccl-fake": fake_pynccl.RUNTIME, "nccl-disabled": fake_pynccl.DISABLED_RUNTIME}[name])
+        nccl.RUNTIME = {"nccl-fake": fake_pynccl.RUNTIME, "nccl-disabled": fake_pynccl.DISABLED_RUNTIME}[name]
         return "nccl"
     return name
 
@@ -84,7 +84,7 @@ def receiver(spec: dict, replica: int, tp_rank: int, store: str, results) -> Non
         try:
             import torch
 
-            from hpcrl.plan.transfer_check import _hf_ids, vllm_expected
+            from hpcrl.plan.transfer.check import _hf_ids, vllm_expected
             from hpcrl.transfer import execute
             from hpcrl.transfer.registry import open_group
             spec_here = dict(spec, **spec.get("receiver_override", {}))
@@ -124,7 +124,7 @@ def fake_scenario(scenario: str, rank: int, store: str, results) -> None:
         import torch.distributed as dist
         from vllm.distributed.utils import StatelessProcessGroup
 
-        from hpcrl.transfer.rendezvous import rendezvous_store
+        from hpcrl.rendezvous.meet import rendezvous_store
         client, prefix = rendezvous_store(store=store, rank=rank, world_size=2, timeout_s=60, generation=0)
         comm = fake_pynccl.StrictFakePyNccl(StatelessProcessGroup(rank=rank, world_size=2, store=prefix),
                                             torch.device("cpu"), op_timeout=timedelta(seconds=3))

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hpcrl.errors import TransferError
+from hpcrl.rendezvous.meet import client_store, serve_store
 from hpcrl.transfer import execute
-from hpcrl.transfer.rendezvous import client_store, serve_store
 
 
 def run(spec: dict, *, deadline: float = 90.0) -> list[tuple]:
@@ -88,8 +88,8 @@ def test_each_packing_path_feeds_two_replicas_at_tp2_element_exact_over_many_rou
 
 
 @pytest.mark.timeout(180)
-def test_hsdp_torchtitan_fused_qkv_trainer_feeds_tp2_element_exact():
-    spec = {"preset": "tiny-llama", "trainer": {"dp_replicate": 2, "dp_shard": 2, "naming": "torchtitan"},
+def test_an_hsdp_trainer_feeds_tp2_element_exact():
+    spec = {"preset": "tiny-llama", "trainer": {"dp_replicate": 2, "dp_shard": 2},
             "inference": {"replicas": 1, "tensor_parallel": 2}}
     out = run(spec)
     assert len(out) == 6 and all(r[2] == "ok" for r in out), out
@@ -103,7 +103,7 @@ def test_grouped_expert_shards_of_two_fsdp_ranks_fill_fused_experts_element_exac
     """A MoE of 7 experts (uneven over 2 FSDP ranks, EP 2 and EP 3) whose trainer holds torchtitan's
     3-D expert stacks: each rank's FSDP shard [experts here, I, H] goes as is, and each vLLM rank's
     w13/w2 (smaller under uneven EP: fewer real rows) equals the reference gather
-    (transfer_check.vllm_expected: vLLM's weight_loader re-derived expert by expert)."""
+    (plan.transfer.check.vllm_expected: vLLM's weight_loader re-derived expert by expert)."""
     heads = {"num_heads": 6, "num_kv_heads": 3, "vocab_size": 150} if inference["tensor_parallel"] == 3 else {}
     spec = {"preset": "tiny-qwen3-moe", "shape": {"num_experts": 7, **heads}, "trainer": {"dp_shard": 2, "grouped_experts": True},
             "inference": {"replicas": 1, **inference}, "bucket": 4096, "round_bytes": 20000}
@@ -208,8 +208,8 @@ def test_a_round_that_cannot_be_issued_names_every_peer_of_the_round():
     """gloo fails a post on any pair once one peer of the context closed its connection (a trainer rank
     died): the rank to blame need not be the first message's, so the error names all of the round's."""
     from hpcrl.config.model_shapes import preset
-    from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
-    from hpcrl.plan.transfer_planner import plan as plan_transfer
+    from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
+    from hpcrl.plan.transfer.planner import plan as plan_transfer
 
     plan = plan_transfer(TrainerLayout(dp_shard=2), InferenceLayout(replicas=1, tensor_parallel=1),
                          preset("tiny-llama"), wire_dtype="float32", bucket_bytes=4096)

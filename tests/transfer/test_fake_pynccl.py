@@ -10,7 +10,7 @@ import pytest
 import torch
 from fake_pynccl import FakeNcclError, StrictFakePyNccl
 
-from hpcrl.transfer.rendezvous import serve_store
+from hpcrl.rendezvous.meet import serve_store
 
 
 def exchange(scenario: str) -> dict[int, tuple]:

@@ -10,7 +10,7 @@ import pytest
 
 from hpcrl.config.load import load_config_and_shape
 from hpcrl.plan.for_config import describe_plan, plan_for_config
-from hpcrl.plan.transfer_check import check_plan
+from hpcrl.plan.transfer.check import check_plan
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny_grpo.toml"

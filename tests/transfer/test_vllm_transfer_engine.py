@@ -81,7 +81,7 @@ def test_a_plan_whose_expert_parallel_is_not_vllms_is_refused_naming_both(planne
     plan says would receive whole experts into slices, or the wrong experts."""
     from vllm.config import ParallelConfig
 
-    from hpcrl.plan.transfer_layout import InferenceLayout
+    from hpcrl.plan.transfer.layout import InferenceLayout
     from hpcrl.transfer.vllm_engine import check_expert_parallel
 
     with pytest.raises(TransferError, match=r"the plan has expert_parallel .* this engine serves enable_expert_parallel"):

@@ -19,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from hpcrl.config.schema import EnvConfig  # noqa: E402
 from hpcrl.data.builtin import guess  # noqa: E402
 from hpcrl.env.pool import EnvPool  # noqa: E402
-from hpcrl.env.tools import format_tool_call  # noqa: E402
 from hpcrl.env.types import EnvRequest  # noqa: E402
 
 
@@ -49,7 +48,7 @@ def main() -> None:
         reset_ms, step_ms = bench("feedback", rows, "x", workers, 7)
         print(f"feedback, 128 episodes, {workers} workers: reset {reset_ms:.1f} ms, step {step_ms:.1f} ms")
     problems = [{"id": f"m{i}", "prompt": "What is 2**20?", "answer": "1048576"} for i in range(8)]
-    call = format_tool_call("python", {"code": "print(sum(range(10**6)))"})
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(sum(range(10**6)))"}}\n</tool_call>'
     for workers in (1, 2, 4):
         _, step_ms = bench("python_tool", problems, call, workers, 3)
         print(f"python_tool, 8 episodes, one tool call each, {workers} workers: step {step_ms:.0f} ms")

@@ -6,7 +6,7 @@
 1. Plan time (best of --repeat) of Qwen3-235B-A22B, FSDP 128 (the trainer's experts grouped, whole
    experts per rank) -> 4 replicas x TP 8, and the same with vLLM's expert parallel (EP 8); bytes per
    inference GPU against the minimum, vLLM's NCCL engine (every full tensor to every rank) and its
-   M2N engine (full tensors for fused parameters, experts included: hpcrl.plan.transfer_baselines).
+   M2N engine (full tensors for fused parameters, experts included: hpcrl.plan.transfer.baselines).
 2. A real update on this machine: a small Qwen3-MoE made here (random weights), vLLM on CPU at TP
    --tp (--ep: expert parallel), the trainer's 3-D expert stacks FSDP2-sharded over --fsdp gloo
    ranks. Each round: a stand-in optimizer step on the trainer, then every trainer rank sends its
@@ -29,9 +29,9 @@ sys.path.insert(0, str(REPO))
 
 def bench_plans(repeat: int) -> list[str]:
     from hpcrl.config.model_shapes import PRESETS
-    from hpcrl.plan.transfer_baselines import baseline_bytes_per_rank
-    from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
-    from hpcrl.plan.transfer_planner import plan
+    from hpcrl.plan.transfer.baselines import baseline_bytes_per_rank
+    from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
+    from hpcrl.plan.transfer.planner import plan
 
     shape = PRESETS["qwen3-235b-a22b"]
     rows = [f"| Qwen3-235B-A22B, bf16 | plan (best of {repeat}) | blocks | messages | bytes per inference GPU | "
@@ -60,7 +60,7 @@ def bench_update(*, tp: int, ep: bool, fsdp: int, rounds: int) -> list[str]:
     from weight_sync import WeightSync
 
     from hpcrl.config.model_shapes import PRESETS
-    from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
+    from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
 
     shape = dataclasses.replace(PRESETS["tiny-qwen3-moe"], hidden_size=256, num_layers=8, num_heads=8,
                                 num_kv_heads=4, head_dim=32, vocab_size=4096, num_experts=16,

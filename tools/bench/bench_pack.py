@@ -6,7 +6,7 @@
 Plans: Llama-3 1B shapes (hpcrl.config.model_shapes.preset("llama3-1b")), trainer FSDP F -> one
 inference replica at TP T ("FxT": 2x2 and 8x8 by default), bf16 wire, random float32 master shards
 of trainer rank 0. What is timed, as in issue 30's first GPU measurement: the messages of trainer
-rank 0 -> TP rank 0, grouped by the plan's rounds (hpcrl.plan.transfer_rounds):
+rank 0 -> TP rank 0, grouped by the plan's rounds (hpcrl.plan.transfer.rounds):
 
   pack    float32 shards -> bf16 staging, one call per round (hpcrl.transfer.packing.Packer.run)
   unpack  bf16 staging -> the bf16 destination tensors of TP rank 0
@@ -60,8 +60,8 @@ def bench_plan(fsdp: int, tp: int, *, device: str = "cuda", repeats: int = 10, m
     import torch
 
     from hpcrl.config.model_shapes import preset
-    from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout, chunk_rows
-    from hpcrl.plan.transfer_planner import plan as make_plan
+    from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout, chunk_rows
+    from hpcrl.plan.transfer.planner import plan as make_plan
     from hpcrl.transfer import execute, packing
 
     dev = torch.device(device, 0) if device == "cuda" else torch.device(device)

@@ -8,7 +8,7 @@
    (FSDP 8 -> 4 x TP 2), and the checker's time.
 2. Bytes per inference rank versus the minimum for every config in configs/, next to vLLM's NCCL
    engine (full tensors to every rank) and M2N engine (full tensors for fused / vocab-parallel
-   parameters), from hpcrl.plan.transfer_baselines.
+   parameters), from hpcrl.plan.transfer.baselines.
 3. A real update in one run on this machine: a small Llama made here (random weights), vLLM on CPU
    at TP --tp, trainer FSDP2 over --fsdp gloo ranks. Ours: every trainer rank sends its local
    shards straight into the live vLLM parameters (LLM.start_weight_update / update_weights /
@@ -31,9 +31,9 @@ sys.path.insert(0, str(REPO))
 
 def bench_planner(repeat: int) -> list[str]:
     from hpcrl.config.model_shapes import PRESETS
-    from hpcrl.plan.transfer_check import check_plan
-    from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
-    from hpcrl.plan.transfer_planner import plan
+    from hpcrl.plan.transfer.check import check_plan
+    from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
+    from hpcrl.plan.transfer.planner import plan
 
     rows = [f"| model | trainer -> inference | blocks | messages | plan (best of {repeat}) | check | digest |",
             "|---|---|---:|---:|---:|---:|---:|"]
@@ -82,7 +82,7 @@ def bench_update(*, tp: int, fsdp: int, rounds: int, transport: str = "gloo") ->
     from weight_sync import WeightSync
 
     from hpcrl.config.model_shapes import PRESETS
-    from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
+    from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
 
     shape = dataclasses.replace(PRESETS["tiny-llama"], hidden_size=512, intermediate_size=1536, num_layers=8,
                                 num_heads=8, num_kv_heads=4, head_dim=64, vocab_size=4096)

@@ -73,8 +73,8 @@ def trainer_rank(ckpt: str, shape, layout, inference, rank: int, fsdp_port: int,
         from safetensors.torch import save_file
         from torch.distributed.fsdp import fully_shard
 
-        from hpcrl.plan.transfer_planner import plan as plan_transfer
-        from hpcrl.transfer.rendezvous import client_store
+        from hpcrl.plan.transfer.planner import plan as plan_transfer
+        from hpcrl.rendezvous.meet import client_store
         from hpcrl.transfer.trainer import TrainerSender
 
         world = layout.dp_shard
@@ -132,7 +132,7 @@ class WeightSync:
     `inference.expert_parallel`); a context manager that starts them all and ends them all."""
 
     def __init__(self, shape, trainer, inference, *, transport: str = "gloo", name: str = "weight-sync") -> None:
-        from hpcrl.plan.transfer_planner import plan as plan_transfer
+        from hpcrl.plan.transfer.planner import plan as plan_transfer
 
         if trainer.dp_replicate != 1 or inference.replicas != 1:
             raise ValueError(f"the harness runs one trainer replica and one vLLM replica, not dp_replicate="
@@ -199,7 +199,7 @@ class WeightSync:
         self.close()
 
     def _start(self) -> None:
-        from hpcrl.transfer.rendezvous import serve_store
+        from hpcrl.rendezvous.meet import serve_store
 
         shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
         self._work = Path(tempfile.mkdtemp(prefix=f"bench-{self.name}-", dir=shm))

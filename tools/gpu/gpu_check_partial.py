@@ -221,7 +221,7 @@ class PartialRun:
         """A sender and a receiver on the one device (gpu_check_ranks.py), over gloo: cold, then warm."""
         from gpu_check_ranks import gb_per_s
 
-        from hpcrl.transfer.rendezvous import serve_store
+        from hpcrl.rendezvous.meet import serve_store
 
         store = serve_store()  # its secret: HPCRL_STORE_SECRET_DIR, for the two children
         self.env = {**self.env, "HPCRL_STORE_SECRET_DIR": os.environ["HPCRL_STORE_SECRET_DIR"]}

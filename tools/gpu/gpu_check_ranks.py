@@ -38,10 +38,10 @@ def gb_per_s(nbytes: float, seconds: float) -> float | None:
 def make_plan(shape, dtype: str):
     """The transfer plan both ends use: FSDP over TRAINER_RANKS -> one replica at TENSOR_PARALLEL, HF names."""
     from hpcrl.plan.for_config import BUCKET_BYTES
-    from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
-    from hpcrl.plan.transfer_planner import plan as plan_transfer
+    from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
+    from hpcrl.plan.transfer.planner import plan as plan_transfer
 
-    return plan_transfer(TrainerLayout(dp_shard=TRAINER_RANKS, naming="hf"),
+    return plan_transfer(TrainerLayout(dp_shard=TRAINER_RANKS),
                          InferenceLayout(replicas=1, tensor_parallel=TENSOR_PARALLEL), shape,
                          wire_dtype=dtype, bucket_bytes=BUCKET_BYTES)
 
@@ -70,7 +70,7 @@ class TrainerRank:
         self.sender: Any = None  # a TrainerSender once connected
         if device == "cuda":
             torch.cuda.set_device(0)  # this process sees only its own GPU (CUDA_VISIBLE_DEVICES)
-        from hpcrl.transfer.rendezvous import client_store
+        from hpcrl.rendezvous.meet import client_store
 
         store = client_store(f"tcp://127.0.0.1:{store_port}", timeout_s=timeout_s)
         group.join(dist.PrefixStore("hpcrl-gpu-check", store), rank=rank, world=TRAINER_RANKS, device=device,
@@ -229,11 +229,11 @@ def one_gpu_plan(preset: str, wire_dtype: str):
     """(plan, shape): one trainer rank (FSDP world 1, HF names) -> one inference rank (TP 1), `preset`'s shapes."""
     from hpcrl.config.model_shapes import preset as shape_of
     from hpcrl.plan.for_config import BUCKET_BYTES
-    from hpcrl.plan.transfer_layout import InferenceLayout, TrainerLayout
-    from hpcrl.plan.transfer_planner import plan as plan_transfer
+    from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
+    from hpcrl.plan.transfer.planner import plan as plan_transfer
 
     shape = shape_of(preset)
-    return plan_transfer(TrainerLayout(dp_shard=1, naming="hf"), InferenceLayout(replicas=1, tensor_parallel=1), shape,
+    return plan_transfer(TrainerLayout(dp_shard=1), InferenceLayout(replicas=1, tensor_parallel=1), shape,
                          wire_dtype=wire_dtype, bucket_bytes=BUCKET_BYTES), shape
 
 
@@ -251,11 +251,11 @@ def hf_values(shape, device) -> dict:
 
 def expected_dests(plan, shape, hf: dict, tp_rank: int, fill: float) -> dict:
     """One TP rank's vLLM parameters as its weight loaders would fill them from the HF tensors `hf`
-    (torch tensors, any device; vocab padding rows `fill`): hpcrl.plan.transfer_check.vllm_expected
+    (torch tensors, any device; vocab padding rows `fill`): hpcrl.plan.transfer.check.vllm_expected
     with torch's arrays, so that it runs on the GPU at 1B scale."""
     import torch
 
-    from hpcrl.plan.transfer_check import vllm_expected
+    from hpcrl.plan.transfer.check import vllm_expected
 
     return vllm_expected(plan, shape, hf, tp_rank, concat=torch.cat,
                          padded=lambda rows_cols, like: torch.full(rows_cols, fill, dtype=like.dtype,

@@ -288,7 +288,7 @@ class Run:
 
     def __init__(self, args: argparse.Namespace, mode: Mode, check: Check, work: Path, blocks: dict[str, str],
                  gpu_name: str) -> None:
-        from hpcrl.transfer.rendezvous import serve_store
+        from hpcrl.rendezvous.meet import serve_store
 
         self.args, self.mode, self.check, self.work, self.gpu_name = args, mode, check, work, gpu_name
         self.checkpoint = work / "trained-checkpoint"

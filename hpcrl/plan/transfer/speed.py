@@ -14,7 +14,7 @@ the figures are one way, in bytes per second (Bandwidths):
                   (hpcrl's UCX transport moves CPU tensors only)
 
 A CPU rank has no PCIe copy. The host transports' stages are taken to add up, as within one round
-of the schedule (hpcrl.plan.transfer_rounds: pack and copy, send, receive, copy in), so
+of the schedule (hpcrl.plan.transfer.rounds: pack and copy, send, receive, copy in), so
 
     per trainer rank    its copy to the host + its network time
     per inference rank  its network time + its copy to the GPU

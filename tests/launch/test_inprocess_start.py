@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import hpcrl.inference.engine as engine_module
-import hpcrl.rl.inprocess as inprocess
+import hpcrl.launch.inprocess as inprocess
 from hpcrl.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -96,11 +96,6 @@ class TrainerLayout:
     """Full copies of the sharded model (HSDP replicate axis)."""
     dp_shard: int = 1
     """Ranks each copy is FSDP-sharded over (Shard(0), torch.chunk semantics)."""
-    naming: str = "hf"
-    """'hf': the trainer's tensors are the Hugging Face ones (e.g. a transformers model under
-    fully_shard); 'torchtitan': torchtitan llama3 FQNs with q/k rows permuted for its RoPE."""
-    fuse_qkv: bool = True
-    """torchtitan only: one `wqkv` per layer laid out per KV group (q heads of the group, k, v)."""
     grouped_experts: bool = False
     """False: each expert's gate/up/down is its own trainer tensor (HF names). True: the trainer
     holds each layer's experts stacked, torchtitan's GroupedExperts w1/w3 [E, I, H] and w2 [E, H, I],
@@ -111,8 +106,6 @@ class TrainerLayout:
         if self.dp_replicate < 1 or self.dp_shard < 1:
             raise PlanError(f"trainer layout needs dp_replicate >= 1 and dp_shard >= 1, got "
                             f"{self.dp_replicate} x {self.dp_shard}")
-        if self.naming not in ("hf", "torchtitan"):
-            raise PlanError(f"trainer naming {self.naming!r} is unknown; use 'hf' or 'torchtitan'")
 
     @property
     def world_size(self) -> int:

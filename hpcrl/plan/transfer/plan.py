@@ -21,14 +21,14 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from hpcrl.plan.transfer_layout import DestTensor, InferenceLayout, TrainerLayout, chunk_source_rows
-from hpcrl.plan.transfer_names import SourceTensor
+from hpcrl.plan.transfer.layout import DestTensor, InferenceLayout, TrainerLayout
+from hpcrl.plan.transfer.names import SourceTensor
 
 PLAN_VERSION = 1
 COLUMNS = ("src_rank", "replica", "tp_rank", "source", "dest", "src_offset", "src_stride",
            "dst_offset", "dst_stride", "length", "count", "message")
 WIRE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-#: Staging bytes per rank and round of the transfer schedule (hpcrl.plan.transfer_rounds), about 256 MB.
+#: Staging bytes per rank and round of the transfer schedule (hpcrl.plan.transfer.rounds), about 256 MB.
 DEFAULT_ROUND_BYTES = 256 << 20
 
 
@@ -57,7 +57,7 @@ class TransferPlan:
     blocks: dict[str, np.ndarray] = field(repr=False)
     """Column name (COLUMNS) -> int64 array, one entry per block."""
     round_bytes: int = DEFAULT_ROUND_BYTES
-    """Staging bytes per rank and round when the plan is executed (hpcrl.plan.transfer_rounds); part of the
+    """Staging bytes per rank and round when the plan is executed (hpcrl.plan.transfer.rounds); part of the
     digest, so both ends run the same rounds."""
 
     @property
@@ -87,13 +87,6 @@ class TransferPlan:
     def elements(self) -> np.ndarray:
         return self.blocks["length"] * self.blocks["count"]
 
-    def local_numel(self, source: int, src_rank: int) -> int:
-        """Elements of trainer tensor `source` held by `src_rank` (torch.chunk over dp_shard)."""
-        rows, cols = self.sources[source].shape
-        unit = self.sources[source].shard_rows
-        start, end = chunk_source_rows(rows, self.trainer.dp_shard, unit)[src_rank % self.trainer.dp_shard]
-        return (end - start) * cols
-
     def route(self, src_rank: int, replica: int, tp_rank: int) -> dict[str, np.ndarray]:
         """The blocks src_rank sends to (replica, tp_rank), in order."""
         b = self.blocks
@@ -116,7 +109,7 @@ class TransferPlan:
     def describe(self, limit: int = 20) -> str:
         """Printable form: header, digest, then the first `limit` blocks of the table."""
         lines = [f"transfer plan {self.digest[:16]}: {self.model}, trainer {self.trainer.dp_replicate} x "
-                 f"{self.trainer.dp_shard} ({self.trainer.naming}), {self.inference.replicas} replicas x TP "
+                 f"{self.trainer.dp_shard}, {self.inference.replicas} replicas x TP "
                  f"{self.inference.tensor_parallel}, {self.num_blocks} blocks, wire {self.wire_dtype}",
                  "  src -> (rep,tp)  message  source -> dest  src_off/stride  dst_off/stride  length x count"]
         b = self.blocks

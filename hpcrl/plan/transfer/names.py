@@ -1,14 +1,9 @@
 """Which trainer tensor, and which of its rows, holds each row of each Hugging Face weight.
 
-Two trainer namings:
+The trainer's tensors are the Hugging Face ones, row for row: hpcrl's trainer converts torchtitan's
+model through its state-dict adapter (hpcrl.trainer.titan), so every model family plans with HF names.
 
-  hf          the trainer's tensors are the Hugging Face ones, row for row (a transformers
-              model under fully_shard; or torchtitan converted through its state-dict adapter,
-              as hpcrl's trainer does). Every model family has it.
-  torchtitan  torchtitan's own FQNs and row order, where the model family models them
-              (`Family.torchtitan_layout`; llama3: hpcrl/models/llama/titan_layout.py).
-
-Either naming may hold experts grouped (`TrainerLayout.grouped_experts`): each layer's experts
+The trainer may hold experts grouped (`TrainerLayout.grouped_experts`): each layer's experts
 stacked in one tensor per projection, as torchtitan's GroupedExperts holds them (`group_experts`).
 
 A `Piece` (hpcrl.models.layout) is a run of rows: HF row hf_row0 + k is source row
@@ -72,11 +67,8 @@ def group_experts(sources: list[SourceTensor], pieces: dict[str, list[Piece]]
     return [grouped.get(s.name, s) for s in out], pieces
 
 
-def trainer_sources(shape: ModelShape, *, naming: str, fuse_qkv: bool = True, grouped_experts: bool = False
+def trainer_sources(shape: ModelShape, *, grouped_experts: bool = False
                     ) -> tuple[list[SourceTensor], dict[str, list[Piece]]]:
-    """Trainer tensors and the pieces of every HF row, for the trainer's naming."""
-    if naming == "hf":
-        sources, pieces = hf_sources(shape)
-    else:
-        sources, pieces = shape.family.torchtitan_layout(shape, fuse_qkv=fuse_qkv)
+    """Trainer tensors and the pieces of every HF row (experts stacked if `grouped_experts`)."""
+    sources, pieces = hf_sources(shape)
     return group_experts(sources, pieces) if grouped_experts else (sources, pieces)

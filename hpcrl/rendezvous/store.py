@@ -125,14 +125,15 @@ class StoreServer:
         self._parked: dict[str, list[_Parked]] = {}
         self._deadlines: list[_Parked] = []
         self._numbers = itertools.count()
-        self.refused: dict[str, int] = {"bad_mac": 0, "replay": 0, "malformed": 0}
+        self._refused: dict[str, int] = {"bad_mac": 0, "replay": 0, "malformed": 0}
         """Requests dropped unanswered, by reason (a peer with the PLAIN token but not the secret: bad_mac)."""
         self._thread = threading.Thread(target=self._serve, name="hpcrl-store", daemon=True)
         self._thread.start()
 
-    def refused_handshakes(self) -> int:
-        """Connections refused at the ZeroMQ handshake (no or a wrong token): they delivered nothing."""
-        return self._gate.refused()
+    def refused(self) -> dict[str, int]:
+        """Requests dropped unanswered, by reason (bad_mac, replay, malformed), and connections refused
+        at the ZeroMQ handshake (`handshake`: no or a wrong token; they delivered nothing)."""
+        return {**self._refused, "handshake": self._gate.refused()}
 
     @property
     def port(self) -> int:
@@ -185,16 +186,16 @@ class StoreServer:
         route, rest = frames[0], frames[1:]
         value = _open(self._key, _REQUEST, rest)
         if value is None:
-            self.refused["bad_mac" if len(rest) != 2 or len(rest[1]) != _MAC or not hmac.compare_digest(
+            self._refused["bad_mac" if len(rest) != 2 or len(rest[1]) != _MAC or not hmac.compare_digest(
                 _mac(self._key, _REQUEST, rest[0]), rest[1]) else "malformed"] += 1
             return
         client, seq, op, args = value
         if not (isinstance(client, bytes) and len(client) == _CLIENT and type(seq) is int and isinstance(op, str)
                 and isinstance(args, list)):
-            self.refused["malformed"] += 1
+            self._refused["malformed"] += 1
             return
         if seq <= self._last_seq.get(client, 0):
-            self.refused["replay"] += 1
+            self._refused["replay"] += 1
             return
         self._last_seq[client] = seq
         try:

@@ -24,8 +24,8 @@ import numpy as np
 
 from hpcrl.config.model_shapes import ModelShape
 from hpcrl.errors import PlanError
-from hpcrl.plan.transfer_layout import chunk_source_rows, pad_vocab_size
-from hpcrl.plan.transfer_plan import TransferPlan
+from hpcrl.plan.transfer.layout import chunk_source_rows, pad_vocab_size
+from hpcrl.plan.transfer.plan import TransferPlan
 
 
 def _runs(plan: TransferPlan, side: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -144,51 +144,13 @@ def _experts(hf: dict[str, Any]) -> dict[str, dict[str, list[Any]]]:
 
 
 def _trainer_tensors(plan: TransferPlan, shape: ModelShape, hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    out = _trainer_tensors_ungrouped(plan, shape, hf)
+    out = dict(hf)
     if plan.trainer.grouped_experts:  # torchtitan's GroupedExperts: torch.stack over experts
         for prefix, projections in _experts(hf).items():
             for proj, ws in projections.items():
                 for e in range(len(ws)):
                     out.pop(f"{prefix}{e}.{proj}_proj.weight", None)
                 out[f"{prefix}{proj}_proj.weight"] = np.stack(ws).reshape(-1, ws[0].shape[1])
-    return out
-
-
-def _trainer_tensors_ungrouped(plan: TransferPlan, shape: ModelShape, hf: dict[str, np.ndarray]
-                               ) -> dict[str, np.ndarray]:
-    if plan.trainer.naming == "hf":
-        return dict(hf)
-    # torchtitan: inverse of its to_hf `_permute` (view(nh, d/2, 2, C).transpose(1, 2)).
-    def to_tt(w: np.ndarray, heads: int) -> np.ndarray:
-        d = w.shape[0] // heads
-        return w.reshape(heads, 2, d // 2, -1).transpose(0, 2, 1, 3).reshape(w.shape)
-    nh, nkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    out = {}
-    names = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
-             "lm_head.weight": "lm_head.weight"}
-    for i in range(shape.num_layers):
-        p, t = f"model.layers.{i}.", f"layers.{i}."
-        names.update({p + "input_layernorm.weight": t + "attention_norm.weight",
-                      p + "self_attn.o_proj.weight": t + "attention.wo.weight",
-                      p + "post_attention_layernorm.weight": t + "ffn_norm.weight",
-                      p + "mlp.gate_proj.weight": t + "feed_forward.w1.weight",
-                      p + "mlp.up_proj.weight": t + "feed_forward.w3.weight",
-                      p + "mlp.down_proj.weight": t + "feed_forward.w2.weight"})
-        q = to_tt(hf[p + "self_attn.q_proj.weight"], nh)
-        k = to_tt(hf[p + "self_attn.k_proj.weight"], nkv)
-        v = hf[p + "self_attn.v_proj.weight"]
-        if plan.trainer.fuse_qkv:
-            g = nh // nkv
-            out[t + "attention.qkv_linear.wqkv.weight"] = np.concatenate(
-                [np.concatenate([q[j * g * d:(j + 1) * g * d], k[j * d:(j + 1) * d], v[j * d:(j + 1) * d]])
-                 for j in range(nkv)])
-        else:
-            out[t + "attention.qkv_linear.wq.weight"] = q
-            out[t + "attention.qkv_linear.wk.weight"] = k
-            out[t + "attention.qkv_linear.wv.weight"] = v
-    for hf_name, w in hf.items():
-        if hf_name in names:
-            out[names[hf_name]] = w
     return out
 
 

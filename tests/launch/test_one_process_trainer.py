@@ -9,7 +9,7 @@ import math
 import pytest
 
 from hpcrl.config import load_config
-from hpcrl.rl.inprocess import OneProcessTrainer
+from hpcrl.launch.inprocess import OneProcessTrainer
 from hpcrl.trainer import pad_rows
 
 

@@ -216,7 +216,7 @@ def refuse_lazy_gloo() -> None:
     if os.environ.get(GLOO_LAZY_ENV, "").strip().lower() not in ("", "0", "false", "no", "off"):
         raise RuntimeError(f"{GLOO_LAZY_ENV}={os.environ[GLOO_LAZY_ENV]} makes gloo connect a group's ranks at "
                            "their first collective, through a listener that hpcrl closes to strangers once the "
-                           f"group is made (hpcrl.transfer.listen): unset {GLOO_LAZY_ENV}")
+                           f"group is made (hpcrl.rendezvous.listen): unset {GLOO_LAZY_ENV}")
 
 
 @contextmanager

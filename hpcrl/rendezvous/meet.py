@@ -4,7 +4,7 @@
     store, prefix = rendezvous_store(store=address, rank=r, world_size=w, timeout_s=120, generation=0)
     compare_digests(rank=r, digest=plan.digest, digests={rank: digest, ...}, describe=...)
 
-The store is hpcrl.transfer.bus_store: a torch.distributed.Store whose table the launcher keeps and
+The store is hpcrl.rendezvous.store: a torch.distributed.Store whose table the launcher keeps and
 whose every request is signed with the run's secret, so no port of the run accepts a peer without
 it (torch's TCPStore, used before, let anyone on the network join or disturb a formation, and the
 groups read pickled objects from it). Every transport (gloo.py, ucx.py, nccl.py) and the trainer
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from hpcrl.bus.secret import Secret, SecretError, create_secret, load_secret
 from hpcrl.errors import TransferError
-from hpcrl.transfer.bus_store import BusStore, StoreServer
+from hpcrl.rendezvous.store import BusStore, StoreServer
 
 SECRET_DIR_ENV = "HPCRL_STORE_SECRET_DIR"
 

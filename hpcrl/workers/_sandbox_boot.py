@@ -1,4 +1,4 @@
-"""The first code of a code_tests sandbox (hpcrl.reward.sandbox starts it as `python -I` this file).
+"""The first code of a code_tests sandbox (hpcrl.workers.sandbox starts it as `python -I` this file).
 
 Standard library only: it runs before anything else in the new process and imports nothing of hpcrl.
 

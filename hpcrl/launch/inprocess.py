@@ -43,8 +43,8 @@ from hpcrl.roles.trainer import local_tensors
 from hpcrl.trainer.types import TrainBatch
 
 if TYPE_CHECKING:
+    from hpcrl.rendezvous.meet import ServedStore
     from hpcrl.trainer import EngineOptions, TrainerEngine
-    from hpcrl.transfer.rendezvous import ServedStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -181,7 +181,7 @@ class InProcessPorts:
 
         from hpcrl.inference.engine import VllmEngine
         from hpcrl.plan.for_config import describe_plan, plan_for_config
-        from hpcrl.transfer.rendezvous import serve_private_store
+        from hpcrl.rendezvous.meet import serve_private_store
 
         # The transfer group's rendezvous store (no TCP port: an ipc socket in a private directory, and
         # a secret vLLM's workers find through the environment): made first, so that it outlives every

@@ -1,4 +1,4 @@
-"""The rendezvous store (hpcrl.transfer.bus_store): torch's Store operations over signed requests,
+"""The rendezvous store (hpcrl.rendezvous.store): torch's Store operations over signed requests,
 parked waits, timeouts, and peers without the run's secret refused unread.
 
 In-process: the server's thread and clients on this process's threads (a gloo group of three
@@ -21,9 +21,9 @@ import zmq
 
 from hpcrl.bus.secret import Secret, load_secret
 from hpcrl.bus.zap import as_client
-from hpcrl.transfer import bus_store
-from hpcrl.transfer.bus_store import BusStore, StoreServer
-from hpcrl.transfer.rendezvous import SECRET_DIR_ENV, serve_private_store
+from hpcrl.rendezvous import store as signed_store
+from hpcrl.rendezvous.meet import SECRET_DIR_ENV, serve_private_store
+from hpcrl.rendezvous.store import BusStore, StoreServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -101,22 +101,22 @@ def test_a_peer_without_the_secret_is_refused_unread_and_a_replayed_request_too(
         me = os.urandom(16)
         forged = msgpack.packb([me, 1, "set", ["owned", b"evil"]])
         sock.send_multipart([forged])                                    # unsigned
-        sock.send_multipart([forged, bus_store._mac(os.urandom(32), bus_store._REQUEST, forged)])  # another key
-        signed = bus_store._seal(secret.key, bus_store._REQUEST, [me, 2, "set", ["mine", b"ok"]])
+        sock.send_multipart([forged, signed_store._mac(os.urandom(32), signed_store._REQUEST, forged)])  # another key
+        signed = signed_store._seal(secret.key, signed_store._REQUEST, [me, 2, "set", ["mine", b"ok"]])
         sock.send_multipart(signed)
         sock.send_multipart(signed)                                      # the same request again
-        probe = bus_store._seal(secret.key, bus_store._REQUEST, [me, 3, "check", [["owned"]]])
+        probe = signed_store._seal(secret.key, signed_store._REQUEST, [me, 3, "check", [["owned"]]])
         sock.send_multipart(probe)
         answers = []
         while len(answers) < 2:  # one connection is read in order: the probe's answer comes after the rest
             assert sock.poll(10_000), "the store did not answer a signed request"
-            answers.append(bus_store._open(secret.key, bus_store._ANSWER, sock.recv_multipart()))
+            answers.append(signed_store._open(secret.key, signed_store._ANSWER, sock.recv_multipart()))
     finally:
         sock.close()
     assert answers == [[me, 2, True, None], [me, 3, True, False]]  # no answer to the forged or replayed ones
-    assert server.refused == {"bad_mac": 2, "replay": 1, "malformed": 0}
+    assert server.refused() == {"bad_mac": 2, "replay": 1, "malformed": 0, "handshake": 0}
     assert client().get("mine") == b"ok"
-    monkeypatch.setattr(bus_store, "_GRACE_S", 0.5)  # how long a client waits for an answer beyond the timeout
+    monkeypatch.setattr(signed_store, "_GRACE_S", 0.5)  # how long a client waits for an answer beyond the timeout
     outsider = client(timeout_s=0.1, key=Secret(os.urandom(32)))
     with pytest.raises(dist.DistStoreError, match="did not answer set"):
         outsider.set("owned", "evil")
@@ -125,7 +125,7 @@ def test_a_peer_without_the_secret_is_refused_unread_and_a_replayed_request_too(
 
 def test_a_client_without_the_runs_plain_token_delivers_nothing_not_even_a_signed_request(served):
     server, client, secret = served
-    signed = bus_store._seal(secret.key, bus_store._REQUEST, [os.urandom(16), 1, "set", ["owned", b"evil"]])
+    signed = signed_store._seal(secret.key, signed_store._REQUEST, [os.urandom(16), 1, "set", ["owned", b"evil"]])
     socks, monitors = [], []
     for token in (None, Secret(os.urandom(32))):  # no credentials; another run's token
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -145,7 +145,7 @@ def test_a_client_without_the_runs_plain_token_delivers_nothing_not_even_a_signe
         for monitor in monitors:  # each client's handshake failed (NULL: at the greeting; a wrong token: by ZAP)
             assert monitor.poll(10_000), "a client's handshake neither failed nor passed"
             monitor.recv_multipart()
-        assert server.refused_handshakes() >= 1  # the wrong token, counted by the store's handler
+        assert server.refused()["handshake"] >= 1  # the wrong token, counted by the store's handler
         assert not any(sock.poll(0) for sock in socks)
     finally:
         for sock in socks:
@@ -154,7 +154,8 @@ def test_a_client_without_the_runs_plain_token_delivers_nothing_not_even_a_signe
         for monitor in monitors:
             monitor.close()
     assert not client().check(["owned"])
-    assert server.refused == {"bad_mac": 0, "replay": 0, "malformed": 0}  # nothing reached the MAC check
+    assert {k: v for k, v in server.refused().items() if k != "handshake"} == \
+        {"bad_mac": 0, "replay": 0, "malformed": 0}  # nothing reached the MAC check
 
 
 def test_three_ranks_form_a_gloo_group_through_it_and_allreduce(served):

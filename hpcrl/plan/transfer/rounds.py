@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpcrl.plan.transfer_plan import DEFAULT_ROUND_BYTES, TransferPlan
+from hpcrl.plan.transfer.plan import DEFAULT_ROUND_BYTES, TransferPlan
 
 __all__ = ["DEFAULT_ROUND_BYTES", "Message", "messages", "receiver_rank", "rounds"]
 

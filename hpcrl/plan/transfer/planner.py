@@ -3,8 +3,8 @@
     plan(trainer_layout, inference_layout, shape) -> TransferPlan
 
 Pure and deterministic. For every HF weight it intersects three row maps: the vLLM segments of
-each TP rank (transfer_layout.vllm_layout), the pieces of the trainer tensors that hold those
-rows (transfer_names), and each dp_shard rank's torch.chunk row range. Each intersection is one
+each TP rank (layout.vllm_layout), the pieces of the trainer tensors that hold those
+rows (names), and each dp_shard rank's torch.chunk row range. Each intersection is one
 strided block (rows of one segment's column range); contiguous blocks are coalesced. Layers
 share one template (the blocks of layer 0, re-labelled per layer with numpy), so a 70B plan
 costs about as much as a 1-layer one.
@@ -26,9 +26,9 @@ import numpy as np
 
 from hpcrl.config.model_shapes import ModelShape
 from hpcrl.errors import PlanError
-from hpcrl.plan.transfer_layout import InferenceLayout, Segment, TrainerLayout, chunk_source_rows, vllm_layout
-from hpcrl.plan.transfer_names import Piece, trainer_sources
-from hpcrl.plan.transfer_plan import COLUMNS, WIRE_DTYPE_BYTES, TransferPlan
+from hpcrl.plan.transfer.layout import InferenceLayout, Segment, TrainerLayout, chunk_source_rows, vllm_layout
+from hpcrl.plan.transfer.names import Piece, trainer_sources
+from hpcrl.plan.transfer.plan import COLUMNS, WIRE_DTYPE_BYTES, TransferPlan
 
 #: Default message size: 64 MiB, large enough for full link speed, small enough to pipeline.
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -109,8 +109,7 @@ def plan(trainer: TrainerLayout, inference: InferenceLayout, shape: ModelShape, 
                         f"replicas, TP {tp} (limits 2^17, 2^12, 2^10)")
     dests, segs = vllm_layout(shape, tp, inference.vocab_padding, expert_parallel=inference.expert_parallel,
                               expert_placement=inference.expert_placement)
-    sources, pieces = trainer_sources(shape, naming=trainer.naming, fuse_qkv=trainer.fuse_qkv,
-                                      grouped_experts=trainer.grouped_experts)
+    sources, pieces = trainer_sources(shape, grouped_experts=trainer.grouped_experts)
     src_unit = {s.name: s.shard_rows for s in sources}
     src_index = {s.name: i for i, s in enumerate(sources)}
     dst_index = {d.name: i for i, d in enumerate(dests)}
