@@ -42,7 +42,7 @@ def plan_for_config(config: Config, shape: ModelShape | None = None) -> Transfer
     replicate = max(1, config.trainer.dp_replicate)
     if shape is None:
         shape = load_shape(preset_name=config.model.preset, path=config.model.path)
-    moe = bool(getattr(shape, "num_experts", 0))
+    moe = shape.experts() is not None
     # A MoE trainer holds each layer's experts as torchtitan's grouped stacks (hpcrl.trainer.weights
     # names them as HF without the expert index); vLLM's expert parallel only matters for a MoE.
     plan = plan_transfer(TrainerLayout(dp_replicate=replicate, dp_shard=world // replicate, naming="hf",

@@ -458,7 +458,7 @@ class TrainerEngine:
 
 
 def _has_moe(shape: ModelShape) -> bool:
-    return any(shape.is_moe_layer(i) for i in range(shape.num_layers))
+    return shape.experts() is not None
 
 
 def _idle_batch(like: RolloutBatch) -> RolloutBatch:
