@@ -1,7 +1,7 @@
 """Run configuration: TOML -> frozen dataclasses, with errors that name file, line, key and fix."""
 
 from hpcrl.config.load import load_config
-from hpcrl.config.model_shapes import ModelShape, load_shape
+from hpcrl.config.model_shapes import ModelShape, load_shape, shape_of
 from hpcrl.config.schema import GROUP_NAMES, Config
 
-__all__ = ["GROUP_NAMES", "Config", "ModelShape", "load_config", "load_shape"]
+__all__ = ["GROUP_NAMES", "Config", "ModelShape", "load_config", "load_shape", "shape_of"]

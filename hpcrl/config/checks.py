@@ -18,7 +18,7 @@ from hpcrl.config.builtin_names import (
     BUILTIN_TASK_NAMES,
 )
 from hpcrl.config.components import make_components
-from hpcrl.config.model_shapes import ModelShape, load_shape
+from hpcrl.config.model_shapes import ModelShape, shape_of
 from hpcrl.config.schema import GROUP_NAMES, Config
 from hpcrl.errors import ConfigError
 
@@ -31,7 +31,7 @@ def check_config(config: Config) -> ModelShape:
     """Check every cross-table rule; return the model's shape (which the rules needed)."""
     _check_group_names(config)
     _check_run_dir(config)
-    shape = load_shape(preset_name=config.model.preset, path=config.model.path)
+    shape = shape_of(config.model)
     _check_trainer_layout(config)
     _check_inference_layout(config, shape)
     _check_batches(config)

@@ -11,12 +11,16 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpcrl.errors import ConfigError
-from hpcrl.models import ModelShape, from_hf_config
+from hpcrl.models import ModelShape, from_hf_config, import_families
 from hpcrl.models.presets import PRESETS
 
-__all__ = ["DTYPE_BYTES", "PRESETS", "ModelShape", "from_hf_config", "load_shape", "preset"]
+if TYPE_CHECKING:
+    from hpcrl.config.schema import ModelConfig
+
+__all__ = ["DTYPE_BYTES", "PRESETS", "ModelShape", "from_hf_config", "load_shape", "preset", "shape_of"]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -29,6 +33,12 @@ def preset(name: str) -> ModelShape:
     guess = f"did you mean {close[0]!r}? " if close else ""
     raise ConfigError(key="model.preset", problem=f"unknown model preset {name!r}",
                       fix=f"{guess}known presets: {', '.join(PRESETS)}; or set model.path to a checkpoint")
+
+
+def shape_of(model: ModelConfig) -> ModelShape:
+    """The shape of the run's model (`load_shape`), after importing the run's family modules."""
+    import_families(model.family_modules)
+    return load_shape(preset_name=model.preset, path=model.path)
 
 
 def load_shape(*, preset_name: str, path: str) -> ModelShape:

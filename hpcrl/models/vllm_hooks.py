@@ -49,7 +49,8 @@ class VllmLoadHook(ABC):
         """Whether this hook handles vLLM's module `module` (named `name` in the model)."""
 
     def check(self, module: Any, side: VllmSide) -> None:
-        """Raise TransferError unless the layer is what the plan writes (once per plan)."""
+        """Raise TransferError unless the layer is what the plan writes (once per plan). Nothing by default."""
+        return None
 
     def receive_into(self, module: Any, attr: str, rows_columns: tuple[int, int], side: VllmSide) -> Any:
         """The tensor to receive parameter `attr` into: the plan writes (rows, columns) of it. By
@@ -58,3 +59,4 @@ class VllmLoadHook(ABC):
 
     def after_update(self, module: Any, side: VllmSide) -> None:
         """Run once every planned parameter of the update is written (e.g. repack). Nothing by default."""
+        return None

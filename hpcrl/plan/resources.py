@@ -41,7 +41,7 @@ from typing import TypedDict
 from hpcrl.config.components import Component, make_components
 from hpcrl.config.model_shapes import DTYPE_BYTES, ModelShape
 from hpcrl.config.schema import Config
-from hpcrl.models.shape import Experts, numel
+from hpcrl.models.shape import Experts
 from hpcrl.plan.transfer_speed import host_round_trip_warning
 
 GIB = 1024**3

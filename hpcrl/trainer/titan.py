@@ -42,9 +42,9 @@ from __future__ import annotations
 import importlib
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, partial
-from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import torch

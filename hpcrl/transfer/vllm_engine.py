@@ -251,7 +251,7 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         replaces only their parameters, on CPU)."""
         params = dict(self.model.named_parameters())
         where = f"replica {self.replica} TP rank {self.tp_rank}"
-        slots = []
+        slots: list[tuple[str, torch.nn.Module, VllmLoadHook | None, str, tuple[int, ...]]] = []
         for d in plan.dests:
             if d.name not in params:
                 raise TransferError(f"{where}: the served model has no parameter {d.name!r}")
@@ -283,13 +283,14 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         from vllm.platforms import current_platform
 
         assert self._slots is not None
-        side, hooked, out = self._side(), set(), []
+        side, hooked = self._side(), set()
+        out: list[Callable[[], None]] = []
         for _, module, hook, _, _ in self._slots:
             if hook is not None and id(module) not in hooked:
                 hooked.add(id(module))
                 out.append(partial(hook.after_update, module, side))
         if current_platform.is_cpu():
-            out += [partial(module.quant_method.process_weights_after_loading, module)
+            out += [partial(getattr(module, "quant_method").process_weights_after_loading, module)  # noqa: B009
                     for module in self.model.modules()
                     if id(module) not in hooked
                     and hasattr(getattr(module, "quant_method", None), "process_weights_after_loading")
