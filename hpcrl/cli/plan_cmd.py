@@ -181,8 +181,8 @@ def refuse_unfit_plan(config: Config, config_path: str) -> None:
     the safe side (hpcrl.plan.resources), and someone who measured may know better."""
     if config.run.ignore_memory_plan:
         return
-    from hpcrl.config.model_shapes import load_shape
-    shape = load_shape(preset_name=config.model.preset, path=config.model.path)
+    from hpcrl.config.model_shapes import shape_of
+    shape = shape_of(config.model)
     reasons = unfit_reasons(config, plan_resources(config, shape))
     if reasons:
         raise PlanError(f"{config_path}: the memory plan says DOES NOT FIT: " + "; ".join(reasons)

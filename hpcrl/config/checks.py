@@ -19,7 +19,7 @@ from hpcrl.config.builtin_names import (
 )
 from hpcrl.config.components import make_components
 from hpcrl.config.groups import GROUP_NAMES, HEAD, INFERENCE, REWARD, TRAINER
-from hpcrl.config.model_shapes import ModelShape, load_shape
+from hpcrl.config.model_shapes import ModelShape, shape_of
 from hpcrl.config.schema import Config
 from hpcrl.errors import ConfigError
 
@@ -32,7 +32,7 @@ def check_config(config: Config) -> ModelShape:
     """Check every cross-table rule; return the model's shape (which the rules needed)."""
     _check_group_names(config)
     _check_run_dir(config)
-    shape = load_shape(preset_name=config.model.preset, path=config.model.path)
+    shape = shape_of(config.model)
     _check_trainer_layout(config)
     _check_inference_layout(config, shape)
     _check_batches(config)
@@ -294,7 +294,7 @@ def _check_eval(config: Config) -> None:
 
 
 def _check_moe_keys(config: Config, shape: ModelShape) -> None:
-    if config.algorithm.moe_aux_loss_coef > 0 and not any(shape.is_moe_layer(i) for i in range(shape.num_layers)):
+    if config.algorithm.moe_aux_loss_coef > 0 and shape.experts() is None:
         _fail("algorithm.moe_aux_loss_coef",
               f"is {config.algorithm.moe_aux_loss_coef} but {shape.architecture} has no Mixture-of-Experts block "
               "(no router to balance)", "set algorithm.moe_aux_loss_coef = 0, or train a MoE model")
@@ -302,7 +302,7 @@ def _check_moe_keys(config: Config, shape: ModelShape) -> None:
         _fail("inference.expert_parallel",
               "is true on CPU inference (gpus_per_node = 0): vLLM 0.32's CPU MoE kernel crashes on the first forward "
               "under expert parallel (docs/FACTS.md)", "set inference.expert_parallel = false (tensor parallel) on CPU")
-    if config.inference.expert_parallel and shape.num_experts == 0:
+    if config.inference.expert_parallel and shape.experts() is None:
         _fail("inference.expert_parallel", f"is true but {shape.architecture} has no experts",
               "set inference.expert_parallel = false")
 

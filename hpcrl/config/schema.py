@@ -97,6 +97,9 @@ class ModelConfig:
     """Directory of a Hugging Face checkpoint (config.json, safetensors, tokenizer)."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Dtype of the weights in compute (trainer mixed precision and vLLM); float32 on CPU."""
+    family_modules: list[str] = field(default_factory=list)
+    """Modules that register model families from outside hpcrl (hpcrl.models.register), imported by
+    every process of the run, vLLM's workers too (docs/ARCHITECTURE.md, "Model families")."""
 
     def __post_init__(self) -> None:
         _require(bool(self.preset or self.path), "preset",

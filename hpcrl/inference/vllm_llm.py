@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from hpcrl.inference.types import InferenceError
+from hpcrl.models import FAMILY_MODULES_ENV, families, import_families
 
 #: The vLLM worker extension (hpcrl.inference.vllm_worker): hpcrl's worker methods, and importing it
 #: registers hpcrl's weight-transfer engine in every worker.
@@ -104,17 +105,35 @@ def _import_llm() -> Any:
     return LLM
 
 
-def start_llm(*, on_cpu: bool, tensor_parallel: int, cpu_binding: str | None = None, **kwargs: Any) -> Any:
+def serve_families(modules: Sequence[str]) -> None:
+    """Import the run's family modules in this process (hpcrl.models.import_families), and register
+    with vLLM's ModelRegistry the model class of every family whose architecture vLLM lacks
+    (`Family.vllm_model`). Idempotent; start_llm calls it, and vLLM's workers at import
+    (hpcrl.inference.vllm_worker)."""
+    import_families(modules)
+    from vllm import ModelRegistry
+
+    known = set(ModelRegistry.get_supported_archs())
+    for family in families():
+        if family.vllm_model and family.architecture not in known:
+            ModelRegistry.register_model(family.architecture, family.vllm_model)
+
+
+def start_llm(*, on_cpu: bool, tensor_parallel: int, cpu_binding: str | None = None,
+              family_modules: Sequence[str] = (), **kwargs: Any) -> Any:
     """vLLM's `LLM(**kwargs)` at `tensor_parallel` ranks, its processes started in the environment and
     with the executor of the module docstring. The workers' CPUs ("0|1": rank 0 on CPU 0, rank 1 on
     CPU 1): the caller's VLLM_CPU_OMP_THREADS_BIND, else `cpu_binding`, else one group per TP rank
-    (vLLM's own choice with TP 1)."""
+    (vLLM's own choice with TP 1). `family_modules` (model.family_modules) are served here and in
+    every process vLLM starts (`serve_families`)."""
     binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or cpu_binding or (
         cpu_thread_binding(tensor_parallel) if tensor_parallel > 1 else None)
     LLM = _import_llm()
+    serve_families(family_modules)
     kwargs["tensor_parallel_size"] = tensor_parallel
     # Read by the processes LLM() starts: vLLM's mp workers, or its engine core with the worker inside.
     values: dict[str, str | None] = {"VLLM_CPU_OMP_THREADS_BIND": binding if on_cpu else None,
+                                     FAMILY_MODULES_ENV: ",".join(family_modules) or None,
                                      **loopback_environment()}
     if tensor_parallel > 1:
         kwargs["distributed_executor_backend"] = "mp"

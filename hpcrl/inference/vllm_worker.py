@@ -9,6 +9,9 @@ vLLM imports `worker_extension_cls` in every worker process before it loads the 
 - it imports hpcrl.transfer.vllm_engine, which registers hpcrl's weight-transfer engine ("hpcrl")
   in that worker's registry, where vLLM creates the engine (CPU workers are spawned, so the
   client's registration would not reach them);
+- it imports the run's model family modules (model.family_modules, named to the worker by the
+  environment start_llm set: hpcrl.models.FAMILY_MODULES_ENV), so that a family from outside hpcrl
+  is known here too: its shape, its load hooks, its vLLM model class (serve_families);
 - on CPU it cuts the workers' busy loop (quiet_idle_workers). vLLM's worker busy-loops
   (sched_yield) for a second after every message it reads from its engine
   (vllm/distributed/device_communicators/shm_broadcast.py, SpinCondition, busy_loop_s = 1), so a
@@ -24,11 +27,14 @@ The client side (building the LLM, shutting it down) is hpcrl.inference.vllm_llm
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Protocol
 
 import torch
 
 import hpcrl.transfer.vllm_engine  # noqa: F401 - registers "hpcrl" in this worker's weight-transfer registry
+from hpcrl.inference.vllm_llm import serve_families
+from hpcrl.models import FAMILY_MODULES_ENV
 
 #: Seconds a vLLM worker on CPU keeps busy-looping after a read before it sleeps (vLLM: 1 s).
 CPU_WORKER_SPIN_S = 0.005
@@ -56,6 +62,7 @@ def quiet_idle_workers(spin_s: float = CPU_WORKER_SPIN_S) -> None:
 
 
 quiet_idle_workers()
+serve_families([m for m in os.environ.get(FAMILY_MODULES_ENV, "").split(",") if m])
 
 
 def _sha(t: torch.Tensor) -> str:

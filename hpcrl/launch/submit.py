@@ -111,9 +111,9 @@ def launch_record(config: Config, spec: JobSpec, *, executor: str, python: str, 
         raise ConfigError(file="--steps", key="", problem=f"{stop_after} is outside 1..trainer.steps "
                           f"({config.trainer.steps})", fix="give a step the run reaches, or raise trainer.steps")
     if start_timeout_s is None:
-        from hpcrl.config.model_shapes import load_shape
+        from hpcrl.config.model_shapes import shape_of
         from hpcrl.plan.timeouts import run_timeouts
-        shape = load_shape(preset_name=config.model.preset, path=config.model.path)
+        shape = shape_of(config.model)
         start_timeout_s = run_timeouts(config, shape).start_s
     return LaunchRecord(program=program, stop_after=stop_after, run_name=config.run.name,
                         run_dir=str(Path(config.run_dir).absolute()), executor=executor, layout=spec.layout,

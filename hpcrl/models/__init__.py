@@ -8,13 +8,20 @@ trainer and vLLM adapter ask a shape's family (hpcrl/models/family.py says who a
 module outside this package tests an architecture's name.
 
 To add a family: a folder here whose `FAMILY` is a `Family` (most are a `DenseDecoder` with a hook
-or two overridden, see llama/, qwen2/, qwen3/), and one `register` line below. tests/models/
-registers a toy family from outside the package the same way.
+or two overridden, see llama/, qwen2/, qwen3/), and one `register` line below.
+
+A family from outside the package: a module that calls `register(FAMILY)` when imported, named in
+the run's config (`model.family_modules = ["my_pkg.my_family"]`). Every process of a run imports
+it (`import_families`) before it reads a shape: the head and the trainer ranks through
+hpcrl.config.model_shapes.shape_of, the inference tasks too, and vLLM's processes through the
+environment (FAMILY_MODULES_ENV, set by hpcrl.inference.vllm_llm.start_llm and read by the worker
+extension, hpcrl.inference.vllm_worker). tests/models/external_family.py is one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import importlib
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hpcrl.errors import ConfigError
@@ -23,8 +30,11 @@ from hpcrl.models.family import Family, TitanModel
 from hpcrl.models.layout import Piece, SourceTensor, VllmParam
 from hpcrl.models.shape import ModelShape
 
-__all__ = ["Family", "ModelShape", "Piece", "SourceTensor", "TitanModel", "VllmParam", "architectures",
-           "family_for", "from_hf_config", "register"]
+__all__ = ["FAMILY_MODULES_ENV", "Family", "ModelShape", "Piece", "SourceTensor", "TitanModel", "VllmParam",
+           "architectures", "family_for", "families", "from_hf_config", "import_families", "register"]
+
+#: The environment variable naming the run's family modules (comma-separated) to vLLM's processes.
+FAMILY_MODULES_ENV = "HPCRL_FAMILY_MODULES"
 
 _FAMILIES: dict[str, Family] = {}
 
@@ -44,6 +54,23 @@ register(llama.FAMILY)
 register(qwen2.FAMILY)
 register(qwen3.FAMILY)
 register(qwen3_moe.FAMILY)
+
+
+def import_families(modules: Sequence[str]) -> None:
+    """Import each module of `modules` (idempotent), which registers its family; ConfigError naming
+    model.family_modules when one cannot be imported."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ConfigError(key="model.family_modules", problem=f"cannot import model family module {module!r} ({err})",
+                              fix="name a module on the PYTHONPATH of every process of the run, which calls "
+                                  "hpcrl.models.register(FAMILY) when imported") from None
+
+
+def families() -> tuple[Family, ...]:
+    """Every registered family."""
+    return tuple(_FAMILIES.values())
 
 
 def architectures() -> tuple[str, ...]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from hpcrl.models.blocks import Block, DenseMLP, GroupedQueryAttention
 from hpcrl.models.family import Family, TitanModel
 from hpcrl.models.layout import VllmLayer, VllmParam
 from hpcrl.models.shape import ModelShape, numel
@@ -101,6 +102,11 @@ class DenseDecoder(Family):
         yield "model.norm.weight", (h,)
         if not shape.tie_embeddings:
             yield "lm_head.weight", (shape.vocab_size, h)
+
+    def blocks(self, shape: ModelShape) -> list[Block]:
+        attention = GroupedQueryAttention(num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+                                          head_dim=shape.head_dim, qkv_bias=shape.qkv_bias, qk_norm=shape.qk_norm)
+        return [Block(attention=attention, mlp=DenseMLP(hidden_dim=shape.intermediate_size))] * shape.num_layers
 
     def layer_parameters(self, shape: ModelShape) -> int:
         prefix = "model.layers.0."

@@ -6,9 +6,16 @@ Every module that once asked `if architecture == ...` asks the shape's family in
   plan         `hf_parameters` (names and shapes), `layer_parameters` and
                `activation_values_per_token` (memory estimate terms), `vllm_parameters` (vLLM's
                tensor-parallel layout)
-  trainer      `titan`: the torchtitan model, block and state-dict adapter classes, by dotted
+  plan         `kv_bytes_per_token` (the KV cache a token takes, from each block's attention kind)
+  trainer      `blocks` (each block's attention kind and MLP kind, the MoE router kind: generic layer
+               kinds, hpcrl/models/blocks.py, that hpcrl.trainer.titan turns into torchtitan configs),
+               `titan`: the torchtitan model, block and state-dict adapter classes, by dotted
                path, and the HF -> torchtitan name templates its adapter lacks (hpcrl.trainer.titan
                imports them: it stays the only module that imports torchtitan)
+  vLLM         `vllm_model` (the vLLM model class to register for an architecture vLLM lacks:
+               hpcrl.inference registers it in every vLLM process), `vllm_load_hooks` (what vLLM does
+               to some layers after loading, which a weight update must undo and redo:
+               hpcrl.transfer.vllm_engine calls them; hpcrl/models/vllm_hooks.py)
 
 hpcrl/models/dense.py implements all of it for Llama-style dense decoders; a family folder
 (hpcrl/models/llama/, qwen2/, qwen3/) says only how it differs.
@@ -21,8 +28,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpcrl.models.blocks import Block
 from hpcrl.models.layout import VllmParam
 from hpcrl.models.shape import ModelShape
+from hpcrl.models.vllm_hooks import VllmLoadHook
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +59,20 @@ class Family(ABC):
     model_type: str
     """config.json's "model_type" (transformers' AutoConfig key)."""
     titan: TitanModel
+    vllm_model: str | None = None
+    """vLLM's model class for `architecture`, "module:Class", when vLLM does not know the architecture
+    (e.g. "vllm.model_executor.models.llama:LlamaForCausalLM"); None: vLLM's own registry has it."""
+    vllm_load_hooks: tuple[VllmLoadHook, ...] = ()
+    """What vLLM does to this family's layers after loading beyond repacking plain linears (e.g.
+    prepacking fused experts on CPU); the weight-transfer engine calls them around every update."""
+
+    @abstractmethod
+    def blocks(self, shape: ModelShape) -> list[Block]:
+        """What each transformer block of `shape` is made of, in order (hpcrl/models/blocks.py)."""
+
+    def kv_bytes_per_token(self, shape: ModelShape, dtype_bytes: int, tensor_parallel: int = 1) -> int:
+        """KV-cache bytes one token takes on one tensor-parallel rank: each block's attention kind says."""
+        return dtype_bytes * sum(block.attention.kv_values_per_token(tensor_parallel) for block in self.blocks(shape))
 
     @abstractmethod
     def shape_from_hf_config(self, config: Mapping[str, Any]) -> ModelShape:

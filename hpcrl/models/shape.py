@@ -1,9 +1,10 @@
 """`ModelShape`: the sizes of a model, without any weights.
 
 Everything the planners need to know about a model (parameter names and shapes, parameter
-count, KV-cache bytes per token) comes from a `ModelShape`. What depends on the architecture
-(which parameters exist, how config.json spells the sizes) its family says (`shape.family`,
-hpcrl.models); the shape only holds the numbers.
+count, KV-cache bytes per token) comes from a `ModelShape` and its family. What depends on the
+architecture (which parameters exist, how config.json spells the sizes, what a block is made of)
+its family says (`shape.family`, hpcrl.models); the shape only holds the numbers, and a family
+whose model has sizes the others lack has a shape type of its own (a subclass, in its folder).
 """
 
 from __future__ import annotations
@@ -17,7 +18,26 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Experts:
+    """What a Mixture-of-Experts model's routed experts look like from outside its family."""
+
+    layers: tuple[int, ...]
+    """The blocks that route to experts (the others keep a dense MLP)."""
+    num_experts: int
+    """Routed experts per MoE block."""
+    top_k: int
+    """Experts each token is routed to."""
+    parameters: int
+    """Parameters of the routed experts of every MoE block together."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelShape:
+    """The sizes every family's decoder has: embeddings, blocks of attention and MLP, the head.
+
+    A family with sizes of its own (experts, latent attention ...) subclasses it in its folder
+    (hpcrl/models/qwen3_moe/shape.py); `Family.blocks` says what each block is made of."""
+
     architecture: str
     """Hugging Face architecture name (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM): names the family."""
     hidden_size: int
@@ -35,24 +55,11 @@ class ModelShape:
     max_position: int = 8192
     rope_theta: float = 500000.0
     rms_norm_eps: float = 1e-5
-    # Mixture-of-Experts (Qwen3-MoE, hpcrl/models/qwen3_moe/); the defaults are a dense model.
-    num_experts: int = 0
-    """Routed experts per MoE layer (0: a dense model)."""
-    num_experts_per_tok: int = 0
-    """Experts each token is routed to (top-k)."""
-    moe_intermediate_size: int = 0
-    """Each expert's SwiGLU width; dense layers of a MoE model keep `intermediate_size`."""
-    decoder_sparse_step: int = 1
-    """Layer i is a MoE layer when (i + 1) % decoder_sparse_step == 0 (and not in mlp_only_layers)."""
-    mlp_only_layers: tuple[int, ...] = ()
-    """Layers that keep a dense MLP whatever decoder_sparse_step says."""
-    norm_topk_prob: bool = False
-    """Renormalise the top-k routing weights to sum to 1."""
 
-    def is_moe_layer(self, layer: int) -> bool:
-        """Whether block `layer` routes to experts (the rule of transformers' and vLLM's Qwen3-MoE)."""
-        return (self.num_experts > 0 and layer not in self.mlp_only_layers
-                and (layer + 1) % self.decoder_sparse_step == 0)
+    def experts(self) -> Experts | None:
+        """The routed experts, for a Mixture-of-Experts model (its family's shape type says); None
+        for a dense one. What hpcrl outside hpcrl/models/ may know of a MoE."""
+        return None
 
     @property
     def family(self) -> Family:
@@ -74,11 +81,6 @@ class ModelShape:
     def layer_parameters(self) -> int:
         """Parameters of one transformer block (what FSDP gathers at a time)."""
         return self.family.layer_parameters(self)
-
-    def kv_bytes_per_token(self, dtype_bytes: int, tensor_parallel: int = 1) -> int:
-        """KV-cache bytes one token takes on one tensor-parallel rank (KV heads replicate past TP)."""
-        kv_heads_per_rank = max(1, self.num_kv_heads // tensor_parallel)
-        return 2 * self.num_layers * kv_heads_per_rank * self.head_dim * dtype_bytes
 
     def to_hf_config(self) -> dict:
         """A Hugging Face config.json dict for this shape (used by tools/make_tiny_model.py)."""

@@ -32,17 +32,17 @@ def wire_dtype_for(config: Config) -> str:
 
 
 def plan_for_config(config: Config, shape: ModelShape | None = None) -> TransferPlan:
-    """The run's transfer plan. `shape` is the config's model (load_shape of [model]), read here when
+    """The run's transfer plan. `shape` is the config's model (shape_of [model]), read here when
     not given; a caller that already read it passes it so the model files are read once."""
-    from hpcrl.config.model_shapes import load_shape
+    from hpcrl.config.model_shapes import shape_of
     from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
     from hpcrl.plan.transfer.planner import plan as plan_transfer
 
     world = config.trainer.world_size
     replicate = max(1, config.trainer.dp_replicate)
     if shape is None:
-        shape = load_shape(preset_name=config.model.preset, path=config.model.path)
-    moe = bool(getattr(shape, "num_experts", 0))
+        shape = shape_of(config.model)
+    moe = shape.experts() is not None
     # A MoE trainer holds each layer's experts as torchtitan's grouped stacks (hpcrl.trainer.weights
     # names them as HF without the expert index); vLLM's expert parallel only matters for a MoE.
     plan = plan_transfer(TrainerLayout(dp_replicate=replicate, dp_shard=world // replicate,

@@ -41,7 +41,7 @@ from typing import TypedDict
 from hpcrl.config.components import Component, make_components
 from hpcrl.config.model_shapes import DTYPE_BYTES, ModelShape
 from hpcrl.config.schema import Config
-from hpcrl.models.shape import numel
+from hpcrl.models.shape import Experts
 from hpcrl.plan.transfer.speed import host_round_trip_warning
 
 GIB = 1024**3
@@ -176,24 +176,18 @@ def _inference_memory(config: Config, shape: ModelShape) -> tuple[MemoryEstimate
         kv_cache = int(inf.kv_cache_gib * GIB) * tp or int(inf.gpu_memory_utilization * (capacity or 16 * GIB))
         parts = {"weights": weights * tp, "kv_cache": kv_cache, "runtime": int(CPU_RUNTIME_OVERHEAD)}
         estimate = MemoryEstimate(device="CPU node", parts=parts, capacity=capacity)
-    tokens = max(kv_cache, 0) // shape.kv_bytes_per_token(dtype, tp)
+    tokens = max(kv_cache, 0) // shape.family.kv_bytes_per_token(shape, dtype, tp)
     return estimate, tokens
 
 
-def expert_parameters(shape: ModelShape) -> int:
-    """Parameters of the routed experts of every MoE block (0 for a dense model)."""
-    return sum(numel(size) for name, size in shape.hf_parameters() if ".mlp.experts." in name)
-
-
-def _moe_note(config: Config, shape: ModelShape) -> str:
+def _moe_note(config: Config, shape: ModelShape, experts: Experts) -> str:
     t = config.trainer
     shard = t.world_size // t.dp_replicate if t.dp_shard == -1 else t.dp_shard
-    experts = expert_parameters(shape)
-    per_rank = -(-shape.num_experts // shard)
-    return (f"experts: {experts / 1e9:.2f} B of the {shape.num_parameters / 1e9:.2f} B parameters "
-            f"({100 * experts / shape.num_parameters:.0f}%), FSDP-sharded whole: up to {per_rank} of every "
-            f"block's {shape.num_experts} per trainer rank; activations count each token through its "
-            f"top {shape.num_experts_per_tok}")
+    per_rank = -(-experts.num_experts // shard)
+    return (f"experts: {experts.parameters / 1e9:.2f} B of the {shape.num_parameters / 1e9:.2f} B parameters "
+            f"({100 * experts.parameters / shape.num_parameters:.0f}%), FSDP-sharded whole: up to {per_rank} of "
+            f"every block's {experts.num_experts} per trainer rank; activations count each token through its "
+            f"top {experts.top_k}")
 
 
 def plan_resources(config: Config, shape: ModelShape) -> ResourcePlan:
@@ -214,8 +208,9 @@ def plan_resources(config: Config, shape: ModelShape) -> ResourcePlan:
     if not inference_memory.fits:
         notes.append(f"inference does NOT fit: {inference_memory.total / GIB:.1f} GiB per {inference_memory.device} > "
                      f"{inference_memory.capacity / GIB:.1f} GiB; raise tensor_parallel, or lower kv_cache_gib")
-    if shape.num_experts:
-        notes.append(_moe_note(config, shape))
+    experts = shape.experts()
+    if experts is not None:
+        notes.append(_moe_note(config, shape, experts))
     if kv_tokens < max_len:
         notes.append(f"inference does NOT fit: the KV cache holds {kv_tokens} tokens per replica, "
                      f"fewer than one sequence of {max_len}; raise tensor_parallel, gpu_memory_utilization or kv_cache_gib")

@@ -86,10 +86,10 @@ def _rank0(replies: list[Rep | None], endpoint: Endpoint) -> Rep:
 
 def _rejoin_timeout_s(config: Config) -> float:
     """run.rejoin_timeout_s, or derived from the model's size (hpcrl.plan.timeouts)."""
-    from hpcrl.config.model_shapes import load_shape
+    from hpcrl.config.model_shapes import shape_of
     from hpcrl.plan.timeouts import run_timeouts
 
-    return run_timeouts(config, load_shape(preset_name=config.model.preset, path=config.model.path)).rejoin_s
+    return run_timeouts(config, shape_of(config.model)).rejoin_s
 
 
 class BusPorts:

@@ -57,10 +57,10 @@ if TYPE_CHECKING:  # imported when the role starts or the first transfer connect
 def rendezvous_timeout(config: Config) -> timedelta:
     """How long trainer ranks wait for each other to form their process group (and its collectives'
     timeout): run.start_timeout_s, or derived from the model's size (hpcrl.plan.timeouts)."""
-    from hpcrl.config.model_shapes import load_shape
+    from hpcrl.config.model_shapes import shape_of
     from hpcrl.plan.timeouts import run_timeouts
 
-    shape = load_shape(preset_name=config.model.preset, path=config.model.path)
+    shape = shape_of(config.model)
     return timedelta(seconds=run_timeouts(config, shape).start_s)
 
 

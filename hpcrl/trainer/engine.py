@@ -43,7 +43,7 @@ from torch import Tensor
 from hpcrl.algorithms import load_algorithm
 from hpcrl.algorithms.base import Options, options_of
 from hpcrl.algorithms.terms import Normaliser, local_counts
-from hpcrl.config.model_shapes import ModelShape, load_shape
+from hpcrl.config.model_shapes import ModelShape, shape_of
 from hpcrl.errors import TrainerError
 from hpcrl.trainer import checkpoint, routing, titan, weights
 from hpcrl.trainer.batch import RolloutBatch, pad_rows
@@ -146,7 +146,7 @@ class EngineOptions:
         t, m = config.trainer, config.model
         device = device or ("cuda" if t.gpus_per_node > 0 else "cpu")
         values = dict(
-            shape=load_shape(preset_name=m.preset, path=m.path), weights_path=m.path,
+            shape=shape_of(m), weights_path=m.path,
             max_seq_len=config.max_model_len + 1,
             dtype=m.dtype if device == "cuda" else "float32", device=device, seed=config.run.seed,
             temperature=config.inference.temperature or 1.0, lr=t.lr, betas=tuple(t.betas), eps=t.eps,
@@ -458,7 +458,7 @@ class TrainerEngine:
 
 
 def _has_moe(shape: ModelShape) -> bool:
-    return any(shape.is_moe_layer(i) for i in range(shape.num_layers))
+    return shape.experts() is not None
 
 
 def _idle_batch(like: RolloutBatch) -> RolloutBatch:

@@ -17,14 +17,17 @@ Choices that differ from torchtitan's own recipes, and why:
 
 Model families (hpcrl.models) name their torchtitan classes by dotted path (`Family.titan`),
 imported here: Llama 3 (`Llama3Model`), Qwen3 (`Qwen3Model`, q/k norms), and Qwen2 built from
-Qwen3's blocks with q/k/v biases and no q/k norm (torchtitan 0.3.0 has no Qwen2 model); q/k/v
-biases and q/k norms follow the shape, whatever the family. Llama 3.1+ "llama3" RoPE frequency
+Qwen3's blocks with q/k/v biases and no q/k norm (torchtitan 0.3.0 has no Qwen2 model). What each
+block holds the family says with generic layer kinds (`Family.blocks`, hpcrl/models/blocks.py);
+each kind has one builder here: `_attention_config` (grouped-query attention, q/k/v biases and
+q/k norms as the kind says), `_mlp_config` (a dense SwiGLU, or routed experts) and
+`_router_config` (softmax top-k). A new kind is one more branch in one of them. Llama 3.1+ "llama3" RoPE frequency
 scaling (`RopeScaling`, read from config.json) is applied to the rotate-half cache the way
 transformers computes it (torchtitan's CosSinRoPE refuses it).
 
-Mixture-of-Experts (Qwen3-MoE, `shape.is_moe_layer`): a MoE block is Qwen3's block with
-torchtitan's `MoE` (softmax top-k router, renormalised when `norm_topk_prob`; no shared expert;
-no auxiliary-loss-free expert bias, which the Hugging Face model lacks) in place of the MLP. Its
+Mixture-of-Experts (`blocks.RoutedExperts`, e.g. Qwen3-MoE): the block's MLP is torchtitan's `MoE`
+(its router from the router kind: `SoftmaxTopK` renormalised or not; no shared expert; no
+auxiliary-loss-free expert bias, which the Hugging Face Qwen3-MoE lacks). Its
 experts are `GroupedExperts`' 3-D stacks w1_EFD / w3_EFD (E, I, H: every expert's gate_proj /
 up_proj) and w2_EDF (E, H, I: down_proj), expert e at dim-0 index e (`hf_expert_slots`). torchtitan's
 GroupedExperts always multiplies in bfloat16; `_ExactGroupedExperts` multiplies in the compute
@@ -39,15 +42,16 @@ from __future__ import annotations
 import importlib
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, partial
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
 
 from hpcrl.errors import TrainerError
-from hpcrl.models import ModelShape
+from hpcrl.models import ModelShape, blocks
 
 #: Inserted into parameter names by torch's activation-checkpoint wrapper.
 _AC_PREFIX = "_checkpoint_wrapped_module."
@@ -149,26 +153,65 @@ def _exact_grouped_experts_class():
     return ExactGroupedExperts
 
 
-def _moe_config(shape: ModelShape, linear: dict, depth: dict):
-    """torchtitan's MoE config of one MoE block of `shape` (see the module docstring)."""
+def _router_config(router: blocks.Router, *, dim: int, num_experts: int, top_k: int, linear: dict):
+    """torchtitan's router config of a router kind."""
+    from torchtitan.models.common.config_utils import make_router_config
+
+    if isinstance(router, blocks.SoftmaxTopK):
+        return make_router_config(dim=dim, num_experts=num_experts, gate_param_init=linear, top_k=top_k,
+                                  score_func="softmax", route_norm=router.renormalize)
+    raise TrainerError(f"no torchtitan builder for the router kind {type(router).__name__}; "
+                       "add one to hpcrl/trainer/titan.py _router_config")
+
+
+def _mlp_config(mlp: blocks.MLP, *, dim: int, linear: dict, depth: dict) -> dict:
+    """The `feed_forward` or `moe` entry of torchtitan's block config for an MLP kind."""
     from torchtitan.models.common.config_utils import (
+        make_ffn_config,
         make_moe_config,
         make_routed_experts_config,
-        make_router_config,
     )
 
-    e, k = shape.num_experts, shape.num_experts_per_tok
-    routed = make_routed_experts_config(
-        dim=shape.hidden_size, hidden_dim=shape.moe_intermediate_size, num_experts=e, top_k=k,
-        param_init={"w1_EFD": linear["weight"], "w3_EFD": depth["weight"], "w2_EDF": depth["weight"]},
-        comm_backend="standard")
-    inner = routed.inner_experts
-    routed.inner_experts = _exact_grouped_experts_class().Config(
-        dim=inner.dim, hidden_dim=inner.hidden_dim, num_experts=inner.num_experts, param_init=inner.param_init)
-    return make_moe_config(
-        num_experts=e, load_balance_coeff=None, routed_experts=routed,
-        router=make_router_config(dim=shape.hidden_size, num_experts=e, gate_param_init=linear, top_k=k,
-                                  score_func="softmax", route_norm=shape.norm_topk_prob))
+    if isinstance(mlp, blocks.DenseMLP):
+        return {"moe": None, "feed_forward": make_ffn_config(dim=dim, hidden_dim=mlp.hidden_dim, w1_param_init=linear,
+                                                             w2w3_param_init=depth)}
+    if isinstance(mlp, blocks.RoutedExperts):
+        e, k = mlp.num_experts, mlp.top_k
+        routed = make_routed_experts_config(
+            dim=dim, hidden_dim=mlp.hidden_dim, num_experts=e, top_k=k,
+            param_init={"w1_EFD": linear["weight"], "w3_EFD": depth["weight"], "w2_EDF": depth["weight"]},
+            comm_backend="standard")
+        inner = routed.inner_experts
+        routed.inner_experts = _exact_grouped_experts_class().Config(
+            dim=inner.dim, hidden_dim=inner.hidden_dim, num_experts=inner.num_experts, param_init=inner.param_init)
+        return {"feed_forward": None, "moe": make_moe_config(
+            num_experts=e, load_balance_coeff=None, routed_experts=routed,
+            router=_router_config(mlp.router, dim=dim, num_experts=e, top_k=k, linear=linear))}
+    raise TrainerError(f"no torchtitan builder for the MLP kind {type(mlp).__name__}; "
+                       "add one to hpcrl/trainer/titan.py _mlp_config")
+
+
+def _attention_config(attention: blocks.Attention, *, dim: int, eps: float, rope: Callable[[int], Any],
+                      linear: dict, depth: dict, norm: dict):
+    """torchtitan's attention config of an attention kind (see the module docstring for the choices);
+    `rope(dim)` is the RoPE config over `dim` of each head."""
+    from torchtitan.models.common import RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.config_utils import make_gqa_config
+
+    if isinstance(attention, blocks.GroupedQueryAttention):
+        config = make_gqa_config(
+            dim=dim, n_heads=attention.num_heads, n_kv_heads=attention.num_kv_heads, head_dim=attention.head_dim,
+            wqkv_param_init=linear, wo_param_init=depth, inner_attention=ScaledDotProductAttention.Config(),
+            rope=rope(attention.head_dim), fuse_qkv=False,
+            qk_norm=RMSNorm.Config(normalized_shape=attention.head_dim, eps=eps, param_init=norm)
+            if attention.qk_norm else None)
+        if attention.qkv_bias:
+            config.qkv_linear.wq.bias = True
+            config.qkv_linear.wkv.bias = True
+        return config
+    raise TrainerError(f"no torchtitan builder for the attention kind {type(attention).__name__}; "
+                       "add one to hpcrl/trainer/titan.py _attention_config")
 
 
 def _titan_class(path: str):
@@ -182,13 +225,14 @@ def _titan_class(path: str):
                            f"lacks ({err}); fix the family's `titan` paths under hpcrl/models/") from None
 
 
-def _rope_config(shape: ModelShape, *, max_seq_len: int, scaling: RopeScaling | None):
+def _rope_config(dim: int, *, theta: float, max_seq_len: int, scaling: RopeScaling | None):
+    """torchtitan's rotate-half RoPE config over `dim` of each head (Llama 3 scaled when `scaling`)."""
     from torchtitan.models.common.rope import CosSinRoPE
 
     if scaling is None:
-        return CosSinRoPE.Config(dim=shape.head_dim, max_seq_len=max_seq_len, theta=shape.rope_theta)
+        return CosSinRoPE.Config(dim=dim, max_seq_len=max_seq_len, theta=theta)
     return _scaled_rope_class().Config(
-        dim=shape.head_dim, max_seq_len=max_seq_len, theta=shape.rope_theta, scaling="llama",
+        dim=dim, max_seq_len=max_seq_len, theta=theta, scaling="llama",
         scaling_factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
         high_freq_factor=scaling.high_freq_factor,
         original_max_position_embeddings=scaling.original_max_position_embeddings)
@@ -206,34 +250,21 @@ def model_config(shape: ModelShape, *, max_seq_len: int, rope_scaling: RopeScali
     """The torchtitan `Decoder.Config` for `shape` (see the module docstring for the choices)."""
     supply_missing_torch_names()
     from torchtitan.models.common import Embedding, Linear, RMSNorm
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
     from torchtitan.models.common.param_init import skip_param_init
-    titan = shape.family.titan
-    model_cls, block_cls = _titan_class(titan.model), _titan_class(titan.block)
+    family = shape.family
+    model_cls, block_cls = _titan_class(family.titan.model), _titan_class(family.titan.block)
 
     linear, depth, norm = _inits(shape)
     dim, eps = shape.hidden_size, shape.rms_norm_eps
     layers = []
-    for i in range(shape.num_layers):
-        attention = make_gqa_config(
-            dim=dim, n_heads=shape.num_heads, n_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-            wqkv_param_init=linear, wo_param_init=depth,
-            inner_attention=ScaledDotProductAttention.Config(),
-            rope=_rope_config(shape, max_seq_len=max_seq_len, scaling=rope_scaling),
-            fuse_qkv=False,
-            qk_norm=RMSNorm.Config(normalized_shape=shape.head_dim, eps=eps, param_init=norm)
-            if shape.qk_norm else None)
-        if shape.qkv_bias:
-            attention.qkv_linear.wq.bias = True
-            attention.qkv_linear.wkv.bias = True
+    for block in family.blocks(shape):
+        attention = _attention_config(block.attention, dim=dim, eps=eps, linear=linear, depth=depth, norm=norm,
+                                      rope=partial(_rope_config, theta=shape.rope_theta, max_seq_len=max_seq_len,
+                                                   scaling=rope_scaling))
         layers.append(block_cls.Config(
             attention_norm=RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=norm),
             ffn_norm=RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=norm),
-            attention=attention,
-            moe=_moe_config(shape, linear, depth) if shape.is_moe_layer(i) else None,
-            feed_forward=None if shape.is_moe_layer(i) else make_ffn_config(
-                dim=dim, hidden_dim=shape.intermediate_size, w1_param_init=linear, w2w3_param_init=depth)))
+            attention=attention, **_mlp_config(block.mlp, dim=dim, linear=linear, depth=depth)))
     return model_cls.Config(
         dim=dim, vocab_size=shape.vocab_size, enable_weight_tying=shape.tie_embeddings,
         tok_embeddings=Embedding.Config(

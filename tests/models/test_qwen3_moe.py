@@ -248,3 +248,24 @@ def test_the_trainer_engine_loads_trains_and_exports_qwen3_moe_by_hf_names(tmp_p
     changed = {name for name in checkpoint if not torch.equal(trained[name], checkpoint[name])}
     assert "model.layers.0.mlp.gate.weight" in changed  # the router learns
     assert any(".mlp.experts." in name for name in changed)  # and the experts tokens went to
+
+
+def test_a_moe_family_says_which_blocks_route_and_with_which_router_and_the_rest_sees_only_experts():
+    from hpcrl.models.blocks import DenseMLP, GroupedQueryAttention, RoutedExperts, SoftmaxTopK
+
+    blocks = MIXED.family.blocks(MIXED)
+    assert [type(b.mlp) for b in blocks] == [RoutedExperts, DenseMLP, RoutedExperts]  # mlp_only_layers=(1,)
+    assert blocks[0].mlp == RoutedExperts(num_experts=8, top_k=2, hidden_dim=32, router=SoftmaxTopK(renormalize=False))
+    assert blocks[1].mlp == DenseMLP(hidden_dim=128)
+    assert blocks[0].attention == GroupedQueryAttention(num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True)
+    experts = MIXED.experts()
+    assert experts is not None and (experts.layers, experts.num_experts, experts.top_k) == ((0, 2), 8, 2)
+    assert experts.parameters == sum(numel(s) for n, s in MIXED.hf_parameters() if ".mlp.experts." in n)
+    assert replace(MIXED, mlp_only_layers=(0, 1, 2)).experts() is None  # no block routes: a dense model
+
+
+@pytest.mark.parametrize(("tp", "kv_heads_per_rank"), [(1, 2), (2, 1), (4, 1)])
+def test_kv_bytes_per_token_are_what_each_blocks_attention_keeps_on_one_rank(tp, kv_heads_per_rank):
+    shape = PRESETS["tiny-qwen3-moe"]
+    # K and V, per block, of the KV heads on one rank (replicated past TP), head_dim 32, 2 bytes each
+    assert shape.family.kv_bytes_per_token(shape, 2, tp) == 2 * 2 * kv_heads_per_rank * 32 * 2

@@ -187,12 +187,14 @@ def test_a_negative_kv_cache_size_is_refused_with_the_key_and_a_fix():
 def test_a_moe_trainer_estimate_shards_every_expert_and_counts_each_token_through_its_top_k():
     from dataclasses import replace
 
-    from hpcrl.plan.resources import expert_parameters
+    from hpcrl.models.shape import numel
 
     config, shape = load_config_and_shape(REPO / "configs" / "qwen3-30b-a3b_grpo.toml")
     parts = plan_resources(config, shape).trainer_memory.parts
     # all 128 experts of all 48 blocks are in the sharded fp32 state: 28.99 B of the 30.53 B parameters
-    assert expert_parameters(shape) == 48 * 128 * 3 * 768 * 2048
+    experts = shape.experts()
+    assert experts is not None and experts.parameters == 48 * 128 * 3 * 768 * 2048
+    assert experts.parameters == sum(numel(size) for name, size in shape.hf_parameters() if ".mlp.experts." in name)
     assert parts["params_fp32"] == 4 * shape.num_parameters // 16 and parts["adamw_states"] == 2 * parts["params_fp32"]
     assert parts["gathered_blocks"] == 2 * 2 * shape.layer_parameters  # a gathered block holds all its experts
     assert shape.layer_parameters > 128 * 3 * 768 * 2048

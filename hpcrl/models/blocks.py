@@ -1,0 +1,74 @@
+"""The generic layer kinds a family builds its transformer blocks from (pure data, no torch).
+
+A family says what each block is (`Family.blocks`): an attention kind and an MLP kind, the MoE
+kind with its router kind. The adapters turn each kind into their vendor's layer:
+hpcrl.trainer.titan into torchtitan's configs, and the KV-cache estimate (hpcrl.plan.resources,
+through `Family.kv_bytes_per_token`) asks the attention kind what one token keeps.
+
+A new kind (e.g. multi-head latent attention, a sigmoid router with grouped, biased top-k) is a
+dataclass here and one builder in hpcrl/trainer/titan.py; a family that uses only known kinds
+touches neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupedQueryAttention:
+    """Attention whose `num_kv_heads` K/V heads each serve num_heads / num_kv_heads query heads."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False
+    """Biases on the q/k/v projections."""
+    qk_norm: bool = False
+    """q and k RMS-normalised per head."""
+
+    def kv_values_per_token(self, tensor_parallel: int = 1) -> int:
+        """Cached values one token keeps on one tensor-parallel rank (K and V; KV heads replicate past TP)."""
+        return 2 * max(1, self.num_kv_heads // tensor_parallel) * self.head_dim
+
+
+@dataclass(frozen=True, kw_only=True)
+class DenseMLP:
+    """A SwiGLU MLP of width `hidden_dim` (gate, up, down)."""
+
+    hidden_dim: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SoftmaxTopK:
+    """A linear router whose softmax over all experts picks the top k (Qwen3-MoE, Mixtral)."""
+
+    renormalize: bool = False
+    """Rescale the k chosen probabilities to sum to 1."""
+
+
+Router = SoftmaxTopK
+"""The router kinds (a union as kinds are added)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutedExperts:
+    """A Mixture-of-Experts MLP: `num_experts` SwiGLU experts of width `hidden_dim`, `top_k` per token."""
+
+    num_experts: int
+    top_k: int
+    hidden_dim: int
+    router: Router
+
+
+Attention = GroupedQueryAttention
+"""The attention kinds (a union as kinds are added)."""
+MLP = DenseMLP | RoutedExperts
+
+
+@dataclass(frozen=True, kw_only=True)
+class Block:
+    """One transformer block: pre-norm attention, then pre-norm MLP (RMSNorm, residuals)."""
+
+    attention: Attention
+    mlp: MLP
