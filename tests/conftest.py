@@ -24,15 +24,16 @@ def _on_a_cluster(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """The tests under CLUSTER_PATHS first, in their order (the longest unit of work starts at once); a
-    cluster test anywhere else is an error, since the two workers would share a cluster (see below)."""
+    """A cluster test outside CLUSTER_PATHS is an error, since two workers would share a cluster (see
+    below). Under xdist the tests under CLUSTER_PATHS go first, so that the longest unit starts at once."""
     strays = [item.nodeid for item in items if _on_a_cluster(item) and not item.nodeid.startswith(CLUSTER_PATHS)]
     if strays:
         raise pytest.UsageError(f"tests on a local Slurm cluster outside {', '.join(CLUSTER_PATHS)}: "
                                 f"{', '.join(strays)}; move them there or add their file to CLUSTER_PATHS "
                                 "(tests/conftest.py)")
-    items[:] = ([item for item in items if item.nodeid.startswith(CLUSTER_PATHS)]
-                + [item for item in items if not item.nodeid.startswith(CLUSTER_PATHS)])
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # in one process the order stays the files' order
+        items[:] = ([item for item in items if item.nodeid.startswith(CLUSTER_PATHS)]
+                    + [item for item in items if not item.nodeid.startswith(CLUSTER_PATHS)])
 
 
 @pytest.hookimpl(optionalhook=True)
