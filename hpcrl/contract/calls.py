@@ -48,23 +48,28 @@ class GroupClient:
     async def route(self, endpoint: Endpoint[Req, Rep], request: Req, *, timeout: float) -> Rep:
         """One healthy replica, the least busy; retried on another if `endpoint` is idempotent."""
         return await self.service.route(endpoint.name, self._args(endpoint, request), timeout=timeout,
-                                        decode=lambda peer, reply: endpoint.decode_reply(reply, peer=peer))
+                                        decode=_decoder(endpoint))
 
     async def fanout(self, endpoint: Endpoint[Req, Rep], request: Req, *, timeout: float) -> list[Rep]:
         """Every healthy replica; replies in replica order."""
         return await self.service.fanout(endpoint.name, self._args(endpoint, request), timeout=timeout,
-                                         decode=lambda peer, reply: endpoint.decode_reply(reply, peer=peer))
+                                         decode=_decoder(endpoint))
 
     async def call_all(self, replica: int, endpoint: Endpoint[Req, Rep], request: Req, *,
                        timeout: float) -> list[Rep]:
         """Every rank of one replica; replies in rank order."""
         return await self.service.call_all(replica, endpoint.name, self._args(endpoint, request), timeout=timeout,
-                                           decode=lambda peer, reply: endpoint.decode_reply(reply, peer=peer))
+                                           decode=_decoder(endpoint))
 
     async def request(self, peer: str, endpoint: Endpoint[Req, Rep], request: Req, *, timeout: float) -> Rep:
         """The peer named `peer` (group/replica/rank) alone."""
         reply = await self.head.request(peer, endpoint.name, self._args(endpoint, request), timeout=timeout)
         return endpoint.decode_reply(reply, peer=peer)
+
+
+def _decoder(endpoint: Endpoint[Req, Rep]) -> Callable[[str, Any], Rep]:
+    """A Service decode hook: `endpoint`'s reply from `peer`, BadReply naming the peer if malformed."""
+    return lambda peer, reply: endpoint.decode_reply(reply, peer=peer)
 
 
 def serving(endpoint: Endpoint, handler: Handler) -> Callable[[Call], Awaitable[Any]]:
