@@ -169,8 +169,8 @@ def test_fsdp2_shards_whole_experts_and_keeps_the_logits_and_gradients(tmp_path:
     pytest.importorskip("torchtitan")
     import time
 
+    import forked
     import torch
-    import torch.multiprocessing as mp
     from moe_fsdp_worker import fsdp_rank
 
     from hpcrl.trainer import titan
@@ -191,8 +191,8 @@ def test_fsdp2_shards_whole_experts_and_keeps_the_logits_and_gradients(tmp_path:
     w1 = dict(model.named_parameters())["layers.0.moe.routed_experts.inner_experts.w1_EFD"]
 
     ranks = 3  # 8 experts over 3 ranks: 3, 3 and 2 whole experts (torch.chunk on dim 0)
-    context = mp.start_processes(fsdp_rank, args=(ranks, str(tmp_path / "store"), str(tmp_path), shape, state,
-                                                  tokens), nprocs=ranks, join=False, start_method="spawn")
+    context = forked.start_ranks(fsdp_rank, args=(ranks, str(tmp_path / "store"), str(tmp_path), shape, state, tokens),
+                                 nprocs=ranks)
     deadline = time.monotonic() + 150
     try:
         while not context.join(timeout=max(0.1, deadline - time.monotonic())):

@@ -1,6 +1,6 @@
 """Helpers of the trainer tests: a fixed toy batch, and gloo worker processes.
 
-`run_ranks` starts `world_size` processes with torch.multiprocessing (spawn), each joining a gloo
+`run_ranks` starts `world_size` processes with torch.multiprocessing (forked: tests/forked.py), each joining a gloo
 group through a FileStore in the test's tmp_path (no ports), and kills them all if they outlive
 the timeout. Each worker writes what it measured to tmp_path/rank<R>.pt.
 """
@@ -11,8 +11,8 @@ import os
 import time
 from pathlib import Path
 
+import forked
 import torch
-import torch.multiprocessing as mp
 
 from hpcrl.trainer import RolloutBatch, pad_rows
 
@@ -69,9 +69,8 @@ def _worker(rank: int, world_size: int, store_path: str, out_dir: str, model_dir
 def run_ranks(world_size: int, tmp_path: Path, model_dir: str, *, timeout_s: float = 120,
               **overrides) -> list[dict]:
     """Run one logprobs + train step on `world_size` gloo ranks; each rank's results."""
-    context = mp.start_processes(_worker, args=(world_size, str(tmp_path / "store"), str(tmp_path),
-                                                model_dir, overrides),
-                                 nprocs=world_size, join=False, start_method="spawn")
+    context = forked.start_ranks(_worker, args=(world_size, str(tmp_path / "store"), str(tmp_path), model_dir, overrides),
+                                 nprocs=world_size)
     deadline = time.monotonic() + timeout_s
     try:
         while not context.join(timeout=max(0.1, deadline - time.monotonic())):

@@ -203,7 +203,11 @@ def main() -> int:
 
         llm.collective_rpc(overwrite)
     before = llm.collective_rpc("hpcrl_weight_digests")
-    ctx = mp.get_context("spawn")
+    # The trainer ranks are forked from a server that imported torch once (several seconds a spawned rank
+    # otherwise; tests/forked.py). They need no environment set after this point.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fsdp", "safetensors.torch",
+                                "hpcrl.transfer.trainer", "hpcrl.plan.transfer.planner"])
     for entry in args.fsdp.split(","):
         k = int(entry.rstrip("ug"))
         transport = "ucx" if "u" in entry else "gloo"

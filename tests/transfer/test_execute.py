@@ -1,13 +1,13 @@
-"""Executing plans over a real transfer group between spawned processes (no vLLM), over gloo, over
+"""Executing plans over a real transfer group between worker processes (tests/forked.py; no vLLM), over gloo, over
 UCX and over the NCCL transport driven by a strict fake PyNccl (fake_pynccl.py, gloo underneath):
 element-exact, digest mismatches and dead or stalled peers become errors naming ranks and
 parameters, never hangs."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import queue
 
+import forked
 import procs
 import pytest
 import torch
@@ -18,13 +18,12 @@ from hpcrl.transfer import execute
 
 
 def run(spec: dict, *, deadline: float = 90.0) -> list[tuple]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results = forked.context().Queue()
     store = serve_store()
     t, inf = spec["trainer"], spec["inference"]
     world = t.get("dp_replicate", 1) * t["dp_shard"]
-    children = [ctx.Process(target=procs.trainer, args=(spec, r, store.address, results)) for r in range(world)]
-    children += [ctx.Process(target=procs.receiver, args=(spec, j, r, store.address, results))
+    children = [forked.process(procs.trainer, spec, r, store.address, results) for r in range(world)]
+    children += [forked.process(procs.receiver, spec, j, r, store.address, results)
                  for j in range(inf.get("replicas", 1)) for r in range(inf["tensor_parallel"])]
     for c in children:
         c.start()
@@ -79,7 +78,7 @@ def test_each_packing_path_feeds_two_replicas_at_tp2_element_exact_over_many_rou
     if path == "triton":
         pytest.importorskip("triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("HPCRL_PACKING", path)  # inherited by the spawned ranks
+    monkeypatch.setenv("HPCRL_PACKING", path)  # inherited by the ranks (tests/forked.py sends the environment)
     spec = {"preset": "tiny-qwen2", "trainer": {"dp_shard": 3}, "inference": {"replicas": 2, "tensor_parallel": 2},
             "bucket": 8192, "transport": needs(transport), "round_bytes": 20000}
     out = run(spec)

@@ -1,10 +1,9 @@
 """The strict fake PyNccl is stricter than NCCL where NCCL would hang or corrupt silently: two ranks
-in two spawned processes, on gloo (procs.fake_scenario)."""
+in two worker processes (tests/forked.py), on gloo (procs.fake_scenario)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
+import forked
 import procs
 import pytest
 import torch
@@ -14,9 +13,8 @@ from hpcrl.rendezvous.meet import serve_store
 
 
 def exchange(scenario: str) -> dict[int, tuple]:
-    ctx = mp.get_context("spawn")
-    results, store = ctx.Queue(), serve_store()
-    children = [ctx.Process(target=procs.fake_scenario, args=(scenario, r, store.address, results)) for r in (0, 1)]
+    results, store = forked.context().Queue(), serve_store()
+    children = [forked.process(procs.fake_scenario, scenario, r, store.address, results) for r in (0, 1)]
     for c in children:
         c.start()
     try:
