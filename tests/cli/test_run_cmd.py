@@ -186,13 +186,15 @@ def test_hpcrl_run_reports_its_start_up_parts_in_the_log_and_the_first_steps_met
     assert "inference" in line.group(2) and "first sync" in line.group(2)
 
 
-@pytest.mark.timeout(420)
-def test_hpcrl_run_exits_0_five_times_in_a_row_and_never_aborts_at_exit(tiny_model, tmp_path: Path):
+@pytest.mark.timeout(300)
+def test_hpcrl_run_exits_0_twice_in_a_row_and_never_aborts_at_exit(tiny_model, tmp_path: Path):
     """Issue #19: a run printed "done in", then died of SIGABRT in the interpreter's teardown (exit code 134,
     "terminate called without an active exception"; docs/FACTS.md, "Teardown"). One step is the cheapest
     run that makes and closes every part (about 35 s here). The first run is verbose: other libraries'
-    warnings and their processes' stderr show on its terminal (a pipe, where each step is its own line)."""
-    for attempt in range(5):
+    warnings and their processes' stderr show on its terminal (a pipe, where each step is its own line).
+    Two runs here, not more: every `hpcrl run` of the suite (the quickstart's above, tests/rl/test_inprocess.py,
+    tests/algorithms/test_learning.py: six more) also fails on an exit code other than 0."""
+    for attempt in range(2):
         run_dir = tmp_path / f"run{attempt}"
         done = hpcrl_run("--steps", "1", "--set", f"run.run_dir={run_dir}", *(["-v"] if attempt == 0 else []),
                          "--set", f"model.path={tiny_model}", "--set", "trainer.checkpoint_interval=0")
