@@ -39,6 +39,8 @@ def _require(ok: bool, key: str, problem: str, fix: str) -> None:
 SEED_LIMIT = 2**32
 #: Slurm's --signal=B:USR2@N takes N up to 65535 seconds.
 SLURM_SIGNAL_MAX_S = 65535
+#: The least cluster.heartbeat_timeout_s: a few of the tasks' one-second heartbeats.
+HEARTBEAT_TIMEOUT_MIN_S = 3.0
 
 
 def _seed(value: int, key: str) -> None:
@@ -504,6 +506,10 @@ class ClusterConfig:
     max_requeues: int = 3
     """Times a job that lost a group task (a node died, a process was killed) requeues itself to resume from
     its last checkpoint before it ends FAILED (Slurm only; SLURM_RESTART_COUNT counts them)."""
+    heartbeat_timeout_s: float = 30.0
+    """Seconds of silence on the control bus after which a task counts as dead (the head then starts it
+    again or requeues the job), and after which a task whose head is silent exits. A CPU step can hold a
+    task's GIL for a while: keep it well above the longest one. Tasks beat every second."""
     signal_delay_s: int = 90
     """Seconds before the time limit that Slurm sends SIGUSR2 to the head, which then checkpoints after
     the step in progress and requeues the job (--signal=B:USR2@N); leave room for one step and a save."""
@@ -518,6 +524,9 @@ class ClusterConfig:
                  'give the interpreter\'s absolute path on the compute nodes, e.g. "/shared/venvs/hpcrl/bin/python"')
         _require(self.max_requeues >= 0, "max_requeues", f"must be 0 or more, got {self.max_requeues}",
                  "set max_requeues = 0 to end a run that loses a task FAILED")
+        _require(self.heartbeat_timeout_s >= HEARTBEAT_TIMEOUT_MIN_S, "heartbeat_timeout_s",
+                 f"must be at least {HEARTBEAT_TIMEOUT_MIN_S:g} s (tasks beat every second), got {self.heartbeat_timeout_s}",
+                 "leave it at 30, or lower it to about 10 where steps are short and a quick recovery matters")
         _require(1 <= self.signal_delay_s <= SLURM_SIGNAL_MAX_S, "signal_delay_s",
                  f"must be 1 to {SLURM_SIGNAL_MAX_S} seconds (Slurm's --signal limit), got {self.signal_delay_s}",
                  "set it to the seconds a step plus a checkpoint take, with a margin (90 is the default)")

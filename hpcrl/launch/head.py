@@ -172,9 +172,9 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
 
 
 def _bus_config(run_dir: Path, program: str) -> BusConfig:
-    """The head's bus settings: the tasks' (BUS_SETTINGS), with the message limit of this run (its
-    largest message, hpcrl.bus.config.message_limit_for; the floor for program "check", which only
-    registers tasks): what a client without the secret can make the head read is bounded by it."""
+    """The head's bus settings: the tasks' (BUS_SETTINGS), with this run's cluster.heartbeat_timeout_s and
+    message limit (its largest message, hpcrl.bus.config.message_limit_for; the floor for program "check",
+    which only registers tasks): what a client without the secret can make the head read is bounded by it."""
     if program != "rl":
         return BusConfig(**BUS_SETTINGS, max_message_bytes=MIN_MESSAGE_BYTES)
     from hpcrl.config.load import load_config
@@ -184,7 +184,9 @@ def _bus_config(run_dir: Path, program: str) -> BusConfig:
     except HpcrlError:  # the program reports it (the run fails naming the key); the bus keeps its defaults
         return BusConfig(**BUS_SETTINGS)
     limit = message_limit_for(sequences=config.trainer.global_batch_size, tokens_per_sequence=config.max_model_len)
-    return BusConfig(**BUS_SETTINGS, max_message_bytes=limit)
+    # The head's heartbeat settings reach every task in its welcome (hpcrl.bus.config).
+    return BusConfig(**{**BUS_SETTINGS, "heartbeat_timeout": config.cluster.heartbeat_timeout_s},
+                     max_message_bytes=limit)
 
 
 def _report_refusals(router: Router, run_dir: Path, last: dict[str, int], every_s: float) -> dict[str, int]:

@@ -188,6 +188,8 @@ CASES = [
      None, [], "data.shuffle_seed", ["must be in [0, 2**32)"], 32),
     ("signal delay beyond Slurm's", BASE + "\n[cluster]\nsignal_delay_s = 70000\n", None, [],
      "cluster.signal_delay_s", ["must be 1 to 65535 seconds (Slurm's --signal limit)"], 34),
+    ("a heartbeat timeout shorter than a few beats", BASE + "\n[cluster]\nheartbeat_timeout_s = 1\n", None, [],
+     "cluster.heartbeat_timeout_s", ["must be at least 3 s (tasks beat every second), got 1"], 34),
     ("key set twice", edit(BASE, "steps = 10", "steps = 10\nsteps = 20"), None, [],
      "trainer.steps", ["is set twice (lines 12 and 13)", "TOML allows each key once"], 13),
     ("table declared twice", BASE + "\n[trainer]\nwarmup_steps = 1\n", None, [],

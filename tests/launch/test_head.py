@@ -137,3 +137,16 @@ def test_a_missing_interpreter_fails_the_run_before_any_group_starts(tmp_path: P
     record = read_json(run_dir / EXIT_FILE)
     assert record["state"] == "FAILED" and "set cluster.python" in record["error"]
     assert [t["group"] for t in record["tasks"]] == ["head"] and record["step_codes"] == {}
+
+
+def test_the_runs_heartbeat_timeout_is_the_heads_and_so_every_tasks(tmp_path: Path):
+    """cluster.heartbeat_timeout_s sets the head's bus, which sends it to every task in its welcome."""
+    from hpcrl.launch.head import _bus_config
+    from hpcrl.rundir import CONFIG_FILE
+
+    text = (REPO / "configs" / "tiny_grpo.toml").read_text()
+    (tmp_path / CONFIG_FILE).write_text(text + "\n[cluster]\nheartbeat_timeout_s = 12.5\n")
+    assert _bus_config(tmp_path, "rl").heartbeat_timeout == 12.5
+    (tmp_path / CONFIG_FILE).write_text(text)
+    assert _bus_config(tmp_path, "rl").heartbeat_timeout == 30.0  # the default
+    assert _bus_config(tmp_path, "check").heartbeat_timeout == 30.0  # a check run has no RL config
