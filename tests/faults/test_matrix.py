@@ -31,26 +31,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from run_helpers import head_log, wait_for
+from run_helpers import cluster_tool, head_log, wait_for
 
 from hpcrl.launch import follow
 from hpcrl.rl.metrics import read_metrics
 from hpcrl.rundir import EXIT_FILE, read_json
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "tools" / "local_slurm.sh"
 INTERVAL = 10
 """Checkpoint interval: each case strikes two steps after a checkpoint, before the next is written."""
 HEARTBEAT_S = 10
 """cluster.heartbeat_timeout_s of these runs: the tiny model's steps are short, and a silent task is noticed sooner."""
 
 pytestmark = [pytest.mark.slurm, pytest.mark.faults]
-
-
-def cluster_tool(env: dict[str, str], *args: str) -> None:
-    done = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=300,
-                          env={**env, "HPCRL_LOCAL_SLURM_DIR": str(Path(env["SLURM_CONF"]).parent)})
-    assert done.returncode == 0, done.stderr
 
 
 def run_args(steps: int, interval: int, *extra: str) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from listening import JOB, SLURM_JOB, as_on_a_node, check_listening, job_processes, listening, speaks_zeromq
-from run_helpers import head_log, wait_for
+from run_helpers import cluster_tool, head_log, wait_for
 
 from hpcrl.launch import follow as jobs
 from hpcrl.rl.metrics import read_metrics
@@ -40,12 +40,6 @@ def submit(run_dir: Path, model: Path, *args: str, env: dict[str, str] | None = 
 
 def local(*args: str) -> tuple[str, ...]:
     return ("--set", 'cluster.executor="local"', *args)
-
-
-def rows_of(run_dir: Path) -> list[tuple]:
-    """What a run produced, step by step, to the bit: rewards, losses, grad norms, weight versions."""
-    return [(r["step"], r["weight_version"], r["reward_mean"], r.get("loss"), r.get("grad_norm"), r.get("entropy"))
-            for r in read_metrics(run_dir)]
 
 
 @pytest.mark.timeout(600)
@@ -92,16 +86,6 @@ def cancel_unless_done(run_dir: Path, env: dict[str, str]) -> None:
                        env={**env, "PYTHONPATH": str(REPO)}, capture_output=True)
 
 
-SCRIPT = REPO / "tools" / "local_slurm.sh"
-
-
-def cluster_tool(env: dict[str, str], *args: str) -> None:
-    """tools/local_slurm.sh ARGS on the suite's cluster (the directory of its slurm.conf)."""
-    done = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=60,
-                          env={**env, "HPCRL_LOCAL_SLURM_DIR": str(Path(env["SLURM_CONF"]).parent)})
-    assert done.returncode == 0, done.stderr
-
-
 def formed(run_dir: Path) -> int:
     """How many times the head formed the weight-transfer group."""
     return head_log(run_dir).count("weight-transfer group formed (generation")
@@ -143,9 +127,9 @@ def test_a_replica_cut_off_killed_and_lost_in_a_push_costs_no_rollout_no_requeue
         # 1. the inference node off the network for 10 s
         wait_for(lambda: "step    8/" in head_log(run_dir), "step 8", 120, poll_s=0.05)
         cut = re.findall(r"registered: inference rank 0 replica 0 on node (\S+)", head_log(run_dir))[-1]
-        cluster_tool(local_slurm, "cut", cut)
+        cluster_tool(local_slurm, "cut", cut, timeout_s=60)
         time.sleep(10)  # the fault itself
-        cluster_tool(local_slurm, "mend", cut)
+        cluster_tool(local_slurm, "mend", cut, timeout_s=60)
         cut = ""
 
         # 2. the replica killed mid-generation: right after a step's line the next batch is being generated
@@ -176,7 +160,7 @@ def test_a_replica_cut_off_killed_and_lost_in_a_push_costs_no_rollout_no_requeue
         final = jobs.wait(run_dir, timeout_s=400)
     finally:
         if cut:
-            cluster_tool(local_slurm, "mend", cut)
+            cluster_tool(local_slurm, "mend", cut, timeout_s=60)
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
