@@ -85,7 +85,8 @@ class VllmEngine:
                  max_model_len: int, gpu_memory_utilization: float, enforce_eager: bool,
                  temperature: float, top_p: float, top_k: int, max_tokens: int,
                  kv_cache_gib: float = 0.0, weight_transfer: bool = False, cpu_binding: str | None = None,
-                 expert_parallel: bool = False, family_modules: tuple[str, ...] | list[str] = ()) -> None:
+                 expert_parallel: bool = False, family_modules: tuple[str, ...] | list[str] = (),
+                 engine_core_here: bool = False) -> None:
         kwargs: dict[str, Any] = dict(
             model=model_path, dtype=dtype, seed=seed,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
@@ -101,7 +102,7 @@ class VllmEngine:
             # hpcrl's weight-transfer engine, registered inside each vLLM worker (hpcrl.transfer.vllm_engine).
             kwargs["weight_transfer_config"] = {"backend": "hpcrl"}
         self.llm: Any = start_llm(on_cpu=on_cpu, tensor_parallel=tensor_parallel, cpu_binding=cpu_binding,
-                                  family_modules=family_modules, **kwargs)
+                                  family_modules=family_modules, engine_core_here=engine_core_here, **kwargs)
         if on_cpu and enforce_eager:  # the first request would compile vLLM's sampler helpers (2.4 s)
             self.llm.collective_rpc("hpcrl_eager_helpers")
         self.prefix_caching: bool = kwargs["enable_prefix_caching"]
@@ -113,7 +114,7 @@ class VllmEngine:
 
     @classmethod
     def from_config(cls, config: Config, *, model_path: str | None = None, weight_transfer: bool = False,
-                    cpu_binding: str | None = None) -> VllmEngine:
+                    cpu_binding: str | None = None, engine_core_here: bool = False) -> VllmEngine:
         inf = config.inference
         on_cpu = inf.gpus_per_node == 0
         return cls(model_path=model_path or config.model.path, tensor_parallel=inf.tensor_parallel,
@@ -122,7 +123,8 @@ class VllmEngine:
                    gpu_memory_utilization=inf.gpu_memory_utilization, enforce_eager=inf.enforce_eager,
                    temperature=inf.temperature, top_p=inf.top_p, top_k=inf.top_k, max_tokens=inf.max_tokens,
                    kv_cache_gib=inf.kv_cache_gib, weight_transfer=weight_transfer, cpu_binding=cpu_binding,
-                   expert_parallel=inf.expert_parallel, family_modules=config.model.family_modules)
+                   expert_parallel=inf.expert_parallel, family_modules=config.model.family_modules,
+                   engine_core_here=engine_core_here)
 
     def generate(self, prompts: list[Prompt], *, n: int, seed: int, offset: int = 0,
                  temperature: float | None = None, max_tokens: list[int] | None = None) -> list[list[Completion]]:

@@ -15,6 +15,15 @@ runs inside vLLM's engine-core process (UniProcExecutor), bound to the same CPUs
 OpenMP environment that process starts with: vLLM's CPU platform would start a worker process of
 its own, a third interpreter importing torch and vLLM, 7-8 s of a 2-core machine's start.
 
+A process that holds one engine for its whole life (the inference role of a job) also runs the
+engine core itself on CPU (`engine_core_here`: VLLM_ENABLE_V1_MULTIPROCESSING=0 while it starts, vLLM's
+InprocClient). vLLM spawns its engine core, which imports vLLM again: 14 s of a hetjob's 44 s start on
+2 cores, and a second copy of torch in RAM. In this process the engine core and its worker then change
+process-wide state: the CPU worker replaces torch.set_num_threads with a no-op, the engine core caches
+vLLM's environment variables (vllm.envs.enable_envs_cache) and freezes the garbage collector's heap.
+So `hpcrl run` (a trainer beside the engine) and tests starting several engines in one process keep
+the engine core in its own process.
+
 vLLM's processes start with its own groups on the loopback address (`loopback_environment`): its
 tensor-parallel workers share a node, and gloo's listeners, one per CPU group, authenticate no
 peer (hpcrl.rendezvous.listen). The weight-transfer group's end in vLLM's worker still listens on
@@ -120,12 +129,13 @@ def serve_families(modules: Sequence[str]) -> None:
 
 
 def start_llm(*, on_cpu: bool, tensor_parallel: int, cpu_binding: str | None = None,
-              family_modules: Sequence[str] = (), **kwargs: Any) -> Any:
+              family_modules: Sequence[str] = (), engine_core_here: bool = False, **kwargs: Any) -> Any:
     """vLLM's `LLM(**kwargs)` at `tensor_parallel` ranks, its processes started in the environment and
     with the executor of the module docstring. The workers' CPUs ("0|1": rank 0 on CPU 0, rank 1 on
     CPU 1): the caller's VLLM_CPU_OMP_THREADS_BIND, else `cpu_binding`, else one group per TP rank
     (vLLM's own choice with TP 1). `family_modules` (model.family_modules) are served here and in
-    every process vLLM starts (`serve_families`)."""
+    every process vLLM starts (`serve_families`). `engine_core_here`: on CPU, vLLM's engine core runs in
+    this process, not a spawned one (module docstring: only for a process that holds this one engine)."""
     binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or cpu_binding or (
         cpu_thread_binding(tensor_parallel) if tensor_parallel > 1 else None)
     LLM = _import_llm()
@@ -145,6 +155,8 @@ def start_llm(*, on_cpu: bool, tensor_parallel: int, cpu_binding: str | None = N
 
         kwargs["distributed_executor_backend"] = UniProcExecutor
         values.update(omp_environment(binding or "auto"))
+    if engine_core_here and on_cpu:
+        values["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     with environment(values):
         return LLM(**kwargs)
 

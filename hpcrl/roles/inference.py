@@ -49,7 +49,7 @@ class InferenceRole(Role):
 
         self.config, self.replica = config, identity.replica
         self.plan = plan_for_config(config)
-        self.engine = VllmEngine.from_config(config, weight_transfer=True)
+        self.engine = VllmEngine.from_config(config, weight_transfer=True, engine_core_here=True)
 
     def handlers(self) -> dict[Endpoint, Handler]:
         return {InferenceEndpoints.generate: self.generate, InferenceEndpoints.logprobs: self.logprobs,

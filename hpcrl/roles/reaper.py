@@ -5,7 +5,8 @@
         task      pid T   the role: vLLM's LLM(...), the bus, ...
           EngineCore      (vLLM)  -+ if T dies (kill -9, OOM killer), these are re-parented to S,
             VLLM::Worker  (vLLM)  -+ which ends them (TERM, then KILL after a grace) before it exits
-                                        (a worker process only with tensor parallelism, or on GPUs)
+                                        (on GPUs; on CPU the engine core runs inside T, and a worker
+                                        process exists only with tensor parallelism)
 
 vLLM's engine process has no parent-death watch: when the task that built `LLM(...)` is killed,
 its EngineCore and workers live on and keep their memory (GPUs, or ~5 GB of RAM each on CPU).

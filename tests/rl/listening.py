@@ -80,9 +80,9 @@ JOB = {
     "head": _HEAD,
     "trainer": Allowed(3, 0, "the trainer ranks' process group, the group torch makes from it, and the "
                              f"weight-transfer group's trainer end: {_GLOO}; every rank on this machine"),
-    "inference": Allowed(0, 0, "none: its vLLM engine runs in a child process"),
+    "inference": Allowed(14, 0, f"its vLLM engine core runs in this process (hpcrl.roles.inference): {_VLLM_OWN}; "
+                                f"and {_TRANSFER_VLLM_END}, its ranks on this machine"),
     "reward": Allowed(0, 0, "none"),
-    "VLLM::EngineCore": HPCRL_RUN["VLLM::EngineCore"],
 }
 
 #: The same job under Slurm, each group on nodes of its own: the groups that span nodes (the trainer
@@ -94,8 +94,9 @@ SLURM_JOB = {
     "trainer": Allowed(3, 3, "the trainer ranks' process group and the group torch makes from it (on the "
                              "node's address when the ranks span nodes, else loopback), and the weight-transfer "
                              f"group's trainer end (the node's address): {_GLOO}"),
-    "VLLM::EngineCore": Allowed(14, 1, f"{_VLLM_OWN}; and {_TRANSFER_VLLM_END}, on the node's address: the "
-                                       "trainer ranks on other nodes connect to it"),
+    "inference": Allowed(14, 1, f"its vLLM engine core runs in this process: {_VLLM_OWN}; and "
+                                f"{_TRANSFER_VLLM_END}, on the node's address: the trainer ranks on other nodes "
+                                "connect to it"),
     "srun": Allowed(4, 4, "Slurm's: srun's listeners for its step's messages from slurmd/slurmstepd and its tasks' "
                           "I/O connections, authenticated by Slurm (munge, the step's I/O key)", authenticates=True),
 }

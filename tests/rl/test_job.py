@@ -135,7 +135,7 @@ def test_a_replica_cut_off_killed_and_lost_in_a_push_costs_no_rollout_no_requeue
         # 2. the replica killed mid-generation: right after a step's line the next batch is being generated
         wait_for(lambda: "step   15/" in head_log(run_dir), "step 15", 120, poll_s=0.01)
         before, pid = formed(run_dir), reported_pid(run_dir, "inference", rank=0)
-        engine = descendants(pid)  # vLLM's EngineCore (and workers): they must not outlive the replica
+        engine = descendants(pid)  # what the replica started (vLLM's workers at TP > 1): none may outlive it
         os.kill(pid, signal.SIGKILL)
         back = wait_for(lambda: formed(run_dir) > before, "the replica's return after its kill", 60)
         left = live(engine)
@@ -170,7 +170,6 @@ def test_a_replica_cut_off_killed_and_lost_in_a_push_costs_no_rollout_no_requeue
     # its supervisor told the head at once, on the bus, how the task ended (twice: 2 and 3)
     assert log.count("group inference rank 0 lost (it exited with code 137: the task killed by SIGKILL); "
                      "starting it again") == 2, log[-3000:]
-    assert any(name.startswith("VLLM::") for name in engine.values()), engine  # vLLM titles its processes
     assert left == [], f"processes of the killed replica still running: {[engine[p] for p in left]}"
     assert re.search(r"weight version \d+ did not reach the inference replicas \(peer inference/0/0", log), log[-3000:]
     assert "requeueing" not in log
