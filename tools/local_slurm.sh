@@ -49,7 +49,7 @@
 # nothing with task/none), so GPU tasks can ask for CPUs as on a real node. `up` on a
 # cluster started with another GPU count stops it and starts it again with the one asked for.
 # Tuned for tests (measured on Slurm 22.05): bf_interval=1 because only the backfill scheduler
-# starts heterogeneous jobs; JobRequeue=1; SlurmdTimeout=10; cred_expire=10 (a requeued job
+# starts heterogeneous jobs; JobRequeue=1; SlurmdTimeout=10; cred_expire=5 (a requeued job
 # otherwise waits 121 s); ReturnToService=1 (keeps an admin-downed node down).
 #
 # Seen here on 2026-11-23 (Slurm 22.05.8, Debian): `scontrol update nodename=nK state=down` under a
@@ -370,7 +370,7 @@ SlurmUser=$(id -un)
 SlurmdUser=$(id -un)
 AuthType=auth/munge
 CryptoType=crypto/munge
-AuthInfo=socket=$MUNGE_SOCKET,cred_expire=10
+AuthInfo=socket=$MUNGE_SOCKET,cred_expire=5
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool/%n
 SlurmctldPidFile=$DIR/run/slurmctld.pid
