@@ -390,7 +390,7 @@ class VllmReplica:
             model_path=model_dir, tensor_parallel=TENSOR_PARALLEL, on_cpu=device == "cpu", dtype=dtype, seed=0,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=device == "cpu", temperature=0.0, top_p=1.0, top_k=-1, max_tokens=max_tokens,
-            weight_transfer=True)
+            weight_transfer=True, engine_core_here=True)  # this process holds this one engine (vllm_llm.start_llm)
         self.plan = make_plan(load_shape(preset_name="", path=model_dir), dtype)
         self.version = 0
         return {"start_s": time.perf_counter() - started, "enforce_eager": device == "cpu"}
