@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The README's second command: set up .venv, start the local Slurm cluster, run the tests.
 #
-#   tools/test.sh                 # every test but the fault matrix (about 45 min on 2 cores)
-#   tools/test.sh --faults        # every test and the fault matrix (about 20 min more): what CI runs
+#   tools/test.sh                 # every test but the fault matrix (about 42 min on 2 cores)
+#   tools/test.sh --faults        # every test and the fault matrix (about 14 min more): what CI runs
 #   tools/test.sh tests/config    # any pytest arguments (as given: tests/faults/test_matrix.py runs it)
 #
 # Fails on a lint or type error (tools/lint.sh: ruff first, mypy beside the tests), when a test fails or when no test ran
