@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Lint and type-check, as CI does (tools/test.sh runs this before pytest). Rules: pyproject.toml.
+# Lint and type-check, as CI does (tools/test.sh runs ruff before pytest, mypy beside it). Rules: pyproject.toml.
 #
 #   tools/lint.sh                          # ruff over hpcrl, tests, tools; mypy over hpcrl
 #   tools/lint.sh ruff                     # one of the two (tools/test.sh runs ruff, then mypy beside pytest)
