@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -16,6 +17,17 @@ REPO = Path(__file__).resolve().parent.parent
 #: cluster fixture. tests/conftest.py refuses such a test elsewhere (see pytest_collection_modifyitems).
 CLUSTER_PATHS = ("tests/slurm/", "tests/faults/", "tests/rl/test_job.py")
 CLUSTER_FIXTURES = {"local_slurm", "local_slurm_accounting", "namespaced"}
+#: Tests that hold a wall-clock figure to a bound (a call's deadline, a pool's timeout, a heartbeat, a
+#: step's time against an estimate, a benchmark's limit): under two workers they run with the cluster's
+#: tests, in order, at the worker's full priority (see pytest_runtest_protocol below).
+TIMED_PATHS = ("tests/bus/", "tests/launch/", "tests/roles/", "tests/reward/", "tests/env/", "tests/rendezvous/",
+               "tests/tools/", "tests/cli/test_run_cmd.py", "tests/transfer/test_nccl_link.py",
+               "tests/transfer/test_execute.py", "tests/plan/test_transfer_planner.py", "tests/plan/test_resources.py",
+               "tests/inference/test_vllm_worker.py", "tests/rl/test_controller.py")
+SERIAL_PATHS = CLUSTER_PATHS + TIMED_PATHS
+#: The niceness of a worker running any other test: it takes the CPU the serial unit leaves idle (a
+#: cluster test waits on Slurm and on heartbeats about half its time) without stretching its bounds.
+REST_NICE = 10
 
 
 def _on_a_cluster(item) -> bool:
@@ -25,7 +37,8 @@ def _on_a_cluster(item) -> bool:
 
 def pytest_collection_modifyitems(config, items) -> None:
     """A cluster test outside CLUSTER_PATHS is an error, since two workers would share a cluster (see
-    below). Under xdist the tests under CLUSTER_PATHS go first, so that the longest unit starts at once."""
+    below). Under xdist the serial unit goes first (the cluster's tests first of all), so that the longest
+    unit starts at once."""
     strays = [item.nodeid for item in items if _on_a_cluster(item) and not item.nodeid.startswith(CLUSTER_PATHS)]
     if strays:
         raise pytest.UsageError(f"tests on a local Slurm cluster outside {', '.join(CLUSTER_PATHS)}: "
@@ -33,26 +46,44 @@ def pytest_collection_modifyitems(config, items) -> None:
                                 "(tests/conftest.py)")
     if os.environ.get("PYTEST_XDIST_WORKER"):  # in one process the order stays the files' order
         items[:] = ([item for item in items if item.nodeid.startswith(CLUSTER_PATHS)]
-                    + [item for item in items if not item.nodeid.startswith(CLUSTER_PATHS)])
+                    + [item for item in items if item.nodeid.startswith(TIMED_PATHS)]
+                    + [item for item in items if not item.nodeid.startswith(SERIAL_PATHS)])
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """With `--dist loadscope` (tools/test.sh: two workers), one worker takes every test under CLUSTER_PATHS
+    """With `--dist loadscope` (tools/test.sh: two workers), one worker takes every test under SERIAL_PATHS
     as one unit, in order: the clusters are shared state (nodes powered off, cut, requeued) and their tests
-    were written to run one at a time. The other takes the rest module by module (a module's fixtures,
-    e.g. one vLLM engine, are made once), and both share what is left at the end. (xdist's own
-    `loadgroup` cannot do this under pytest 9.2: it renames items through an attribute pytest no longer
-    reads.) The controller sees node ids only, hence the path rule."""
+    were written to run one at a time, and the timed tests must not share the CPU with the other worker's
+    engines at equal priority. The other takes the rest module by module (a module's fixtures, e.g. one
+    vLLM engine, are made once), and both share what is left at the end. (xdist's own `loadgroup` cannot do
+    this under pytest 9.2: it renames items through an attribute pytest no longer reads.) The controller
+    sees node ids only, hence the path rule."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class ClusterAsOneUnit(LoadScopeScheduling):
+    class SerialAsOneUnit(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "cluster" if nodeid.startswith(CLUSTER_PATHS) else super()._split_scope(nodeid)
+            return "serial" if nodeid.startswith(SERIAL_PATHS) else super()._split_scope(nodeid)
 
-    return ClusterAsOneUnit(config, log)
+    return SerialAsOneUnit(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist: a worker runs the serial unit at its own priority and any other test at REST_NICE,
+    before the test's fixtures start anything (the processes a test starts inherit it). Measured on the
+    2-core machine: two workers at one priority stretched the cluster's tests by half and broke two of
+    their bounds (BENCHMARKS.md "The test suite's time"). Going back to 0 needs root (CI runs as root);
+    elsewhere a worker stays niced, which only slows it."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return None
+    want = 0 if item.nodeid.startswith(SERIAL_PATHS) else REST_NICE
+    if os.getpriority(os.PRIO_PROCESS, 0) != want:
+        with contextlib.suppress(PermissionError):
+            os.setpriority(os.PRIO_PROCESS, 0, want)
+    return None
 
 
 @pytest.fixture(scope="session")

