@@ -17,11 +17,14 @@ REPO = Path(__file__).resolve().parent.parent
 #: cluster fixture. tests/conftest.py refuses such a test elsewhere (see pytest_collection_modifyitems).
 CLUSTER_PATHS = ("tests/slurm/", "tests/faults/", "tests/rl/test_job.py")
 CLUSTER_FIXTURES = {"local_slurm", "local_slurm_accounting", "namespaced"}
-#: Tests that hold a wall-clock figure to a bound (a call's deadline, a pool's timeout, a heartbeat, a
-#: step's time against an estimate, a benchmark's limit): under two workers they run with the cluster's
-#: tests, in order, at the worker's full priority (see pytest_runtest_protocol below).
-TIMED_PATHS = ("tests/bus/", "tests/launch/", "tests/roles/", "tests/reward/", "tests/env/", "tests/rendezvous/",
-               "tests/tools/", "tests/cli/test_run_cmd.py", "tests/transfer/test_nccl_link.py",
+#: Tests that hold a wall-clock figure to a tight bound (a call's deadline, a pool's per-sample timeout, a
+#: heartbeat, a step's time against an estimate, a benchmark's limit): under two workers they run after the
+#: cluster's tests, in order, at the worker's full priority (see pytest_runtest_protocol below). Generous
+#: waits (a run's 60 s, a reward pool's 20 s for milliseconds of work) do not count.
+TIMED_PATHS = ("tests/bus/", "tests/launch/test_local_executor.py", "tests/launch/test_forged_frames.py",
+               "tests/roles/test_reward.py", "tests/roles/test_reaper.py", "tests/reward/test_code_tests.py",
+               "tests/reward/test_pool.py", "tests/env/test_env_pool.py", "tests/rendezvous/",
+               "tests/tools/test_gpu_check.py", "tests/tools/test_bench_bus.py", "tests/transfer/test_nccl_link.py",
                "tests/transfer/test_execute.py", "tests/plan/test_transfer_planner.py", "tests/plan/test_resources.py",
                "tests/inference/test_vllm_worker.py", "tests/rl/test_controller.py")
 SERIAL_PATHS = CLUSTER_PATHS + TIMED_PATHS
@@ -39,6 +42,10 @@ def pytest_collection_modifyitems(config, items) -> None:
     """A cluster test outside CLUSTER_PATHS is an error, since two workers would share a cluster (see
     below). Under xdist the serial unit goes first (the cluster's tests first of all), so that the longest
     unit starts at once."""
+    gone = [path for path in SERIAL_PATHS if not (REPO / path).exists()]
+    if gone:
+        raise pytest.UsageError(f"tests/conftest.py names paths that do not exist: {', '.join(gone)}; "
+                                "rename them there with the files")
     strays = [item.nodeid for item in items if _on_a_cluster(item) and not item.nodeid.startswith(CLUSTER_PATHS)]
     if strays:
         raise pytest.UsageError(f"tests on a local Slurm cluster outside {', '.join(CLUSTER_PATHS)}: "
