@@ -78,34 +78,44 @@ def pytest_xdist_make_scheduler(config, log):
     return SerialAsOneUnit(config, log)
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_protocol(item, nextitem):
-    """Under xdist: a worker runs the serial unit at full priority and any other test at REST_NICE, set
-    before the test's fixtures start anything (what a test starts inherits it).
+#: Where a worker running the rest goes when it may (root, cgroup v1's cpu controller, as on the test
+#: machines): a CPU cgroup of the least weight, which every process it starts stays in.
+SIDE_CGROUP = Path("/sys/fs/cgroup/cpu/hpcrl-tests-rest")
+
+
+def _to_the_side() -> None:
+    """Give this worker, and all it starts from now on, only the CPU the rest leaves idle.
 
     Nice alone is not enough where the kernel groups tasks by session (autogroup, on here): the CPU is
-    first shared between sessions, and every slurmd, slurmstepd and so every task of a hetjob has its own.
-    So the first time a worker leaves the serial unit it starts a session of its own and gives that
-    session's group REST_NICE too: the cluster's tasks then see one group of weight 15 beside theirs of
-    1024, not one of equal weight. Measured on the 2-core machine with nice 10 in the tests' own session:
-    the MoE fault case ran again after 127.8 s against its 120 s bound, the GPU check's pack step past its
-    limit (BENCHMARKS.md "Fourth pass"). Going back to full priority needs root (CI runs as root);
-    elsewhere a worker that would stays niced, which only slows it."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
+    first shared between sessions, and every slurmd, slurmstepd and so every task of a hetjob has its
+    own, as does any process a test starts with a session of its own (the oracle's driver). A CPU cgroup
+    of weight 2 (against 1024) holds every descendant whatever its session; without one (not root, or no
+    cgroup v1 cpu controller), a session of this worker's own whose autogroup is at REST_NICE."""
+    try:
+        SIDE_CGROUP.mkdir(exist_ok=True)
+        (SIDE_CGROUP / "cpu.shares").write_text("2")
+        (SIDE_CGROUP / "cgroup.procs").write_text(str(os.getpid()))
+        return
+    except OSError:
+        pass
+    with contextlib.suppress(OSError):
+        os.setsid()  # a new session, so a new autogroup
+        Path("/proc/self/autogroup").write_text(str(REST_NICE))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist: a worker runs the serial unit at full priority and, once it has left it, any other
+    test at REST_NICE and on the side (_to_the_side), set before the test's fixtures start anything.
+    Measured on the 2-core machine with nice 10 alone: the MoE fault case ran again after 127.8 s against
+    its 120 s bound and the GPU check's pack step ran past its limit (BENCHMARKS.md "Fourth pass").
+    The serial unit is each worker's first or none of its work (SerialAsOneUnit), so a worker never
+    comes back from the side."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or item.nodeid.startswith(SERIAL_PATHS):
         return None
-    serial = item.nodeid.startswith(SERIAL_PATHS)
-    want = 0 if serial else REST_NICE
-    if not serial and os.getsid(0) != os.getpid():
-        with contextlib.suppress(OSError):
-            os.setsid()  # a new session, so a new autogroup
-    if os.getsid(0) == os.getpid():
-        with contextlib.suppress(OSError):
-            group = Path("/proc/self/autogroup")
-            if group.exists() and not group.read_text().rstrip().endswith(f"nice {want}"):
-                group.write_text(str(want))
-    if os.getpriority(os.PRIO_PROCESS, 0) != want:
-        with contextlib.suppress(PermissionError):
-            os.setpriority(os.PRIO_PROCESS, 0, want)
+    if os.getpriority(os.PRIO_PROCESS, 0) != REST_NICE:
+        _to_the_side()
+        os.setpriority(os.PRIO_PROCESS, 0, REST_NICE)
     return None
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The README's second command: set up .venv, start the local Slurm cluster, run the tests.
 #
-#   tools/test.sh                 # every test but the fault matrix (about 42 min on 2 cores)
-#   tools/test.sh --faults        # every test and the fault matrix (about 14 min more): what CI runs
+#   tools/test.sh                 # every test but the fault matrix
+#   tools/test.sh --faults        # every test and the fault matrix: what CI runs (36 min from a clean clone on 2 cores)
 #   tools/test.sh tests/config    # any pytest arguments (as given: tests/faults/test_matrix.py runs it)
 #
 # Fails on a lint or type error (tools/lint.sh: ruff first, mypy beside the tests), when a test fails or when no test ran
@@ -47,8 +47,9 @@ rm -f "$slurm_env"
 
 # The whole suite runs on two pytest-xdist workers (HPCRL_TEST_WORKERS, 2 unless pytest arguments are given):
 # one takes the tests on the local Slurm cluster and the timed ones (tests/conftest.py's SERIAL_PATHS) in
-# order at full priority, the other the rest module by module at nice 10, on the CPU the first leaves idle
-# (a cluster test waits on Slurm and heartbeats about half its time); both share what is left at the end.
+# order at full priority, the other the rest module by module at nice 19 in a CPU cgroup of the least
+# weight (as root), on the CPU the first leaves idle (a cluster test waits on Slurm and heartbeats about
+# half its time); both share what is left at the end.
 # HPCRL_TEST_WORKERS=0 runs one process.
 if (($#)); then default_workers=0; else default_workers=2; fi
 workers=(-n "${HPCRL_TEST_WORKERS:-$default_workers}" --dist loadscope)
