@@ -53,9 +53,8 @@ def pytest_collection_modifyitems(config, items) -> None:
                                 f"{', '.join(strays)}; move them there or add their file to CLUSTER_PATHS "
                                 "(tests/conftest.py)")
     if os.environ.get("PYTEST_XDIST_WORKER"):  # in one process the order stays the files' order
-        items[:] = ([item for item in items if item.nodeid.startswith(CLUSTER_PATHS)]
-                    + [item for item in items if item.nodeid.startswith(TIMED_PATHS)]
-                    + [item for item in items if not item.nodeid.startswith(SERIAL_PATHS)])
+        items.sort(key=lambda item: (not item.nodeid.startswith(CLUSTER_PATHS),
+                                     not item.nodeid.startswith(TIMED_PATHS)))  # stable: files' order within
 
 
 @pytest.hookimpl(optionalhook=True)

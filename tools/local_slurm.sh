@@ -610,8 +610,13 @@ poweron() {  # node number
     ip link set "$(veth "$k")" up
     export SLURM_CONF=$CONF
     alive "$DIR/run/slurmd.n$k.pid" || start_slurmd "$k"
-    scontrol update nodename="n$k" state=resume 2>/dev/null || true  # DOWN after the loss; idle if not yet noticed
+    resume "$k"  # DOWN after the loss; idle if not yet noticed
     say "n$k powered on (link up, slurmd started, node resumed)"
+}
+
+# Node K back in service if Slurm marked it DOWN; nothing to do (and nothing said) if it is not.
+resume() {  # node number
+    SLURM_CONF=$CONF scontrol update nodename="n$1" state=resume 2>/dev/null || true
 }
 
 # The link up again. A node Slurm marked DOWN while it was cut off is resumed, as after a power-on; with
@@ -619,7 +624,7 @@ poweron() {  # node number
 # the fault matrix's next case would wait for the node.
 mend() {  # node number
     ip link set "$(veth "$1")" up
-    SLURM_CONF=$CONF scontrol update nodename="n$1" state=resume 2>/dev/null || true  # nothing to do if not DOWN
+    resume "$1"
     say "n$1 reconnected (link $(veth "$1") up)"
 }
 

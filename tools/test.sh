@@ -51,9 +51,9 @@ rm -f "$slurm_env"
 # weight (as root), on the CPU the first leaves idle (a cluster test waits on Slurm and heartbeats about
 # half its time); both share what is left at the end.
 # HPCRL_TEST_WORKERS=0 runs one process.
-if (($#)); then default_workers=0; else default_workers=2; fi
-workers=(-n "${HPCRL_TEST_WORKERS:-$default_workers}" --dist loadscope)
-[[ ${HPCRL_TEST_WORKERS:-$default_workers} == 0 ]] && workers=()
+if (($#)); then n_workers=${HPCRL_TEST_WORKERS:-0}; else n_workers=${HPCRL_TEST_WORKERS:-2}; fi
+workers=(-n "$n_workers" --dist loadscope)
+[[ $n_workers == 0 ]] && workers=()
 status=0
 .venv/bin/python -m pytest ${workers[@]+"${workers[@]}"} ${select[@]+"${select[@]}"} "$@" || status=$?
 if ! wait "$mypy_pid"; then
