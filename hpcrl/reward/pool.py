@@ -37,7 +37,16 @@ from multiprocessing.connection import Connection, wait
 from typing import cast
 
 from hpcrl.reward.types import RewardError, RewardResult, Sample, WeightedFunction
-from hpcrl.workers.process import MAX_WAIT_S, Worker, check_at_start, import_module, raised, serve, start_workers
+from hpcrl.workers.process import (
+    MAX_WAIT_S,
+    Worker,
+    check_at_start,
+    import_module,
+    raised,
+    sendable,
+    serve,
+    start_workers,
+)
 
 
 def resolve(function: str) -> Callable[..., float]:
@@ -130,7 +139,7 @@ def _score_one(f: _Function, request: dict) -> dict[str, str | float]:
         return {"error": f"returned an integer of {_digits(value)} digits, too large for a float"}
     if not math.isfinite(score):
         return {"error": f"returned {score}, not a finite number (or a (number, reason) pair)"}
-    return {"reward": score, "reason": reason} if reason else {"reward": score}
+    return {"reward": score, "reason": sendable(reason)} if reason else {"reward": score}
 
 
 def _digits(value: object) -> str:

@@ -39,10 +39,17 @@ MAX_WAIT_S = 3600.0
 
 
 def raised(err: BaseException) -> str:
-    """An exception as one line for an error reply: its type, message and where it was raised (file:line)."""
+    """An exception as one line for an error reply: its type, message and where it was raised (file:line),
+    as text the bus can carry (`sendable`)."""
     frames = traceback.extract_tb(err.__traceback__)
     where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
-    return f"{type(err).__name__}: {err}{where}"
+    return sendable(f"{type(err).__name__}: {err}{where}")
+
+
+def sendable(text: str) -> str:
+    """`text` with any lone surrogate ("\\udc80", from bytes decoded with errors="surrogateescape") written as
+    its escape: msgpack sends UTF-8 only, so a user's reason or error must not hold one."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def import_module(module_name: str, what: str, error: type[HpcrlError]) -> ModuleType:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from pathlib import Path
 
+import msgpack
 import pytest
 
 import hpcrl.reward.pool as pool_module
@@ -153,3 +155,13 @@ def test_plan_refuses_a_function_its_module_does_not_define_and_takes_one_it_doe
     assert refused.value.fix.startswith("did you mean 'by_prompt'? name one it defines: ")
     assert load_config(config, overrides=['reward.function="verifiers_for_tests:by_prompt"']).reward.function == \
         "verifiers_for_tests:by_prompt"
+
+
+@pytest.mark.timeout(60)
+def test_a_reason_or_error_holding_a_lone_surrogate_comes_back_as_text_the_bus_can_send(monkeypatch):
+    monkeypatch.syspath_prepend(str(HERE))
+    with RewardPool("verifiers_for_tests:surrogate_reason", workers=1, timeout_s=5) as one:
+        scored, failed = one.score([sample(0, "ok"), sample(1, "raise")])
+    assert (scored.reward, scored.reason) == (0.0, "output: \\udc80")
+    assert failed.error.startswith("surrogate_reason: ValueError: cannot read b'\\udc80' (verifiers_for_tests.py:")
+    msgpack.packb([asdict(scored), asdict(failed)])  # what the reward role sends the head

@@ -66,3 +66,11 @@ def given_extra(prompt: str, completion: str, answer: str, extra: dict) -> float
 def given_kwargs(prompt: str, completion: str, answer: str, **kwargs) -> float:
     """The number of extra columns a function taking **kwargs is given."""
     return float(len(kwargs["extra"]))
+
+
+def surrogate_reason(prompt: str, completion: str, answer: str) -> tuple[float, str]:
+    """A reason (or, with prompt "raise", an exception) holding a lone surrogate, as bytes decoded with
+    errors="surrogateescape" do."""
+    if prompt == "raise":
+        raise ValueError("cannot read b'\udc80'")
+    return 0.0, "output: \udc80"
