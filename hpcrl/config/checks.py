@@ -6,6 +6,7 @@ ConfigError naming the key to change and how; the loader adds file and line.
 
 from __future__ import annotations
 
+import ast
 import difflib
 import importlib.util
 import os
@@ -241,22 +242,76 @@ def _check_reward(config: Config) -> None:
 
 
 def _check_reward_function(function: str, key: str) -> None:
-    module = function.partition(":")[0]
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        _fail(key, f"module {module!r} cannot be found on the Python path",
-              "check the module name, or add its directory to PYTHONPATH "
-              f'(built-ins: "{BUILTIN_REWARD_MODULE}:NAME" with NAME one of {", ".join(BUILTIN_REWARD_FUNCTIONS)})')
+    module, _, name = function.partition(":")
     if module == BUILTIN_REWARD_MODULE:  # ours: its names are known here, so check the name too
-        name = function.partition(":")[2]
         if name not in BUILTIN_REWARD_FUNCTIONS:
             close = difflib.get_close_matches(name, BUILTIN_REWARD_FUNCTIONS, n=1)
             guess = f"did you mean {close[0]!r}? " if close else ""
             _fail(key, f"{BUILTIN_REWARD_MODULE} has no function {name!r}",
                   f"{guess}built-ins: {', '.join(BUILTIN_REWARD_FUNCTIONS)}")
+        return
+    _check_target(key, function, "function",
+                  "check the module name, or add its directory to PYTHONPATH "
+                  f'(built-ins: "{BUILTIN_REWARD_MODULE}:NAME" with NAME one of {", ".join(BUILTIN_REWARD_FUNCTIONS)})')
+
+
+def _check_target(key: str, target: str, kind: str, fix: str) -> None:
+    """A user's "module:name" (`kind` "function" or "class"): its module is on the Python path, parses, and
+    defines `name` at its top level, read from its source without importing it (plan runs none of the user's
+    code); a module that makes names up at import (`from x import *`, a module `__getattr__`) is taken on trust."""
+    module, _, name = target.partition(":")
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        _fail(key, f"module {module!r} cannot be found on the Python path", fix)
+    origin = spec.origin if spec is not None else None
+    if not origin or not origin.endswith(".py"):  # compiled, frozen or a namespace package: no source to read
+        return
+    try:
+        tree = ast.parse(Path(origin).read_bytes(), filename=origin)
+    except SyntaxError as err:
+        _fail(key, f"module {module!r} ({origin}) does not parse: {err.msg} at line {err.lineno}",
+              "fix the syntax error; the reward or environment workers import this module")
+    except (OSError, ValueError) as err:
+        _fail(key, f"module {module!r} ({origin}) cannot be read: {err}", "check the file")
+    defined = _top_level_names(tree)
+    if defined is not None and name not in defined:
+        public = sorted(n for n in defined if not n.startswith("_"))
+        close = difflib.get_close_matches(name, public, n=1)
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        _fail(key, f"module {module!r} ({origin}) defines no {kind} {name!r}",
+              f"{guess}name one it defines{': ' + ', '.join(public[:20]) if public else ''}")
+
+
+def _top_level_names(tree: ast.Module) -> set[str] | None:
+    """The names a module binds outside its functions and classes (in if/try/with/for blocks too); None when it
+    may bind any name (`from x import *`, a module-level `__getattr__`)."""
+    names: set[str] = set()
+    statements: list[ast.stmt] = list(tree.body)
+    while statements:
+        node = statements.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any(alias.name == "*" for alias in node.names):
+                return None
+            names |= {alias.asname or alias.name.partition(".")[0] for alias in node.names}
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.For, ast.AsyncFor)):
+            targets = [node.target]
+        elif isinstance(node, (ast.With, ast.AsyncWith)):
+            targets = [item.optional_vars for item in node.items if item.optional_vars is not None]
+        names |= {n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)}
+        for block in ("body", "orelse", "finalbody"):  # the statements of if/for/while/try/with blocks
+            statements += getattr(node, block, [])
+        if isinstance(node, ast.Try):
+            statements += [child for handler in node.handlers for child in handler.body]
+    return None if "__getattr__" in names else names
 
 
 def _check_data(config: Config) -> None:
@@ -314,15 +369,8 @@ def _check_env(config: Config, shape: ModelShape) -> None:
     if not env.environment:
         return
     if ":" in env.environment:
-        module = env.environment.partition(":")[0]
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            _fail("env.environment", f"module {module!r} cannot be found on the Python path",
-                  "check the module name, or add its directory to PYTHONPATH (built-ins: "
-                  f"{', '.join(BUILTIN_ENVIRONMENTS)})")
+        _check_target("env.environment", env.environment, "class",
+                      f"check the module name, or add its directory to PYTHONPATH (built-ins: {', '.join(BUILTIN_ENVIRONMENTS)})")
     elif env.environment not in BUILTIN_ENVIRONMENTS:
         close = difflib.get_close_matches(env.environment, BUILTIN_ENVIRONMENTS, n=1)
         guess = f"did you mean {close[0]!r}? " if close else ""

@@ -50,12 +50,18 @@ from typing import Any, Literal
 from hpcrl.config.schema import DataConfig
 from hpcrl.data.types import DataError, Prompt
 
-__all__ = ["ChatTemplate", "chat_template_for", "has_chat_template", "prompt_format", "turn_stop_ids"]
+__all__ = ["ChatTemplate", "MessagesRefused", "chat_template_for", "has_chat_template", "prompt_format",
+           "turn_stop_ids"]
 
 #: Conversations rendered and encoded per call: as tokens.BATCH.
 BATCH = 1024
 #: The assistant content end_of_turn renders to find what the template writes after a turn.
 _SENTINEL = "hpcrl-end-of-turn-probe"
+
+
+class MessagesRefused(DataError):
+    """The template cannot render these messages (a role it does not know, its own raise_exception, an assistant
+    turn last): a fault of the conversation, so an episode's environment error (hpcrl.rl.episodes), not the run's."""
 
 
 def has_chat_template(model_path: str) -> bool:
@@ -93,7 +99,7 @@ def conversation(prompt: Prompt, system_prompt: str = "") -> list[dict[str, str]
     if system_prompt and messages[0].get("role") != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
     if messages[-1].get("role") == "assistant":
-        raise DataError(f"prompt {prompt.id!r}: its messages end with an assistant message, but the chat format "
+        raise MessagesRefused(f"prompt {prompt.id!r}: its messages end with an assistant message, but the chat format "
                         "generates the assistant's next turn after a user's. Fix: leave the reference answer out "
                         "of the messages (data.columns.answer names its column)")
     return messages
@@ -142,7 +148,7 @@ class ChatTemplate:
             texts = tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False)
         except Exception as err:  # the template's own raise_exception, or a Jinja error
             first = prompts[0].id if len(prompts) == 1 else f"{prompts[0].id!r} .. {prompts[-1].id!r}"
-            raise DataError(f"the chat template of {self.model_path} failed on prompts {first}: {err}. Fix: check "
+            raise MessagesRefused(f"the chat template of {self.model_path} failed on prompts {first}: {err}. Fix: check "
                             "the rows' roles and contents, or set data.format = \"text\"") from err
         return [texts] if isinstance(texts, str) else list(texts)
 
@@ -165,7 +171,7 @@ class ChatTemplate:
             after = tokenizer.apply_chat_template([*probe, *new], add_generation_prompt=True, tokenize=False)
         except Exception as err:  # the template's own raise_exception, or a Jinja error
             roles = sorted({m.get("role", "?") for m in new})
-            raise DataError(f"the chat template of {self.model_path} failed on an environment's messages (roles "
+            raise MessagesRefused(f"the chat template of {self.model_path} failed on an environment's messages (roles "
                             f"{roles}): {err}. Fix: have the environment answer in roles the template knows "
                             "(\"user\" where it has no \"tool\" role)") from err
         at = before.rfind(_SENTINEL)

@@ -25,11 +25,12 @@ A new built-in environment is one module (or a class in builtin.py) and one line
 from __future__ import annotations
 
 import difflib
-import importlib
+import json
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from hpcrl.env.types import EnvError, Message
+from hpcrl.workers.process import import_module
 
 #: env.environment names of the built-in environments -> "module:Class".
 ENVIRONMENTS: dict[str, str] = {
@@ -78,11 +79,7 @@ def target(environment: str) -> str:
 def resolve(environment: str) -> type:
     """Import the class `environment` names and check it has reset and step; EnvError names what is missing."""
     module_name, _, name = target(environment).partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise EnvError(f"environment {environment!r}: cannot import {module_name!r}: {err}. Fix: check the module "
-                       "name, or put its directory on PYTHONPATH") from err
+    module = import_module(module_name, f"environment {environment!r}", EnvError)
     cls = getattr(module, name, None)
     if cls is None:
         raise EnvError(f"environment {environment!r}: {module_name} has no {name!r}")
@@ -122,6 +119,12 @@ def checked_messages(value: object, *, what: str, roles: tuple[str, ...]) -> lis
             raise Malformed(f"{what}: message {i} ({role}) has content {_short(content)}, not a str")
         if not all(isinstance(key, str) for key in message):
             raise Malformed(f"{what}: message {i} has a key that is not a str")
+        try:  # what the bus (msgpack) and the tokenizer take: UTF-8, so no lone surrogate ("\ud800")
+            json.dumps(message, ensure_ascii=False, default=str).encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise Malformed(f"{what}: message {i} ({role}) holds {err.object[err.start:err.end]!r}, a lone surrogate "
+                            "that is not Unicode text (text decoded with errors=\"surrogateescape\"?): it cannot "
+                            "be tokenized or sent") from None
     return value
 
 

@@ -29,10 +29,8 @@ requests and wait on futures, so concurrent calls share the workers instead of q
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
-import traceback
 import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -44,7 +42,7 @@ from typing import Any, Literal, cast
 from hpcrl.config.schema import EnvConfig
 from hpcrl.env.base import RESET_ROLES, Malformed, checked_messages, checked_step, resolve
 from hpcrl.env.types import EnvError, EnvReply, EnvRequest
-from hpcrl.workers.process import SPAWN, Worker, check_at_start, serve, start_workers
+from hpcrl.workers.process import MAX_WAIT_S, SPAWN, Worker, check_at_start, raised, serve, start_workers
 
 Op = Literal["reset", "step"]
 
@@ -85,6 +83,9 @@ def _serve(cls: type, held: OrderedDict[str, Any], call: dict, most: int) -> dic
             first = checked_messages(instance.reset(row), what="reset", roles=RESET_ROLES)
             if not first:
                 raise Malformed("reset returned no messages: the policy needs a conversation to answer")
+            if first[-1]["role"] == "assistant":  # the head's chat template could not open the policy's turn
+                raise Malformed("reset ended with an assistant message, but the policy answers the first messages: "
+                                "end them with a user or tool message (an assistant message may come before)")
             reply: dict = {"messages": first}
         if call["op"] == "step":
             phase = "step"
@@ -93,7 +94,7 @@ def _serve(cls: type, held: OrderedDict[str, Any], call: dict, most: int) -> dic
     except Malformed as err:
         return {"error": str(err)}
     except Exception as err:  # noqa: BLE001 - the environment's own failure is the reply, with the episode
-        return {"error": _raised(phase, err)}
+        return {"error": f"{phase} raised {raised(err)}"}
     try:
         size = len(json.dumps(reply, allow_nan=False))  # what cannot cross the pipe is the environment's error, here
     except (TypeError, ValueError) as err:
@@ -106,11 +107,6 @@ def _serve(cls: type, held: OrderedDict[str, Any], call: dict, most: int) -> dic
         while len(held) > most:
             held.popitem(last=False)
     return reply
-
-
-def _raised(phase: str, err: Exception) -> str:
-    frame = traceback.extract_tb(err.__traceback__)[-1]
-    return f"{phase} raised {type(err).__name__}: {err} ({os.path.basename(frame.filename)}:{frame.lineno})"
 
 
 @dataclass
@@ -273,7 +269,7 @@ class EnvPool:
                         self._lost(index, f"worker process could not be written to ({err})")
             busy = [w for w in self._workers if w is not None and w.sent]
             deadline = min((w.started + self.timeout_s for w in busy), default=None)
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            timeout = None if deadline is None else min(MAX_WAIT_S, max(0.0, deadline - time.monotonic()))
             for ready in wait([self._wake_r, *(w.conn for w in busy)], timeout=timeout):
                 if ready is self._wake_r:
                     while self._wake_r.poll():

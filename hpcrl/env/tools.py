@@ -15,8 +15,9 @@ The format (the templates' own system text, which tools_system_prompt writes):
 Several calls in one turn are several blocks. Qwen's templates render a "tool" message as
 <tool_response>...</tool_response> inside a user turn, so an environment answers each call with
 tool_message. A block that is not such an object (bad JSON, no name, arguments not an object, no
-closing tag) is a ToolCall with `error` set: the environment tells the model what was wrong in a tool
-message rather than raising, since a malformed call is the policy's mistake, not the environment's.
+closing tag, JSON nested deeper than MAX_DEPTH or longer than MAX_CALL_CHARS, text that is not Unicode) is a
+ToolCall with `error` set: the environment tells the model what was wrong in a tool message rather than raising,
+since a malformed call is the policy's mistake, not the environment's.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ from dataclasses import dataclass, field
 from hpcrl.env.types import Message
 
 _BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+#: What the depth count reads: brackets, and the quotes and backslashes that say whether one is inside a string.
+_STRUCTURE = re.compile(r'[\[\]{}"\\]')
+#: The deepest nesting of [] and {} a call may have: json.loads recurses per level (RecursionError at ~1,000).
+MAX_DEPTH = 64
+#: The longest call, in characters: far more than any real call, little enough to parse at once.
+MAX_CALL_CHARS = 256 * 1024
 
 #: The templates' instructions after the tool list (Qwen2.5 / Qwen3 tokenizer_config.json chat_template).
 _HEADER = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -57,23 +64,60 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
+def _json(text: str, where: str) -> tuple[object, str | None]:
+    """`text` as JSON, or why it is not a call: too long, nested too deep, not Unicode, not JSON."""
+    if len(text) > MAX_CALL_CHARS:
+        return None, f"{where} is {len(text)} characters long; a call may have {MAX_CALL_CHARS}"
+    depth = _depth(text)
+    if depth > MAX_DEPTH:
+        return None, f"{where} nests [] and {{}} {depth} deep; a call may nest {MAX_DEPTH} deep"
+    try:
+        value = json.loads(text)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")  # "\ud800" decodes to a lone surrogate: no text
+    except UnicodeEncodeError:
+        return None, f"{where} holds a lone surrogate (an escape such as \\ud800 alone), which is not Unicode text"
+    except ValueError as err:
+        return None, f"{where} is not valid JSON ({err}); write " '{"name": <function-name>, "arguments": {...}}'
+    return value, None
+
+
+def _depth(text: str) -> int:
+    """The deepest nesting of [] and {} in `text` outside JSON strings, in one pass (no recursion)."""
+    depth = deepest = 0
+    in_string, escaped_at = False, -1
+    for found in _STRUCTURE.finditer(text):
+        at, c = found.start(), found.group()
+        if at == escaped_at:  # the character after a backslash in a string
+            continue
+        if in_string:
+            if c == "\\":
+                escaped_at = at + 1
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+    return deepest
+
+
 def _parse_one(body: str, i: int) -> ToolCall:
     where = f"tool call {i + 1}"
-    try:
-        value = json.loads(body)
-    except ValueError as err:
-        return ToolCall(error=f"{where} is not valid JSON ({err}); write "
-                              '{"name": <function-name>, "arguments": {...}}')
+    value, error = _json(body, where)
+    if error is not None:
+        return ToolCall(error=error)
     if not isinstance(value, dict):
         return ToolCall(error=f"{where} is a JSON {type(value).__name__}, not an object with \"name\" and \"arguments\"")
     name, arguments = value.get("name"), value.get("arguments", {})
     if not isinstance(name, str) or not name:
         return ToolCall(error=f'{where} has no "name" (a string naming the tool)')
     if isinstance(arguments, str):  # some models write the arguments as a JSON string, as OpenAI's API does
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            pass
+        arguments, error = _json(arguments, f'{where} ({name}): "arguments", a string,')
+        if error is not None:
+            return ToolCall(name=name, error=error)
     if not isinstance(arguments, dict):
         return ToolCall(name=name, error=f'{where} ({name}): "arguments" is not a JSON object')
     return ToolCall(name=name, arguments=arguments)

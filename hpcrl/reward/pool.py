@@ -8,8 +8,11 @@
                 WeightedFunction(name="format_ok", function="hpcrl.reward.builtin:format_ok", weight=0.2)], ...)
 
 With several weighted functions each sample's reward is the weighted sum of their scores, and its
-`parts` hold each score; if any of them fails the sample has no reward (an error naming that function).
-A function may return a float or (float, reason); the reason travels with the result. A function
+`parts` hold each score; if any of them fails, or their weighted sum is not finite, the sample has no
+reward (an error naming that function, or the sum). A function may return a number (a float, an int
+within a float's range, a numpy scalar) or (number, reason); the reason travels with the result. A
+function with a parameter named `extra` (or **kwargs) is also given `extra=` the row's data.columns.extra
+values, a dict by column name (Sample.extra): `def solved(prompt, completion, answer, extra)`. A function
 with a `check_at_start` attribute has it called once in each worker as it starts: if it raises, the
 pool does not start (code_tests checks that a sandbox can be built on this node).
 
@@ -17,37 +20,52 @@ A verifier that raises, hangs past `timeout_s`, returns something that is not a 
 kills its process yields a `RewardResult` with `error` set and `reward` None — never a silent zero —
 and the pool replaces the worker and goes on. Samples travel to workers as JSON over pipes (no
 pickle); workers are spawned (hpcrl.workers.process), so nothing of the parent (threads, sockets, CUDA) leaks into them.
+A module that raises as it is imported stops the pool at start with its exception (hpcrl.workers.process.import_module).
 """
 
 from __future__ import annotations
 
-import importlib
+import inspect
 import json
 import math
-import os
+import numbers
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection, wait
 from typing import cast
 
 from hpcrl.reward.types import RewardError, RewardResult, Sample, WeightedFunction
-from hpcrl.workers.process import Worker, check_at_start, serve, start_workers
+from hpcrl.workers.process import (
+    MAX_WAIT_S,
+    Worker,
+    check_at_start,
+    import_module,
+    raised,
+    sendable,
+    serve,
+    start_workers,
+)
 
 
-def resolve(function: str) -> Callable[[str, str, str], float]:
-    """Import "module:function"; a RewardError names what is missing."""
+def resolve(function: str) -> Callable[..., float]:
+    """Import "module:function"; a RewardError names what is missing, or why its module does not import."""
     module_name, _, name = function.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise RewardError(f"reward function {function!r}: cannot import {module_name!r}: {err}") from err
+    module = import_module(module_name, f"reward function {function!r}", RewardError)
     fn = getattr(module, name, None)
     if not callable(fn):
         raise RewardError(f"reward function {function!r}: {module_name} has no function {name!r}")
     return fn
+
+
+def takes_extra(fn: Callable) -> bool:
+    """Whether `fn` takes the row's data.columns.extra: a parameter named `extra`, or **kwargs."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): it takes the three strings
+        return False
+    return any(p.name == "extra" and p.kind != p.VAR_POSITIONAL or p.kind == p.VAR_KEYWORD for p in parameters)
 
 
 def _worker_main(spec: str, conn: Connection) -> None:
@@ -59,25 +77,42 @@ def _worker_main(spec: str, conn: Connection) -> None:
 
 def _scorer(config: dict) -> Callable[[dict], dict]:
     """The pool's functions, imported and checked at start; a sample's reply from all of them."""
-    functions = [(name, resolve(function), weight) for name, function, weight in config["functions"]]
-    for (_, function, _), (_, fn, _) in zip(config["functions"], functions):
+    functions = []
+    for name, function, weight in config["functions"]:
+        fn = resolve(function)
         check_at_start(f"reward function {function!r}", fn, RewardError)
+        functions.append(_Function(name=name, fn=fn, weight=weight, extra=takes_extra(fn)))
     return lambda request: _score_all(functions, request, combined=config["combined"])
 
 
-def _score_all(functions: list[tuple[str, Callable, float]], request: dict, *, combined: bool) -> dict:
-    """One sample through every function: the weighted sum and the parts, or the first error (named
-    after its function when there are several)."""
+@dataclass(frozen=True)
+class _Function:
+    """One of the pool's functions in a worker: its metric name, the function, its weight, whether it takes extra."""
+
+    name: str
+    fn: Callable[..., float]
+    weight: float
+    extra: bool
+
+
+def _score_all(functions: list[_Function], request: dict, *, combined: bool) -> dict:
+    """One sample through every function: the weighted sum and the parts, or the first error, named after
+    its function. A sum that is not finite (parts of 1e308) is an error like a part that is not: the sample
+    has no score."""
     parts: dict[str, float] = {}
     reasons: list[str] = []
-    for name, fn, _ in functions:
-        scored = _score_one(fn, request)
+    for f in functions:
+        scored = _score_one(f, request)
         if "error" in scored:
-            return {"error": f"{name}: {scored['error']}"} if combined else scored
-        parts[name] = cast(float, scored["reward"])
+            return {"error": f"{f.name}: {scored['error']}"}
+        parts[f.name] = cast(float, scored["reward"])
         if "reason" in scored:
-            reasons.append(f"{name}: {scored['reason']}" if combined else cast(str, scored["reason"]))
-    reply: dict = {"reward": sum(weight * parts[name] for name, _, weight in functions)}
+            reasons.append(f"{f.name}: {scored['reason']}" if combined else cast(str, scored["reason"]))
+    total = sum(f.weight * parts[f.name] for f in functions)
+    if not math.isfinite(total):
+        terms = " + ".join(f"{f.weight:g} x {f.name}" for f in functions)
+        return {"error": f"the weighted sum {terms} is {total}, not a finite number (parts {parts})"}
+    reply: dict = {"reward": total}
     if reasons:
         reply["reason"] = "; ".join(reasons)
     if combined:
@@ -85,18 +120,41 @@ def _score_all(functions: list[tuple[str, Callable, float]], request: dict, *, c
     return reply
 
 
-def _score_one(fn: Callable[[str, str, str], float], request: dict) -> dict[str, str | float]:
+def _score_one(f: _Function, request: dict) -> dict[str, str | float]:
+    """One function on one sample: {"reward"} (and its "reason"), or {"error"} saying why there is none. A
+    number of any type that converts to a finite float is a score (numpy's float32 and int64 too)."""
+    prompt, completion, answer = request["prompt"], request["completion"], request["answer"]
     try:
-        value = fn(request["prompt"], request["completion"], request["answer"])
+        value = f.fn(prompt, completion, answer, extra=request["extra"]) if f.extra else f.fn(prompt, completion, answer)
     except Exception as err:  # noqa: BLE001 - the verifier's own failure is the result, reported with the sample
-        frame = traceback.extract_tb(err.__traceback__)[-1]
-        return {"error": f"{type(err).__name__}: {err} ({os.path.basename(frame.filename)}:{frame.lineno})"}
+        return {"error": raised(err)}
     reason = None
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], str):
         value, reason = value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return {"error": f"returned {value!r}, not a finite number (or a (number, reason) pair)"}
-    return {"reward": float(value), "reason": reason} if reason else {"reward": float(value)}
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy registers its numbers as Real
+        return {"error": f"returned {_short(value)}, not a finite number (or a (number, reason) pair)"}
+    try:
+        score = float(value)
+    except OverflowError:  # an int past a float's range: 10**400
+        return {"error": f"returned an integer of {_digits(value)} digits, too large for a float"}
+    if not math.isfinite(score):
+        return {"error": f"returned {score}, not a finite number (or a (number, reason) pair)"}
+    return {"reward": score, "reason": sendable(reason)} if reason else {"reward": score}
+
+
+def _digits(value: object) -> str:
+    try:
+        return str(len(str(abs(cast(int, value)))))
+    except ValueError:  # past int_max_str_digits (4300)
+        return "more than 4300"
+
+
+def _short(value: object, limit: int = 80) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a value whose repr fails (a huge int past int_max_str_digits) is named by type
+        return f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class _Worker(Worker):
@@ -172,7 +230,7 @@ class RewardPool:
                 worker.send_samples([pending.popleft() for _ in range(share)])
                 busy[worker.conn] = worker
             next_deadline = min(w.started + self.timeout_s for w in busy.values())
-            for ready in wait(list(busy), timeout=max(0.0, next_deadline - time.monotonic())):
+            for ready in wait(list(busy), timeout=min(MAX_WAIT_S, max(0.0, next_deadline - time.monotonic()))):
                 worker = busy[cast(Connection, ready)]  # wait() returns some of the connections it was given
                 reply = worker.receive()
                 if reply is None:  # the verifier took its process down with it

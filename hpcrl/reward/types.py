@@ -5,7 +5,8 @@
     RewardResult(id="p3/1", prompt_id="p3", reward=0.0, reason="killed at the CPU-time limit (4 s)")
     RewardResult(id="p3/2", prompt_id="p3", reward=1.2, parts={"math_verify": 1.0, "format_ok": 1.0})
 
-A reward function returns a float, or (float, reason): a reason says why a legitimate score is what
+A reward function takes (prompt, completion, answer), and `extra` (Sample.extra) when it has a parameter
+of that name; it returns a number, or (number, reason): a reason says why a legitimate score is what
 it is (a failed test, code killed at a limit) and travels with the result; an error (the function
 raised, hung, died or returned something else) means there is no score at all, and the head holds
 the sample's group out. With several weighted functions (reward.functions) `reward` is the weighted
@@ -17,7 +18,8 @@ they live apart from the process pool that produces them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from hpcrl.errors import HpcrlError
 
@@ -31,6 +33,8 @@ class Sample:
     prompt: str
     completion: str
     answer: str
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The prompt's data.columns.extra values by column (Prompt.extra), for a function with an `extra` parameter."""
 
 
 @dataclass(frozen=True, kw_only=True)

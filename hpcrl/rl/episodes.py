@@ -29,7 +29,9 @@ produced):
 
 Reward: the environment's when it gives one; otherwise (no environment, done without a reward, cut, truncated)
 the run's [reward] scores the episode's last policy turn (Ports.score, completion = that turn's text). An episode
-whose environment call failed (an EnvReply error: it raised, hung, its worker died) or whose reward failed has no
+whose environment call failed (an EnvReply error: it raised, hung, its worker died), whose environment's messages
+the model's chat template cannot render (a "tool" message on a template without that role: hpcrl.data.chat's
+MessagesRefused, counted with the environment errors) or whose reward failed has no
 outcome: its whole group is held out of training and counted, never scored zero (hpcrl.rl.rollouts).
 
 Scheduling with [env], the same whatever the timing (a resumed run draws the same tokens): the batch's prompts
@@ -58,6 +60,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from hpcrl.algorithms.base import Rollout
 from hpcrl.config.schema import Config
+from hpcrl.data.chat import MessagesRefused
 from hpcrl.data.prompts import Prompt
 from hpcrl.env.types import EnvReply, EnvRequest
 from hpcrl.errors import HpcrlError
@@ -296,7 +299,13 @@ class EpisodeRunner:
                     episode.error = f"reset: {reply.error}"
                 continue
             assert self.chat is not None, "episodes with an environment need the run's chat template"
-            messages, ids = self.chat.opening(group[0].prompt, reply.messages)
+            try:
+                messages, ids = self.chat.opening(group[0].prompt, reply.messages)
+            except MessagesRefused as err:  # messages the pool took but the model's template cannot render
+                stats.env_errors.append(f"{reply.episode} (reset): {err}")
+                for episode in group:
+                    episode.error = f"reset: {err}"
+                continue
             for episode in group:
                 episode.messages = list(messages)
                 episode.append(ids)
@@ -373,7 +382,12 @@ class EpisodeRunner:
             else:
                 new = list(reply.messages or [])
                 assert self.chat is not None
-                ids = self.chat.continuation(episode.messages, new, list(completion.token_ids))
+                try:
+                    ids = self.chat.continuation(episode.messages, new, list(completion.token_ids))
+                except MessagesRefused as err:  # messages the pool took but the template cannot render (a "tool" role)
+                    episode.error = str(err)
+                    stats.env_errors.append(f"{episode.id} (turn {episode.turns}): {episode.error}")
+                    continue
                 if len(episode.tokens) + len(ids) >= self.env.max_tokens:
                     episode.finish_reason = "budget"  # the environment's answer and a next turn do not fit
                 else:

@@ -27,8 +27,10 @@ def samples_for(groups: list[list[Episode]]) -> list[Sample]:
     """The [reward] requests of a batch's episodes: one per episode the environment left unrewarded (every one
     without an environment), ids "prompt_id/k"; none for a group held out already (an episode without an
     outcome). The prompt is the row's text in both formats, never the chat template's rendering
-    (hpcrl.data.chat); the completion is the episode's last policy turn."""
-    return [Sample(id=e.id, prompt_id=e.prompt.id, prompt=e.prompt.text, completion=e.text, answer=e.prompt.answer)
+    (hpcrl.data.chat); the completion is the episode's last policy turn; `extra` is the row's data.columns.extra
+    (Prompt.extra), which reward functions with an `extra` parameter are given."""
+    return [Sample(id=e.id, prompt_id=e.prompt.id, prompt=e.prompt.text, completion=e.text, answer=e.prompt.answer,
+                   extra=e.prompt.extra)
             for group in groups if all(e.error is None for e in group) for e in group if e.reward is None]
 
 

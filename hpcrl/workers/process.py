@@ -18,17 +18,51 @@ or died) stays with the pool; `start_workers` starts a pool's first ones, all re
 
 from __future__ import annotations
 
+import importlib
 import json
 import multiprocessing as mp
+import os
 import time
+import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from types import ModuleType
 from typing import Any
 
 from hpcrl.errors import HpcrlError
 
 #: The worker processes' multiprocessing context: spawned, so no thread, socket or CUDA state of the parent.
 SPAWN = mp.get_context("spawn")
+#: The longest single wait on a pipe: poll(2) takes its timeout in milliseconds as a C int (~24.8 days), so a
+#: longer one (reward.timeout_s = 1e9) raises OverflowError. Pools wait in slices and keep their own deadlines.
+MAX_WAIT_S = 3600.0
+
+
+def raised(err: BaseException) -> str:
+    """An exception as one line for an error reply: its type, message and where it was raised (file:line),
+    as text the bus can carry (`sendable`)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    return sendable(f"{type(err).__name__}: {err}{where}")
+
+
+def sendable(text: str) -> str:
+    """`text` with any lone surrogate ("\\udc80", from bytes decoded with errors="surrogateescape") written as
+    its escape: msgpack sends UTF-8 only, so a user's reason or error must not hold one."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def import_module(module_name: str, what: str, error: type[HpcrlError]) -> ModuleType:
+    """Import the module of a user's `module:name` (`what` names it in errors): a module that is missing, or
+    that raises as it is imported, is `error` with the cause, never a worker that dies at start."""
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as err:
+        raise error(f"{what}: cannot import {module_name!r}: {err}. Fix: check the module name, or put its "
+                    "directory on PYTHONPATH") from err
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - the module's own failure, reported as the reason
+        raise error(f"{what}: importing {module_name!r} raised {raised(err)}. Fix: the module must import "
+                    f"without error (try python -c 'import {module_name}')") from err
 
 
 def check_at_start(what: str, subject: Any, error: type[HpcrlError]) -> None:

@@ -8,7 +8,8 @@ Misbehave: its step does what the policy's last turn says (the row's "answer" is
     "exit"     os._exit(7)
     "segv"     a segmentation fault (reads address 0 through ctypes)
     "kill"     SIGKILLs its own process
-    "notlist" / "norole" / "assistant" / "nan" / "done?" / "set" / "huge"   malformed returns
+    "notlist" / "norole" / "assistant" / "nan" / "done?" / "set" / "huge" / "surrogate"   malformed returns
+(a reset whose prompt is "reset raises", "reset empty" or "reset ends assistant" misbehaves too)
 SlowReset's reset takes 0.5 s and its step echoes the conversation's length: a step on a worker that
 does not hold the episode is 0.5 s slower, with the same reply.
 """
@@ -27,6 +28,8 @@ class Misbehave:
             raise RuntimeError("no episode today")
         if row["prompt"] == "reset empty":
             return []
+        if row["prompt"] == "reset ends assistant":
+            return [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
         return [{"role": "user", "content": row["prompt"]}]
 
     def step(self, messages):
@@ -57,6 +60,8 @@ class Misbehave:
             return [], 1.0, "yes"
         if what == "huge":
             return [{"role": "user", "content": "x" * (2 << 20)}], None, False
+        if what == "surrogate":  # as text read with errors="surrogateescape" holds
+            return [{"role": "user", "content": "bad byte: \udc80"}], None, False
         if what == "set":
             return [{"role": "user", "content": "x", "tool_calls": {1, 2}}], None, False
         return StepResult(messages=[{"role": "user", "content": "?"}])

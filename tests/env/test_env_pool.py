@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.config import load_config
 from hpcrl.config.schema import EnvConfig
 from hpcrl.env.pool import EnvPool
 from hpcrl.env.types import EnvError, EnvRequest
+from hpcrl.errors import ConfigError
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -187,3 +190,47 @@ def test_a_worker_that_cannot_be_replaced_fails_its_calls_with_the_reason_until_
         monkeypatch.delenv("HPCRL_TEST_ENV_BROKEN")
         assert p.step([request("d/0", "done")])[0].reward == 1.0
         assert p.restarts == 3
+
+
+def test_replies_the_head_cannot_take_are_refused_by_the_pool_and_the_worker_goes_on():
+    """A lone surrogate (msgpack on the bus and the tokenizer refuse it) and a reset ending with the assistant's
+    message (the policy's turn cannot follow it) are the episode's errors, in the pool, not the head's failure."""
+    with pool(workers=1) as p:
+        step = p.step([request("s/0", "surrogate")])[0]
+        reset = p.reset([request("r/0", prompt="reset ends assistant")])[0]
+        assert p.restarts == 0 and p.step([request("d/0", "done")])[0].reward == 1.0
+    assert step.error == ("environment 'envs_for_tests:Misbehave', episode s/0: step: message 0 (user) holds '\\udc80', "
+                          'a lone surrogate that is not Unicode text (text decoded with errors="surrogateescape"?): '
+                          "it cannot be tokenized or sent")
+    assert reset.error.endswith("episode r/0: reset ended with an assistant message, but the policy answers the first "
+                                "messages: end them with a user or tool message (an assistant message may come before)")
+    assert step.messages is None and reset.messages is None
+
+
+def test_a_step_timeout_past_what_a_pipe_can_wait_leaves_the_pool_serving():
+    """A wait of 1e9 s once raised OverflowError from poll(2) in the pool's thread, and every later call failed.
+    Set on the pool, whatever bound env.step_timeout_s has in the config."""
+    with pool(workers=1) as p:
+        p.timeout_s = 1e9
+        assert p.reset([request("a/0")])[0].messages == [{"role": "user", "content": "go"}]
+        assert p.step([request("a/0", "ok")])[0].messages == [{"role": "user", "content": "ok 2"}]
+        assert p.step([request("b/0", "done")])[0].reward == 1.0
+
+
+def test_an_environment_module_that_raises_at_import_stops_the_pool_with_its_exception_and_module():
+    with pytest.raises(EnvError) as raised:
+        pool("env_raises_at_import:Guess", workers=1)
+    assert str(raised.value).startswith(
+        "environment 'env_raises_at_import:Guess': importing 'env_raises_at_import' raised FileNotFoundError: "
+        "[Errno 2] No such file or directory: '/nonexistent/hpcrl-test-words.txt' (")
+
+
+@pytest.mark.parametrize("module, name, guess", [("envs_for_tests", "Misbehav", "Misbehave"),
+                                                 ("env_raises_at_import", "Guesser", "Guess")])
+def test_plan_refuses_a_class_its_module_does_not_define_without_importing_the_module(module, name, guess):
+    """Read from the source: env_raises_at_import would raise if plan imported it."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(REPO / "configs" / "tiny_env_grpo.toml", overrides=[f'env.environment="{module}:{name}"'])
+    assert refused.value.key == "env.environment"
+    assert refused.value.problem == f"module {module!r} ({HERE / module}.py) defines no class {name!r}"
+    assert refused.value.fix.startswith(f"did you mean {guess!r}? name one it defines: ")

@@ -10,7 +10,8 @@ import pytest
 from hpcrl.config.builtin_names import BUILTIN_ENVIRONMENTS
 from hpcrl.config.schema import EnvConfig
 from hpcrl.data.builtin import guess
-from hpcrl.env.base import ENVIRONMENTS, resolve
+from hpcrl.env.base import ENVIRONMENTS, StepResult, resolve
+from hpcrl.env.builtin import PythonTool
 from hpcrl.env.pool import EnvPool
 from hpcrl.env.types import EnvRequest
 
@@ -113,3 +114,13 @@ def test_python_tool_lists_its_tool_before_the_rows_own_conversation_and_keeps_t
                       "messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "1+1?"}]})
     assert chat[0]["content"].startswith("Be terse.\n\n# Tools\n") and chat[1:] == [{"role": "user",
                                                                                      "content": "1+1?"}]
+
+
+def test_python_tool_answers_a_call_nested_too_deep_with_a_tool_message_not_an_environment_error():
+    """Run in this process: no sandbox starts, since a malformed call runs nothing."""
+    row = {"id": "m1", "prompt": "What is 2**100 mod 7?", "answer": "2"}
+    tool = PythonTool()
+    deep = '<tool_call>{"name": "python", "arguments": {"code": ' + "[" * 3000 + "]" * 3000 + "}}</tool_call>"
+    result = tool.step([*tool.reset(row), assistant(deep)])
+    assert result == StepResult(messages=[{"role": "tool", "content": "error: tool call 1 nests [] and {} 3002 deep; "
+                                                                      "a call may nest 64 deep"}])

@@ -3,9 +3,19 @@ ToolCall with the reason, for the model to read, never an exception."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from hpcrl.env.tools import ToolCall, parse_tool_calls, tool_message, tool_schema, tools_system_prompt
+from hpcrl.env.tools import (
+    MAX_CALL_CHARS,
+    MAX_DEPTH,
+    ToolCall,
+    parse_tool_calls,
+    tool_message,
+    tool_schema,
+    tools_system_prompt,
+)
 
 CALL = '<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>'
 
@@ -50,3 +60,26 @@ def test_the_system_prompt_lists_the_tools_as_qwens_templates_do():
         "For each function call, return a json object with function name and arguments within "
         '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
         "<args-json-object>}\n</tool_call>")
+
+
+LONG = '{"name": "python", "arguments": {"code": "' + "x" * MAX_CALL_CHARS + '"}}'
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("body, error", [
+    ("[" * 5000 + "]" * 5000, f"tool call 1 nests [] and {{}} 5000 deep; a call may nest {MAX_DEPTH} deep"),
+    ('{"name": "python", "arguments": "' + "[" * 5000 + '"}',  # arguments as a JSON string, nested
+     f'tool call 1 (python): "arguments", a string, nests [] and {{}} 5000 deep; a call may nest {MAX_DEPTH} deep'),
+    (LONG, f"tool call 1 is {len(LONG)} characters long; a call may have {MAX_CALL_CHARS}"),
+    ('{"name": "python", "arguments": {"code": "print(\\"\\ud800\\")"}}',
+     "tool call 1 holds a lone surrogate (an escape such as \\ud800 alone), which is not Unicode text"),
+])
+def test_a_call_too_deep_too_long_or_not_unicode_says_so_instead_of_raising(body, error):
+    (call,) = parse_tool_calls(f"<tool_call>{body}</tool_call>")
+    assert call.error == error
+
+
+def test_brackets_inside_strings_do_not_count_toward_the_depth():
+    code = "print('" + "[" * 100 + '\\"{' * 100 + "')"  # in JSON: brackets, escaped backslashes and quotes
+    (call,) = parse_tool_calls('<tool_call>{"name": "python", "arguments": {"code": ' + json.dumps(code) + "}}</tool_call>")
+    assert call == ToolCall("python", {"code": code})

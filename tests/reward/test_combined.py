@@ -8,10 +8,13 @@ import pytest
 
 from hpcrl.config import load_config
 from hpcrl.config.dump import dump_toml
+from hpcrl.data.prompts import Prompt
 from hpcrl.errors import ConfigError
 from hpcrl.reward.model import make_scorer
 from hpcrl.reward.pool import RewardPool
 from hpcrl.reward.types import Sample, WeightedFunction
+from hpcrl.rl.episodes import Episode
+from hpcrl.rl.rollouts import score_groups
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -81,3 +84,20 @@ def test_an_unknown_builtin_in_functions_is_named_with_its_index():
     with pytest.raises(ConfigError, match=r"reward.functions\[1\].function.*did you mean 'math_verify'"):
         load_config(REPO / "configs" / "tiny_grpo.toml", overrides=typo)
 
+
+
+@pytest.mark.timeout(60)
+def test_a_weighted_sum_that_is_not_finite_is_an_error_held_out_and_counted_as_a_nan_part_is():
+    """Two parts of 1e308, each finite, sum to inf: the sample has no score, like one whose part is NaN."""
+    functions = [WeightedFunction(name="large", function="verifiers_for_tests:numbers_of_other_types", weight=1.0),
+                 WeightedFunction(name="again", function="verifiers_for_tests:numbers_of_other_types", weight=1.0)]
+    samples = [Sample(id=f"{p}/0", prompt_id=p, prompt=p, completion="", answer="") for p in ("large", "nan")]
+    with RewardPool(functions, workers=1, timeout_s=5) as pool:
+        results = pool.score(samples)
+    assert [r.reward for r in results] == [None, None]
+    assert results[0].error == ("the weighted sum 1 x large + 1 x again is inf, not a finite number "
+                                "(parts {'large': 1e+308, 'again': 1e+308})")
+    assert results[1].error == "large: returned nan, not a finite number (or a (number, reason) pair)"
+    groups = [[Episode(prompt=Prompt(id=p, text=p, answer=""), index=0)] for p in ("large", "nan")]
+    scored, stats = score_groups(groups, results, weight_version=0)
+    assert scored == [] and stats.groups_with_errors == 2 and len(stats.errors) == 2

@@ -47,3 +47,30 @@ def _missing() -> None:
 
 
 needs_what_is_missing.check_at_start = _missing  # type: ignore[attr-defined]
+
+
+def numbers_of_other_types(prompt: str, completion: str, answer: str) -> object:
+    """A number of the type the prompt names: numpy's float32 / int64 / bool_, an int past a float's range,
+    or a large float (weighted twice it overflows to inf)."""
+    import numpy
+
+    return {"float32": numpy.float32(0.5), "int64": numpy.int64(1), "bool_": numpy.bool_(True), "huge": 10 ** 400,
+            "huger": 10 ** 5000, "large": 1e308, "nan": float("nan")}[prompt]
+
+
+def given_extra(prompt: str, completion: str, answer: str, extra: dict) -> float:
+    """1 when the completion is in the row's data.columns.extra "accepted" list (answer left empty)."""
+    return float(completion in extra["accepted"])
+
+
+def given_kwargs(prompt: str, completion: str, answer: str, **kwargs) -> float:
+    """The number of extra columns a function taking **kwargs is given."""
+    return float(len(kwargs["extra"]))
+
+
+def surrogate_reason(prompt: str, completion: str, answer: str) -> tuple[float, str]:
+    """A reason (or, with prompt "raise", an exception) holding a lone surrogate, as bytes decoded with
+    errors="surrogateescape" do."""
+    if prompt == "raise":
+        raise ValueError("cannot read b'\udc80'")
+    return 0.0, "output: \udc80"

@@ -18,6 +18,7 @@ from fake_ports import FakeEnvironment, FakePorts, FakeReward
 from test_controller import memory_dir, outcome
 
 from hpcrl.config.schema import Config, DataConfig, EnvConfig, ModelConfig
+from hpcrl.env.types import EnvReply, EnvRequest
 from hpcrl.rl.loop import run_loop
 from hpcrl.rl.metrics import read_metrics
 
@@ -118,6 +119,36 @@ def test_an_environment_error_holds_its_group_out_of_training_and_counts_it(runs
     assert all(r["reward_errors"] == 0 for r in rows)
     # The failed episode's group stops at once: no second turn of guess-train-4 is generated.
     assert not [p for _, p, _ in ports.inference.generated if p.startswith("guess-train-4/")]
+
+
+class AnswersOutsideTheTemplate(FakeEnvironment):
+    """FakeEnvironment whose reset of guess-train-7 ends with the assistant's message and whose steps of
+    guess-train-4/1 answer in a "tool" message: what the pool lets through but the tiny template cannot render."""
+
+    def reset(self, requests: list[EnvRequest]) -> list[EnvReply]:
+        return [EnvReply(episode=r.episode, messages=[*reply.messages, {"role": "assistant", "content": "7"}])
+                if r.episode == "guess-train-7/0" else reply for r, reply in zip(requests, super().reset(requests))]
+
+    def _step(self, request: EnvRequest) -> EnvReply:
+        if request.episode == "guess-train-4/1":
+            return EnvReply(episode=request.episode, messages=[{"role": "tool", "content": "no"}])
+        return super()._step(request)
+
+
+@pytest.mark.timeout(60)
+def test_messages_the_chat_template_cannot_render_hold_their_group_out_and_count_it(runs, tiny_model):
+    """As an environment error (the test above, on the same episodes): the run goes on."""
+    ports = FakePorts(env=AnswersOutsideTheTemplate())
+    loop_once(env_config(runs, tiny_model), ports)
+    trained = {p for _, _, _, p in trained_rows(ports)}
+    assert not {"guess-train-4", "guess-train-7"} & trained and {"guess-train-3", "guess-train-5"} <= trained
+    rows = read_metrics(runs)
+    assert [r["groups_held_out_total"] for r in rows] == [1, 2, 2, 2, 2, 2]
+    assert [r["env_errors"] for r in rows] == [0, 1, 1, 0, 0, 0]
+    assert rows[1]["env_error_example"].startswith("guess-train-4/1 (turn 1): the chat template of ")
+    assert "failed on an environment's messages (roles ['tool'])" in rows[1]["env_error_example"]
+    assert rows[2]["env_error_example"].startswith("guess-train-7/0 (reset): prompt 'guess-train-7': its messages end "
+                                                   "with an assistant message")
 
 
 @pytest.mark.timeout(60)

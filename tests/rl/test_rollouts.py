@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,11 @@ from fake_ports import FakePorts
 
 from hpcrl.algorithms import load_algorithm
 from hpcrl.algorithms.grpo import GrpoOptions
+from hpcrl.config.schema import DataColumns
 from hpcrl.data.prompts import Prompt
+from hpcrl.data.sources import read_prompts
 from hpcrl.inference.types import Completion
+from hpcrl.reward.pool import RewardPool
 from hpcrl.reward.types import RewardResult
 from hpcrl.rl.buffer import ScoredGroup
 from hpcrl.rl.episodes import Episode, EpisodeRunner
@@ -94,6 +98,21 @@ def test_a_group_with_a_failed_reward_is_held_out_not_scored_zero():
     assert [r.policy_mask for r in groups[0].rollouts] == [[0, 0, 1], [0, 0, 1]]
     assert [r.logprobs for r in groups[0].rollouts] == [[0.0, 0.0, -0.5], [0.0, 0.0, -1.5]]
     assert [r.finish_reason for r in groups[0].rollouts] == ["length", "length"] and groups[0].weight_version == 2
+
+
+@pytest.mark.timeout(60)
+def test_the_rows_extra_columns_reach_a_reward_function_that_asks_for_them(tmp_path, monkeypatch):
+    """data.columns.extra, read from the file, travels with the prompt to its samples and to a function with an
+    `extra` parameter (one without it is called as before)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "reward"))
+    rows = [{"id": "a", "question": "2+2=", "accepted": ["4", "four"]}, {"id": "b", "question": "1+1=", "accepted": ["2"]}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    prompts = read_prompts(tmp_path / "rows.jsonl", split="train",
+                           columns=DataColumns(prompt="question", answer="", extra=["accepted"]))
+    samples = samples_for(one_turn(prompts, [completions(prompts[0], ["four", "5"]), completions(prompts[1], ["2", "3"])]))
+    assert [s.extra for s in samples] == [{"accepted": ["4", "four"]}] * 2 + [{"accepted": ["2"]}] * 2
+    with RewardPool("verifiers_for_tests:given_extra", workers=1, timeout_s=5) as pool:
+        assert [r.reward for r in pool.score(samples)] == [1.0, 0.0, 1.0, 0.0]
 
 
 def test_batches_concatenate_prompt_and_completion_and_drop_zero_variance_groups_on_request():
