@@ -110,3 +110,14 @@ def test_a_value_beyond_what_a_run_can_use_is_refused_naming_the_key_and_the_ran
     path.write_text(BASE)
     message = _refused(path, [override], key, words, capsys)
     assert allowed in message, message
+
+
+def test_a_lone_surrogate_from_a_command_line_in_another_encoding_is_refused_naming_the_key(tmp_path: Path,
+                                                                                           capsys, monkeypatch):
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    path = tmp_path / "u.toml"
+    path.write_text(BASE)
+    # Python reads argv bytes that are not UTF-8 (b"\xff") as surrogates: "\udcff"
+    message = _refused(path, ["data.system_prompt=caf\udcff"], "data.system_prompt", "holds a lone surrogate (U+DCFF",
+                       capsys)
+    assert "write the value in UTF-8" in message
