@@ -46,7 +46,7 @@ HEARTBEAT_TIMEOUT_MIN_S = 3.0
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
 
-def _one_line(value: str, key: str) -> None:
+def one_line(value: str, key: str) -> None:
     """`value` goes into job.sbatch (an #SBATCH line, a comment, a command): no newline or other control
     character, which would end its line there and run the rest as a shell command of the batch script."""
     found = _CONTROL_RE.search(value)
@@ -128,7 +128,7 @@ class RunConfig:
                  f"{self.name!r} is not a usable run name",
                  "use letters, digits, '.', '_' and '-', starting with a letter or digit")
         _seed(self.seed, "seed")
-        _one_line(self.run_dir, "run_dir")
+        one_line(self.run_dir, "run_dir")
         for key in ("start_timeout_s", "rejoin_timeout_s"):
             value = getattr(self, key)
             _require(value >= 0, key, f"must be 0 (derived from the model's size) or more seconds, got {value}",
@@ -579,11 +579,11 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         for key in ("name", "partition", "account", "qos", "slurm_conf", "python"):
-            _one_line(getattr(self, key), key)
+            one_line(getattr(self, key), key)
         for i, module in enumerate(self.modules):
-            _one_line(module, f"modules[{i}]")
+            one_line(module, f"modules[{i}]")
         for name, value in self.env.items():
-            _one_line(value, f"env.{name}")
+            one_line(value, f"env.{name}")
         _require(not self.python or self.python.startswith("/"), "python",
                  f"{self.python!r} is not an absolute path",
                  'give the interpreter\'s absolute path on the compute nodes, e.g. "/shared/venvs/hpcrl/bin/python"')
@@ -661,9 +661,9 @@ class GroupConfig:
         _require(not self.time or bool(_TIME_RE.fullmatch(self.time)), "time",
                  f"{self.time!r} is not a Slurm time", 'write it like time = "04:00:00" or "1-12:00:00"')
         for key in ("partition", "mem", "time", "constraint", "account", "qos"):
-            _one_line(getattr(self, key), key)
+            one_line(getattr(self, key), key)
         for i, flag in enumerate(self.sbatch_extra):
-            _one_line(flag, f"sbatch_extra[{i}]")
+            one_line(flag, f"sbatch_extra[{i}]")
             _require(flag.startswith("--"), "sbatch_extra", f"{flag!r} is not a long sbatch option",
                      'write options in full, e.g. sbatch_extra = ["--reservation=rl"]')
 
