@@ -110,6 +110,10 @@ class Bounds:
         return " and ".join(f"{words[k]} {getattr(self, k):g}" for k in words if getattr(self, k) is not None)
 
 
+#: Most completions per prompt (group_size), as hpcrl.config.schema bounds eval.n.
+MAX_GROUP_SIZE = 1024
+
+
 def option(default: Any, doc: str, *, at_least: float | None = None, above: float | None = None,
            below: float | None = None, at_most: float | None = None, why: str = "", example: Any = None) -> Any:
     """One key of the [algorithm] table, declared once as a field of an Options class: the field's name
@@ -190,6 +194,14 @@ class Options:
                 why = f" ({bounds.why})" if bounds.why else ""
                 raise ConfigError(key=f.name, problem=f"must be {bounds.text()}{why}, got {value}",
                                   fix=f"set {f.name} = {f.metadata['example']!r}")
+        if self.group_size > MAX_GROUP_SIZE:
+            raise ConfigError(key="group_size", problem=f"must be at most {MAX_GROUP_SIZE:,} (completions of one prompt "
+                              f"in one batch), got {self.group_size}", fix=f"keep group_size within 2 to {MAX_GROUP_SIZE:,}")
+        if self.clip_eps_high < self.clip_eps_low:
+            raise ConfigError(key="clip_eps_high", problem=f"is {self.clip_eps_high:g}, below clip_eps_low = "
+                              f"{self.clip_eps_low:g}: the ratio's clip range [1 - low, 1 + high] may be wider above "
+                              "(DAPO's clip-higher), never narrower",
+                              fix=f"set clip_eps_high to at least {self.clip_eps_low:g} (DAPO: low 0.2, high 0.28)")
 
     def check_episodes(self) -> None:
         """A ConfigError (key relative to [algorithm]) for an option that multi-turn episodes ([env]) cannot

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from functools import cache
@@ -22,6 +23,8 @@ from hpcrl.errors import ConfigError
 
 #: Every integer key fits a signed 64-bit integer (TOML's own range, which tomllib does not enforce).
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+#: A UTF-16 surrogate on its own: what Python makes of bytes that are not UTF-8 on a command line.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _TYPE_WORDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
 _EXAMPLES = {str: '"text"', int: "1", float: "0.5", bool: "true"}
 
@@ -113,6 +116,10 @@ def _convert(value: Any, hint: Any, key: str, example: str) -> Any:
     if hint is float and not math.isfinite(value):
         raise ConfigError(key=key, problem=f"must be a finite number, got {value}",
                           fix=f"write a number, e.g. {example}")
+    if hint is str and (surrogate := _SURROGATE.search(value)):
+        raise ConfigError(key=key, problem=f"holds a lone surrogate (U+{ord(surrogate.group()):04X}, at character "
+                          f"{surrogate.start()}), which is not Unicode text (a command line in another encoding than "
+                          "UTF-8 gives one)", fix="write the value in UTF-8")
     if hint is int and not INT_MIN <= value <= INT_MAX:
         raise ConfigError(key=key, problem=f"{value} does not fit in a 64-bit integer (torch, numpy and Slurm "
                           "count in at most 64 bits)", fix=f"write a realistic value, e.g. {example}")

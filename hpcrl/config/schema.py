@@ -43,14 +43,57 @@ SLURM_SIGNAL_MAX_S = 65535
 HEARTBEAT_TIMEOUT_MIN_S = 3.0
 
 
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def one_line(value: str, key: str) -> None:
+    """`value` goes into job.sbatch (an #SBATCH line, a comment, a command): no newline or other control
+    character, which would end its line there and run the rest as a shell command of the batch script."""
+    found = _CONTROL_RE.search(value)
+    _require(found is None, key, f"holds the control character {found.group() if found else ''!r} at character "
+             f"{found.start() if found else 0}: in job.sbatch it would end the line and run the rest as a shell "
+             "command of the batch script", f"write {key} on one line, without control characters")
+
+
 def _seed(value: int, key: str) -> None:
     _require(0 <= value < SEED_LIMIT, key, f"must be in [0, 2**32), got {value}", f"set {key} = 0 (or any seed below 2**32)")
 
 
-def _positive(value: int | float, key: str, *, allow_zero: bool = False) -> None:
+#: The longest any wait of a run may be set to (timeouts): a day is far beyond any step, start or reward, and
+#: far below what the clocks and calls the waits go through take (threading.TIMEOUT_MAX, zmq's int
+#: milliseconds: 2**31 ms = 24.8 days), so no timeout overflows where it is used.
+MAX_WAIT_S = 86_400.0
+#: Most tokens of a prompt, a completion, an episode or vLLM's max_model_len: above the longest context of
+#: the models served (a few million tokens at most).
+MAX_TOKENS = 2**24
+#: Most sampling temperature: above it the sampling is all but uniform over the vocabulary.
+MAX_TEMPERATURE = 10.0
+#: Most completions per prompt (eval.n; algorithm.group_size has the same bound) and processes per task.
+MAX_PER_PROMPT = 1024
+#: Most nodes of a group, GPUs of a node, CPUs of a node, and GiB of memory of a GPU or a node.
+MAX_NODES, MAX_GPUS_PER_NODE, MAX_CPUS, MAX_GPU_GIB, MAX_NODE_GIB = 65_536, 64, 65_536, 4_096.0, 65_536.0
+#: Most steps, step counts and intervals counted in steps.
+MAX_STEPS = 10**9
+
+
+def _positive(value: int | float, key: str, *, allow_zero: bool = False, most: float | None = None) -> None:
+    """`value` above 0 (at least 1 for an int), or 0 or more with allow_zero, and at most `most`. The error
+    names the key and the range."""
     floor_ok = value >= 0 if allow_zero else value > 0
     wanted = "zero or more" if allow_zero else "at least 1" if isinstance(value, int) else "above 0"
     _require(floor_ok, key, f"must be {wanted}, got {value}", f"set {key} to a value {wanted}")
+    if most is not None:
+        low = 0 if allow_zero else 1 if isinstance(value, int) else None
+        _at_most(value, most, key, f"{low} to {_number(most)}" if low is not None else f"(0, {_number(most)}]")
+
+
+def _number(value: float) -> str:
+    return f"{value:,}" if isinstance(value, int) else f"{value:,g}"
+
+
+def _at_most(value: int | float, most: float, key: str, allowed: str, why: str = "") -> None:
+    """The upper bound of a key whose lower one is checked: the error names the range `allowed` (and `why`)."""
+    _require(value <= most, key, f"must be at most {_number(most)}{why}, got {value}", f"keep {key} within {allowed}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,14 +124,16 @@ class RunConfig:
     `hpcrl submit` refuses such a run, naming the figures and the keys that change them."""
 
     def __post_init__(self) -> None:
-        _require(bool(_NAME_RE.match(self.name)), "name",
+        _require(bool(_NAME_RE.fullmatch(self.name)), "name",
                  f"{self.name!r} is not a usable run name",
                  "use letters, digits, '.', '_' and '-', starting with a letter or digit")
         _seed(self.seed, "seed")
+        one_line(self.run_dir, "run_dir")
         for key in ("start_timeout_s", "rejoin_timeout_s"):
             value = getattr(self, key)
             _require(value >= 0, key, f"must be 0 (derived from the model's size) or more seconds, got {value}",
                      f"remove {key} to derive it, or set it to the seconds to wait")
+            _at_most(value, MAX_WAIT_S, key, "0 to 86,400 seconds", " s (a day)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,11 +198,13 @@ class TrainerConfig:
     """Complete checkpoints kept on disk; older ones are deleted."""
 
     def __post_init__(self) -> None:
-        for key in ("nodes", "steps", "micro_batch_size", "global_batch_size", "dp_replicate",
-                    "keep_last"):
-            _positive(getattr(self, key), key)
-        for key in ("gpus_per_node", "ranks_per_node", "warmup_steps", "checkpoint_interval"):
-            _positive(getattr(self, key), key, allow_zero=True)
+        for key, most in (("nodes", MAX_NODES), ("steps", MAX_STEPS), ("micro_batch_size", MAX_TOKENS),
+                          ("global_batch_size", MAX_TOKENS), ("dp_replicate", MAX_NODES * MAX_GPUS_PER_NODE),
+                          ("keep_last", 1000)):
+            _positive(getattr(self, key), key, most=most)
+        for key, most in (("gpus_per_node", MAX_GPUS_PER_NODE), ("ranks_per_node", MAX_PER_PROMPT),
+                          ("warmup_steps", MAX_STEPS), ("checkpoint_interval", MAX_STEPS)):
+            _positive(getattr(self, key), key, allow_zero=True, most=most)
         _require(self.dp_shard == -1 or self.dp_shard >= 1, "dp_shard",
                  f"must be -1 or at least 1, got {self.dp_shard}",
                  "set dp_shard = -1 to shard over all trainer ranks")
@@ -169,9 +216,9 @@ class TrainerConfig:
         _require(0 < self.lr < 1, "lr", f"must be in (0, 1), got {self.lr}", "set lr = 1e-6 or so")
         _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas",
                  f"must be two numbers in [0, 1), got {self.betas}", "set betas = [0.9, 0.999]")
-        _positive(self.eps, "eps")
-        _positive(self.weight_decay, "weight_decay", allow_zero=True)
-        _positive(self.grad_clip, "grad_clip", allow_zero=True)
+        _positive(self.eps, "eps", most=1.0)
+        _positive(self.weight_decay, "weight_decay", allow_zero=True, most=1.0)
+        _positive(self.grad_clip, "grad_clip", allow_zero=True, most=1e6)
         _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio",
                  f"must be in [0, 1], got {self.min_lr_ratio}", "set min_lr_ratio = 0.1")
 
@@ -230,19 +277,25 @@ class InferenceConfig:
     nccl when the trainer and inference both have GPUs, else gloo (resolved by Config.weight_transport)."""
 
     def __post_init__(self) -> None:
-        for key in ("replicas", "tensor_parallel", "max_tokens", "transfer_round_mib"):
-            _positive(getattr(self, key), key)
-        for key in ("gpus_per_node", "max_model_len"):
-            _positive(getattr(self, key), key, allow_zero=True)
-        _require(self.temperature > 0, "temperature", f"must be above 0, got {self.temperature}",
-                 "set temperature = 1.0 (RL needs different completions per prompt; greedy gives the same)")
-        _positive(self.kv_cache_gib, "kv_cache_gib", allow_zero=True)
+        for key, most in (("replicas", MAX_NODES), ("tensor_parallel", MAX_GPUS_PER_NODE), ("max_tokens", MAX_TOKENS),
+                          ("transfer_round_mib", 2**20)):
+            _positive(getattr(self, key), key, most=most)
+        for key, most in (("gpus_per_node", MAX_GPUS_PER_NODE), ("max_model_len", MAX_TOKENS)):
+            _positive(getattr(self, key), key, allow_zero=True, most=most)
+        _temperature(self.temperature, "temperature",
+                     "set temperature = 1.0 (RL needs different completions per prompt; greedy gives the same)")
+        _positive(self.kv_cache_gib, "kv_cache_gib", allow_zero=True, most=MAX_GPU_GIB)
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}", "set top_p = 1.0")
-        _require(self.top_k == -1 or self.top_k >= 1, "top_k",
-                 f"must be -1 or at least 1, got {self.top_k}", "set top_k = -1 to turn it off")
+        _require(self.top_k == -1 or 1 <= self.top_k <= MAX_TOKENS, "top_k",
+                 f"must be -1 or 1 to {MAX_TOKENS:,}, got {self.top_k}", "set top_k = -1 to turn it off")
         _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
                  f"must be in (0, 1], got {self.gpu_memory_utilization}",
                  "set gpu_memory_utilization = 0.9 on GPUs, 0.2 on CPU")
+
+
+def _temperature(value: float, key: str, fix: str) -> None:
+    _require(value > 0, key, f"must be above 0, got {value}", fix)
+    _at_most(value, MAX_TEMPERATURE, key, f"(0, {MAX_TEMPERATURE:g}]", ": above it the sampling is all but uniform")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -282,9 +335,9 @@ class RewardConfig:
     """Seconds one sample may take (all its functions together) before it is recorded as an error."""
 
     def __post_init__(self) -> None:
-        _positive(self.tasks, "tasks", allow_zero=True)
-        _positive(self.workers, "workers")
-        _positive(self.timeout_s, "timeout_s")
+        _positive(self.tasks, "tasks", allow_zero=True, most=MAX_NODES)
+        _positive(self.workers, "workers", most=MAX_PER_PROMPT)
+        _positive(self.timeout_s, "timeout_s", most=MAX_WAIT_S)
         if self.kind == "model":
             _require(bool(self.model_path), "model_path", 'kind = "model" needs model_path',
                      'set model_path = "/dir/of/reward/model"')
@@ -295,7 +348,7 @@ class RewardConfig:
                      '(set function = "" where a profile or an --set gives it)')
             labels = [f.label for f in self.functions]
             for i, entry in enumerate(self.functions):
-                _require(bool(_FUNCTION_RE.match(entry.function)), f"functions[{i}].function",
+                _require(bool(_FUNCTION_RE.fullmatch(entry.function)), f"functions[{i}].function",
                          f"{entry.function!r} is not of the form 'module:function'",
                          'name it like function = "hpcrl.reward.builtin:math_verify"')
                 _require(math.isfinite(entry.weight), f"functions[{i}].weight",
@@ -304,7 +357,7 @@ class RewardConfig:
                          f"two reward functions report as {entry.label!r}",
                          "give one of them its own metric name: name = \"...\"")
             return
-        _require(bool(_FUNCTION_RE.match(self.function)), "function",
+        _require(bool(_FUNCTION_RE.fullmatch(self.function)), "function",
                  f"{self.function!r} is not of the form 'module:function'",
                  'name it like function = "hpcrl.reward.builtin:exact_match", or give '
                  'functions = [{function = "...", weight = 1.0}, ...]')
@@ -371,7 +424,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         _require(bool(self.source), "source", "is empty",
                  'set source = "builtin:arithmetic" or a path to a JSONL or Parquet file')
-        _positive(self.max_prompt_tokens, "max_prompt_tokens")
+        _positive(self.max_prompt_tokens, "max_prompt_tokens", most=MAX_TOKENS)
         _require(self.format in ("auto", "chat", "text"), "format", f"must be auto, chat or text, got {self.format!r}",
                  'set format = "chat" (the tokenizer\'s chat template), "text" (the prompt as it is) or "auto"')
         _require(not (self.system_prompt and self.format == "text"), "system_prompt",
@@ -391,7 +444,11 @@ class DataConfig:
         _require(not (self.eval_fraction and self.source.startswith("builtin:")), "eval_fraction",
                  f"cannot hold out a fraction of {self.source}, which has no end",
                  f'set eval_source = "{self.source}" (its {self.eval_split!r} split) instead')
-        _positive(self.eval_size, "eval_size", allow_zero=True)
+        _positive(self.eval_size, "eval_size", allow_zero=True, most=10**6)
+        _require(not (self.source.startswith("builtin:") and self.eval_source == self.source
+                      and self.eval_split == self.split), "eval_split",
+                 f"is {self.split!r}, the split data.source trains on: {self.source}'s evaluation prompts would be "
+                 "prompts it trains on", 'set eval_split = "test" (or any split other than data.split)')
 
     @property
     def column_names(self) -> DataColumns:
@@ -428,14 +485,16 @@ class EvalConfig:
     """A completion passes when its reward is at least this (1.0: fully correct under a 0/1 verifier)."""
 
     def __post_init__(self) -> None:
-        for key in ("interval", "n", "k", "max_prompts"):
-            _positive(getattr(self, key), key, allow_zero=True)
+        for key, most in (("interval", MAX_STEPS), ("n", MAX_PER_PROMPT), ("k", MAX_PER_PROMPT),
+                          ("max_prompts", 10**6)):
+            _positive(getattr(self, key), key, allow_zero=True, most=most)
         _require(self.greedy or self.n > 0, "n", "is 0 and greedy = false: evaluation would generate nothing",
                  "set greedy = true, or n = 8 (sampled completions per prompt)")
         _require(self.k <= self.n, "k", f"is {self.k}, above n = {self.n}: pass@k needs at least k samples",
                  f"set k to at most {self.n}, or raise n")
-        _require(self.temperature > 0, "temperature", f"must be above 0, got {self.temperature}",
-                 "set temperature = 1.0 (greedy = true gives the greedy completion)")
+        _temperature(self.temperature, "temperature", "set temperature = 1.0 (greedy = true gives the greedy completion)")
+        _require(math.isfinite(self.pass_threshold), "pass_threshold", f"must be a finite number, got "
+                 f"{self.pass_threshold}", "set pass_threshold = 1.0")
 
     @property
     def pass_k(self) -> int:
@@ -464,9 +523,9 @@ class EnvConfig:
     """Environment worker processes per reward-group task (hpcrl run: processes of its own)."""
 
     def __post_init__(self) -> None:
-        for key in ("max_turns", "max_tokens", "workers"):
-            _positive(getattr(self, key), key)
-        _positive(self.step_timeout_s, "step_timeout_s")
+        for key, most in (("max_turns", MAX_PER_PROMPT), ("max_tokens", MAX_TOKENS), ("workers", MAX_PER_PROMPT)):
+            _positive(getattr(self, key), key, most=most)
+        _positive(self.step_timeout_s, "step_timeout_s", most=MAX_WAIT_S)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -519,25 +578,35 @@ class ClusterConfig:
     The head checks on its node that it exists and is executable before starting any group."""
 
     def __post_init__(self) -> None:
+        for key in ("name", "partition", "account", "qos", "slurm_conf", "python"):
+            one_line(getattr(self, key), key)
+        for i, module in enumerate(self.modules):
+            one_line(module, f"modules[{i}]")
+        for name, value in self.env.items():
+            one_line(value, f"env.{name}")
         _require(not self.python or self.python.startswith("/"), "python",
                  f"{self.python!r} is not an absolute path",
                  'give the interpreter\'s absolute path on the compute nodes, e.g. "/shared/venvs/hpcrl/bin/python"')
         _require(self.max_requeues >= 0, "max_requeues", f"must be 0 or more, got {self.max_requeues}",
                  "set max_requeues = 0 to end a run that loses a task FAILED")
+        _at_most(self.max_requeues, 1000, "max_requeues", "0 to 1,000")
         _require(self.heartbeat_timeout_s >= HEARTBEAT_TIMEOUT_MIN_S, "heartbeat_timeout_s",
                  f"must be at least {HEARTBEAT_TIMEOUT_MIN_S:g} s (tasks beat every second), got {self.heartbeat_timeout_s}",
                  "leave it at 30, or lower it to about 10 where steps are short and a quick recovery matters")
+        _at_most(self.heartbeat_timeout_s, MAX_WAIT_S, "heartbeat_timeout_s", "3 to 86,400 seconds", " s (a day)")
         _require(1 <= self.signal_delay_s <= SLURM_SIGNAL_MAX_S, "signal_delay_s",
                  f"must be 1 to {SLURM_SIGNAL_MAX_S} seconds (Slurm's --signal limit), got {self.signal_delay_s}",
                  "set it to the seconds a step plus a checkpoint take, with a margin (90 is the default)")
         _require(self.gpus_per_node >= -1, "gpus_per_node",
                  f"must be -1, 0 or more, got {self.gpus_per_node}",
                  "set gpus_per_node = 0 for a CPU-only cluster")
-        _positive(self.gpu_mem_gib, "gpu_mem_gib")
-        for key in ("cpus_per_node", "mem_per_node_gib", "cpus_per_gpu", "mem_per_gpu_gib"):
-            _positive(getattr(self, key), key, allow_zero=True)
+        _at_most(self.gpus_per_node, MAX_GPUS_PER_NODE, "gpus_per_node", f"-1 (unknown) or 0 to {MAX_GPUS_PER_NODE}")
+        _positive(self.gpu_mem_gib, "gpu_mem_gib", most=MAX_GPU_GIB)
+        for key, most in (("cpus_per_node", MAX_CPUS), ("mem_per_node_gib", MAX_NODE_GIB), ("cpus_per_gpu", MAX_CPUS),
+                          ("mem_per_gpu_gib", MAX_NODE_GIB)):
+            _positive(getattr(self, key), key, allow_zero=True, most=most)
         for name in self.env:
-            _require(bool(re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name)), f"env.{name}",
+            _require(bool(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name)), f"env.{name}",
                      f"{name!r} is not a valid environment variable name",
                      "use letters, digits and '_', not starting with a digit")
 
@@ -581,16 +650,20 @@ class GroupConfig:
     """More sbatch options for this component, e.g. ["--reservation=rl"]."""
 
     def __post_init__(self) -> None:
-        _positive(self.nodes, "nodes", allow_zero=True)
+        _positive(self.nodes, "nodes", allow_zero=True, most=MAX_NODES)
         _require(self.gpus_per_node >= -1, "gpus_per_node",
                  f"must be -1 (derived), 0 or more, got {self.gpus_per_node}",
                  "remove gpus_per_node to use what the role needs")
-        _positive(self.cpus_per_task, "cpus_per_task", allow_zero=True)
-        _require(not self.mem or bool(_MEM_RE.match(self.mem)), "mem",
+        _at_most(self.gpus_per_node, MAX_GPUS_PER_NODE, "gpus_per_node", f"-1 (derived) or 0 to {MAX_GPUS_PER_NODE}")
+        _positive(self.cpus_per_task, "cpus_per_task", allow_zero=True, most=MAX_CPUS)
+        _require(not self.mem or bool(_MEM_RE.fullmatch(self.mem)), "mem",
                  f"{self.mem!r} is not a Slurm memory size", 'write it like mem = "200G" (or "0" for all)')
-        _require(not self.time or bool(_TIME_RE.match(self.time)), "time",
+        _require(not self.time or bool(_TIME_RE.fullmatch(self.time)), "time",
                  f"{self.time!r} is not a Slurm time", 'write it like time = "04:00:00" or "1-12:00:00"')
-        for flag in self.sbatch_extra:
+        for key in ("partition", "mem", "time", "constraint", "account", "qos"):
+            one_line(getattr(self, key), key)
+        for i, flag in enumerate(self.sbatch_extra):
+            one_line(flag, f"sbatch_extra[{i}]")
             _require(flag.startswith("--"), "sbatch_extra", f"{flag!r} is not a long sbatch option",
                      'write options in full, e.g. sbatch_extra = ["--reservation=rl"]')
 

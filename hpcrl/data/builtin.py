@@ -8,17 +8,22 @@ used fit the tiny model's character-level tokenizer (tools/make_tiny_model.py).
 from __future__ import annotations
 
 import random
-import zlib
 from collections.abc import Callable
 
 Example = dict[str, str]
 
-# Distinct seeds per split keep train and test prompts apart.
-_SPLIT_SALT = {"train": 0, "test": 1_000_003}
+
+def draw_seed(split: str, index: int, salt: int) -> int | str:
+    """The seed of example `index` of a split (`salt`: the task's). The train split's are integers
+    (salt x 7919 + index: a training stream reads index shuffle_seed x 1,000,003 + position, so every
+    integer from salt x 7919 up is some seed's prompt); every other split's are strings naming the split,
+    which random.Random turns into integers of over 512 bits (the string's bytes and their SHA-512), so
+    no split's example is ever another split's, whatever the seeds and however long a run reads."""
+    return salt * 7919 + index if split == "train" else f"hpcrl-{split}-{salt}-{index}"
 
 
 def _rng(split: str, index: int, salt: int) -> random.Random:
-    return random.Random(salt * 7919 + _SPLIT_SALT.get(split, zlib.crc32(split.encode())) + index)
+    return random.Random(draw_seed(split, index, salt))
 
 
 def echo(split: str, index: int) -> Example:

@@ -30,6 +30,7 @@ row and the tokenizer, so the ids measured at start are the ids generated from.
 from __future__ import annotations
 
 import logging
+import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -38,10 +39,10 @@ from pathlib import Path
 from hpcrl.config.schema import DataConfig
 from hpcrl.data.builtin import builtin_task
 from hpcrl.data.chat import ChatTemplate
-from hpcrl.data.sources import read_prompts
+from hpcrl.data.sources import check_columns, read_prompts
 from hpcrl.data.types import DataError, Prompt
 
-__all__ = ["DataError", "Measure", "Prompt", "PromptStream"]
+__all__ = ["DataError", "Measure", "Prompt", "PromptStream", "check_data"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,18 @@ BUILTIN_EVAL_SIZE = 64
 def _builtin_prompt(task: str, split: str, index: int) -> Prompt:
     example = builtin_task(task)(split, index)
     return Prompt(id=example["id"], text=example["prompt"], answer=example["answer"])
+
+
+def check_data(data: DataConfig) -> None:
+    """Read the prompts as the start of a run does (PromptStream.from_config: every row of data.source and
+    data.eval_source, checked, and the eval_fraction hold-out), so that `hpcrl plan` and `hpcrl submit`
+    refuse what the job would, where this machine can read the files (a login node may not see the compute
+    nodes' file system: then the job's start is the first to read them). Prompt lengths are not measured
+    here (that needs the model's tokenizer). A ConfigError for a missing column, a DataError for the rest."""
+    check_columns(data)
+    files = [s for s in (data.source, data.eval_source) if s and not s.startswith("builtin:")]
+    if all(os.access(Path(f), os.R_OK) for f in files):
+        PromptStream.from_config(data)
 
 
 def hold_out(count: int, fraction: float, seed: int) -> set[int]:

@@ -20,10 +20,14 @@ from __future__ import annotations
 
 import shlex
 
+from hpcrl.config.schema import one_line
 from hpcrl.slurm.spec import JobSpec
 
 
 def _flag(option: str, value: str) -> str:
+    # The config refuses control characters in what reaches a flag; a spec made otherwise is checked here:
+    # a newline in an #SBATCH line would run the rest of the value as a shell command of the script.
+    one_line(value, f"#SBATCH --{option}")
     return f"#SBATCH --{option}" if value == "" else f"#SBATCH --{option}={shlex.quote(value)}"
 
 
@@ -42,6 +46,7 @@ def render_script(spec: JobSpec, *, run_dir: str | None, command: str, stdout: s
     ignores it until the head has ended. With run_dir None the script takes HPCRL_RUN_DIR from the
     environment (templates).
     """
+    one_line(spec.cluster, "cluster.name")
     names = ", ".join(g.name for g in spec.groups)
     kind = (f"{len(spec.blocks)} components ({names})" if spec.layout == "hetjob"
             else f"one allocation split among {names}")

@@ -101,7 +101,7 @@ def test_an_over_long_prompt_is_dropped_counted_and_reported_in_one_warning(tmp_
     assert "dropped 2 of 12 prompts longer than data.max_prompt_tokens = 16 tokens" in record.message
     assert "'r10', has 44" in record.message
     with pytest.raises(DataError, match="all 2 prompts of .* are longer than data.max_prompt_tokens = 16"):
-        PromptStream.from_config(DataConfig(source=str(jsonl(tmp_path, rows(1, long_every=1) * 2)),
+        PromptStream.from_config(DataConfig(source=str(jsonl(tmp_path, rows(2, long_every=1))),
                                             max_prompt_tokens=16), measure=token_counter(str(tiny_model)))
 
 
@@ -150,3 +150,45 @@ def test_a_file_smaller_than_a_batch_gives_every_prompt_of_a_batch_its_own_id(tm
     again = PromptStream.from_config(DataConfig(source=str(path)))
     again.load_state_dict({**stream.state_dict(), "cursor": 0})
     assert [p.id for p in again.next_batch(8)] == [p.id for p in batch]  # a pure function of the cursor
+
+
+@pytest.mark.parametrize("task", ["echo", "arithmetic", "reverse", "parity", "guess"])
+def test_a_builtin_tasks_training_prompts_are_never_its_evaluation_prompts_whatever_the_seed(task: str):
+    """Issue 38 (W3): with shuffle_seed = 1 the first 64 training prompts were exactly the test split, and with
+    seed 0 a run read them again from its 1,000,003rd prompt on. Each draw of the train split is now its own."""
+    data = DataConfig(source=f"builtin:{task}", eval_source=f"builtin:{task}")
+    evals = [(p.text, p.answer) for p in PromptStream.from_config(data).eval_prompts()]
+    assert len(evals) == 64
+    for seed in [*range(40), 1_000_003, 2**32 - 1]:
+        stream = PromptStream.from_config(DataConfig(source=f"builtin:{task}", eval_source=f"builtin:{task}",
+                                                     shuffle_seed=seed))
+        for cursor in (0, 1_000_003 - seed * 1_000_003 if seed < 2 else 0):
+            stream.load_state_dict({**stream.state_dict(), "cursor": cursor})
+            trained = stream.next_batch(64)
+            assert [(p.text, p.answer) for p in trained] != evals, (seed, cursor)
+            assert not {p.id for p in trained} & {p.id for p in stream.eval_prompts()}
+    from hpcrl.data.builtin import builtin_task, draw_seed  # the seeds of the draws, for the proof over many seeds
+
+    salt_of = {name: i for i, name in enumerate(["arithmetic", "reverse", "parity", "echo", "guess"], 1)}
+    salt = salt_of[task]
+    eval_seeds = {draw_seed("test", i, salt) for i in range(64)} | {draw_seed("validation", i, salt) for i in range(64)}
+    train_seeds = {draw_seed("train", seed * 1_000_003 + position, salt) for seed in range(50) for position in range(64)}
+    assert not eval_seeds & train_seeds
+    assert builtin_task(task)("train", 5) == builtin_task(task)("train", 5)  # still a pure function of the index
+
+
+FIRST_ECHO_DIGITS = "6216226495019837"
+
+
+def test_the_default_tasks_training_prompts_are_the_ones_it_always_had():
+    """The fix of W3 leaves the train split as it was: the embedded default (builtin:echo, seed 0) trains on
+    the same prompts, in the same order (these are the first 16 of 8bcc209)."""
+    stream = PromptStream.from_config(DataConfig(source="builtin:echo", eval_source="builtin:echo"))
+    assert [p.text[4] for p in stream.next_batch(16)] == list(FIRST_ECHO_DIGITS)
+
+
+def test_a_builtin_eval_split_that_is_the_training_split_is_refused():
+    with pytest.raises(ConfigError, match=r"eval_split: is 'train', the split data.source trains on: builtin:echo's "
+                                          r"evaluation prompts would be prompts it trains on"):
+        DataConfig(source="builtin:echo", eval_source="builtin:echo", eval_split="train")
+    DataConfig(source="builtin:echo", eval_source="builtin:arithmetic", eval_split="train")  # another task: fine

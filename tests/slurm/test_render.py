@@ -100,3 +100,17 @@ def test_any_subset_of_components_renders_in_het_group_order():
     spec = job_spec(config)
     assert [g.name for g in spec.groups] == ["head", "trainer", "inference"]
     assert _script(config).count("#SBATCH hetjob") == 2
+
+
+def test_a_spec_whose_sbatch_option_holds_a_newline_is_refused_by_the_renderer_naming_the_option():
+    """The config refuses such values at load (tests/config/test_hostile_values.py); a JobSpec made another way
+    meets the same check where the script is written (issue 38, U3)."""
+    import dataclasses
+
+    spec = job_spec(_config("tiny_grpo", "local", "hetjob"))
+    block = spec.blocks[1]
+    hostile = dataclasses.replace(block, options=(*block.options, ("partition", "gpu\ntouch /tmp/pwned")))
+    bad = dataclasses.replace(spec, blocks=(spec.blocks[0], hostile, *spec.blocks[2:]))
+    with pytest.raises(ConfigError, match=r"#SBATCH --partition: holds the control character '\\n' at character 3"):
+        render_template(bad)
+    assert "touch" not in render_template(spec)
