@@ -16,7 +16,8 @@ The new network namespace has only its own loopback (the host's 127.0.0.1 and ab
 are out of reach). bwrap kills the sandbox when the process that started it dies (--die-with-parent).
 
 The cgroup holds the whole sandbox (every process of it, the bwrap processes included): memory
-(tmpfs pages included), processes and threads, and one CPU's bandwidth. cgroup v1 (memory, pids,
+(tmpfs pages included), processes and threads, and at most one CPU's bandwidth, at the weight of
+one process (a lower weight made calls 2.5x slower on a loaded node: BENCHMARKS.md "Code sandbox"). cgroup v1 (memory, pids,
 cpu controllers: root, as on these machines and CI) or v2 where the caller's cgroup delegates
 memory and pids to its children (a writable subtree whose cgroup.subtree_control lists them).
 """

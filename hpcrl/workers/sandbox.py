@@ -166,14 +166,16 @@ class _Sandbox:
         return process, up_r
 
     def _started(self, process: subprocess.Popen, up: int, name: str) -> None:
-        """Raise SandboxError if the sandbox ended before its boot said "up" (bwrap could not build it)."""
+        """Raise SandboxError if the sandbox exited before its boot said "up" (bwrap could not build it, or Python
+        not start in it); killed before that (by a signal: the memory limit the code next door filled) is not."""
         os.set_blocking(up, False)
         try:
             said = os.read(up, 3)
         except BlockingIOError:
             said = b""
         os.close(up)
-        if said != b"up\n" and process.poll() is not None:
+        status = process.poll()
+        if said != b"up\n" and status is not None and 0 <= status <= 128 and not (self.group and self.group.oom_killed()):
             why = _last_line(self.dir / f"{name}.stderr") or f"exit code {process.returncode}"
             raise SandboxError(f"the code sandbox could not start here: {why}. Fix: bubblewrap needs user namespaces "
                                "(sysctl user.max_user_namespaces > 0; on Debian/Ubuntu also kernel."
