@@ -5,7 +5,7 @@
     outcome, output = run_code(code, Limits())   # code alone, and what it printed (hpcrl.env's python tool)
 
 The worker calling these (a reward or environment pool's worker, never the head) writes the code (and
-the row's tests) into a fresh host directory that no sandbox sees, makes a cgroup for the call and
+the row's tests) into a fresh host directory that no sandbox sees, makes a cgroup for each sandbox and
 starts each sandbox with bubblewrap (hpcrl.workers.confine: new user, mount, PID, IPC, UTS and network
 namespaces, no capability, read-only /usr and Python prefixes, a private tmpfs at /tmp as the one
 writable place; no home, run directory, /run, host /tmp or socket; no network, the host's 127.0.0.1
@@ -17,7 +17,8 @@ pass, or return an always-equal object: it is scored by what it answers.
 
     CPU time   RLIMIT_CPU per process (SIGXCPU, then SIGKILL a second later); the cgroup (where there is
                one) caps the whole sandbox at one CPU's bandwidth
-    memory     the cgroup's limit for all its processes and its tmpfs together (the kernel kills at it);
+    memory     the cgroup's limit for all its processes and its tmpfs together (the kernel kills at it;
+               the tests' sandbox has a cgroup of its own, so the code cannot starve it);
                RLIMIT_AS per process too (an allocation past it raises MemoryError)
     processes  the cgroup's pids limit for the whole sandbox, root included; without a cgroup (a normal
                user on a node that delegates none) RLIMIT_NPROC, counted per user namespace
@@ -56,8 +57,11 @@ __all__ = ["Limits", "Outcome", "SandboxError", "check_sandbox", "extract_code",
 BOOT = Path(__file__).with_name("_sandbox_boot.py")
 INSIDE = "/hpcrl"
 _FENCED = re.compile(r"```(?:python|py|python3)[ \t]*\n(.*?)```", re.DOTALL)
-#: The sandbox's own processes, beside the code's: bwrap and its init (and for tests the tests' three).
-CODE_OWN_PROCESSES, TESTS_OWN_PROCESSES = 2, 5
+#: The sandbox's own processes, beside the code's: bwrap and its init.
+OWN_PROCESSES = 2
+#: The processes of the tests' sandbox (bwrap, its init, Python), in a cgroup of its own: the code's fork
+#: bomb or memory cannot keep the tests from starting (a sandbox that cannot start is an error, not a 0).
+TESTS_PROCESSES = 8
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
         "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -104,14 +108,14 @@ def extract_code(completion: str) -> str:
 def run_tests(code: str, tests: str, limits: Limits = Limits()) -> Outcome:
     """Run `code` in one sandbox and `tests` against it from another (module docstring); raises SandboxError
     when none can be built."""
-    with _Sandbox(code, limits, TESTS_OWN_PROCESSES) as box:
+    with _Sandbox(code, limits) as box:
         return box.tests(tests)
 
 
 def run_code(code: str, limits: Limits = Limits(), *, output_chars: int = 4000) -> tuple[Outcome, str]:
     """Run `code` alone in a sandbox: whether it ran to its end (with the reason if not) and the last
     `output_chars` of what it printed, stdout then stderr (the python_tool environment's tool)."""
-    with _Sandbox(code, limits, CODE_OWN_PROCESSES) as box:
+    with _Sandbox(code, limits) as box:
         return box.alone(output_chars)
 
 
@@ -119,12 +123,13 @@ class _Sandbox:
     """One call's host directory (solution.py, tests.py, the output files: never visible inside), its
     cgroup and its processes; leaving it kills them all and removes both."""
 
-    def __init__(self, code: str, limits: Limits, own_processes: int):
+    def __init__(self, code: str, limits: Limits):
         self.limits = limits
         self.dir = Path(tempfile.mkdtemp(prefix="hpcrl-code-"))
         (self.dir / "solution.py").write_text(code)
         self.processes: list[subprocess.Popen] = []
-        self.group = Cgroup.make(limits.memory_mib, limits.processes + own_processes)
+        self.group = Cgroup.make(limits.memory_mib, limits.processes + OWN_PROCESSES)
+        self.groups = [self.group]
         if self.group is None and os.geteuid() == 0:
             self.close()
             raise SandboxError("running untrusted code as root needs a cgroup to bound its processes and memory (root "
@@ -142,15 +147,17 @@ class _Sandbox:
     def close(self) -> None:
         for process in self.processes:
             _kill_group(process.pid)
-        if self.group is not None:
-            self.group.remove()
+        for group in self.groups:
+            if group is not None:
+                group.remove()
         for process in self.processes:
             process.wait(timeout=10)
         for path in self.dir.iterdir():
             path.unlink()
         self.dir.rmdir()
 
-    def _start(self, mode: str, file: str, fds: dict[str, int], stdout: Path) -> tuple[subprocess.Popen, int]:
+    def _start(self, mode: str, file: str, fds: dict[str, int], stdout: Path,
+               group: Cgroup | None) -> tuple[subprocess.Popen, int]:
         """`_sandbox_boot.py mode` in a new sandbox seeing `file` of the host dir; the process and the read
         end of its "up" pipe."""
         up_r, up_w = os.pipe()
@@ -158,14 +165,14 @@ class _Sandbox:
         argv = bwrap_argv({BOOT: f"{INSIDE}/{BOOT.name}", self.dir / file: f"{INSIDE}/{file}"}, self.limits.files_mib)
         argv += ["--", sys.executable, "-I", f"{INSIDE}/{BOOT.name}", mode, json.dumps(config)]
         with open(stdout, "wb") as out, open(stdout.with_suffix(".stderr"), "wb") as err:
-            process = subprocess.Popen(self.group.enter(argv) if self.group else argv, stdin=subprocess.DEVNULL,
+            process = subprocess.Popen(group.enter(argv) if group else argv, stdin=subprocess.DEVNULL,
                                        stdout=out, stderr=err, env=_ENV, pass_fds=(up_w, *fds.values()),
                                        start_new_session=True)
         self.processes.append(process)
         os.close(up_w)
         return process, up_r
 
-    def _started(self, process: subprocess.Popen, up: int, name: str) -> None:
+    def _started(self, process: subprocess.Popen, up: int, name: str, group: Cgroup | None) -> None:
         """Raise SandboxError if the sandbox exited before its boot said "up" (bwrap could not build it, or Python
         not start in it); killed before that (by a signal: the memory limit the code next door filled) is not."""
         os.set_blocking(up, False)
@@ -175,7 +182,7 @@ class _Sandbox:
             said = b""
         os.close(up)
         status = process.poll()
-        if said != b"up\n" and status is not None and 0 <= status <= 128 and not (self.group and self.group.oom_killed()):
+        if said != b"up\n" and status is not None and 0 <= status <= 128 and not (group and group.oom_killed()):
             why = _last_line(self.dir / f"{name}.stderr") or f"exit code {process.returncode}"
             raise SandboxError(f"the code sandbox could not start here: {why}. Fix: bubblewrap needs user namespaces "
                                "(sysctl user.max_user_namespaces > 0; on Debian/Ubuntu also kernel."
@@ -186,11 +193,14 @@ class _Sandbox:
         requests_r, requests_w = os.pipe()  # T -> S
         replies_r, replies_w = os.pipe()  # S -> T
         verdict_r, verdict_w = os.pipe()  # T -> here
+        tests_group = Cgroup.make(self.limits.memory_mib, TESTS_PROCESSES) if self.group else None
+        self.groups.append(tests_group)
         try:
             solution, solution_up = self._start("serve", "solution.py", {"requests": requests_r, "replies": replies_w},
-                                                self.dir / "solution.stdout")
+                                                self.dir / "solution.stdout", self.group)
             tester, tester_up = self._start("test", "tests.py", {"requests": requests_w, "replies": replies_r,
-                                                                 "verdict": verdict_w}, self.dir / "tests.stdout")
+                                                                 "verdict": verdict_w}, self.dir / "tests.stdout",
+                                            tests_group)
         finally:
             for fd in (requests_r, requests_w, replies_r, replies_w, verdict_w):
                 os.close(fd)
@@ -199,7 +209,7 @@ class _Sandbox:
         finally:
             os.close(verdict_r)
         tester.poll()
-        self._started(tester, tester_up, "tests")
+        self._started(tester, tester_up, "tests", tests_group)
         try:
             verdict = json.loads(line) if line else {}
         except ValueError:
@@ -209,14 +219,14 @@ class _Sandbox:
             return Outcome(True, "")
         if not timed_out:  # S ends once T has: its end may say more (a limit) than T's "ended"
             _wait(solution, self.deadline)
-        self._started(solution, solution_up, "solution")
+        self._started(solution, solution_up, "solution", self.group)
         reason = str(verdict.get("reason") or f"the tests' process ended without a verdict (exit {tester.returncode})")
         return Outcome(False, self._why(solution, timed_out, reason))
 
     def alone(self, output_chars: int) -> tuple[Outcome, str]:
-        process, up = self._start("run", "solution.py", {}, self.dir / "solution.stdout")
+        process, up = self._start("run", "solution.py", {}, self.dir / "solution.stdout", self.group)
         timed_out = not _wait(process, self.deadline)
-        self._started(process, up, "solution")
+        self._started(process, up, "solution", self.group)
         output = _output(self.dir, output_chars)
         if process.returncode == 0:
             return Outcome(True, ""), output

@@ -3,8 +3,10 @@ reward pool's worker, under CPU, memory, process and wall limits, with no networ
 
 from __future__ import annotations
 
+import os
 import socket
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 
 from hpcrl.reward.pool import RewardPool
 from hpcrl.reward.types import Sample
-from hpcrl.workers.sandbox import Limits, extract_code, run_code
+from hpcrl.workers.sandbox import Limits, Outcome, extract_code, run_code, run_tests
 
 HERE = Path(__file__).resolve().parent
 ADD_TESTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0"
@@ -125,6 +127,60 @@ def test_a_solution_that_empties_or_patches_the_tests_exits_early_or_answers_alw
     })
     assert {name: r.reward for name, r in results.items()} == dict.fromkeys(results, 0.0), results
     assert all(r.error is None for r in results.values())
+
+
+@pytest.mark.timeout(60)
+def test_honest_solutions_pass_through_the_proxies_whatever_they_return_or_raise():
+    """HumanEval's check(candidate), classes and their methods, generators, exceptions of a builtin type,
+    and plain data of every kind the protocol carries, each compared in the tests' own process."""
+    code = textwrap.dedent("""
+        import math
+        LIMIT = 10
+        def add(a, b):
+            return a + b
+        def kinds():
+            return [None, True, 2**100, 0.5, math.inf, 1j, "é\\ud800", b"\\x00", (1, [2]), {3}, frozenset({4}),
+                    {"k": (5,)}]
+        def count(n):
+            yield from range(n)
+        def picky(x):
+            if x < 0:
+                raise ValueError("negative")
+            return x
+        class Stack:
+            def __init__(self):
+                self.items = []
+            def push(self, x):
+                self.items.append(x)
+                return len(self.items)
+        """)
+    tests = textwrap.dedent("""
+        import math
+        def check(candidate):
+            assert candidate(1, 2) == 3 and candidate("a", "b") == "ab"
+        check(add)
+        got = kinds()
+        assert got[:4] == [None, True, 2**100, 0.5] and math.isinf(got[4]) and got[5] == 1j
+        assert got[6:] == ["é\\ud800", b"\\x00", (1, [2]), {3}, frozenset({4}), {"k": (5,)}]
+        assert list(count(3)) == [0, 1, 2] and sum(count(4)) == 6 and LIMIT == 10
+        try:
+            picky(-1)
+            raise AssertionError("no error")
+        except ValueError as err:
+            assert str(err) == "negative"
+        s = Stack()
+        assert s.push(7) == 1 and s.push(8) == 2 and s.items == [7, 8] and len(s.items) == 2
+        """)
+    assert run_tests(code, tests, Limits(cpu_s=2, wall_s=10)) == Outcome(True, "")
+
+
+@pytest.mark.timeout(60)
+def test_each_call_removes_its_cgroup_even_with_a_child_of_the_code_left_running():
+    own = [p for p in Path("/sys/fs/cgroup").glob(f"*/**/hpcrl-sandbox-{os.getpid()}-*")]
+    assert own == []
+    lingers = "import os, time\nif os.fork() == 0:\n    time.sleep(60)\n    os._exit(0)\ndef add(a, b): return a + b"
+    assert run_tests(lingers, ADD_TESTS, Limits(wall_s=10)).passed  # its child still sleeping at the end
+    assert [p for p in Path("/sys/fs/cgroup").glob(f"*/**/hpcrl-sandbox-{os.getpid()}-*")] == []
 
 
 def test_the_last_python_block_is_the_code_else_the_whole_completion():
