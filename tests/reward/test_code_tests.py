@@ -113,9 +113,9 @@ def test_a_solution_that_empties_or_patches_the_tests_exits_early_or_answers_alw
     """The tests run in a process of their own that the solution cannot reach; what comes back is plain data."""
     wrong = "\ndef add(a, b):\n    return 0\n"
     results = _score({
-        "empties": "import glob\nfor p in glob.glob('/**/tests.py', recursive=True) + ['tests.py']:\n"
+        "empties": "for p in ('tests.py', '/hpcrl/tests.py'):\n"
                    "    try:\n        open(p, 'w').close()\n    except OSError:\n        pass" + wrong,
-        "compile": "import builtins\nbuiltins.compile = lambda *a, **k: compile('pass', 'x', 'exec')" + wrong,
+        "compile": "import builtins\nreal = compile\nbuiltins.compile = lambda *a, **k: real('pass', 'x', 'exec')" + wrong,
         "open": "import builtins, io\nbuiltins.open = lambda *a, **k: io.StringIO('')" + wrong,
         "exit": wrong + "import sys\nsys.exit(0)",
         "os_exit": wrong + "import os\nos._exit(0)",

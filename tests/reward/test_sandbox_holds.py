@@ -52,21 +52,21 @@ def test_code_cannot_read_a_runs_bus_secret_nor_find_one(tmp_path):
     run_dir = tmp_path / "runs" / "r1"
     run_dir.mkdir(parents=True)
     (run_dir / "bus.secret").write_text("s3cr3t-of-the-bus")
-    output = _run(f"""
-        import os
+    outcome, output = run_code(textwrap.dedent(f"""
+        import os, sys
         try:
-            print(open({str(run_dir / "bus.secret")!r}).read())
+            print(open({str(run_dir / "bus.secret")!r}).read(), flush=True)
         except OSError as err:
             print("refused", err.strerror)
-        import sys
         interpreter = ("/proc", "/usr", *{{os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}})
         found = []
         for d, subdirs, files in os.walk("/"):
             subdirs[:] = [s for s in subdirs if not os.path.join(d, s).startswith(interpreter)]
             found += [os.path.join(d, f) for f in files if f == "bus.secret"]
         print("found", found)
-        """)
-    assert "s3cr3t-of-the-bus" not in output and "found []" in output and "refused" in output
+        """), QUICK, output_chars=8000)
+    assert "s3cr3t-of-the-bus" not in output and "refused" in output, output
+    assert outcome.passed and "found []" in output, (outcome, output)
 
 
 @pytest.mark.timeout(60)
