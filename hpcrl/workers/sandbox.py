@@ -42,6 +42,7 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,7 +126,8 @@ class _Sandbox:
 
     def __init__(self, code: str, limits: Limits):
         self.limits = limits
-        self.dir = Path(tempfile.mkdtemp(prefix="hpcrl-code-"))
+        _remove_stale_dirs()
+        self.dir = Path(tempfile.mkdtemp(prefix=f"hpcrl-code-{os.getpid()}-"))
         (self.dir / "solution.py").write_text(code)
         self.processes: list[subprocess.Popen] = []
         self.group = Cgroup.make(limits.memory_mib, limits.processes + OWN_PROCESSES)
@@ -275,6 +277,14 @@ def _wait(process: subprocess.Popen, deadline: float) -> bool:
         return True
     except subprocess.TimeoutExpired:
         return False
+
+
+def _remove_stale_dirs() -> None:
+    """Remove the host directories of calls whose worker was killed before removing them (the pool's timeout)."""
+    for stale in Path(tempfile.gettempdir()).glob("hpcrl-code-*-*"):
+        pid = stale.name.split("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _kill_group(pid: int) -> None:

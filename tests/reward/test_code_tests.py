@@ -105,7 +105,7 @@ def test_the_code_runs_in_a_private_tmp_of_its_own_and_its_host_directory_is_rem
     before = {p.name for p in Path(tempfile.gettempdir()).glob("hpcrl-code-*")}
     outcome, output = run_code(code, Limits(cpu_s=1, wall_s=4))
     assert outcome.passed and output == "/tmp /tmp\n['left.txt']\n"
-    assert {p.name for p in Path(tempfile.gettempdir()).glob("hpcrl-code-*")} == before
+    assert {p.name for p in Path(tempfile.gettempdir()).glob("hpcrl-code-*")} <= before
 
 
 @pytest.mark.timeout(120)
