@@ -23,6 +23,22 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
 fi
 [[ -x .venv/bin/python ]] || "$PYTHON" -m venv .venv
 
+# bubblewrap builds the sandbox of code_tests and python_tool (hpcrl/workers/confine.py); without it they
+# refuse to start. Installed here as root (CI, a fresh node); a normal user is told the command. apt waits for
+# a lock another apt holds (tools/local_slurm.sh installs Slurm beside this script in tools/test.sh).
+if ! command -v bwrap >/dev/null; then
+    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+        echo "setup_env: installing bubblewrap (apt), the code sandbox" >&2
+        export DEBIAN_FRONTEND=noninteractive
+        apt_get=(apt-get -o DPkg::Lock::Timeout=300 install -y -q --no-install-recommends bubblewrap)
+        "${apt_get[@]}" >/dev/null 2>&1 || { apt-get -o DPkg::Lock::Timeout=300 update -q >/dev/null 2>&1; \
+            "${apt_get[@]}" >/dev/null; } || echo "setup_env: apt-get install bubblewrap failed" >&2
+    else
+        echo "setup_env: bubblewrap (bwrap) is missing: code_tests and python_tool refuse to run until it is" \
+             "installed (apt-get install bubblewrap, or your distribution's package)" >&2
+    fi
+fi
+
 stamp=.venv/.hpcrl-installed
 log=.venv/setup_env.log
 project=$("$PYTHON" -c 'import json, tomllib; print(json.dumps(tomllib.load(open("pyproject.toml", "rb"))["project"], sort_keys=True))')

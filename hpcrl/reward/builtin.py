@@ -146,8 +146,9 @@ def math_verify(prompt: str, completion: str, answer: str) -> float:
 
 def code_tests(prompt: str, completion: str, answer: str) -> tuple[float, str]:
     """1 when the completion's code (its last ```python block, else all of it) passes the tests in
-    `answer` (Python run after the code in one namespace: `assert f(1) == 2` lines, or a `check(f)`
-    call), run in a sandbox with CODE_TESTS_LIMITS (hpcrl.workers.sandbox); 0 with the reason otherwise."""
+    `answer` (`assert f(1) == 2` lines, or a `check(f)` call: run in a sandbox of their own against the
+    code's top-level names, which the code's sandbox serves), with CODE_TESTS_LIMITS
+    (hpcrl.workers.sandbox); 0 with the reason otherwise."""
     outcome = run_tests(extract_code(completion), answer, CODE_TESTS_LIMITS)
     return float(outcome.passed), outcome.reason
 

@@ -1,33 +1,39 @@
-"""Run a completion's code against tests in a throw-away sandbox process: the code_tests reward.
+"""Run a completion's code against tests in throw-away sandboxes: the code_tests reward and python_tool's tool.
 
     outcome = run_tests(extract_code(completion), tests, Limits(cpu_s=4, wall_s=6))
     outcome.passed, outcome.reason        # True, ""   or   False, "killed at the CPU-time limit (4 s)"
     outcome, output = run_code(code, Limits())   # code alone, and what it printed (hpcrl.env's python tool)
 
-The reward pool's worker (never the head) starts `python -I _sandbox_boot.py` in a new session, in a
-fresh temporary directory (removed afterwards) holding solution.py (the code) and tests.py (the
-row's `answer`: Python run after the code in the same module namespace, e.g. `assert add(1, 2) == 3`
-lines, or a `check(add)` call). The boot process enters new user, network and PID namespaces and
-forks the namespace's first process, which runs the code under the limits:
+The worker calling these (a reward or environment pool's worker, never the head) writes the code (and
+the row's tests) into a fresh host directory that no sandbox sees, makes a cgroup for each sandbox and
+starts each sandbox with bubblewrap (hpcrl.workers.confine: new user, mount, PID, IPC, UTS and network
+namespaces, no capability, read-only /usr and Python prefixes, a private tmpfs at /tmp as the one
+writable place; no home, run directory, /run, host /tmp or socket; no network, the host's 127.0.0.1
+and abstract Unix sockets included). Inside, hpcrl/workers/_sandbox_boot.py sets per-process limits
+and runs the code. run_tests starts two sandboxes (_sandbox_boot.py's docstring): S runs the code and
+answers calls; T reads the tests first and runs them against proxies of the code's names, and sends
+its verdict on a pipe only T holds. A solution cannot read, empty or patch the tests, exit early to
+pass, or return an always-equal object: it is scored by what it answers.
 
-    CPU time   RLIMIT_CPU (SIGXCPU, then SIGKILL a second later)
-    memory     RLIMIT_AS (an allocation past it raises MemoryError)
-    processes  RLIMIT_NPROC, counted per user namespace (Linux >= 5.14) so it binds each sandbox
-               alone; root is exempt from it, so the PID namespace's pid_max (Linux >= 6.14, at
-               least 301) bounds root's fork bombs
-    output     RLIMIT_FSIZE on every file it writes, its stdout and stderr included
-    wall time  the worker kills the namespace's first process, which takes every process of the
-               namespace with it, and the boot's process group; should the worker itself be killed
-               (the pool's timeout), the boot and the first process die with it (PR_SET_PDEATHSIG)
-    network    a new network namespace: no interface but a loopback that is down, so even
-               127.0.0.1 is unreachable
+    CPU time   RLIMIT_CPU per process (SIGXCPU, then SIGKILL a second later); the cgroup (where there is
+               one) caps the whole sandbox at one CPU's bandwidth
+    memory     the cgroup's limit for all its processes and its tmpfs together (the kernel kills at it;
+               the tests' sandbox has a cgroup of its own, so the code cannot starve it);
+               RLIMIT_AS per process too (an allocation past it raises MemoryError)
+    processes  the cgroup's pids limit for the whole sandbox, root included; without a cgroup (a normal
+               user on a node that delegates none) RLIMIT_NPROC, counted per user namespace
+               (Linux >= 5.14), bounds each sandbox; as root without a cgroup it refuses (SandboxError),
+               since RLIMIT_NPROC does not bind root
+    output     RLIMIT_FSIZE on every file it writes, its stdout and stderr included; the tmpfs's size
+    wall time  the worker kills each sandbox's bwrap and every process of the cgroup, then removes the
+               cgroup and the host directory; should the worker itself be killed (the pool's timeout),
+               bwrap kills its sandbox (--die-with-parent)
 
-Passing means the tests ran to their end (a nonce only the harness knows is written after them):
-code that exits early does not pass (code that digs the nonce out of the interpreter's frames could;
-this guards against accidents and reward hacking by early exit, not against such an adversary). A failing or killed run is a legitimate 0 with its reason; a
-sandbox that cannot be built (user namespaces disabled) is a SandboxError, so the sample is an error
-and its group is held out, never silently 0. Not covered: the code runs as the pool's user and can
-read what that user can read; run reward tasks as a dedicated user where that matters.
+A failing or killed run is a legitimate 0 with its reason; a sandbox that cannot be built (no bwrap,
+no user namespaces, root with no cgroup) is a SandboxError, so the sample is an error and its group is
+held out, never silently 0. Not covered: what the kernel exposes to any unprivileged process (its
+version, /proc/cpuinfo), and kernel bugs reachable from a user namespace; a node that forbids user
+namespaces cannot run code_tests at all.
 """
 
 from __future__ import annotations
@@ -35,23 +41,30 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hpcrl.errors import HpcrlError
+from hpcrl.workers.confine import Cgroup, SandboxError, bwrap_argv
+
+__all__ = ["Limits", "Outcome", "SandboxError", "check_sandbox", "extract_code", "run_code", "run_tests"]
 
 BOOT = Path(__file__).with_name("_sandbox_boot.py")
+INSIDE = "/hpcrl"
 _FENCED = re.compile(r"```(?:python|py|python3)[ \t]*\n(.*?)```", re.DOTALL)
-
-
-class SandboxError(HpcrlError):
-    """The sandbox cannot be built here: the sample has no score (an error), not a 0."""
+#: The sandbox's own processes, beside the code's: bwrap and its init.
+OWN_PROCESSES = 2
+#: The processes of the tests' sandbox (bwrap, its init, Python), in a cgroup of its own: the code's fork
+#: bomb or memory cannot keep the tests from starting (a sandbox that cannot start is an error, not a 0).
+TESTS_PROCESSES = 8
+_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,15 +72,18 @@ class Limits:
     """What one run of a completion's code may use."""
 
     cpu_s: float = 4.0
-    """CPU seconds of its first process (and each process it starts)."""
+    """CPU seconds of each process it starts (and one CPU's bandwidth for the whole sandbox, with a cgroup)."""
     wall_s: float = 6.0
     """Seconds from start to kill, whatever it is doing; keep it under reward.timeout_s."""
     memory_mib: int = 1024
-    """Address space of each process, MiB."""
+    """Memory of the whole sandbox (its cgroup: all its processes and its tmpfs), and address space of each
+    process, MiB."""
     processes: int = 32
-    """Processes and threads together, the sandbox's own boot process included."""
+    """Processes and threads of the code together (its cgroup; without one, of each user namespace)."""
     output_kib: int = 1024
     """Largest file it may write (its stdout and stderr included), KiB."""
+    files_mib: int = 16
+    """Size of its one writable directory, /tmp (a tmpfs, counted in memory_mib too), MiB."""
 
 
 @dataclass(frozen=True)
@@ -91,134 +107,196 @@ def extract_code(completion: str) -> str:
 
 
 def run_tests(code: str, tests: str, limits: Limits = Limits()) -> Outcome:
-    """Run `code` then `tests` in a sandbox (module docstring); raises SandboxError when none can be built."""
-    return _sandboxed(code, tests, limits)[0]
+    """Run `code` in one sandbox and `tests` against it from another (module docstring); raises SandboxError
+    when none can be built."""
+    with _Sandbox(code, limits) as box:
+        return box.tests(tests)
 
 
 def run_code(code: str, limits: Limits = Limits(), *, output_chars: int = 4000) -> tuple[Outcome, str]:
     """Run `code` alone in a sandbox: whether it ran to its end (with the reason if not) and the last
     `output_chars` of what it printed, stdout then stderr (the python_tool environment's tool)."""
-    return _sandboxed(code, "", limits, output_chars)
+    with _Sandbox(code, limits) as box:
+        return box.alone(output_chars)
 
 
-def _sandboxed(code: str, tests: str, limits: Limits, output_chars: int = 0) -> tuple[Outcome, str]:
-    workdir = Path(tempfile.mkdtemp(prefix="hpcrl-code-"))
-    status_r, status_w = os.pipe()
-    os.set_blocking(status_r, False)
-    nonce = secrets.token_hex(16)
-    env = {"PATH": os.defpath, "HOME": str(workdir), "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
-           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    process = None
-    try:
-        (workdir / "solution.py").write_text(code)
-        (workdir / "tests.py").write_text(tests)
-        with open(workdir / ".stdout", "wb") as out, open(workdir / ".stderr", "wb") as err:
-            process = subprocess.Popen([sys.executable, "-I", str(BOOT)], cwd=workdir, env=env, stdin=subprocess.PIPE,
-                                       stdout=out, stderr=err, pass_fds=(status_w,), start_new_session=True)
-        assert process.stdin is not None
-        process.stdin.write(json.dumps({"nonce": nonce, "status_fd": status_w, "parent": os.getpid(),
-                                        **asdict(limits)}).encode())
-        process.stdin.close()
-        os.close(status_w)
-        status_w = -1
+class _Sandbox:
+    """One call's host directory (solution.py, tests.py, the output files: never visible inside), its
+    cgroup and its processes; leaving it kills them all and removes both."""
+
+    def __init__(self, code: str, limits: Limits):
+        self.limits = limits
+        _remove_stale_dirs()
+        self.dir = Path(tempfile.mkdtemp(prefix=f"hpcrl-code-{os.getpid()}-"))
+        (self.dir / "solution.py").write_text(code)
+        self.processes: list[subprocess.Popen] = []
+        self.group = Cgroup.make(limits.memory_mib, limits.processes + OWN_PROCESSES)
+        self.groups = [self.group]
+        if self.group is None and os.geteuid() == 0:
+            self.close()
+            raise SandboxError("running untrusted code as root needs a cgroup to bound its processes and memory (root "
+                               "is exempt from RLIMIT_NPROC), and none could be made here: mount cgroup v1's memory "
+                               "and pids controllers writable, delegate a cgroup v2 subtree with memory and pids, or "
+                               "run the workers as a normal user")
+        self.deadline = time.monotonic() + limits.wall_s
+
+    def __enter__(self) -> _Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for process in self.processes:
+            _kill_group(process.pid)
+        for group in self.groups:
+            if group is not None:
+                group.remove()
+        for process in self.processes:
+            process.wait(timeout=10)
+        for path in self.dir.iterdir():
+            path.unlink()
+        self.dir.rmdir()
+
+    def _start(self, mode: str, file: str, fds: dict[str, int], stdout: Path,
+               group: Cgroup | None) -> tuple[subprocess.Popen, int]:
+        """`_sandbox_boot.py mode` in a new sandbox seeing `file` of the host dir; the process and the read
+        end of its "up" pipe."""
+        up_r, up_w = os.pipe()
+        config = {**asdict(self.limits), "up": up_w, **fds}
+        argv = bwrap_argv({BOOT: f"{INSIDE}/{BOOT.name}", self.dir / file: f"{INSIDE}/{file}"}, self.limits.files_mib)
+        argv += ["--", sys.executable, "-I", f"{INSIDE}/{BOOT.name}", mode, json.dumps(config)]
+        with open(stdout, "wb") as out, open(stdout.with_suffix(".stderr"), "wb") as err:
+            process = subprocess.Popen(group.enter(argv) if group else argv, stdin=subprocess.DEVNULL,
+                                       stdout=out, stderr=err, env=_ENV, pass_fds=(up_w, *fds.values()),
+                                       start_new_session=True)
+        self.processes.append(process)
+        os.close(up_w)
+        return process, up_r
+
+    def _started(self, process: subprocess.Popen, up: int, name: str, group: Cgroup | None) -> None:
+        """Raise SandboxError if the sandbox exited before its boot said "up" (bwrap could not build it, or Python
+        not start in it); killed before that (by a signal: the memory limit the code next door filled) is not."""
+        os.set_blocking(up, False)
         try:
-            process.wait(timeout=limits.wall_s)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        reports = _read_reports(status_r)
-        first = reports[0] if reports else {}
-        _kill(process, first.get("pid"))
-        if "setup_error" in first:  # the boot's first line; anything later the code may have written
-            raise SandboxError(f"code_tests cannot isolate the code here: {first['setup_error']}. Fix: enable user "
-                               "namespaces for this user (sysctl user.max_user_namespaces > 0; on Debian/Ubuntu also "
-                               "kernel.unprivileged_userns_clone = 1 and kernel.apparmor_restrict_unprivileged_userns "
-                               "= 0), or score code elsewhere")
-        output = _output(workdir, output_chars) if output_chars else ""
-        if any(r.get("passed") == nonce for r in reports):
-            return Outcome(True, ""), output
-        ended: dict = next((r for r in reversed(reports) if "signal" in r or "exit" in r), {})
-        return Outcome(False, _why(ended, timed_out, limits, workdir / ".stderr")), output
-    finally:
-        if process is not None and process.poll() is None:
-            _kill(process, None)
-        for fd in (status_r, status_w):
-            if fd >= 0:
+            said = os.read(up, 3)
+        except BlockingIOError:
+            said = b""
+        os.close(up)
+        status = process.poll()
+        if said != b"up\n" and status is not None and 0 <= status <= 128 and not (group and group.oom_killed()):
+            why = _last_line(self.dir / f"{name}.stderr") or f"exit code {process.returncode}"
+            raise SandboxError(f"the code sandbox could not start here: {why}. Fix: bubblewrap needs user namespaces "
+                               "(sysctl user.max_user_namespaces > 0; on Debian/Ubuntu also kernel."
+                               "unprivileged_userns_clone = 1 and kernel.apparmor_restrict_unprivileged_userns = 0)")
+
+    def tests(self, tests: str) -> Outcome:
+        (self.dir / "tests.py").write_text(tests)
+        requests_r, requests_w = os.pipe()  # T -> S
+        replies_r, replies_w = os.pipe()  # S -> T
+        verdict_r, verdict_w = os.pipe()  # T -> here
+        tests_group = Cgroup.make(self.limits.memory_mib, TESTS_PROCESSES) if self.group else None
+        self.groups.append(tests_group)
+        try:
+            solution, solution_up = self._start("serve", "solution.py", {"requests": requests_r, "replies": replies_w},
+                                                self.dir / "solution.stdout", self.group)
+            tester, tester_up = self._start("test", "tests.py", {"requests": requests_w, "replies": replies_r,
+                                                                 "verdict": verdict_w}, self.dir / "tests.stdout",
+                                            tests_group)
+        finally:
+            for fd in (requests_r, requests_w, replies_r, replies_w, verdict_w):
                 os.close(fd)
-        shutil.rmtree(workdir, ignore_errors=True)
+        try:
+            line, timed_out = _read_until_eof(verdict_r, self.deadline)
+        finally:
+            os.close(verdict_r)
+        tester.poll()
+        self._started(tester, tester_up, "tests", tests_group)
+        try:
+            verdict = json.loads(line) if line else {}
+        except ValueError:
+            verdict = {}
+        if verdict.get("passed") is True:
+            os.close(solution_up)
+            return Outcome(True, "")
+        if not timed_out:  # S ends once T has: its end may say more (a limit) than T's "ended"
+            _wait(solution, self.deadline)
+        self._started(solution, solution_up, "solution", self.group)
+        reason = str(verdict.get("reason") or f"the tests' process ended without a verdict (exit {tester.returncode})")
+        return Outcome(False, self._why(solution, timed_out, reason))
+
+    def alone(self, output_chars: int) -> tuple[Outcome, str]:
+        process, up = self._start("run", "solution.py", {}, self.dir / "solution.stdout", self.group)
+        timed_out = not _wait(process, self.deadline)
+        self._started(process, up, "solution", self.group)
+        output = _output(self.dir, output_chars)
+        if process.returncode == 0:
+            return Outcome(True, ""), output
+        reason = _last_line(self.dir / "solution.stderr") or f"exit code {process.returncode}"
+        return Outcome(False, self._why(process, timed_out, reason)), output
+
+    def _why(self, process: subprocess.Popen, timed_out: bool, reason: str) -> str:
+        """The reason of a run that did not pass: a limit that ended the code's process, else `reason`."""
+        limits = self.limits
+        if timed_out:
+            return f"killed at the wall-time limit ({limits.wall_s:g} s)"
+        if self.group is not None and self.group.oom_killed():
+            return f"killed at the memory limit ({limits.memory_mib} MiB for the whole sandbox)"
+        status = process.returncode
+        number = status - 128 if isinstance(status, int) and status > 128 else None  # bwrap: 128 + the signal
+        if number in (signal.SIGXCPU, signal.SIGKILL):
+            return f"killed at the CPU-time limit ({limits.cpu_s:g} s)"
+        if number == signal.SIGXFSZ:
+            return f"killed at the output limit ({limits.output_kib} KiB)"
+        if number is not None and number in signal.valid_signals():
+            return f"killed by {signal.Signals(number).name}"
+        if "MemoryError" in reason:
+            return f"{reason} (memory limit {limits.memory_mib} MiB)"
+        if "Resource temporarily unavailable" in reason:
+            return f"{reason} (process limit {limits.processes})"
+        return reason
 
 
-def _read_reports(fd: int) -> list[dict]:
-    """The status lines written so far (the pipe may still be open in a process being killed)."""
+def _read_until_eof(fd: int, deadline: float, limit: int = 65536) -> tuple[bytes, bool]:
+    """What the pipe holds once its writers are gone (at most `limit` bytes), and whether the deadline came first."""
     data = b""
     while True:
-        try:
-            chunk = os.read(fd, 65536)
-        except BlockingIOError:
-            break
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return data, True
+        chunk = os.read(fd, 65536)
         if not chunk:
-            break
-        data += chunk
-    reports = []
-    for line in data.splitlines():
-        try:
-            report = json.loads(line)
-        except ValueError:
-            continue  # not the harness's: the code wrote to the pipe
-        if isinstance(report, dict):
-            reports.append(report)
-    return reports
+            return data, False
+        data = (data + chunk)[:limit]
 
 
-def _kill(process: subprocess.Popen, first: object) -> None:
-    """Kill the namespace's first process (all the namespace dies with it) if `first` is its host pid (a
-    child of the boot process: a pid the code wrote cannot point elsewhere), then the boot's group."""
-    if isinstance(first, int) and _parent_of(first) == process.pid:
-        _signal(lambda: os.kill(first, signal.SIGKILL))
-    _signal(lambda: os.killpg(process.pid, signal.SIGKILL))
-    process.wait(timeout=10)
-
-
-def _parent_of(pid: int) -> int | None:
+def _wait(process: subprocess.Popen, deadline: float) -> bool:
+    """Whether `process` ended before the deadline."""
     try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    found = re.search(r"^PPid:\s*(\d+)", status, re.MULTILINE)
-    return int(found.group(1)) if found else None
+        process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        return True
+    except subprocess.TimeoutExpired:
+        return False
 
 
-def _signal(send) -> None:
+def _remove_stale_dirs() -> None:
+    """Remove the host directories of calls whose worker was killed before removing them (the pool's timeout)."""
+    for stale in Path(tempfile.gettempdir()).glob("hpcrl-code-*-*"):
+        pid = stale.name.split("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _kill_group(pid: int) -> None:
     try:
-        send()
+        os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass  # gone already
 
 
-def _why(ended: dict, timed_out: bool, limits: Limits, stderr: Path) -> str:
-    """The reason of a run that did not pass."""
-    if timed_out:
-        return f"killed at the wall-time limit ({limits.wall_s:g} s)"
-    number = ended.get("signal")
-    if number in (signal.SIGXCPU, signal.SIGKILL):
-        return f"killed at the CPU-time limit ({limits.cpu_s:g} s)"
-    if number == signal.SIGXFSZ:
-        return f"killed at the output limit ({limits.output_kib} KiB)"
-    if isinstance(number, int):
-        return f"killed by {signal.Signals(number).name}" if number in signal.valid_signals() else f"signal {number}"
-    if ended.get("exit", 0) == 0:
-        return "the code ended the process before the tests finished"
-    last = _last_line(stderr)
-    if "MemoryError" in last:
-        return f"{last} (memory limit {limits.memory_mib} MiB)"
-    if "Resource temporarily unavailable" in last:
-        return f"{last} (process limit {limits.processes})"
-    return last or f"exit code {ended['exit']}"
-
-
 def _output(workdir: Path, chars: int) -> str:
     """The last `chars` characters of the run's stdout then stderr."""
-    text = "".join(_tail(workdir / name, chars * 4) for name in (".stdout", ".stderr"))
+    text = "".join(_tail(workdir / name, chars * 4) for name in ("solution.stdout", "solution.stderr"))
     return text[-chars:]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 
 from hpcrl.reward.pool import RewardPool
 from hpcrl.reward.types import Sample
-from hpcrl.workers.sandbox import extract_code
+from hpcrl.workers.sandbox import Limits, Outcome, extract_code, run_code, run_tests
 
 HERE = Path(__file__).resolve().parent
 ADD_TESTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0"
@@ -73,17 +74,6 @@ def test_an_infinite_loop_a_fork_bomb_and_a_10_gb_allocation_are_killed_within_t
 
 
 @pytest.mark.timeout(60)
-def test_a_sandbox_cannot_start_more_processes_than_its_bound():
-    """16 (RLIMIT_NPROC in its own user namespace); root is exempt from that, and the PID namespace's
-    pid_max (301, Linux's least) bounds it instead."""
-    code = ("import os, time\nstarted = 0\ntry:\n    while started < 1000:\n        if os.fork() == 0:\n"
-            "            time.sleep(30)\n            os._exit(0)\n        started += 1\nexcept OSError:\n    pass\n")
-    limit = 300 if os.geteuid() == 0 else 16
-    result = _score({"count": code}, f"assert started < {limit}, started")["count"]
-    assert (result.reward, result.reason) == (1.0, None)
-
-
-@pytest.mark.timeout(60)
 def test_a_sandbox_dies_with_the_worker_that_the_pool_kills_at_its_timeout():
     sample = Sample(id="s", prompt_id="s", prompt="", completion="import time\ntime.sleep(600)", answer="pass")
     with RewardPool("verifiers_for_tests:code_tests_quick", workers=1, timeout_s=0.8) as pool:  # under the 2 s wall
@@ -106,16 +96,91 @@ def test_the_code_cannot_connect_even_to_a_socket_listening_on_localhost():
         result = _score({"net": code})["net"]
         with pytest.raises(BlockingIOError):
             listener.accept()  # nobody connected
-    assert result.reward == 0.0 and "Network is unreachable" in result.reason
+    assert result.reward == 0.0 and "Connection refused" in result.reason  # the sandbox's own loopback: nobody
 
 
 @pytest.mark.timeout(60)
-def test_the_code_runs_in_a_directory_of_its_own_that_is_removed_afterwards():
-    code = "import os\nprint(os.getcwd())\nopen('left.txt', 'w').write('x')\nassert os.listdir('.')\n"
-    tests = "import os\nassert os.getcwd().startswith(os.environ['HOME']) and 'hpcrl-code-' in os.getcwd()\n"
+def test_the_code_runs_in_a_private_tmp_of_its_own_and_its_host_directory_is_removed_afterwards():
+    code = "import os\nprint(os.getcwd(), os.environ['HOME'])\nopen('left.txt', 'w').write('x')\nprint(os.listdir('.'))"
     before = {p.name for p in Path(tempfile.gettempdir()).glob("hpcrl-code-*")}
-    assert _score({"cwd": code}, tests)["cwd"].reward == 1.0
-    assert {p.name for p in Path(tempfile.gettempdir()).glob("hpcrl-code-*")} == before
+    outcome, output = run_code(code, Limits(cpu_s=1, wall_s=4))
+    assert outcome.passed and output == "/tmp /tmp\n['left.txt']\n"
+    assert {p.name for p in Path(tempfile.gettempdir()).glob("hpcrl-code-*")} <= before
+
+
+@pytest.mark.timeout(120)
+def test_a_solution_that_empties_or_patches_the_tests_exits_early_or_answers_always_equal_scores_0():
+    """The tests run in a process of their own that the solution cannot reach; what comes back is plain data."""
+    wrong = "\ndef add(a, b):\n    return 0\n"
+    results = _score({
+        "empties": "for p in ('tests.py', '/hpcrl/tests.py'):\n"
+                   "    try:\n        open(p, 'w').close()\n    except OSError:\n        pass" + wrong,
+        "compile": "import builtins\nreal = compile\nbuiltins.compile = lambda *a, **k: real('pass', 'x', 'exec')" + wrong,
+        "open": "import builtins, io\nbuiltins.open = lambda *a, **k: io.StringIO('')" + wrong,
+        "exit": wrong + "import sys\nsys.exit(0)",
+        "os_exit": wrong + "import os\nos._exit(0)",
+        "always_equal": "class Same:\n    def __eq__(self, other): return True\n    __hash__ = None\n"
+                        "def add(a, b):\n    return Same()",
+        "int_subclass": "class Same(int):\n    def __eq__(self, other): return True\n"
+                        "def add(a, b):\n    return Same(0)",
+        "exits_in_call": "def add(a, b):\n    raise SystemExit(0)",
+    })
+    assert {name: r.reward for name, r in results.items()} == dict.fromkeys(results, 0.0), results
+    assert all(r.error is None for r in results.values())
+
+
+@pytest.mark.timeout(60)
+def test_honest_solutions_pass_through_the_proxies_whatever_they_return_or_raise():
+    """HumanEval's check(candidate), classes and their methods, generators, exceptions of a builtin type,
+    and plain data of every kind the protocol carries, each compared in the tests' own process."""
+    code = textwrap.dedent("""
+        import math
+        LIMIT = 10
+        def add(a, b):
+            return a + b
+        def kinds():
+            return [None, True, 2**100, 0.5, math.inf, 1j, "é\\ud800", b"\\x00", (1, [2]), {3}, frozenset({4}),
+                    {"k": (5,)}]
+        def count(n):
+            yield from range(n)
+        def picky(x):
+            if x < 0:
+                raise ValueError("negative")
+            return x
+        class Stack:
+            def __init__(self):
+                self.items = []
+            def push(self, x):
+                self.items.append(x)
+                return len(self.items)
+        """)
+    tests = textwrap.dedent("""
+        import math
+        def check(candidate):
+            assert candidate(1, 2) == 3 and candidate("a", "b") == "ab"
+        check(add)
+        got = kinds()
+        assert got[:4] == [None, True, 2**100, 0.5] and math.isinf(got[4]) and got[5] == 1j
+        assert got[6:] == ["é\\ud800", b"\\x00", (1, [2]), {3}, frozenset({4}), {"k": (5,)}]
+        assert list(count(3)) == [0, 1, 2] and sum(count(4)) == 6 and LIMIT == 10
+        try:
+            picky(-1)
+            raise AssertionError("no error")
+        except ValueError as err:
+            assert str(err) == "negative"
+        s = Stack()
+        assert s.push(7) == 1 and s.push(8) == 2 and s.items == [7, 8] and len(s.items) == 2
+        """)
+    assert run_tests(code, tests, Limits(cpu_s=2, wall_s=10)) == Outcome(True, "")
+
+
+@pytest.mark.timeout(60)
+def test_each_call_removes_its_cgroup_even_with_a_child_of_the_code_left_running():
+    own = [p for p in Path("/sys/fs/cgroup").glob(f"*/**/hpcrl-sandbox-{os.getpid()}-*")]
+    assert own == []
+    lingers = "import os, time\nif os.fork() == 0:\n    time.sleep(60)\n    os._exit(0)\ndef add(a, b): return a + b"
+    assert run_tests(lingers, ADD_TESTS, Limits(wall_s=10)).passed  # its child still sleeping at the end
+    assert [p for p in Path("/sys/fs/cgroup").glob(f"*/**/hpcrl-sandbox-{os.getpid()}-*")] == []
 
 
 def test_the_last_python_block_is_the_code_else_the_whole_completion():
