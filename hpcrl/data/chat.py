@@ -182,8 +182,8 @@ class ChatTemplate:
         except Exception as err:  # the template's own raise_exception, or a Jinja error
             roles = sorted({m.get("role", "?") for m in new})
             raise MessagesRefused(f"the chat template of {self.model_path} failed on an environment's messages (roles "
-                            f"{roles}): {err}. Fix: have the environment answer in roles the template knows "
-                            "(\"user\" where it has no \"tool\" role)") from err
+                                  f"{roles}): {err}. Fix: have the environment answer in roles the template knows "
+                                  "(\"user\" where it has no \"tool\" role)") from err
         # Only what follows the policy's turn is read: the text before it may change once messages follow
         # (Qwen3 renders the last turn's empty <think></think> only while it is last), but those ids are
         # the episode's already, as the model saw them.
