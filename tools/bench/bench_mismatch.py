@@ -116,6 +116,21 @@ def hf_logprobs(model: Any, sequences: list[list[int]], *, layers: bool = False)
     return out, streams
 
 
+def negative_controls(model: Any, sequences: list[list[int]], base: list[list[float]]) -> dict[str, dict]:
+    """What a sync that did not deliver the weights whole reads: transformers float32 with one weight
+    tensor (layer 15's down_proj), then all of them, rounded through bfloat16, against `base` (float32).
+    Changes `model`'s weights."""
+    out = {}
+    with torch.no_grad():
+        layer = model.model.layers[len(model.model.layers) // 2]
+        layer.mlp.down_proj.weight.copy_(layer.mlp.down_proj.weight.bfloat16().float())
+        out["one tensor through bfloat16"] = diff_stats(hf_logprobs(model, sequences)[0], base)
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+        out["every weight through bfloat16"] = diff_stats(hf_logprobs(model, sequences)[0], base)
+    return out
+
+
 # --------------------------------------------------------------------------------------------- trainer
 
 def trainer_logprobs(path: str, sequences: list[list[int]]) -> list[list[float]]:
@@ -248,9 +263,10 @@ def rms_norm(x, weight, eps, dtype):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.to(dtype)
 
 
-def op_table(records: dict[str, tuple], weights: dict[str, torch.Tensor], cfg: Any) -> list[dict]:
-    """Each recorded op recomputed from its recorded inputs in float64 and with torch's float32: the
-    error of vLLM's kernel and of torch's, both against float64."""
+def op_table(records: dict[str, tuple], weights: dict[str, torch.Tensor], cfg: Any, model: Any) -> list[dict]:
+    """Each recorded op of vLLM's `model` recomputed from its recorded inputs in float64 and with torch's
+    float32: the error of vLLM's kernel and of torch's, both against float64."""
+    modules = dict(model.named_modules())
     H, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     D = getattr(cfg, "head_dim", None) or D
     eps, theta = cfg.rms_norm_eps, cfg.rope_parameters["rope_theta"] if hasattr(cfg, "rope_parameters") \
@@ -268,7 +284,7 @@ def op_table(records: dict[str, tuple], weights: dict[str, torch.Tensor], cfg: A
         if module in ("input_layernorm", "post_attention_layernorm", "norm"):
             x = args[0]
             residual = args[1] if len(args) > 1 else kwargs.get("residual")
-            w = _norm_weight(records, name)
+            w = modules[name].weight.detach()
             if residual is not None:
                 total64 = x.double() + residual.double()
                 add("RMSNorm + residual add", out[0], rms_norm(total64, w, eps, torch.float64),
@@ -335,13 +351,6 @@ def logprob_table(records: dict[str, tuple], tokens: list[int]) -> list[dict]:
         d = (fn(logits).gather(1, targets)[:, 0].double() - ref).abs()
         rows.append({"kernel": name, "mean": d.mean().item(), "max": d.max().item()})
     return rows
-
-
-def _norm_weight(records: dict, name: str) -> torch.Tensor:
-    return _MODULES[name].weight.detach()
-
-
-_MODULES: dict[str, Any] = {}
 
 
 def layer_table(records: dict[str, tuple], ref_streams: list, f32_streams: list) -> list[dict]:
@@ -447,11 +456,12 @@ def main() -> None:
     lp64, streams64 = hf_logprobs(ref, sequences, layers=True)
     hf32 = hf_model(args.model, torch.float32)
     lp32, streams32 = hf_logprobs(hf32, sequences, layers=True)
+    report["broken"] = negative_controls(hf32, chats, lp32[:len(chats)])
     del hf32
     lp_trainer = trainer_logprobs(args.model, sequences)
     print(f"references done at {time.monotonic() - started:.0f} s", flush=True)
 
-    engine = start_vllm(args.model, max_model_len := max(map(len, sequences)) + 64)
+    engine = start_vllm(args.model, max(map(len, sequences)) + 64)
     lp_vllm = engine.token_logprobs(sequences)
     generated, lp_decode = vllm_generated(engine, prompts, max_tokens=32)
     ref_generated, _ = hf_logprobs(ref, generated)
@@ -469,16 +479,18 @@ def main() -> None:
              "transformers fp32, chats only": diff_stats(lp32[:-1], lp64[:-1]),
              "transformers fp32, long chat only": diff_stats(lp32[-1:], lp64[-1:])}
     report["paths"] = {**paths, **short}
+    print("\n| a sync that did not deliver the weights (transformers fp32 vs itself) | mean | max |\n|---|---|---|")
+    for name, st in report["broken"].items():
+        print(f"| {name} | {st['mean']:.2e} | {st['max']:.2e} |")
     print("\n| path | vs float64: mean | max | tokens |\n|---|---|---|---|")
     for name, s in {**paths, **short}.items():
         print(f"| {name} | {s['mean']:.2e} | {s['max']:.2e} | {s['tokens']} |")
 
     model = vllm_model(engine)
-    _MODULES.update(dict(model.named_modules()))
     tap = OpTap(model, len(long))
     engine.token_logprobs([long])
     tap.close()
-    ops = op_table(tap.records, weights, cfg)
+    ops = op_table(tap.records, weights, cfg, model)
     report["logprob_kernels"] = logprob_table({k.rsplit(".", 1)[-1]: v for k, v in tap.records.items()}, long)
     layers = layer_table(tap.records, streams64[-1], streams32[-1])
     report["ops"], report["layers"] = ops, layers
