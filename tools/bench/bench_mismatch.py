@@ -13,14 +13,20 @@ longer multi-turn chat), the logprob of every token after the first from
                  scoring call, prompt_logprobs), and the logprobs it reports while generating (greedy
                  answers, the rollouts' decode path)
 
-each against fp64 (mean and max |diff|). Then, vLLM's engine in this process, forward hooks on every
-op of every decoder layer record its inputs and outputs on one scoring pass, and each op is recomputed
-from those very inputs in float64 and with torch's own float32 kernel: the op whose vLLM kernel is
-noisier than torch's float32 is the one that adds the error. Last, `--swap` re-runs the scoring with
-chosen vLLM ops replaced by torch's float32 (attention: SDPA; linear: torch.nn.functional.linear;
-norm: RMSNorm in torch) to show what each one is worth end to end.
+each against fp64 (mean and max |diff|), beside what a sync that did not deliver the weights reads
+(one weight tensor, then all, rounded through bfloat16: the alarm's upper side). Then, vLLM's engine in
+this process, forward hooks on every op of every decoder layer record its inputs and outputs on one
+scoring pass, and each op is recomputed from those very inputs in float64 and with torch's own float32
+kernel: the op whose vLLM kernel is noisier than torch's float32 is one that adds error; the logprob
+of each token is recomputed from vLLM's own logits with its log_softmax and with logits - logsumexp.
+Last (unless --no-swap), the scoring is re-run with groups of vLLM's kernels replaced in the running
+engine by torch's float32 ones (logprobs: logits - logsumexp; linear and lm_head: torch's linear for
+oneDNN; attention: SDPA; norm: RMSNorm in torch) to show what each is worth end to end; with all of
+them vLLM's logprobs equal the trainer's bitwise. Figures: BENCHMARKS.md "Logprob mismatch on a real
+model"; what they mean: docs/FACTS.md "Logprob precision on CPU".
 
-Single process, CPU, float32. Takes ~3-4 min on 2 cores (vLLM's start ~40 s, transformers twice).
+Single process, CPU, float32. About 10 min on the shared 2-core VM (vLLM's start, transformers twice,
+six scoring passes with swaps), 3 min of it the float64 reference.
 """
 
 from __future__ import annotations
