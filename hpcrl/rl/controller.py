@@ -53,6 +53,9 @@ measures it over the whole batch (`sampling_logprob_diff`), at no cost. At lag >
 with nothing to train) a probe does, every `algorithm.mismatch_every` steps: the first group of the
 step's batch, scored by both sides after the weight sync (one more trainer forward, one vLLM call), which
 also gives `logprob_mismatch_max`, the largest difference over those tokens (every turn of an episode's).
+A run whose trainer and vLLM both compute in float32 (every CPU run) warns when `logprob_mismatch` exceeds
+`FLOAT32_MISMATCH_ALARM`, 10x the float32 floor measured on a real model (`mismatch_alarm`); in bfloat16 no
+floor has been measured here, and nothing warns.
 
 The controller talks to the groups only through `Ports`; `hpcrl.rl.ports` binds them to the bus.
 """
@@ -60,6 +63,7 @@ The controller talks to the groups only through `Ports`; `hpcrl.rl.ports` binds 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -82,8 +86,29 @@ from hpcrl.rl.rollouts import batch_from_groups, samples_for, score_groups
 from hpcrl.rl.startup import StartupClock
 from hpcrl.trainer.types import TrainBatch
 
+#: `logprob_mismatch` of trainer and vLLM when both are right, both in float32: 1.5e-5 (max 6.6e-5), measured
+#: on SmolLM2-135M-Instruct (vocab 49,152) on CPU (tools/bench/bench_mismatch.py, BENCHMARKS.md "Logprob
+#: mismatch on a real model"); real runs of that model read 1.0-1.1e-5, the tiny model 1e-7. Two thirds of
+#: it is vLLM's logprob kernel (torch's float32 log_softmax over the vocabulary), the rest mostly vLLM's
+#: oneDNN matmuls (docs/FACTS.md "Logprob precision on CPU").
+FLOAT32_MISMATCH_FLOOR = 1.5e-5
+#: Above this `logprob_mismatch` a float32 run warns: 10x the floor. The log_softmax part grows with the
+#: vocabulary (151k, Qwen3's: 2.7x that of 49k on peaked logits), still below. Weights that did not arrive
+#: whole read far above: one of SmolLM2's 272 tensors rounded through bfloat16 7.4e-4, all of them 9.7e-3.
+FLOAT32_MISMATCH_ALARM = 10 * FLOAT32_MISMATCH_FLOOR
+
 #: Round r > 0 of a batch samples with the batch's seed + r times this (a prime far above any batch index).
 ROUND_SEED_STRIDE = 1_000_000_007
+
+log = logging.getLogger(__name__)
+
+
+def mismatch_alarm(config: Config) -> float | None:
+    """The `logprob_mismatch` above which the run warns: FLOAT32_MISMATCH_ALARM when trainer and vLLM both
+    compute in float32 (on CPU both always do); None (no alarm) in another dtype, where no floor is measured."""
+    float32 = config.model.dtype == "float32" or (config.trainer.gpus_per_node == 0
+                                                  and config.inference.gpus_per_node == 0)
+    return FLOAT32_MISMATCH_ALARM if float32 else None
 
 
 class ControllerError(HpcrlError):
@@ -314,6 +339,7 @@ class Controller:
                 await self.ports.sync_weights(step + 1)
                 sync_done = time.monotonic()
                 mismatch, mismatch_max = await self._mismatch(step, groups, train_metrics)
+                self._check_mismatch(step + 1, mismatch)
             except BaseException:
                 if generation is not None:
                     generation.cancel()  # the step failed: its scoring is not waited for
@@ -403,6 +429,17 @@ class Controller:
         if (step + 1) % self.config.algorithm.mismatch_every:
             return None, None
         return await self._probe_mismatch(groups)
+
+    def _check_mismatch(self, step: int, mismatch: float | None) -> None:
+        """Warn when `mismatch` is above the run's alarm (`mismatch_alarm`): vLLM is not computing with the
+        trainer's weights, or one of the two changed kernels."""
+        alarm = mismatch_alarm(self.config)
+        if mismatch is not None and alarm is not None and mismatch > alarm:
+            log.warning(f"step {step}: logprob_mismatch {mismatch:.2e} is above {alarm:.1e}, 10x the float32 "
+                        f"floor of trainer vs vLLM ({FLOAT32_MISMATCH_FLOOR:.1e}): vLLM may not hold the "
+                        "trainer's weights (a weight sync that did not arrive whole, a wrong wire dtype), or a "
+                        "kernel of either side changed. tools/bench/bench_mismatch.py measures both sides "
+                        "against float64")
 
     async def _probe_mismatch(self, groups: list) -> tuple[float | None, float | None]:
         """Mean and largest |logprob_vllm - logprob_trainer| over the tokens the policy generated in the step's

@@ -26,7 +26,7 @@ from hpcrl.algorithms import algorithm_options
 from hpcrl.config.schema import Config
 from hpcrl.data.prompts import Prompt
 from hpcrl.errors import ConfigError
-from hpcrl.rl.controller import ControllerError
+from hpcrl.rl.controller import FLOAT32_MISMATCH_ALARM, FLOAT32_MISMATCH_FLOOR, ControllerError, mismatch_alarm
 from hpcrl.rl.loop import Preempted, run_loop
 from hpcrl.rl.metrics import read_metrics
 from hpcrl.rl.ports import BusPorts
@@ -179,6 +179,42 @@ def test_at_lag_1_the_mismatch_is_probed_every_mismatch_every_steps(runs):
     assert [r["logprob_mismatch"] is not None for r in rows] == [step % 2 == 0 for step in range(1, STEPS + 1)]
     with pytest.raises(ConfigError, match="at least 1"):
         algorithm_options(group_size=GROUP_SIZE, mismatch_every=0)
+
+
+class OffsetInference(FakePorts):
+    """FakePorts whose inference side reports every logprob `offset` above the trainer's: each probe then
+    reads a logprob_mismatch of `offset`."""
+
+    def __init__(self, offset: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.offset = offset
+
+    async def inference_logprobs(self, sequences):
+        return [[v + self.offset for v in row] for row in await super().inference_logprobs(sequences)]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("offset, warns", [(FLOAT32_MISMATCH_FLOOR, False), (2 * FLOAT32_MISMATCH_ALARM, True)])
+def test_a_float32_run_warns_when_the_mismatch_is_far_above_the_measured_floor(runs, logged, offset, warns):
+    loop_once(config_for(runs / "alarm", lag=1), OffsetInference(offset, reward=FakeReward(broken_sample)))
+    rows = read_metrics(runs / "alarm")
+    assert [r["logprob_mismatch"] for r in rows] == pytest.approx([offset] * STEPS, rel=1e-6)
+    alarms = [line for line in logged if "logprob_mismatch" in line and "above" in line]
+    assert len(alarms) == (STEPS if warns else 0), alarms
+    # one weight tensor of SmolLM2 rounded through bfloat16 reads 7.4e-4 (tools/bench/bench_mismatch.py)
+    assert FLOAT32_MISMATCH_FLOOR < FLOAT32_MISMATCH_ALARM < 7.4e-4
+
+
+def test_only_float32_runs_have_a_mismatch_alarm(tmp_path):
+    config = config_for(tmp_path)
+    assert mismatch_alarm(config) == FLOAT32_MISMATCH_ALARM  # on CPU both sides compute in float32
+    on_gpus = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, dtype="bfloat16"),
+        trainer=dataclasses.replace(config.trainer, gpus_per_node=1),
+        inference=dataclasses.replace(config.inference, gpus_per_node=1))
+    assert mismatch_alarm(on_gpus) is None  # no bfloat16 floor is measured
+    assert mismatch_alarm(dataclasses.replace(on_gpus, model=dataclasses.replace(config.model, dtype="float32"))) \
+        == FLOAT32_MISMATCH_ALARM
 
 
 @pytest.mark.parametrize("lag", [1, 2])
