@@ -7,7 +7,7 @@ name here.
 """
 
 #: `data.source = "builtin:NAME"`: the generated tasks of hpcrl.data.builtin.BUILTIN_TASKS, in its order.
-BUILTIN_TASK_NAMES = ("echo", "arithmetic", "reverse", "parity", "guess")
+BUILTIN_TASK_NAMES = ("echo", "arithmetic", "reverse", "parity", "guess", "word_problems")
 
 #: The module of the built-in reward functions, and `reward.function = "hpcrl.reward.builtin:NAME"` names.
 BUILTIN_REWARD_MODULE = "hpcrl.reward.builtin"

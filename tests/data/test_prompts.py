@@ -152,7 +152,7 @@ def test_a_file_smaller_than_a_batch_gives_every_prompt_of_a_batch_its_own_id(tm
     assert [p.id for p in again.next_batch(8)] == [p.id for p in batch]  # a pure function of the cursor
 
 
-@pytest.mark.parametrize("task", ["echo", "arithmetic", "reverse", "parity", "guess"])
+@pytest.mark.parametrize("task", ["echo", "arithmetic", "reverse", "parity", "guess", "word_problems"])
 def test_a_builtin_tasks_training_prompts_are_never_its_evaluation_prompts_whatever_the_seed(task: str):
     """Issue 38 (W3): with shuffle_seed = 1 the first 64 training prompts were exactly the test split, and with
     seed 0 a run read them again from its 1,000,003rd prompt on. Each draw of the train split is now its own."""
@@ -169,7 +169,7 @@ def test_a_builtin_tasks_training_prompts_are_never_its_evaluation_prompts_whate
             assert not {p.id for p in trained} & {p.id for p in stream.eval_prompts()}
     from hpcrl.data.builtin import builtin_task, draw_seed  # the seeds of the draws, for the proof over many seeds
 
-    salt_of = {name: i for i, name in enumerate(["arithmetic", "reverse", "parity", "echo", "guess"], 1)}
+    salt_of = {name: i for i, name in enumerate(["arithmetic", "reverse", "parity", "echo", "guess", "word_problems"], 1)}
     salt = salt_of[task]
     eval_seeds = {draw_seed("test", i, salt) for i in range(64)} | {draw_seed("validation", i, salt) for i in range(64)}
     train_seeds = {draw_seed("train", seed * 1_000_003 + position, salt) for seed in range(50) for position in range(64)}
@@ -192,3 +192,18 @@ def test_a_builtin_eval_split_that_is_the_training_split_is_refused():
                                           r"evaluation prompts would be prompts it trains on"):
         DataConfig(source="builtin:echo", eval_source="builtin:echo", eval_split="train")
     DataConfig(source="builtin:echo", eval_source="builtin:arithmetic", eval_split="train")  # another task: fine
+
+
+def test_a_word_problems_answer_is_the_sum_or_difference_of_its_two_numbers_and_never_below_1():
+    import re
+
+    from hpcrl.data.builtin import word_problems
+
+    for split in ("train", "test"):
+        for index in range(300):
+            example = word_problems(split, index)
+            prompt = example["prompt"]
+            a, b = (int(n) for n in re.findall(r"\d+", prompt))
+            adds = any(words in prompt for words in ("gets", "another box", "on Tuesday"))
+            want = a + b if adds else a - b
+            assert example["answer"] == str(want) and want >= 1 and 2 <= min(a, b) <= max(a, b) <= 21, example
