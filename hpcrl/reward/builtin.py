@@ -110,6 +110,20 @@ def _deadline(seconds: float) -> Iterator[None]:
             signal.setitimer(signal.ITIMER_REAL, max(1e-3, outer - (time.monotonic() - began)))
 
 
+_warmed = False
+
+
+def _warm_math_verify(parse, verify) -> None:
+    """A first parse and verify in this process, outside the deadline: they import more of SymPy and the
+    LaTeX parser, and an import that the timer cuts leaves those modules half made for the whole process
+    (every later answer then "does not parse"). Slow on a loaded node, not a pathological input."""
+    global _warmed
+    if not _warmed:
+        verify(parse("$\\frac{1}{2}$", parsing_timeout=None), parse("\\boxed{[1, 2)} and x < 3", parsing_timeout=None),
+               timeout_seconds=None)
+        _warmed = True
+
+
 def _quiet_math_verify() -> None:
     """math-verify warns once per process that its own timeouts are off: ours (_deadline) stands in."""
     for name in ("math_verify.parser", "math_verify.grader"):
@@ -134,6 +148,7 @@ def math_verify(prompt: str, completion: str, answer: str) -> float:
     except ImportError as err:
         raise RewardError(f"math_verify needs the math-verify package ({err}): pip install 'hpcrl[math]'") from None
     _quiet_math_verify()
+    _warm_math_verify(parse, verify)
     try:
         with _deadline(MATH_VERIFY_TIMEOUT_S):
             gold = parse(answer if "\\boxed" in answer or "$" in answer else f"${answer}$", parsing_timeout=None)

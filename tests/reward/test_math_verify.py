@@ -76,3 +76,31 @@ def test_math_verify_runs_in_the_reward_pools_workers():
         results = pool.score(samples)
     assert [r.error for r in results] == [None] * len(samples)
     assert [r.reward for r in results] == [s for _, _, s in ANSWER_FORMS[:4] + ANSWER_FORMS[-4:]]
+
+
+def test_a_processs_first_math_verify_imports_nothing_under_its_deadline():
+    """The first parse and verify import more of SymPy and the LaTeX parser; cut by the timer on a loaded node,
+    an import leaves those modules half made for the whole process, and every later answer "does not parse".
+    So a process's first call warms them up before the deadline is armed: nothing is imported under it."""
+    import subprocess
+    import sys
+
+    code = """
+import contextlib, sys
+import hpcrl.reward.builtin as builtin
+armed = builtin._deadline
+imported = []
+@contextlib.contextmanager
+def watched(seconds):
+    before = set(sys.modules)
+    with armed(seconds):
+        yield
+    imported.extend(sorted(set(sys.modules) - before))
+builtin._deadline = watched
+for completion, answer in [("\\\\boxed{\\\\begin{pmatrix} 1 \\\\\\\\ 2 \\\\end{pmatrix}}", "x < 3"), ("so \\\\boxed{1/2}", "0.5")]:
+    builtin.math_verify("", completion, answer)
+print(imported)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
