@@ -67,12 +67,14 @@ def bwrap_argv(binds: dict[Path, str], tmpfs_mib: int) -> list[str]:
     argv += ["--ro-bind", "/usr", "/usr"]
     if Path("/etc/ld.so.cache").exists():
         argv += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    # The private /tmp before the interpreter's binds: bwrap mounts in order, and a venv under the host's
+    # /tmp (a CI clone there) would otherwise be hidden by the tmpfs (execvp: no such file).
+    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmpfs_mib * 1024 * 1024), "--tmpfs", "/tmp"]
     for link, target in _python_paths():
         argv += ["--symlink", target, link] if target else ["--ro-bind", link, link]
     for host, inside in binds.items():
         argv += ["--ro-bind", str(host), inside]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmpfs_mib * 1024 * 1024), "--tmpfs", "/tmp",
-             "--remount-ro", "/", "--chdir", "/tmp"]
+    argv += ["--remount-ro", "/", "--chdir", "/tmp"]
     return argv
 
 

@@ -102,10 +102,11 @@ def test_the_code_cannot_connect_even_to_a_socket_listening_on_localhost():
 @pytest.mark.timeout(60)
 def test_the_code_runs_in_a_private_tmp_of_its_own_and_its_host_directory_is_removed_afterwards():
     code = "import os\nprint(os.getcwd(), os.environ['HOME'])\nopen('left.txt', 'w').write('x')\nprint(os.listdir('.'))"
-    before = {p.name for p in Path(tempfile.gettempdir()).glob("hpcrl-code-*")}
+    ours = f"hpcrl-code-{os.getpid()}-*"  # this process's sandboxes' (another test process may run its own)
+    before = {p.name for p in Path(tempfile.gettempdir()).glob(ours)}
     outcome, output = run_code(code, Limits(cpu_s=1, wall_s=4))
     assert outcome.passed and output == "/tmp /tmp\n['left.txt']\n"
-    assert {p.name for p in Path(tempfile.gettempdir()).glob("hpcrl-code-*")} <= before
+    assert {p.name for p in Path(tempfile.gettempdir()).glob(ours)} <= before
 
 
 @pytest.mark.timeout(120)

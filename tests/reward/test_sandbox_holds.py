@@ -151,3 +151,19 @@ def test_without_bubblewrap_the_sandbox_refuses_naming_the_package_to_install(mo
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(SandboxError, match="install it .*apt-get install bubblewrap"):
         run_tests("def add(a, b): return a + b", "assert add(1, 2) == 3")
+
+
+def test_a_python_whose_venv_lies_under_the_hosts_tmp_runs_in_the_sandbox(tmp_path):
+    """A clean clone under /tmp (CI's) has its venv there: the sandbox's private /tmp must not hide it."""
+    import subprocess
+    import sys
+
+    assert str(tmp_path).startswith("/tmp/")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    code = "from hpcrl.workers.sandbox import run_code; print(run_code('print(6 * 7)'))"
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(repo)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "(Outcome(passed=True, reason=''), '42\\n')"
