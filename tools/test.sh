@@ -2,7 +2,7 @@
 # The README's second command: set up .venv, start the local Slurm cluster, run the tests.
 #
 #   tools/test.sh                 # every test but the fault matrix
-#   tools/test.sh --faults        # every test and the fault matrix: what CI runs (36 min from a clean clone on 2 cores)
+#   tools/test.sh --faults        # every test and the fault matrix: what CI runs (38 min from a clean clone on 2 cores)
 #   tools/test.sh tests/config    # any pytest arguments (as given: tests/faults/test_matrix.py runs it)
 #
 # Fails on a lint or type error (tools/lint.sh: ruff first, mypy beside the tests), when a test fails or when no test ran
