@@ -8,10 +8,16 @@ runs unsharded in one process (same API, float32 only: mixed precision is FSDP2'
     head / role                            every trainer rank
     -----------                            ------------------
     batch = RolloutBatch(...)   --->       engine.train_step(batch.shard(rank, world)) -> StepMetrics
+    train = TrainBatch(...)     --->       engine.train_share(train)     (this rank's rows: packed ones with
+                                                                          micro_batch_tokens, planned for all ranks)
                                            engine.logprobs(batch)        (mismatch vs vLLM)
                                            engine.routed_experts(seqs)   (MoE: top-k vs vLLM's)
                                            engine.local_shards()         (weight transfer source)
                                            engine.save_checkpoint(dir)   (DCP; load_checkpoint resumes)
+
+Micro-batches are right-padded rows (micro_batch_size), or with micro_batch_tokens packed: rows end to
+end in one row, attention within each (hpcrl.trainer.batch.pack, docs/ARCHITECTURE.md "A step's
+micro-batches"); the loss sees the same [rows, T] tensors either way.
 
 Collectives: `train_step`, `logprobs`, `ref_logprobs`, `full_state_dict_hf` and the checkpoint
 methods must be called by all ranks together (FSDP gathers parameters); ranks may pass different numbers of rows,
@@ -45,8 +51,8 @@ from hpcrl.algorithms.base import Options, options_of
 from hpcrl.algorithms.terms import Normaliser, local_counts
 from hpcrl.config.model_shapes import ModelShape, shape_of
 from hpcrl.errors import TrainerError
-from hpcrl.trainer import checkpoint, routing, titan, weights
 from hpcrl.plan.micro_batches import plan_micro_batches
+from hpcrl.trainer import checkpoint, routing, titan, weights
 from hpcrl.trainer.batch import Packing, RolloutBatch, pack, pad_rows
 from hpcrl.trainer.loss import DEFAULT_CHUNK_TOKENS, linear_logprobs
 from hpcrl.trainer.parallel import make_dp_mesh, reshard, shard_decoder
@@ -278,9 +284,9 @@ class TrainerEngine:
         if packed is None:
             packed = o.micro_batch_tokens > 0
         if not packed:
-            rows = [list(range(i, min(i + o.micro_batch_size, batch.size)))
-                    for i in range(0, batch.size, o.micro_batch_size)]
-            chunks = [_Micro(r, mb, None) for r, mb in zip(rows, batch.micro_batches(o.micro_batch_size), strict=True)]
+            starts = range(0, batch.size, o.micro_batch_size)
+            chunks = [_Micro(list(range(i, min(i + o.micro_batch_size, batch.size))), mb, None)
+                      for i, mb in zip(starts, batch.micro_batches(o.micro_batch_size), strict=True)]
         else:
             if plan is None:
                 longest = int(batch.lengths.max()) if batch.size else 0

@@ -8,7 +8,6 @@ from hpcrl.data.builtin import REPEAT_X_MOST, repeat_x
 from hpcrl.reward.builtin import length_credit
 
 
-
 def test_repeat_x_asks_for_n_xs_with_n_from_1_to_256_skewed_to_the_short():
     examples = [repeat_x("train", i) for i in range(4000)]
     lengths = [len(e["answer"]) for e in examples]
