@@ -14,7 +14,7 @@ learned the task), so completion lengths are the task's own, 2 to 257 tokens, me
 2. Two data-parallel ranks: each rank's tokens for the row-count split (contiguous halves, micro-batches of
    `--micro-batch-size` rows, what trainer.micro_batch_size does) and for the token-budget plan
    (hpcrl.plan.micro_batches), and each rank's step time simulated on this one process: each rank's share of
-   the batch trained alone, its own micro-batches as that rank would run them (median of `--steps`). The
+   the batch trained alone, its own micro-batches as that rank would run them (the ranks' steps alternate; medians of `--steps`). The
    slower rank sets the step's time; the figure is slower / faster. "row count, packed" packs each
    contiguous half on its own: the assignment's share of the imbalance, without the padding's.
 """
@@ -57,15 +57,6 @@ def positions_padded(lengths: list[int], micro_batch_size: int) -> int:
     """Positions the padded path computes: each micro-batch's rows x its longest row (RolloutBatch.rows)."""
     return sum(len(chunk) * max(max(chunk), 2) for chunk in
                (lengths[i:i + micro_batch_size] for i in range(0, len(lengths), micro_batch_size)))
-
-
-def median_step(engine, batch, micro_batches=None, *, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.train_step(batch, micro_batches=micro_batches)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -118,19 +109,24 @@ def main() -> int:
     by_tokens = plan_micro_batches(lengths, ranks=2, budget=args.tokens)
     cases = (("row count", by_rows, padded), ("row count, packed", by_rows, packed), ("token budget", by_tokens, packed))
     for name, plan, engine in cases:
-        seconds = []
+        shares = []
         for rank in range(2):
             mine = train.take(list(plan.rows(rank))).rows()
-            if plan is by_tokens:
+            micro = None
+            if plan is by_tokens:  # the planned micro-batches, as indices into the rank's rows
                 micro, start = [], 0
                 for chunk in plan.ranks[rank]:
                     micro.append(list(range(start, start + len(chunk))))
                     start += len(chunk)
-                median_step(engine, mine, micro, steps=1)  # warm-up
-                seconds.append(median_step(engine, mine, micro, steps=args.steps))
-            else:
-                median_step(engine, mine, steps=1)
-                seconds.append(median_step(engine, mine, steps=args.steps))
+            shares.append((mine, micro))
+        rank_times: list[list[float]] = [[], []]
+        for step in range(args.steps + 1):  # the ranks alternate, as the engines above
+            for rank, (mine, micro) in enumerate(shares):
+                start = time.perf_counter()
+                engine.train_step(mine, micro_batches=micro)
+                if step:
+                    rank_times[rank].append(time.perf_counter() - start)
+        seconds = [statistics.median(t) for t in rank_times]
         tokens = plan.tokens()
         count = len(plan.ranks[0]) if engine is padded or plan is by_tokens else "-"
         print(f"{name:20}{tokens[0]:>14}{tokens[1]:>15}{count:>15}{seconds[0]:>10.3f}{seconds[1]:>10.3f}"
