@@ -1,6 +1,6 @@
 """Benchmark (issue 39): padded vs packed micro-batches, and row-count vs token-budget ranks, on the long task.
 
-    .venv/bin/python tools/bench/bench_packing.py [--rows 128] [--steps 5] [--threads 1]
+    .venv/bin/python tools/bench/bench_packing.py [--rows 128] [--steps 5] [--threads 1] [--gloo]
 
 The batch is builtin:repeat_x's (configs/tiny_long_grpo.toml): `--rows` rollouts of its train prompts 0, 1, ...
 in that order, each the prompt's ids (<bos> "x 37:") and its answer's with <eos> (37 x's: a policy that has
@@ -17,6 +17,9 @@ learned the task), so completion lengths are the task's own, 2 to 257 tokens, me
    the batch trained alone, its own micro-batches as that rank would run them (the ranks' steps alternate; medians of `--steps`). The
    slower rank sets the step's time; the figure is slower / faster. "row count, packed" packs each
    contiguous half on its own: the assignment's share of the imbalance, without the padding's.
+3. With --gloo, also two real trainer ranks: two processes on this machine in a gloo group (FSDP2 over
+   both, one torch thread each), each calling TrainerEngine.train_share on the whole batch, row-count
+   (padded) and token-budget engines alternating; the step's wall time (the slower rank sets it).
 """
 
 from __future__ import annotations
@@ -59,6 +62,50 @@ def positions_padded(lengths: list[int], micro_batch_size: int) -> int:
                (lengths[i:i + micro_batch_size] for i in range(0, len(lengths), micro_batch_size)))
 
 
+def _gloo_rank(rank: int, store_path: str, args: argparse.Namespace, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from hpcrl.config import load_config
+    from hpcrl.trainer import TrainerEngine
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        config = load_config(CONFIG)
+        vocab = json.loads((REPO / config.model.path / "tokenizer.json").read_text())["model"]["vocab"]
+        train = long_task_batch(args.rows, vocab)
+        engines = {"row count": TrainerEngine.from_config(config, micro_batch_tokens=0,
+                                                          micro_batch_size=args.micro_batch_size),
+                   "token budget": TrainerEngine.from_config(config, micro_batch_tokens=args.tokens)}
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        for step in range(args.steps + 1):
+            for name, engine in engines.items():
+                dist.barrier()
+                start = time.perf_counter()
+                engine.train_share(train)
+                if step:
+                    times[name].append(time.perf_counter() - start)
+        if rank == 0:
+            Path(out).write_text(json.dumps({name: statistics.median(t) for name, t in times.items()}))
+    finally:
+        dist.destroy_process_group()
+
+
+def gloo_step_times(args: argparse.Namespace) -> dict[str, float]:
+    """Median step time of each assignment on two real gloo ranks (section 3 of the module docstring)."""
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "times.json")
+        mp.start_processes(_gloo_rank, args=(str(Path(tmp) / "store"), args, out), nprocs=2, start_method="spawn")
+        return json.loads(Path(out).read_text())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=128)
@@ -66,6 +113,7 @@ def main() -> int:
     parser.add_argument("--micro-batch-size", type=int, default=8, help="rows per padded micro-batch")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per packed micro-batch")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--gloo", action="store_true", help="also time two real gloo ranks")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -131,6 +179,11 @@ def main() -> int:
         count = len(plan.ranks[0]) if engine is padded or plan is by_tokens else "-"
         print(f"{name:20}{tokens[0]:>14}{tokens[1]:>15}{count:>15}{seconds[0]:>10.3f}{seconds[1]:>10.3f}"
               f"{max(seconds) / min(seconds):>14.2f}")
+    if args.gloo:
+        real = gloo_step_times(args)
+        print("\n2 gloo ranks (FSDP2), step wall time: "
+              + ", ".join(f"{name} {seconds:.3f} s" for name, seconds in real.items())
+              + f"; token budget / row count {real['token budget'] / real['row count']:.2f}x")
     return 0
 
 
