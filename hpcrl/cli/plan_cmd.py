@@ -147,7 +147,9 @@ def unfit_reasons(config: Config, plan: ResourcePlan) -> list[str]:
         reasons.append(
             f"the trainer needs {t.total / GIB:.1f} GiB per {per}, more than its {t.capacity / GIB:.1f} GiB "
             f"({'cluster.gpu_mem_gib' if t.device == 'GPU' else 'cluster.mem_per_node_gib'}); lower it with more ranks to shard over (trainer.nodes), "
-            "trainer.activation_checkpointing = true, a smaller trainer.micro_batch_size, or shorter sequences "
+            "trainer.activation_checkpointing = true, a smaller "
+            f"{'trainer.micro_batch_tokens' if config.trainer.micro_batch_tokens else 'trainer.micro_batch_size'}, "
+            "or shorter sequences "
             "(data.max_prompt_tokens, inference.max_tokens)")
     i = plan.inference_memory
     if not i.fits:

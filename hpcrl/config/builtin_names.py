@@ -7,11 +7,11 @@ name here.
 """
 
 #: `data.source = "builtin:NAME"`: the generated tasks of hpcrl.data.builtin.BUILTIN_TASKS, in its order.
-BUILTIN_TASK_NAMES = ("echo", "arithmetic", "reverse", "parity", "guess", "word_problems")
+BUILTIN_TASK_NAMES = ("echo", "arithmetic", "reverse", "parity", "guess", "word_problems", "repeat_x")
 
 #: The module of the built-in reward functions, and `reward.function = "hpcrl.reward.builtin:NAME"` names.
 BUILTIN_REWARD_MODULE = "hpcrl.reward.builtin"
-BUILTIN_REWARD_FUNCTIONS = ("exact_match", "math_answer", "format_ok", "boxed_format", "math_verify", "code_tests")
+BUILTIN_REWARD_FUNCTIONS = ("exact_match", "length_credit", "math_answer", "format_ok", "boxed_format", "math_verify", "code_tests")
 
 #: `env.environment = "NAME"`: the built-in environments of hpcrl.env.base.ENVIRONMENTS, in its order
 #: (anything else must be "module:Class").

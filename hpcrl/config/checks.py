@@ -142,15 +142,44 @@ def _check_batches(config: Config) -> None:
               f"group_size = {alg.group_size}",
               f"use a multiple of {alg.group_size}, e.g. {alg.group_size * max(1, t.global_batch_size // alg.group_size)}")
     dp = t.world_size  # every trainer rank (either HSDP axis) takes its own slice of the batch
+    if t.micro_batch_tokens:
+        longest = longest_sequence(config)
+        if t.micro_batch_tokens < longest:
+            _fail("trainer.micro_batch_tokens",
+                  f"micro_batch_tokens = {t.micro_batch_tokens} is below the longest sequence a rollout can be, "
+                  f"{longest} tokens ({_longest_what(config)}): a micro-batch must hold any one sequence",
+                  f"set micro_batch_tokens to at least {longest} (a few times it packs better), or 0 for "
+                  "micro-batches of micro_batch_size sequences")
+        return _check_warmup(config)
     per_rank_unit = t.micro_batch_size * dp
     if t.global_batch_size % per_rank_unit:
         _fail("trainer.global_batch_size",
               f"global_batch_size = {t.global_batch_size} cannot be split into micro-batches of "
               f"{t.micro_batch_size} on each of {dp} trainer ranks",
               f"use a multiple of micro_batch_size x trainer ranks = {per_rank_unit}")
+    _check_warmup(config)
+
+
+def _check_warmup(config: Config) -> None:
+    t = config.trainer
     if t.warmup_steps > t.steps:
         _fail("trainer.warmup_steps", f"warmup_steps = {t.warmup_steps} is longer than the run ({t.steps} steps)",
               f"set warmup_steps below {t.steps}")
+
+
+def longest_sequence(config: Config) -> int:
+    """The most tokens one rollout can hold: an episode's budget (env.max_tokens) with [env], else the longest
+    prompt and completion."""
+    if config.env.environment:
+        return config.env.max_tokens
+    return config.data.max_prompt_tokens + config.inference.max_tokens
+
+
+def _longest_what(config: Config) -> str:
+    if config.env.environment:
+        return "env.max_tokens"
+    return (f"data.max_prompt_tokens {config.data.max_prompt_tokens} + inference.max_tokens "
+            f"{config.inference.max_tokens}")
 
 
 def _check_sequence_lengths(config: Config, shape: ModelShape) -> None:

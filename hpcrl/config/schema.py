@@ -186,6 +186,10 @@ class TrainerConfig:
     """Final learning rate as a fraction of lr (linear and cosine schedules)."""
     micro_batch_size: int = 1
     """Sequences per forward/backward on one rank; gradients accumulate up to the global batch."""
+    micro_batch_tokens: int = 0
+    """0: micro-batches of micro_batch_size sequences, right-padded. Above 0: packed micro-batches of at most
+    this many tokens (sequences side by side in one row, attention kept within each), ranks given equal tokens;
+    micro_batch_size is then not used. At least the longest sequence (data.max_prompt_tokens + inference.max_tokens)."""
     global_batch_size: int = 64
     """Sequences (prompts x group_size completions) per optimizer step, over all trainer ranks."""
     grad_clip: float = 1.0
@@ -203,7 +207,8 @@ class TrainerConfig:
                           ("keep_last", 1000)):
             _positive(getattr(self, key), key, most=most)
         for key, most in (("gpus_per_node", MAX_GPUS_PER_NODE), ("ranks_per_node", MAX_PER_PROMPT),
-                          ("warmup_steps", MAX_STEPS), ("checkpoint_interval", MAX_STEPS)):
+                          ("warmup_steps", MAX_STEPS), ("checkpoint_interval", MAX_STEPS),
+                          ("micro_batch_tokens", MAX_TOKENS)):
             _positive(getattr(self, key), key, allow_zero=True, most=most)
         _require(self.dp_shard == -1 or self.dp_shard >= 1, "dp_shard",
                  f"must be -1 or at least 1, got {self.dp_shard}",

@@ -7,6 +7,7 @@ used fit the tiny model's character-level tokenizer (tools/make_tiny_model.py).
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 
@@ -61,6 +62,19 @@ def guess(split: str, index: int) -> Example:
     return {"id": f"guess-{split}-{index}", "prompt": "guess:", "answer": str(rng.randrange(10))}
 
 
+def repeat_x(split: str, index: int) -> Example:
+    """"x 37:" -> 37 x's: the long-completion task (issue 39). N is log-uniform from 1 to `REPEAT_X_MOST` (256),
+    so completion lengths are skewed as reasoning traces are: the median is 16 (1/16 of the longest), one in
+    four is above 64. The completion is N x's and the end-of-sequence token (N + 1 tokens); the reward
+    `hpcrl.reward.builtin:length_credit` gives partial credit for a near length, so a tiny model learns it."""
+    rng = _rng(split, index, 7)
+    n = round(2.0 ** rng.uniform(0.0, math.log2(REPEAT_X_MOST)))
+    return {"id": f"repeat_x-{split}-{index}", "prompt": f"x {n}:", "answer": "x" * n}
+
+
+#: The longest answer of `repeat_x`, in characters (= tokens of the tiny model).
+REPEAT_X_MOST = 256
+
 _NAMES = ("Ana", "Ben", "Chloe", "David", "Emma", "Farid", "Grace", "Hugo", "Ines", "Jack", "Kim", "Leo", "Maya",
           "Noah", "Omar", "Priya")
 _ITEMS = ("apples", "books", "coins", "marbles", "stickers", "pencils", "cards", "shells", "stamps", "cookies")
@@ -97,6 +111,7 @@ BUILTIN_TASKS: dict[str, Callable[[str, int], Example]] = {
     "parity": parity,
     "guess": guess,
     "word_problems": word_problems,
+    "repeat_x": repeat_x,
 }
 
 

@@ -17,6 +17,8 @@ Memory estimates (per GPU, or per node on CPU) are deliberately simple and on th
               (the model family's `activation_values_per_token`), or only the block inputs with
               activation checkpointing (plus one block recomputed)
             + fp32 logits and their log-softmax for one micro-batch
+            (a micro-batch's tokens: trainer.micro_batch_tokens when set, the packed micro-batch's
+              budget; else micro_batch_size rows of max_prompt_tokens + max_tokens)
             + a fixed runtime overhead (CUDA context, NCCL buffers)
             Mixture-of-Experts (Qwen3-MoE): every expert is a parameter like any other, so the fp32
               state above counts all E experts of every block / dp_shard (FSDP2 shards whole
@@ -130,7 +132,8 @@ def _trainer_memory(config: Config, shape: ModelShape) -> MemoryEstimate:
     compute = DTYPE_BYTES[config.model.dtype] if t.gpus_per_node else 4
     shard = t.world_size // t.dp_replicate if t.dp_shard == -1 else t.dp_shard
     params = shape.num_parameters
-    tokens = t.micro_batch_size * (config.data.max_prompt_tokens + config.inference.max_tokens)
+    # a micro-batch's positions: its token budget when packed, else micro_batch_size rows padded to the longest
+    tokens = t.micro_batch_tokens or t.micro_batch_size * (config.data.max_prompt_tokens + config.inference.max_tokens)
     roots = 2 if alg.kl_coef > 0 else 1
     root_params = params - shape.num_layers * shape.layer_parameters
     block_per_token = shape.family.activation_values_per_token(shape) * compute
@@ -204,7 +207,8 @@ def plan_resources(config: Config, shape: ModelShape) -> ResourcePlan:
     if not trainer_memory.fits:
         notes.append(f"trainer does NOT fit: {trainer_memory.total / GIB:.1f} GiB per "
                      f"{trainer_memory.device} > {trainer_memory.capacity / GIB:.1f} GiB; shard over more "
-                     "ranks, lower micro_batch_size, or turn on activation_checkpointing")
+                     f"ranks, lower {'micro_batch_tokens' if t.micro_batch_tokens else 'micro_batch_size'}, "
+                     "or turn on activation_checkpointing")
     if not inference_memory.fits:
         notes.append(f"inference does NOT fit: {inference_memory.total / GIB:.1f} GiB per {inference_memory.device} > "
                      f"{inference_memory.capacity / GIB:.1f} GiB; raise tensor_parallel, or lower kv_cache_gib")

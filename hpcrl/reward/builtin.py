@@ -37,6 +37,20 @@ def exact_match(prompt: str, completion: str, answer: str) -> float:
     return float(_first_line(completion) == answer.strip())
 
 
+def length_credit(prompt: str, completion: str, answer: str) -> float:
+    """Partial credit for writing `answer` (builtin:repeat_x: N x's): the share of the completion's characters
+    that are the answer's character, times 1 - |length - N| / N (0 below 0). Exactly N of them scores 1; one
+    too many or too few scores 1 - 1/N, so a long answer's near misses still teach."""
+    want = answer.strip()
+    if not want:
+        return float(not completion.strip())
+    got = completion.strip()
+    if not got:
+        return 0.0
+    share = got.count(want[0]) / len(got)
+    return share * max(0.0, 1.0 - abs(len(got) - len(want)) / len(want))
+
+
 def _as_number(text: str) -> Fraction | None:
     try:
         return Fraction(text)

@@ -153,7 +153,7 @@ class TrainerRole(Role):
         return RankReply(rank=self.rank)
 
     def _train(self, batch: TrainBatch) -> Metrics:
-        metrics = self.engine.train_step(batch.shard(self.rank, self.world).rows()).as_dict()
+        metrics = self.engine.train_share(batch).as_dict()  # this rank's rows (and packed micro-batches)
         metrics.pop("step")
         return metrics
 

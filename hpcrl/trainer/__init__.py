@@ -14,7 +14,7 @@ On every trainer rank, after torch.distributed is initialised (gloo on CPU, NCCL
         ...                                                                  # send to inference
 
     types.py    TrainBatch: what the head sends (plain lists; no torch)
-    batch.py    RolloutBatch: the padded tensors a rank trains on
+    batch.py    RolloutBatch: the padded tensors a rank trains on; pack: its rows end to end (micro_batch_tokens)
     loss.py     token logprobs and entropy (the losses are in hpcrl.algorithms)
     engine.py   TrainerEngine; titan.py, parallel.py, weights.py, checkpoint.py, schedule.py beside it
     group.py    the trainer ranks' torch.distributed group (a group of one for a single rank)

@@ -11,6 +11,16 @@ Layout (one row per rollout; B rows, T positions):
 Position t holds the value of token t, which the model predicts from the logits at t - 1; the
 mask is therefore False at t = 0. Each trainer rank gets its own rows (`shard`), and the loss is
 normalised over the whole step by the engine, so rows may be split unevenly.
+
+Packed (trainer.micro_batch_tokens, issue 39): `pack(batch)` lays a micro-batch's rows end to end in one
+row with no padding, each row up to its last policy token, positions restarting at 0 in each (RoPE) and
+the rows' bounds for the attention, which stays within a row (hpcrl.trainer.titan). The model's per-position
+outputs come back to the layout above through `Packing.unpack`, so an algorithm's loss sees the same
+[B, T] tensors either way:
+
+    rows      a a a a . .        packed    a a a a b b b c c c c c      positions  0 1 2 3 0 1 2 0 1 2 3 4
+              b b b . . .                  |-------|-----|---------|    bounds     (0, 4, 7, 12)
+              c c c c c .
 """
 
 from __future__ import annotations
@@ -77,6 +87,18 @@ class RolloutBatch:
                 out[f.name] = value[:, :width] if value.dim() == 2 else value
         return RolloutBatch(**out)
 
+    def take(self, rows: list[int]) -> RolloutBatch:
+        """These rows, in this order, trimmed to their longest real length."""
+        index = torch.tensor(rows, dtype=torch.long)
+        width = max(int(self.lengths[index].max()), 2) if rows else 2
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                value = value[index]
+                out[f.name] = value[:, :width] if value.dim() == 2 else value
+        return RolloutBatch(**out)
+
     def micro_batches(self, size: int) -> list[RolloutBatch]:
         """Consecutive chunks of at most `size` rows."""
         return [self.rows(i, min(i + size, self.size)) for i in range(0, self.size, size)]
@@ -98,6 +120,60 @@ class RolloutBatch:
         moved: dict[str, Any] = {f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
                                  for f in fields(self)}
         return RolloutBatch(**moved)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Packing:
+    """A micro-batch's rows end to end in one row (see the module docstring)."""
+
+    tokens: Tensor
+    """[1, N] int64: each row's tokens up to its last policy token, row after row."""
+    positions: Tensor
+    """[1, N] int64: each token's position in its own row (0 at each row's first token)."""
+    bounds: tuple[int, ...]
+    """Where each packed row starts, then N: row i is tokens[0, bounds[i]:bounds[i + 1]]."""
+    index: Tensor
+    """[B, T] int64: where the value of token (b, t) is in the packed outputs, or N where none is (t = 0,
+    padding, a row with no policy token); the output at packed position i is the prediction of token i + 1."""
+    valid: Tensor
+    """[1, N] bool: True on the rows' tokens (False only on the stand-in row of a micro-batch with none)."""
+
+    def unpack(self, values: Tensor) -> Tensor:
+        """[1, N] per-position outputs (a logprob of the next token) -> [B, T] aligned with the batch's
+        tokens, 0 where no prediction belongs. Differentiable (a gather)."""
+        flat = torch.cat([values.reshape(-1), values.new_zeros(1)])
+        return flat[self.index]
+
+    def to(self, device: torch.device) -> Packing:
+        return Packing(tokens=self.tokens.to(device), positions=self.positions.to(device), bounds=self.bounds,
+                       index=self.index.to(device), valid=self.valid.to(device))
+
+
+def pack(batch: RolloutBatch) -> Packing:
+    """The batch's rows packed end to end (a row without policy tokens leaves nothing). A batch with no
+    token to pack gets one stand-in row of two padding ids, so that its forward still runs (an idle
+    micro-batch joins FSDP's collectives); nothing reads its outputs."""
+    lengths = batch.lengths.tolist()
+    starts, offset = [], 0
+    for n in lengths:
+        starts.append(offset)
+        offset += n
+    total = offset
+    index = torch.full(tuple(batch.tokens.shape), total, dtype=torch.long)
+    pieces, positions = [], []
+    for row, (start, n) in enumerate(zip(starts, lengths, strict=True)):
+        if n:
+            pieces.append(batch.tokens[row, :n])
+            positions.append(torch.arange(n))
+            index[row, 1:n] = torch.arange(start, start + n - 1)
+    bounds = tuple(s for s, n in zip(starts, lengths, strict=True) if n) + (total,)
+    valid = torch.ones(1, total, dtype=torch.bool)
+    if not total:
+        pieces, positions, bounds = [torch.zeros(2, dtype=torch.long)], [torch.arange(2)], (0, 2)
+        valid = torch.zeros(1, 2, dtype=torch.bool)
+        index.fill_(2)
+    return Packing(tokens=torch.cat(pieces).view(1, -1), positions=torch.cat(positions).view(1, -1),
+                   bounds=bounds, index=index, valid=valid)
 
 
 def empty_batch() -> RolloutBatch:

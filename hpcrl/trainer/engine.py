@@ -8,10 +8,16 @@ runs unsharded in one process (same API, float32 only: mixed precision is FSDP2'
     head / role                            every trainer rank
     -----------                            ------------------
     batch = RolloutBatch(...)   --->       engine.train_step(batch.shard(rank, world)) -> StepMetrics
+    train = TrainBatch(...)     --->       engine.train_share(train)     (this rank's rows: packed ones with
+                                                                          micro_batch_tokens, planned for all ranks)
                                            engine.logprobs(batch)        (mismatch vs vLLM)
                                            engine.routed_experts(seqs)   (MoE: top-k vs vLLM's)
                                            engine.local_shards()         (weight transfer source)
                                            engine.save_checkpoint(dir)   (DCP; load_checkpoint resumes)
+
+Micro-batches are right-padded rows (micro_batch_size), or with micro_batch_tokens packed: rows end to
+end in one row, attention within each (hpcrl.trainer.batch.pack, docs/ARCHITECTURE.md "A step's
+micro-batches"); the loss sees the same [rows, T] tensors either way.
 
 Collectives: `train_step`, `logprobs`, `ref_logprobs`, `full_state_dict_hf` and the checkpoint
 methods must be called by all ranks together (FSDP gathers parameters); ranks may pass different numbers of rows,
@@ -34,7 +40,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -45,11 +51,15 @@ from hpcrl.algorithms.base import Options, options_of
 from hpcrl.algorithms.terms import Normaliser, local_counts
 from hpcrl.config.model_shapes import ModelShape, shape_of
 from hpcrl.errors import TrainerError
+from hpcrl.plan.micro_batches import plan_micro_batches
 from hpcrl.trainer import checkpoint, routing, titan, weights
-from hpcrl.trainer.batch import RolloutBatch, pad_rows
+from hpcrl.trainer.batch import Packing, RolloutBatch, pack, pad_rows
 from hpcrl.trainer.loss import DEFAULT_CHUNK_TOKENS, linear_logprobs
 from hpcrl.trainer.parallel import make_dp_mesh, reshard, shard_decoder
 from hpcrl.trainer.schedule import LrSchedule, lr_at
+
+if TYPE_CHECKING:
+    from hpcrl.trainer.types import TrainBatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,6 +100,9 @@ class EngineOptions:
     """Optimizer steps of the run (the decay horizon)."""
     micro_batch_size: int = 1
     """Rows per forward/backward; gradients accumulate over a rank's rows."""
+    micro_batch_tokens: int = 0
+    """Above 0: packed micro-batches of at most this many tokens (hpcrl.trainer.batch.pack; micro_batch_size
+    is then not used); 0: micro_batch_size rows, right-padded."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 = no clipping (the norm is still reported)."""
     activation_checkpointing: bool = False
@@ -125,6 +138,8 @@ class EngineOptions:
             raise TrainerError(f"device {self.device!r}: use 'cpu' or 'cuda'")
         if self.micro_batch_size < 1:
             raise TrainerError(f"micro_batch_size must be at least 1, got {self.micro_batch_size}")
+        if self.micro_batch_tokens < 0:
+            raise TrainerError(f"micro_batch_tokens must be 0 (rows, padded) or above, got {self.micro_batch_tokens}")
         if self.logprob_chunk_tokens < 1:
             raise TrainerError(f"logprob_chunk_tokens must be at least 1, got {self.logprob_chunk_tokens}")
         if not self.moe_aux_loss_coef >= 0:
@@ -152,6 +167,7 @@ class EngineOptions:
             temperature=config.inference.temperature or 1.0, lr=t.lr, betas=tuple(t.betas), eps=t.eps,
             weight_decay=t.weight_decay, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
             min_lr_ratio=t.min_lr_ratio, total_steps=t.steps, micro_batch_size=t.micro_batch_size,
+            micro_batch_tokens=t.micro_batch_tokens,
             grad_clip=t.grad_clip, activation_checkpointing=t.activation_checkpointing,
             dp_replicate=t.dp_replicate, dp_shard=t.dp_shard,
             loss=options_of(config),
@@ -256,48 +272,80 @@ class TrainerEngine:
             dist.all_reduce(values, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         return values.cpu() if read else values
 
-    def _micro_batches(self, batch: RolloutBatch) -> list[RolloutBatch]:
+    def _micro_batches(self, batch: RolloutBatch, plan: list[list[int]] | None = None, *,
+                       packed: bool | None = None) -> list[_Micro]:
         """This rank's micro-batches, then idle ones up to the largest count of any rank, on the
-        device (copied before the loop, so no copy inside it waits for the device)."""
-        chunks = batch.micro_batches(self.options.micro_batch_size)
-        most = int(self._all_reduce(torch.tensor([len(chunks)], dtype=torch.float64), op="max")[0])
-        return [self._to_device(mb) for mb in chunks + [_idle_batch(batch)] * (most - len(chunks))]
+        device (copied before the loop, so no copy inside it waits for the device).
 
-    def _to_device(self, mb: RolloutBatch) -> RolloutBatch:
+        Packed (options.micro_batch_tokens, or `packed`): the rows of `plan` (lists of row indices; [] an
+        idle micro-batch), or else the rows packed here by first-fit decreasing up to the budget
+        (hpcrl.plan.micro_batches); padded: micro_batch_size consecutive rows."""
+        o = self.options
+        if packed is None:
+            packed = o.micro_batch_tokens > 0
+        if not packed:
+            starts = range(0, batch.size, o.micro_batch_size)
+            chunks = [_Micro(list(range(i, min(i + o.micro_batch_size, batch.size))), mb, None)
+                      for i, mb in zip(starts, batch.micro_batches(o.micro_batch_size), strict=True)]
+        else:
+            if plan is None:
+                longest = int(batch.lengths.max()) if batch.size else 0
+                budget = o.micro_batch_tokens or max(longest, 1)  # a plan of its own: no larger than needed
+                plan = [list(m) for m in plan_micro_batches(batch.lengths.tolist(), ranks=1, budget=budget).ranks[0]]
+            chunks = []
+            for rows in plan:
+                mb = batch.take(rows) if rows else _idle_batch(batch)
+                chunks.append(_Micro(rows, mb, pack(mb)))
+        most = int(self._all_reduce(torch.tensor([len(chunks)], dtype=torch.float64), op="max")[0])
+        idle = _idle_batch(batch)
+        chunks += [_Micro([], idle, pack(idle) if packed else None)] * (most - len(chunks))
+        return [self._to_device(micro) for micro in chunks]
+
+    def _to_device(self, micro: _Micro) -> _Micro:
         if self.device.type == "cpu":
-            return mb
+            return micro
+        mb = micro.batch
         moved: dict[str, Any] = {
             f.name: None if getattr(mb, f.name) is None
             else getattr(mb, f.name).pin_memory().to(self.device, non_blocking=True) for f in fields(mb)}
-        return RolloutBatch(**moved)
+        return _Micro(micro.rows, RolloutBatch(**moved),
+                      None if micro.packing is None else micro.packing.to(self.device))
 
-    def _forward_logprobs(self, model, mb: RolloutBatch, *, entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-        """(logprobs [b, T] aligned with the tokens, 0 at t = 0; entropy [b, T] likewise, or None).
+    def _forward_logprobs(self, model, micro: _Micro, *, entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """(logprobs [b, T] aligned with the micro-batch's tokens, 0 at t = 0; entropy [b, T] likewise, or None).
 
         Every position's hidden state goes through the fused lm_head + log-softmax, the last one
         too (its target is a stand-in): slicing it off first would copy the hidden states and
-        their gradient for one position in T.
+        their gradient for one position in T. Packed, the forward runs over the packed row and its
+        outputs are gathered back into the [b, T] layout (0 where no token is predicted), which the
+        algorithm's loss takes as it takes the padded one.
         """
         o = self.options
-        tokens = mb.tokens
-        hidden = titan.hidden_states(model, tokens)
+        packing = micro.packing
+        if packing is None:
+            tokens = micro.batch.tokens
+            hidden = titan.hidden_states(model, tokens)
+        else:
+            tokens = packing.tokens
+            hidden = titan.hidden_states(model, tokens, positions=packing.positions,
+                                         documents=titan.Documents(packing.bounds))
         targets = torch.roll(tokens, -1, dims=1)  # position t predicts token t + 1
         logp, ent = linear_logprobs(hidden, titan.output_weight(model), targets, temperature=o.temperature,
                                     chunk_tokens=o.logprob_chunk_tokens, recompute=o.logprob_recompute,
                                     entropy=entropy, compiled=bool(o.compile_logprobs))
+        if packing is not None:
+            return packing.unpack(logp), None if ent is None else packing.unpack(ent)
         shift = (1, -1)  # to token alignment: drop the last position, 0 at t = 0
         return (torch.nn.functional.pad(logp, shift),
                 None if ent is None else torch.nn.functional.pad(ent, shift))
 
     def _logprobs_of(self, model, batch: RolloutBatch) -> Tensor:
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=self.device)
-        row = 0
         with torch.no_grad():
-            for mb in self._micro_batches(batch):
-                logp, _ = self._forward_logprobs(model, mb)
-                if row < batch.size:  # idle micro-batches come last and give nothing back
-                    out[row:row + mb.size, :logp.shape[1]] = logp
-                row += mb.size
+            for micro in self._micro_batches(batch):
+                logp, _ = self._forward_logprobs(model, micro)
+                if micro.rows:  # idle micro-batches give nothing back
+                    out[torch.tensor(micro.rows, device=self.device), :logp.shape[1]] = logp
         self._reshard(model)
         return out.cpu()
 
@@ -332,11 +380,11 @@ class TrainerEngine:
         tap = routing.RouterTap(self.model, keep_ids=True, differentiable=False)
         out: list[Tensor] = []
         with torch.no_grad():
-            for mb in self._micro_batches(rows):
+            for micro in self._micro_batches(rows, packed=False):  # a diagnostic: padded rows, whatever the options
                 with tap:
-                    titan.hidden_states(self.model, mb.tokens)
+                    titan.hidden_states(self.model, micro.batch.tokens)
                 ids = tap.top_k(self.options.shape.num_layers).cpu()
-                out.extend(ids[i] for i in range(mb.size))
+                out.extend(ids[i] for i in range(micro.batch.size))
         self._reshard(self.model)
         # idle micro-batches come last and are dropped here
         return [out[i][:len(seq)] for i, seq in enumerate(sequences)]
@@ -352,9 +400,27 @@ class TrainerEngine:
         return lr_at(self.step if step is None else step, peak=o.lr, total_steps=o.total_steps,
                      warmup_steps=o.warmup_steps, schedule=o.lr_schedule, min_lr_ratio=o.min_lr_ratio)
 
-    def train_step(self, batch: RolloutBatch) -> StepMetrics:
+    def train_share(self, batch: TrainBatch) -> StepMetrics:
+        """One optimizer step on this rank's share of the step's whole batch (every rank passes the same):
+        with micro_batch_tokens, the rows and packed micro-batches hpcrl.plan.micro_batches plans for this
+        rank (equal tokens and micro-batch counts over the ranks); else TrainBatch.shard's contiguous rows in
+        micro_batch_size micro-batches. Collective."""
+        o = self.options
+        if not o.micro_batch_tokens:
+            return self.train_step(batch.shard(self.rank, self.world_size).rows())
+        plan = plan_micro_batches(batch.lengths(), ranks=self.world_size, budget=o.micro_batch_tokens)
+        mine = batch.take(list(plan.rows(self.rank)))
+        micro_batches, start = [], 0
+        for rows in plan.ranks[self.rank]:  # as indices into this rank's rows
+            micro_batches.append(list(range(start, start + len(rows))))
+            start += len(rows)
+        return self.train_step(mine.rows(), micro_batches=micro_batches)
+
+    def train_step(self, batch: RolloutBatch, *, micro_batches: list[list[int]] | None = None) -> StepMetrics:
         """One optimizer step on this rank's rows of the step's batch, minimising the configured
-        algorithm's loss (options.loss.name). Collective."""
+        algorithm's loss (options.loss.name). `micro_batches`: the rows of each packed micro-batch
+        (indices into `batch`; [] an idle one), as planned for every rank (train_share); None: the
+        engine cuts its own (see _micro_batches). Collective."""
         start = time.perf_counter()
         o = self.options
         algorithm = load_algorithm(o.loss.name)
@@ -369,17 +435,19 @@ class TrainerEngine:
         # wait for the device)
         sums = torch.zeros(8, dtype=torch.float64, device=self.device)
         tap = routing.RouterTap(self.model, differentiable=o.moe_aux_loss_coef > 0) if self.moe else None
-        for mb in self._micro_batches(batch):
+        for micro in self._micro_batches(batch, micro_batches, packed=True if micro_batches is not None else None):
+            mb = micro.batch
             ref = mb.ref_logprobs
             if o.loss.kl_coef > 0 and ref is None:
                 with torch.no_grad():
-                    ref = self._forward_logprobs(self.reference, mb)[0]
+                    ref = self._forward_logprobs(self.reference, micro)[0]
             if tap is None:
-                logp, entropy = self._forward_logprobs(self.model, mb, entropy=True)
+                logp, entropy = self._forward_logprobs(self.model, micro, entropy=True)
             else:
-                tap.valid = routing.valid_tokens(mb.completion_mask)
+                tap.valid = (routing.valid_tokens(mb.completion_mask) if micro.packing is None
+                             else micro.packing.valid)
                 with tap:
-                    logp, entropy = self._forward_logprobs(self.model, mb, entropy=True)
+                    logp, entropy = self._forward_logprobs(self.model, micro, entropy=True)
             mask = mb.completion_mask
             share = algorithm.loss(logprobs=logp, old_logprobs=mb.old_logprobs, advantages=mb.advantages,
                                    mask=mask, settings=o.loss, norm=norm, ref_logprobs=ref)
@@ -459,6 +527,15 @@ class TrainerEngine:
 
 def _has_moe(shape: ModelShape) -> bool:
     return shape.experts() is not None
+
+
+class _Micro(NamedTuple):
+    """One micro-batch: its rows (indices into the rank's batch; [] for an idle one), those rows as a
+    right-padded batch (what the loss reads), and their packing (None: the forward runs on the padded rows)."""
+
+    rows: list[int]
+    batch: RolloutBatch
+    packing: Packing | None
 
 
 def _idle_batch(like: RolloutBatch) -> RolloutBatch:

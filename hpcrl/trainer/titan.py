@@ -4,8 +4,12 @@ Everything here imports torchtitan lazily (inside functions), so `import hpcrl.t
 
 Choices that differ from torchtitan's own recipes, and why:
 
-- Attention is `ScaledDotProductAttention` (causal): FlexAttention has no backward on CPU, and our
-  batches are right-padded single documents, so a causal mask is all that is needed.
+- Attention is `ScaledDotProductAttention` (causal) for right-padded rows; for packed rows (several
+  rollouts end to end, trainer.micro_batch_tokens) `DocumentCausalAttention` runs it once per rollout,
+  causal within it, over the rollout's slice of q, k and v: exact, on any device, and each rollout costs
+  its own length squared, not the packed row's. torchtitan's own ways need what CPU lacks: FlexAttention's
+  document mask (compiled; no backward on CPU) and VarlenAttention (flash-attention kernels, CUDA only,
+  bf16 only).
 - Q/K/V are separate linears (`fuse_qkv=False`): torchtitan's fused `wqkv` breaks
   `get_model_state_dict` and has no HF row order.
 - RoPE is `CosSinRoPE` (rotate-half, as Hugging Face computes it) for every family, Llama
@@ -153,6 +157,39 @@ def _exact_grouped_experts_class():
     return ExactGroupedExperts
 
 
+@dataclass(frozen=True)
+class Documents:
+    """A packed row's rollouts for the attention: rollout i is positions bounds[i]:bounds[i + 1] of the row."""
+
+    bounds: tuple[int, ...]
+
+
+@cache
+def _document_attention_class():
+    """torchtitan's ScaledDotProductAttention, causal within each rollout when given `Documents` (made once)."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    class DocumentCausalAttention(ScaledDotProductAttention):
+        @dataclass(kw_only=True, slots=True)
+        class Config(ScaledDotProductAttention.Config):
+            pass
+
+        def forward(self, q_BLNH: torch.Tensor, k_BLNH: torch.Tensor, v_BLNH: torch.Tensor, *,
+                    attention_masks: Any = None, **kwargs) -> torch.Tensor:
+            if attention_masks is None:  # right-padded rows: the parent's causal attention, unchanged
+                return super().forward(q_BLNH, k_BLNH, v_BLNH, **kwargs)
+            if not isinstance(attention_masks, Documents) or q_BLNH.shape[0] != 1:
+                raise TrainerError(f"packed attention takes one row and its Documents, got {type(attention_masks)} "
+                                   f"over {q_BLNH.shape[0]} rows")
+            bounds = attention_masks.bounds
+            return torch.cat([super(DocumentCausalAttention, self).forward(
+                q_BLNH[:, start:stop], k_BLNH[:, start:stop], v_BLNH[:, start:stop], is_causal=True,
+                **{k: v for k, v in kwargs.items() if k != "is_causal"})
+                for start, stop in zip(bounds, bounds[1:])], dim=1)
+
+    return DocumentCausalAttention
+
+
 def _router_config(router: blocks.Router, *, dim: int, num_experts: int, top_k: int, linear: dict):
     """torchtitan's router config of a router kind."""
     from torchtitan.models.common.config_utils import make_router_config
@@ -196,13 +233,12 @@ def _attention_config(attention: blocks.Attention, *, dim: int, eps: float, rope
     """torchtitan's attention config of an attention kind (see the module docstring for the choices);
     `rope(dim)` is the RoPE config over `dim` of each head."""
     from torchtitan.models.common import RMSNorm
-    from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.config_utils import make_gqa_config
 
     if isinstance(attention, blocks.GroupedQueryAttention):
         config = make_gqa_config(
             dim=dim, n_heads=attention.num_heads, n_kv_heads=attention.num_kv_heads, head_dim=attention.head_dim,
-            wqkv_param_init=linear, wo_param_init=depth, inner_attention=ScaledDotProductAttention.Config(),
+            wqkv_param_init=linear, wo_param_init=depth, inner_attention=_document_attention_class().Config(),
             rope=rope(attention.head_dim), fuse_qkv=False,
             qk_norm=RMSNorm.Config(normalized_shape=attention.head_dim, eps=eps, param_init=norm)
             if attention.qk_norm else None)
@@ -307,15 +343,20 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
 
 
-def hidden_states(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+def hidden_states(model: nn.Module, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
+                  documents: Documents | None = None) -> torch.Tensor:
     """The decoder's output before the lm_head (after the final norm), [b, T, D] in the compute dtype.
 
-    torchtitan's decoder skips its lm_head when `_skip_lm_head` is set (its chunked loss uses it);
-    the attribute is set for this call only, so `model(tokens)` still gives logits elsewhere.
+    A packed row (hpcrl.trainer.batch.pack) passes each token's position in its rollout (RoPE) and the
+    rollouts' `documents`, within which the attention stays. torchtitan's decoder skips its lm_head when
+    `_skip_lm_head` is set (its chunked loss uses it); the attribute is set for this call only, so
+    `model(tokens)` still gives logits elsewhere.
     """
     model._skip_lm_head = True  # type: ignore[assignment]
     try:
-        return model(tokens)
+        if documents is None and positions is None:
+            return model(tokens)
+        return model(tokens, positions, documents)
     finally:
         del model._skip_lm_head  # back to the class default (False)
 

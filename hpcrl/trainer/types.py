@@ -43,6 +43,14 @@ class TrainBatch:
         part = slice(min(rank * size, len(self)), min((rank + 1) * size, len(self)))
         return TrainBatch(**{k: getattr(self, k)[part] for k in self.__dataclass_fields__})
 
+    def lengths(self) -> list[int]:
+        """Tokens of each sequence up to its last policy token (what the trainer computes; 0: none)."""
+        return [max((i + 1 for i, flag in enumerate(mask) if flag), default=0) for mask in self.policy_mask]
+
+    def take(self, rows: list[int]) -> TrainBatch:
+        """These sequences, in this order."""
+        return TrainBatch(**{k: [getattr(self, k)[i] for i in rows] for k in self.__dataclass_fields__})
+
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 

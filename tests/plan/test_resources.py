@@ -77,6 +77,16 @@ def test_trainer_estimate_is_within_ten_percent_of_the_measured_llama_1b_step(tm
     assert abs(estimate - 39.9) / 39.9 < 0.10, estimate
 
 
+def test_a_token_budget_sizes_the_trainers_activations_and_logits_in_place_of_rows():
+    rows = plan_of("tiny_grpo.toml", "trainer.micro_batch_size=64").trainer_memory.parts
+    packed = plan_of("tiny_grpo.toml", "trainer.micro_batch_size=64", "trainer.micro_batch_tokens=40").trainer_memory.parts
+    tokens_of_rows = 64 * (16 + 1)  # micro_batch_size x (max_prompt_tokens + max_tokens)
+    assert packed["activations"] * tokens_of_rows == rows["activations"] * 40
+    assert packed["logits_fp32"] * tokens_of_rows == rows["logits_fp32"] * 40
+    assert {k: v for k, v in packed.items() if k not in ("activations", "logits_fp32")} == \
+        {k: v for k, v in rows.items() if k not in ("activations", "logits_fp32")}
+
+
 def test_a_70b_trainer_on_one_node_without_checkpointing_is_flagged_as_not_fitting():
     plan = plan_of("llama70b_grpo.toml", "trainer.nodes=1", "trainer.activation_checkpointing=false",
                    "trainer.global_batch_size=64")

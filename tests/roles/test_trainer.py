@@ -27,11 +27,14 @@ def batch() -> TrainBatch:
 
 
 @pytest.mark.timeout(120)
-def test_a_single_trainer_rank_trains_through_fsdp_in_a_group_of_one_and_leaves_it_when_closed(repo, tiny_model):
+@pytest.mark.parametrize("micro_batch_tokens", [0, 64])  # padded rows; packed micro-batches (issue 39)
+def test_a_single_trainer_rank_trains_through_fsdp_in_a_group_of_one_and_leaves_it_when_closed(repo, tiny_model,
+                                                                                             micro_batch_tokens):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    config = load_config(repo / "configs" / "tiny_grpo.toml", overrides=[f'model.path="{tiny_model}"'])
+    config = load_config(repo / "configs" / "tiny_grpo.toml", overrides=[
+        f'model.path="{tiny_model}"', f"trainer.micro_batch_tokens={micro_batch_tokens}"])
     role = TrainerRole(config, one_rank(), {})
     try:
         assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_backend() == "gloo"

@@ -27,6 +27,29 @@ def toy_batch() -> RolloutBatch:
         advantages=[1.0, -1.0, 0.5, -0.5, 0.0])
 
 
+def skewed_train_batch(*, per_token: bool = False):
+    """A TrainBatch of twelve rollouts whose lengths are skewed (2 to 41 tokens; one with no policy token, one
+    multi-turn with a tool reply inside), mixed advantages, per sequence or (per_token) per token."""
+    import random
+
+    from hpcrl.trainer import TrainBatch
+
+    rng = random.Random(39)
+    ids, masks, logprobs, advantages = [], [], [], []
+    for row, completion in enumerate([1, 3, 0, 30, 2, 5, 1, 12, 2, 4, 1, 8]):
+        prompt = rng.randint(2, 6)
+        mask = [0] * prompt + [1] * completion
+        if row == 7:  # policy, tool output (mask 0), policy again
+            mask = [0] * prompt + [1] * 4 + [0] * 4 + [1] * 4
+        ids.append([1] + [rng.randrange(4, 99) for _ in range(len(mask) - 1)])
+        masks.append(mask)
+        logprobs.append([-4.5 - rng.random() if m else 0.0 for m in mask])
+        advantage = rng.uniform(-1.0, 1.0)
+        advantages.append([advantage * (i + 1) / len(mask) for i in range(len(mask))] if per_token else advantage)
+    return TrainBatch(prompt_ids=[f"p{i}" for i in range(len(ids))], input_ids=ids, policy_mask=masks,
+                      logprobs=logprobs, advantages=advantages, rewards=[0.0] * len(ids))
+
+
 def engine_options(model_dir: str, **overrides):
     from hpcrl.algorithms.base import Options
     from hpcrl.config.model_shapes import load_shape
@@ -66,10 +89,42 @@ def _worker(rank: int, world_size: int, store_path: str, out_dir: str, model_dir
         dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, tmp_path: Path, model_dir: str, *, timeout_s: float = 120,
+def step_gradients(engine) -> dict:
+    """{parameter name: its gradient, whole} of the engine's next optimizer step, filled as the step starts
+    (collective under FSDP: every rank's hook gathers)."""
+    got: dict = {}
+
+    def keep(optimizer, args, kwargs) -> None:
+        got.update({name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+                    for name, p in engine.model.named_parameters() if p.grad is not None})
+
+    engine.optimizer.register_step_pre_hook(keep)
+    return got
+
+
+def _share_worker(rank: int, world_size: int, store_path: str, out_dir: str, model_dir: str, overrides: dict) -> None:
+    """One train_share of skewed_train_batch() on this rank: the step's whole gradient and metrics."""
+    import torch.distributed as dist
+
+    from hpcrl.trainer import TrainerEngine
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
+    try:
+        engine = TrainerEngine(engine_options(model_dir, **overrides))
+        grads = step_gradients(engine)
+        metrics = engine.train_share(skewed_train_batch())
+        torch.save({"metrics": metrics.as_dict(), "grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, tmp_path: Path, model_dir: str, *, timeout_s: float = 120, shares: bool = False,
               **overrides) -> list[dict]:
-    """Run one logprobs + train step on `world_size` gloo ranks; each rank's results."""
-    context = forked.start_ranks(_worker, args=(world_size, str(tmp_path / "store"), str(tmp_path), model_dir, overrides),
+    """Run one logprobs + train step on `world_size` gloo ranks (shares: one train_share of
+    skewed_train_batch()); each rank's results."""
+    context = forked.start_ranks(_share_worker if shares else _worker,
+                                 args=(world_size, str(tmp_path / "store"), str(tmp_path), model_dir, overrides),
                                  nprocs=world_size)
     deadline = time.monotonic() + timeout_s
     try:
