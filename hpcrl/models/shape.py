@@ -93,3 +93,13 @@ def numel(shape: tuple[int, ...]) -> int:
     for dim in shape:
         count *= dim
     return count
+
+
+def largest_block_parameters(shape: ModelShape) -> int:
+    """Parameters of `shape`'s largest transformer block (model.layers.N.*): what FSDP gathers at a time
+    when blocks differ (dense and MoE blocks)."""
+    sizes = [0] * shape.num_layers
+    for name, size in shape.hf_parameters():
+        if name.startswith("model.layers."):
+            sizes[int(name.split(".", 3)[2])] += numel(size)
+    return max(sizes, default=0)
