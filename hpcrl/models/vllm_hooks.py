@@ -58,7 +58,7 @@ class VllmLoadHook(ABC):
 
     def derives(self, name: str, module: Any) -> bool:
         """Whether `module` holds tensors vLLM derived after loading from parameters a transfer writes,
-        and none the plan writes itself (see the module docstring). None by default."""
+        and none the plan writes itself (see the module docstring). False by default."""
         return False
 
     def check(self, module: Any, side: VllmSide) -> None:

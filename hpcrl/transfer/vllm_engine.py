@@ -27,8 +27,9 @@ dispatch_cpu_unquantized_gemm; lm_head keeps its weight but computes from a pack
 start_weight_update gives each such layer a fresh unpacked tensor to receive into and
 finish_weight_update re-runs the layer's `quant_method.process_weights_after_loading`, the same
 step vLLM runs after loading; layers that vLLM changes in other ways after loading (fused experts),
-or tensors it derives from written ones (MLA's W_UK_T / W_UV, after every repack), are the family's to handle (`Family.vllm_load_hooks`, hpcrl/models/vllm_hooks.py). Generation cannot interleave: update_weights is one blocking
-collective_rpc, so no half-written fused module is ever used (reset the prefix cache after).
+or tensors it derives from written ones (MLA's W_UK_T / W_UV, after every repack), are the family's
+to handle (`Family.vllm_load_hooks`, hpcrl/models/vllm_hooks.py). Generation cannot interleave:
+update_weights is one blocking collective_rpc, so no half-written fused module is ever used (reset the prefix cache after).
 """
 
 from __future__ import annotations
