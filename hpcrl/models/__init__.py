@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hpcrl.errors import ConfigError
-from hpcrl.models import llama, qwen2, qwen3, qwen3_moe
+from hpcrl.models import deepseek_v3, llama, qwen2, qwen3, qwen3_moe
 from hpcrl.models.family import Family, TitanModel
 from hpcrl.models.layout import Piece, SourceTensor, VllmParam
 from hpcrl.models.shape import ModelShape
@@ -54,6 +54,7 @@ register(llama.FAMILY)
 register(qwen2.FAMILY)
 register(qwen3.FAMILY)
 register(qwen3_moe.FAMILY)
+register(deepseek_v3.FAMILY)
 
 
 def import_families(modules: Sequence[str]) -> None:

@@ -33,6 +33,25 @@ class GroupedQueryAttention:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LatentAttention:
+    """Multi-head latent attention (MLA, DeepSeek-V2/V3): keys and values are up-projected per head
+    from a `kv_lora_rank` latent that the KV cache holds, with one RoPE key of `qk_rope_head_dim`
+    shared by every head; the query comes through a rank-`q_lora_rank` projection (0: full rank)."""
+
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    def kv_values_per_token(self, tensor_parallel: int = 1) -> int:
+        """Cached values one token keeps on one tensor-parallel rank: the latent and the RoPE key,
+        whole on every rank (vLLM's MLA cache is not split by heads)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, kw_only=True)
 class DenseMLP:
     """A SwiGLU MLP of width `hidden_dim` (gate, up, down)."""
 
@@ -47,7 +66,21 @@ class SoftmaxTopK:
     """Rescale the k chosen probabilities to sum to 1."""
 
 
-Router = SoftmaxTopK
+@dataclass(frozen=True, kw_only=True)
+class SigmoidGroupTopK:
+    """DeepSeek-V3's router ("noaux_tc"): sigmoid scores; a learnt per-expert correction bias (the
+    auxiliary-loss-free balancing's state, `e_score_correction_bias`) is added for choosing only;
+    the experts form `n_group` groups, a token keeps the `topk_group` groups whose two best biased
+    scores sum highest and picks its top k inside them; the chosen unbiased scores are renormalised
+    (`renormalize`) and scaled by `scaling_factor`."""
+
+    n_group: int
+    topk_group: int
+    renormalize: bool = True
+    scaling_factor: float = 1.0
+
+
+Router = SoftmaxTopK | SigmoidGroupTopK
 """The router kinds (a union as kinds are added)."""
 
 
@@ -59,9 +92,12 @@ class RoutedExperts:
     top_k: int
     hidden_dim: int
     router: Router
+    shared_hidden_dim: int = 0
+    """Width of the shared experts' SwiGLU MLP, which every token goes through beside its routed
+    experts (DeepSeek-V3: n_shared_experts * the expert width); 0: none."""
 
 
-Attention = GroupedQueryAttention
+Attention = GroupedQueryAttention | LatentAttention
 """The attention kinds (a union as kinds are added)."""
 MLP = DenseMLP | RoutedExperts
 

@@ -47,9 +47,12 @@ VllmLayer = Literal["vocab", "replicated", "qkv", "merged_column", "row", "moe_w
 """The vLLM layer classes whose tensor-parallel sharding hpcrl.plan.transfer.layout models:
 
   vocab          VocabParallelEmbedding / ParallelLMHead: rows split after padding the vocabulary
-  replicated     norms: the whole tensor on every rank
+  replicated     norms, ReplicatedLinear: the whole tensor on every rank; several HF tensors are
+                 stacked by rows (a MergedColumnParallelLinear with disable_tp, e.g. DeepSeek's
+                 fused_qkv_a_proj: hf = q_a_proj, kv_a_proj_with_mqa)
   qkv            QKVParallelLinear: q heads split, k/v heads split or replicated (hf = q, k, v)
-  merged_column  MergedColumnParallelLinear: each HF tensor's rows split, stacked (hf = gate, up)
+  merged_column  MergedColumnParallelLinear: each HF tensor's rows split, stacked (hf = gate, up);
+                 one HF tensor: a ColumnParallelLinear
   row            RowParallelLinear: columns split
   moe_w13        FusedMoE w13_weight [experts, 2*I/tp, H]: per expert, gate rows split | up rows split
                  (hf = e0 gate, e0 up, e1 gate, e1 up, ...); under expert parallel whole experts per rank
@@ -66,4 +69,4 @@ class VllmParam:
     layer: VllmLayer
     hf: tuple[str, ...]
     """HF tensor names, in the order vLLM stacks them (q, k, v; gate, up; each expert's gate, up for
-    moe_w13, each expert's down for moe_w2); one for the other layers."""
+    moe_w13, each expert's down for moe_w2; a replicated stack's); one for the other layers."""

@@ -82,6 +82,11 @@ class ModelShape:
         """Parameters of one transformer block (what FSDP gathers at a time)."""
         return self.family.layer_parameters(self)
 
+    @property
+    def root_parameters(self) -> int:
+        """Parameters outside the transformer blocks (embedding, final norm, output head): FSDP's root unit."""
+        return sum(numel(shape) for name, shape in self.hf_parameters() if not name.startswith("model.layers."))
+
     def to_hf_config(self) -> dict:
         """A Hugging Face config.json dict for this shape (used by tools/make_tiny_model.py)."""
         return self.family.to_hf_config(self)
@@ -93,3 +98,13 @@ def numel(shape: tuple[int, ...]) -> int:
     for dim in shape:
         count *= dim
     return count
+
+
+def largest_block_parameters(shape: ModelShape) -> int:
+    """Parameters of `shape`'s largest transformer block (model.layers.N.*): what FSDP gathers at a time
+    when blocks differ (dense and MoE blocks)."""
+    sizes = [0] * shape.num_layers
+    for name, size in shape.hf_parameters():
+        if name.startswith("model.layers."):
+            sizes[int(name.split(".", 3)[2])] += numel(size)
+    return max(sizes, default=0)

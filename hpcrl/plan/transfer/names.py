@@ -40,6 +40,7 @@ def group_experts(sources: list[SourceTensor], pieces: dict[str, list[Piece]]
     GroupedExperts [E, rows, cols], seen as (E*rows, cols)): expert e's rows are rows
     [e*rows, (e+1)*rows) of the stack, and FSDP2 chunks the stack in whole experts."""
     stacks: dict[str, list[SourceTensor]] = {}
+    numbers: dict[str, list[str]] = {}  # each stack's expert numbers as its members' names spell them
     out: list[SourceTensor] = []
     for s in sources:
         m = EXPERT.match(s.name)
@@ -48,16 +49,16 @@ def group_experts(sources: list[SourceTensor], pieces: dict[str, list[Piece]]
             continue
         name = m.group(1) + m.group(3)
         if name not in stacks:
-            stacks[name] = []
+            stacks[name], numbers[name] = [], []
             out.append(SourceTensor(name=name, shape=(0, 0)))  # placeholder: keeps first-appearance order
         stacks[name].append(s)
+        numbers[name].append(m.group(2))
     grouped = {}
     for name, members in stacks.items():
         rows, cols = members[0].shape
         if any(t.shape != (rows, cols) for t in members):
             raise PlanError(f"experts of {name} differ in shape; a grouped expert stack needs equal experts")
-        numbers = [EXPERT.sub(r"\2", t.name) for t in members]
-        if numbers != [str(e) for e in range(len(members))]:
+        if numbers[name] != [str(e) for e in range(len(members))]:
             raise PlanError(f"experts of {name} are not numbered 0..{len(members) - 1} in order")
         grouped[name] = SourceTensor(name=name, shape=(len(members) * rows, cols), shard_rows=rows)
         for e, t in enumerate(members):

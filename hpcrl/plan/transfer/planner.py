@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import re
+from dataclasses import replace
 
 import numpy as np
 
@@ -107,6 +108,9 @@ def plan(trainer: TrainerLayout, inference: InferenceLayout, shape: ModelShape, 
     if inference.replicas >= 1 << 12 or tp >= 1 << 10 or trainer.world_size >= 1 << 17:
         raise PlanError(f"plan too large to index: {trainer.world_size} trainer ranks, {inference.replicas} "
                         f"replicas, TP {tp} (limits 2^17, 2^12, 2^10)")
+    if trainer.dp_replicate == 1 and inference.replicas > 1:  # every replica reads the same ranks: plan one, copy it
+        one = plan(trainer, replace(inference, replicas=1), shape, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes)
+        return replace(one, inference=inference, blocks=_replicate(one.blocks, inference.replicas))
     dests, segs = vllm_layout(shape, tp, inference.vocab_padding, expert_parallel=inference.expert_parallel,
                               expert_placement=inference.expert_placement)
     sources, pieces = trainer_sources(shape, grouped_experts=trainer.grouped_experts)
@@ -169,6 +173,29 @@ def plan(trainer: TrainerLayout, inference: InferenceLayout, shape: ModelShape, 
              f"{' qk_norm' if shape.qk_norm else ''}{_experts(shape)}")
     return TransferPlan(trainer=trainer, inference=inference, model=model, wire_dtype=wire_dtype,
                         bucket_bytes=bucket_bytes, sources=tuple(sources), dests=tuple(dests), blocks=c)
+
+
+def _replicate(one: dict[str, np.ndarray], reps: int) -> dict[str, np.ndarray]:
+    """The blocks of `reps` replicas from one replica's (sorted by source rank, cut into messages), when
+    every replica reads the same trainer ranks (no HSDP): as the general path orders them (by source
+    rank, then replica, then TP rank and destination) and numbers their messages, without sorting and
+    cutting reps times the blocks (Kimi-K2 to 6 replicas: 7.9 M blocks)."""
+    m = len(one["src_rank"])
+    if not m:
+        return {**one, "replica": one["replica"][:0]}
+    first = np.flatnonzero(np.r_[True, one["src_rank"][1:] != one["src_rank"][:-1]])  # each source rank's run
+    length = np.diff(np.r_[first, m])
+    msg0 = one["message"][first]
+    msgs = np.r_[msg0[1:], one["message"][-1] + 1] - msg0  # messages never span two source ranks
+    span = reps * length
+    group = np.repeat(np.arange(len(first)), span)
+    within = np.arange(int(span.sum())) - np.repeat(np.cumsum(span) - span, span)
+    replica = within // length[group]
+    pos = first[group] + within % length[group]
+    out = {k: v[pos] for k, v in one.items() if k not in ("replica", "message")}
+    out["replica"] = replica
+    out["message"] = (np.cumsum(reps * msgs) - reps * msgs)[group] + replica * msgs[group] + one["message"][pos] - msg0[group]
+    return {k: out[k] for k in one}
 
 
 def _experts(shape: ModelShape) -> str:

@@ -1,0 +1,158 @@
+"""The DeepSeek-V3 family: config.json both ways, the published presets' parameter counts, HF and vLLM
+parameters, memory terms (MLA's latent KV cache), and transfer plans that fill every vLLM rank."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from hpcrl.config.model_shapes import PRESETS, from_hf_config
+from hpcrl.errors import ConfigError
+from hpcrl.models.blocks import LatentAttention, RoutedExperts, SigmoidGroupTopK
+from hpcrl.models.deepseek_v3.mla import MLA_ABSORBED
+from hpcrl.plan.transfer.check import check_plan, verify_elements
+from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
+from hpcrl.plan.transfer.planner import plan
+
+#: deepseek-ai/DeepSeek-V3's config.json as published (the keys hpcrl reads, and its rope scaling).
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "n_shared_experts": 1, "n_routed_experts": 256, "ep_size": 1, "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06, "rope_theta": 10000, "tie_word_embeddings": False,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+}
+TINY = PRESETS["tiny-deepseek-v3"]
+
+
+def test_the_published_deepseek_v3_config_json_reads_as_the_preset_and_back():
+    shape = from_hf_config(DEEPSEEK_V3)
+    assert shape == PRESETS["deepseek-v3"]
+    assert from_hf_config(shape.to_hf_config()) == shape
+    kimi = {**DEEPSEEK_V3, "model_type": "kimi_k2", "num_attention_heads": 64, "num_key_value_heads": 64,
+            "n_routed_experts": 384, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+            "vocab_size": 163840, "routed_scaling_factor": 2.827, "rope_theta": 50000.0,
+            "max_position_embeddings": 131072, "num_nextn_predict_layers": 0}
+    assert from_hf_config(kimi) == PRESETS["kimi-k2"]
+
+
+@pytest.mark.parametrize("key", ["topk_method", "scoring_func"])
+def test_a_config_json_without_deepseek_v3_routing_is_refused_naming_the_key_to_set(key):
+    config = {k: v for k, v in DEEPSEEK_V3.items() if k != key}
+    with pytest.raises(ConfigError, match=f'set "{key}"'):
+        from_hf_config(config)
+
+
+@pytest.mark.parametrize("preset, total, active", [("deepseek-v3", 671, 37), ("kimi-k2", 1026, 32)])
+def test_presets_have_the_published_total_and_activated_parameter_counts(preset, total, active):
+    """DeepSeek-V3 (the paper): 671B total, 37B activated (here 671.03, 37.55: every tensor but the
+    routed experts, and 8 of 256 of those). Kimi-K2 (the model card: 1T, 32B; its config gives
+    1026.41B and 32.86B; the tech report's table rounds to 1.04T and 32.6B)."""
+    shape = PRESETS[preset]
+    assert round(shape.num_parameters / 1e9) == total
+    assert int(shape.active_parameters() / 1e9) == active
+    # The active count is the definition's: everything but the routed experts, and k of E of them.
+    experts = shape.experts()
+    assert experts is not None and experts.layers == tuple(range(shape.first_k_dense_replace, 61))
+
+
+def test_blocks_are_latent_attention_with_dense_mlps_first_then_routed_and_shared_experts():
+    blocks = TINY.family.blocks(TINY)
+    assert [type(b.mlp).__name__ for b in blocks] == ["DenseMLP", "RoutedExperts"]
+    assert blocks[0].attention == LatentAttention(num_heads=4, q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=32,
+                                                  qk_rope_head_dim=64, v_head_dim=32)
+    moe = blocks[1].mlp
+    assert isinstance(moe, RoutedExperts) and (moe.num_experts, moe.top_k, moe.hidden_dim, moe.shared_hidden_dim) == (
+        8, 2, 32, 32)
+    assert moe.router == SigmoidGroupTopK(n_group=2, topk_group=1, renormalize=True, scaling_factor=2.5)
+
+
+def test_the_kv_cache_holds_one_latent_and_rope_key_per_token_on_every_tp_rank():
+    """MLA caches kv_lora_rank + qk_rope_head_dim values a token a layer, whole on every TP rank."""
+    k2 = PRESETS["kimi-k2"]
+    for tp in (1, 8):
+        assert k2.family.kv_bytes_per_token(k2, 2, tp) == 2 * 61 * (512 + 64)
+    # Against grouped-query attention's 2 x heads x head_dim: 64 x 192 x 2 = 24,576 values a layer.
+    assert 512 + 64 < 2 * 64 * 192
+
+
+def test_hf_parameters_are_mla_the_router_bias_the_experts_and_the_shared_experts():
+    params = dict(TINY.hf_parameters())
+    a = "model.layers.1.self_attn."
+    assert params[a + "q_a_proj.weight"] == (64, 128)
+    assert params[a + "q_b_proj.weight"] == (4 * 96, 64)
+    assert params[a + "kv_a_proj_with_mqa.weight"] == (512 + 64, 128)
+    assert params[a + "kv_b_proj.weight"] == (4 * 64, 512)
+    assert params[a + "o_proj.weight"] == (128, 4 * 32)
+    assert params["model.layers.1.mlp.gate.e_score_correction_bias"] == (8,)
+    assert params["model.layers.1.mlp.experts.7.down_proj.weight"] == (128, 32)
+    assert params["model.layers.1.mlp.shared_experts.gate_proj.weight"] == (32, 128)
+    assert params["model.layers.0.mlp.gate_proj.weight"] == (256, 128)  # first_k_dense_replace
+    assert "model.layers.0.mlp.gate.weight" not in params
+    without_q_lora = dict(replace(TINY, q_lora_rank=0).hf_parameters())
+    assert without_q_lora[a + "q_proj.weight"] == (4 * 96, 128) and a + "q_a_proj.weight" not in without_q_lora
+
+
+def test_vllm_parameters_fuse_qkv_a_and_hold_experts_shared_experts_and_the_bias():
+    params = {p.name: p for p in TINY.family.vllm_parameters(TINY)}
+    a = "model.layers.1.self_attn."
+    fused = params[a + "fused_qkv_a_proj.weight"]
+    assert (fused.layer, fused.hf) == ("replicated", (a + "q_a_proj.weight", a + "kv_a_proj_with_mqa.weight"))
+    assert params[a + "kv_b_proj.weight"].layer == "merged_column"  # a ColumnParallelLinear: whole heads
+    assert params["model.layers.1.mlp.gate.e_score_correction_bias"].layer == "replicated"
+    assert params["model.layers.1.mlp.experts.routed_experts.w13_weight"].layer == "moe_w13"
+    assert params["model.layers.1.mlp.shared_experts.gate_up_proj.weight"].layer == "merged_column"
+    # What vLLM derives after loading is the family's MLA hook's, not a planned parameter.
+    assert not any("W_UK_T" in name or "W_UV" in name for name in params)
+    assert MLA_ABSORBED in TINY.family.vllm_load_hooks
+
+
+@pytest.mark.parametrize("q_lora", [64, 0])
+@pytest.mark.parametrize("shard, tp, ep, grouped", [(1, 1, False, False), (3, 2, False, True), (2, 2, True, True),
+                                                    (2, 4, False, False), (3, 4, True, True)])
+def test_transfer_plans_fill_every_vllm_rank_element_exact_and_byte_minimal(q_lora, shard, tp, ep, grouped):
+    shape = replace(TINY, q_lora_rank=q_lora)
+    p = plan(TrainerLayout(dp_shard=shard, grouped_experts=grouped),
+             InferenceLayout(replicas=2, tensor_parallel=tp, expert_parallel=ep), shape, bucket_bytes=1 << 14)
+    check_plan(p)
+    verify_elements(p, shape)  # against vLLM's loaders re-derived (hpcrl/plan/transfer/check.py)
+    assert p.stats().ratio() == 1.0
+
+
+def test_transformers_reads_the_config_json_the_family_writes():
+    transformers = pytest.importorskip("transformers")
+    hf = TINY.to_hf_config()
+    config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+    assert (config.n_routed_experts, config.n_group, config.topk_group, config.first_k_dense_replace) == (8, 2, 1, 1)
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim) == (64, 512, 64)
+    assert (config.topk_method, config.scoring_func) == ("noaux_tc", "sigmoid")  # vLLM needs both
+
+
+@pytest.mark.parametrize("q_lora, flavor", [(64, "671B"), (0, "16B")])
+def test_torchtitan_adapter_names_every_hf_parameter_of_the_family(q_lora, flavor):
+    """DeepSeekV3StateDictAdapter.from_hf_map (built for a torchtitan flavor with, or without, a q LoRA)
+    and the family's expert stacks name every HF tensor: what the trainer's conversion reads."""
+    pytest.importorskip("torchtitan")
+    import re
+
+    from hpcrl.trainer.titan import _titan_class, supply_missing_torch_names
+
+    supply_missing_torch_names()
+    from torchtitan.models.deepseek_v3 import model_registry
+
+    titan = TINY.family.titan
+    templates = _titan_class(titan.state_dict_adapter)(model_registry(flavor).model, None).from_hf_map
+    assert _titan_class(titan.model) is not None and _titan_class(titan.block) is not None
+    names = [name for name, _ in replace(TINY, q_lora_rank=q_lora).hf_parameters()]
+    missing = [n for n in names if re.sub(r"\d+", "{}", n) not in templates]
+    assert missing == [], missing
+    assert templates["model.layers.{}.mlp.gate.e_score_correction_bias"] == "layers.{}.moe.expert_bias_E"
+    for hf, stack in titan.expert_stacks.items():
+        assert templates[hf] == stack  # the adapter stacks experts as the family says
