@@ -1,19 +1,30 @@
 #!/usr/bin/env bash
 # The README's second command: set up .venv, start the local Slurm cluster, run the tests.
 #
-#   tools/test.sh                 # every test but the fault matrix
-#   tools/test.sh --faults        # every test and the fault matrix: what CI runs (38 min from a clean clone on 2 cores)
+#   tools/test.sh                 # every test but the fault matrix and the extended cases
+#   tools/test.sh --faults        # and the fault matrix: what CI runs (38 min from a clean clone on 2 cores)
+#   tools/test.sh --extended      # and the extended cases (marker extended: the oracles at every parallel size and
+#                                 # on the real model, about 10 min more); --faults --extended: everything
 #   tools/test.sh tests/config    # any pytest arguments (as given: tests/faults/test_matrix.py runs it)
 #
 # Fails on a lint or type error (tools/lint.sh: ruff first, mypy beside the tests), when a test fails or when no test ran
 # (pytest's exit code 5). Under CI (CI=true) a Slurm cluster that cannot start is an error, not a skip.
 set -euo pipefail
-select=(-m "not faults")   # the fault matrix (marker faults): real hetjobs hit by power loss, hangs, cuts
-if [[ ${1:-} == --faults ]]; then
-    select=()
+# Left out unless asked: the fault matrix (marker faults: real hetjobs hit by power loss, hangs, cuts) and the
+# extended cases (marker extended). Pytest arguments select on their own.
+faults=0 extended=0
+while [[ ${1:-} == --faults || ${1:-} == --extended ]]; do
+    [[ $1 == --faults ]] && faults=1
+    [[ $1 == --extended ]] && extended=1
     shift
-elif (($#)); then
-    select=()
+done
+leave_out=()
+((faults)) || leave_out+=("not faults")
+((extended)) || leave_out+=("not extended")
+select=()
+if ((!$#)) && ((${#leave_out[@]})); then
+    joined=$(printf ' and %s' "${leave_out[@]}")
+    select=(-m "${joined# and }")
 fi
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
