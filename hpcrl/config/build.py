@@ -1,7 +1,7 @@
 """Turn plain TOML tables into the typed dataclasses of `hpcrl.config.schema`.
 
-Checks every value against the field's annotation (str, int, float, bool, Literal, list,
-dict, nested dataclass, dict of dataclasses), rejects unknown keys with a "did you mean",
+Checks every value against the field's annotation (str, int, float, bool, a union of those, Literal,
+list, dict, nested dataclass, dict of dataclasses), rejects unknown keys with a "did you mean",
 builds a table whose class depends on its values (a dataclass with `table_class(table)`: [algorithm],
 whose keys are the configured algorithm's options, hpcrl.algorithms.base.Options),
 and reports missing required keys. Every float must be finite (TOML has nan and inf, which no
@@ -43,6 +43,8 @@ def _toml_literal(value: Any) -> str:
         return f'"{value}"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_literal(v)}" for k, v in value.items()) + " }"
     return repr(value)
 
 
@@ -85,6 +87,13 @@ def _convert(value: Any, hint: Any, key: str, example: str) -> Any:
                           fix=f"{hint_text}write e.g. {example}")
     if origin in (types.UnionType, typing.Union):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) > 1 and all(a in _TYPE_WORDS for a in args):  # a simple value of any of these types
+            words = " or ".join(_TYPE_WORDS[a] for a in args)
+            match = next((a for a in args if type(value) is a), None)
+            if match is None:
+                raise ConfigError(key=key, problem=f"expected {words}, got {_describe(value)}",
+                                  fix=f"write it as {words}, e.g. {example}")
+            return _convert(value, match, key, example)
         return _convert(value, args[0], key, example)
     if origin is list:
         (item,) = typing.get_args(hint)
@@ -97,8 +106,8 @@ def _convert(value: Any, hint: Any, key: str, example: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(key=key, problem=f"expected a table, got {_describe(value)}",
                               fix=f"write it as a table [{key}] with one key per entry")
-        return {k: _convert(v, item, f"{key}.{k}", f"{k} = {_EXAMPLES.get(item, '...')}")
-                for k, v in value.items()}
+        sample = _EXAMPLES.get(item) or next((_EXAMPLES[a] for a in typing.get_args(item) if a in _EXAMPLES), "...")
+        return {k: _convert(v, item, f"{key}.{k}", f"{k} = {sample}") for k, v in value.items()}
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         if isinstance(value, dict) and hasattr(hint, "table_class"):
             hint = hint.table_class(value)  # a table whose keys depend on its values: [algorithm] on its name

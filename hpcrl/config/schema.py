@@ -413,6 +413,11 @@ class DataConfig:
     model's tokenizer has a chat template, else "text" (hpcrl.data.chat)."""
     system_prompt: str = ""
     """In the chat format: a system message put before each row's messages (a row's own system message wins)."""
+    chat_template_kwargs: dict[str, str | int | float | bool] = field(
+        default_factory=dict, metadata={"example": {"enable_thinking": False}})
+    """In the chat format: variables the chat template reads beside the messages, given to every rendering of
+    prompts and of an episode's turns (the tokenizer's apply_chat_template), e.g. { enable_thinking = false }
+    for Qwen3, whose generation prompt then holds an empty <think></think>."""
     max_prompt_tokens: int = 256
     """Prompts longer than this (the model's tokens; in the chat format, rendered) are dropped at start,
     counted and reported once."""
@@ -432,6 +437,9 @@ class DataConfig:
         _positive(self.max_prompt_tokens, "max_prompt_tokens", most=MAX_TOKENS)
         _require(self.format in ("auto", "chat", "text"), "format", f"must be auto, chat or text, got {self.format!r}",
                  'set format = "chat" (the tokenizer\'s chat template), "text" (the prompt as it is) or "auto"')
+        _require(not (self.chat_template_kwargs and self.format == "text"), "chat_template_kwargs",
+                 'is set, but data.format = "text" renders no chat template',
+                 'set format = "chat" (or "auto" for a model with a chat template), or remove chat_template_kwargs')
         _require(not (self.system_prompt and self.format == "text"), "system_prompt",
                  'is set, but data.format = "text" has no system turn to put it in',
                  'set format = "chat" (or "auto" for a model with a chat template), or remove system_prompt')

@@ -1,14 +1,15 @@
 """Chat-formatted prompts: the model's own chat template, applied once on the head, as token ids.
 
     fmt = prompt_format(config.data, config.model.path)      # "chat" or "text" (data.format "auto" decides)
-    chat = ChatTemplate(config.model.path, system_prompt=config.data.system_prompt)
+    chat = chat_template_for(config.data, config.model.path)   # data.system_prompt, data.chat_template_kwargs
     chat.render(prompts)     # [[1, 99, ...], ...]: the ids vLLM generates from and the trainer trains on
     chat(prompts)            # their lengths: the Measure of data.max_prompt_tokens in the chat format
     chat.with_ids(prompts)   # the prompts with Prompt.token_ids set
 
 A row of messages is rendered as it is; a prompt string becomes one user message. data.system_prompt
 is put first as a system message, unless the row's messages begin with a system message of their own
-(the row's wins). The conversation must end with a user's turn: the template's generation prompt
+(the row's wins). data.chat_template_kwargs go to every rendering, prompts and an episode's turns
+alike (Qwen3's `enable_thinking = false`). The conversation must end with a user's turn: the template's generation prompt
 (`add_generation_prompt=True`) opens the assistant turn the model writes.
 
 Rendering is transformers' `apply_chat_template` (its Jinja template over every conversation of a
@@ -89,8 +90,9 @@ def prompt_format(data: DataConfig, model_path: str) -> Literal["chat", "text"]:
         return "text"
     if has_chat_template(model_path):
         return "chat"
-    if data.format == "chat" or data.system_prompt:
-        why = 'data.format = "chat"' if data.format == "chat" else "data.system_prompt is set"
+    if data.format == "chat" or data.system_prompt or data.chat_template_kwargs:
+        why = ('data.format = "chat"' if data.format == "chat" else "data.system_prompt is set" if data.system_prompt
+               else "data.chat_template_kwargs is set")
         raise DataError(f"{why} but the tokenizer in {model_path} has no chat template (no chat_template.jinja, "
                         'and none in tokenizer_config.json). Fix: set data.format = "text" (without a system prompt), '
                         "or point model.path at an instruct model whose tokenizer has one")
@@ -215,7 +217,7 @@ def chat_template_for(data: DataConfig, model_path: str) -> ChatTemplate | None:
     """The run's ChatTemplate when its prompts are in the chat format (prompt_format), else None."""
     if prompt_format(data, model_path) != "chat":
         return None
-    return ChatTemplate(model_path, system_prompt=data.system_prompt)
+    return ChatTemplate(model_path, system_prompt=data.system_prompt, template_kwargs=data.chat_template_kwargs)
 
 
 def end_of_turn_ids(tokenizer: Any) -> list[int]:

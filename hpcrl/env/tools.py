@@ -18,6 +18,11 @@ tool_message. A block that is not such an object (bad JSON, no name, arguments n
 closing tag, JSON nested deeper than MAX_DEPTH or longer than MAX_CALL_CHARS, text that is not Unicode) is a
 ToolCall with `error` set: the environment tells the model what was wrong in a tool message rather than raising,
 since a malformed call is the policy's mistake, not the environment's.
+
+Every block counts, inside a `<think>` block too: that is what vLLM (0.32) finds serving Qwen3 with
+`--reasoning-parser qwen3 --tool-call-parser hermes`, whose reasoning grammar (vllm/parser/qwen3.py) ends
+the reasoning at a <tool_call>, so the hermes parser reads it as content (tests/data/test_real_templates.py
+compares the two on Qwen3's tokenizer). A policy trained here calls tools as vLLM serves it.
 """
 
 from __future__ import annotations

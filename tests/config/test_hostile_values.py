@@ -121,3 +121,20 @@ def test_a_lone_surrogate_from_a_command_line_in_another_encoding_is_refused_nam
     message = _refused(path, ["data.system_prompt=caf\udcff"], "data.system_prompt", "holds a lone surrogate (U+DCFF",
                        capsys)
     assert "write the value in UTF-8" in message
+
+
+@pytest.mark.parametrize(("override", "key", "words"), [
+    ("data.chat_template_kwargs=3", "data.chat_template_kwargs", "expected a table, got 3"),
+    ("data.chat_template_kwargs.mode.deep=1", "data.chat_template_kwargs.mode",
+     "expected a string or an integer or a number or true or false, got {...} (a table)"),
+    ("data.chat_template_kwargs.mode=[1, 2]", "data.chat_template_kwargs.mode", "got [1, 2] (an array)"),
+], ids=["not-a-table", "a-table-in-it", "an-array-in-it"])
+def test_chat_template_kwargs_that_are_not_a_table_of_simple_values_are_refused_naming_the_key(
+        override, key, words, tmp_path: Path, capsys, monkeypatch):
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    path = tmp_path / "k.toml"
+    path.write_text(BASE)
+    _refused(path, [override], key, words, capsys)
+    assert load_config(path, overrides=["data.chat_template_kwargs.enable_thinking=false",
+                                        "data.chat_template_kwargs.depth=2"]).data.chat_template_kwargs == {
+        "enable_thinking": False, "depth": 2}

@@ -13,13 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.data.chat import ChatTemplate, end_of_turn_ids, turn_stop_ids
+from hpcrl.config import load_config
+from hpcrl.data.chat import ChatTemplate, chat_template_for, end_of_turn_ids, turn_stop_ids
 from hpcrl.data.types import Prompt
 from hpcrl.env.builtin import PythonTool
 from hpcrl.env.tools import parse_tool_calls, tool_message, tools_system_prompt
 
 CALL = '<tool_call>\n{"name": "python", "arguments": {"code": "print(2**10)"}}\n</tool_call>'
 THOUGHT = "<think>\nI should compute it.\n</think>\n\n"
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +117,40 @@ def test_two_tool_answers_on_qwen3_share_one_user_turn_and_a_cut_turn_is_closed(
     assert text.count("<|im_end|>") == 4  # system, user, the policy's turn (closed by hpcrl when cut), tools
 
 
+# What a Qwen3 policy may write in a turn: a call after its thinking, a call written inside the thinking (the
+# think block left open, closed after it, or followed by a second call), and a turn without thinking.
+TURNS = {
+    "after-thinking": THOUGHT + CALL,
+    "inside-thinking": "<think>\nI could call " + CALL + " but no.\n</think>\n\nIt is 1024.",
+    "inside-then-after": "<think>\nmaybe " + CALL + "\n</think>\n\n" + CALL.replace("2**10", "2**11"),
+    "think-left-open": "<think>\nlet me run " + CALL,
+    "no-thinking": "<think>\n\n</think>\n\n" + CALL,
+}
+
+
+def test_the_hermes_parser_finds_the_calls_vllms_qwen3_reasoning_and_hermes_parsers_find(qwen3):
+    """A served Qwen3 policy's calls are what vLLM's `--reasoning-parser qwen3 --tool-call-parser hermes` find:
+    the reasoning parser first, the hermes parser on the content it leaves. In vLLM 0.32 a <tool_call> inside
+    <think> is a call: vllm/parser/qwen3.py's grammar ends the reasoning at it ("Tool call directly from
+    reasoning (implicit end)", (REASONING, TOOL_START) -> TOOL_PREAMBLE), so the call is content, and a later
+    </think> is dropped. hpcrl's parser reads every <tool_call> block of the turn, thinking or not: the same
+    calls, so a policy trained here calls tools as vLLM will serve it."""
+    reasoning_parsers = pytest.importorskip("vllm.reasoning")
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers import ToolParserManager
+
+    tokenizer = qwen3().tokenizer()
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], model="qwen3", tools=PythonTool.TOOLS)
+    reasoning_parser = reasoning_parsers.ReasoningParserManager.get_reasoning_parser("qwen3")
+    hermes = ToolParserManager.get_tool_parser("hermes")
+    for name, turn in TURNS.items():
+        _, content = reasoning_parser(tokenizer).extract_reasoning(turn, request)
+        served = hermes(tokenizer, PythonTool.TOOLS).extract_tool_calls(content or "", request)
+        theirs = [(c.function.name, json.loads(c.function.arguments)) for c in served.tool_calls]
+        ours = [(c.name, c.arguments) for c in parse_tool_calls(turn)]
+        assert ours == theirs and theirs, (name, ours, theirs)
+
+
 @pytest.mark.parametrize("thinking", [True, False], ids=["enable_thinking", "no-thinking"])
 def test_qwen3s_enable_thinking_reaches_the_generation_prompt_of_prompts_and_of_later_turns(
         qwen3, thinking: bool):
@@ -124,6 +160,26 @@ def test_qwen3s_enable_thinking_reaches_the_generation_prompt_of_prompts_and_of_
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n" + opening
     text = _grow(chat, {"prompt": "hi"}, [(CALL, [tool_message("1024", name="python")])])
     assert text.endswith("</tool_response><|im_end|>\n" + opening)
+
+
+def test_data_chat_template_kwargs_reach_qwen3s_prompts_and_an_episodes_later_turns(
+        qwen3, qwen3_tokenizer: Path, smollm2_model: Path):
+    """The config key, as a run loads it, renders Qwen3's prompts with the empty think block of
+    enable_thinking = false, and an episode grown turn by turn from them reads as the model was given it."""
+    config = load_config(REPO / "configs" / "smollm2_word_problems.toml",
+                         overrides=["data.chat_template_kwargs.enable_thinking=false"])
+    run = chat_template_for(config.data, str(qwen3_tokenizer))
+    assert run is not None and run.template_kwargs == {"enable_thinking": False}
+    # The same, on the tokenizer the module loaded once; and without the key.
+    chat = qwen3(system_prompt=run.system_prompt, template_kwargs=run.template_kwargs)
+    plain = qwen3(system_prompt=run.system_prompt)
+    prompt = Prompt(id="p", text="What is 2+3?", answer="5")
+    ours, theirs = (chat.tokenizer().decode(c.render([prompt])[0]) for c in (chat, plain))
+    assert ours == theirs + "<think>\n\n</think>\n\n" and ours.startswith(
+        f"<|im_start|>system\n{config.data.system_prompt}<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n")
+    text = _grow(chat, {"prompt": "What is 2+3?"}, [("I will check.", [{"role": "user", "content": "Sure?"}])])
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nI will check.<|im_end|>\n"
+                         "<|im_start|>user\nSure?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
 # -- SmolLM2 ----------------------------------------------------------------------------------------------

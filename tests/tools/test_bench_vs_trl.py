@@ -117,7 +117,7 @@ def test_the_trl_side_gets_hpcrls_prompts_in_order_and_its_config_field_by_field
     rows = trl_side.prompt_rows(config, steps=3)
     stream = PromptStream.from_config(config.data)
     batches = [stream.next_batch(8) for _ in range(3)]  # as hpcrl's controller draws them, a batch a step
-    assert rows == [{"prompt": p.text, "answer": p.answer} for batch in batches for p in batch]
+    assert rows == [{"prompt": p.text, "prompt_text": p.text, "answer": p.answer} for batch in batches for p in batch]
 
     kwargs = trl_side.trl_config(config, steps=200, generation="vllm", out=tmp_path)
     assert {k: kwargs[k] for k in ("learning_rate", "adam_beta1", "adam_beta2", "max_grad_norm", "lr_scheduler_type",
@@ -132,4 +132,37 @@ def test_the_trl_side_gets_hpcrls_prompts_in_order_and_its_config_field_by_field
     assert kwargs["use_vllm"] and kwargs["vllm_mode"] == "colocate" and kwargs["vllm_gpu_memory_utilization"] == 0.2
 
     reward = trl_side.reward_function(config)
-    assert reward(prompts=["say 7:", "say 7:"], completions=["7", "3"], answer=["7", "7"]) == [1.0, 0.0]
+    assert reward(prompts=["say 7:", "say 7:"], completions=["7", "3"], answer=["7", "7"],
+                  prompt_text=["say 7:", "say 7:"]) == [1.0, 0.0]
+
+
+SMOLLM2 = REPO / "models" / "smollm2-135m-instruct"
+
+
+@pytest.mark.skipif(not (SMOLLM2 / "config.json").is_file(),
+                    reason="models/smollm2-135m-instruct is missing: `python tools/fetch_model.py smollm2-135m-instruct`")
+def test_on_the_real_models_config_trl_gets_hpcrls_conversations_and_scores_as_hpcrls_reward_does(tmp_path):
+    """configs/smollm2_word_problems.toml is in the chat format: TRL is given the conversation hpcrl renders
+    (the config's system prompt first), and math_verify scores the assistant's text against the answer."""
+    trl_side = _tool("bench_vs_trl_trl")
+    config = load_config(REPO / "configs" / "smollm2_word_problems.toml")
+    rows = trl_side.prompt_rows(config, steps=1)
+    first = PromptStream.from_config(config.data).next_batch(4)
+    assert rows == [{"prompt": [{"role": "system", "content": config.data.system_prompt},
+                                {"role": "user", "content": p.text}], "prompt_text": p.text, "answer": p.answer}
+                    for p in first]
+    kwargs = trl_side.trl_config(config, steps=4, generation="transformers", out=tmp_path)
+    assert (kwargs["learning_rate"], kwargs["max_completion_length"], kwargs["num_generations"]) == (1e-5, 64, 8)
+    assert kwargs["per_device_train_batch_size"] * kwargs["gradient_accumulation_steps"] == 32
+    reward = trl_side.reward_function(config)
+    answer = rows[0]["answer"]
+    said = [[{"role": "assistant", "content": f"So the answer is {answer}."}],
+            [{"role": "assistant", "content": f"So the answer is {int(answer) + 1}."}]]
+    assert reward(prompts=[rows[0]["prompt"]] * 2, completions=said, answer=[answer] * 2,
+                  prompt_text=[rows[0]["prompt_text"]] * 2) == [1.0, 0.0]
+    # Both sides run on the config given, with the same overrides.
+    for column in ("hpcrl", "trl"):
+        argv = bench.command(column, tmp_path, 4, "trl", 0, REPO / "configs" / "smollm2_word_problems.toml",
+                             ("eval.interval=0",))
+        assert str(REPO / "configs" / "smollm2_word_problems.toml") in argv
+        assert argv[argv.index("eval.interval=0") - 1] == "--set"

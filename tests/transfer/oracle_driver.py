@@ -103,9 +103,12 @@ def is_moe(preset: str) -> bool:
 
 
 def model_shape(spec: dict):
-    """The plan's model: the preset, or (a MoE) the served checkpoint's config.json."""
+    """The plan's model: the preset, or (a MoE, or a real checkpoint such as smollm2-135m-instruct that
+    no preset names) the served checkpoint's config.json."""
     from hpcrl.config.model_shapes import PRESETS, load_shape
-    return load_shape(preset_name="", path=spec["model"]) if is_moe(spec["preset"]) else PRESETS[spec["preset"]]
+    if spec["preset"] not in PRESETS or is_moe(spec["preset"]):
+        return load_shape(preset_name="", path=spec["model"])
+    return PRESETS[spec["preset"]]
 
 
 def trainer_rank(ckpt: str, spec: dict, rank: int, world: int, fsdp_store: str, transfer_store: str, results) -> None:

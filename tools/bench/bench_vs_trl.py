@@ -3,6 +3,8 @@
     python tools/bench/bench_vs_trl.py --setup       # once: TRL in .venv-trl (about 30 s, no torch download)
     python tools/bench/bench_vs_trl.py --steps 20    # a quick check (about 3 minutes)
     python tools/bench/bench_vs_trl.py               # 200 steps, the default runs (about 5 minutes on 2 cores)
+    python tools/bench/bench_vs_trl.py --config configs/smollm2_word_problems.toml --steps 4 --runs-hpcrl 1 \
+        --runs-vllm 0 --set eval.interval=0 --set eval.at_start=false    # the real model (about 10 minutes)
 
 Runs, in alternating order (hpcrl, TRL generate, TRL vLLM, hpcrl, ...; --runs-* for how many of
 each: by default hpcrl twice, each TRL column once), then prints a Markdown table:
@@ -29,6 +31,12 @@ field of configs/tiny_grpo.toml to GRPOConfig. Where the two differ, by design o
     instead (1e-7 in fp32). Both sides give vLLM gpu_memory_utilization 0.2 and their eager mode.
   - hpcrl checkpoints every 50 steps and after the last (its default); TRL saves nothing (save_strategy="no").
   - TRL's gradient checkpointing (on by default) is turned off, as hpcrl has none here.
+  - --config another config (the real model, configs/smollm2_word_problems.toml): the same mapping. In the
+    chat format TRL is given each prompt as the conversation hpcrl renders (data.system_prompt first) and
+    renders it with the same tokenizer's template (data.chat_template_kwargs too); the reward is called as
+    hpcrl calls it, on Prompt.text and the completion's text. A score that raises (math_verify past its
+    deadline) leaves that completion out of TRL's group baseline; hpcrl holds the whole group out.
+    hpcrl's evaluation ([eval]) has no TRL counterpart: --set eval.interval=0 --set eval.at_start=false.
   - randomness: both seed with run.seed, but draw other random numbers (hpcrl re-seeds vLLM per batch
     and chunk; TRL seeds once through set_seed), so "first 10-step mean >= 0.8" is one seed's figure
     on each side, not a distribution. It varies more with the seed (84 to 163 steps over hpcrl's seeds
@@ -226,14 +234,17 @@ def run_one(run: Run, timeout_s: float) -> None:
             run.unsupported = json.loads((out / "unsupported.json").read_text())
 
 
-def command(column: str, out: Path, steps: int, vllm_sync: str, seed: int) -> list[str]:
+def command(column: str, out: Path, steps: int, vllm_sync: str, seed: int, config: Path = CONFIG,
+            sets: tuple[str, ...] = ()) -> list[str]:
+    """The command line of one run of `column` on `config`, with the --set overrides `sets` on both sides."""
+    overrides = [a for s in (*sets, f"run.seed={seed}") for a in ("--set", s)]
     if column == "hpcrl":
-        return [str(HPCRL), "run", str(CONFIG), "--set", f"run.run_dir={out / 'hpcrl'}", "--set", f"run.seed={seed}",
+        return [str(HPCRL), "run", str(config), "--set", f"run.run_dir={out / 'hpcrl'}", *overrides,
                 "--steps", str(steps)]
     python = str(VENV_TRL / "bin" / "python")
     generation = "transformers" if column == "trl" else "vllm"
     extra = ["--vllm-sync", vllm_sync] if column == "vllm" else []
-    return [python, str(TRL_SIDE), "--config", str(CONFIG), "--set", f"run.seed={seed}", "--generation", generation,
+    return [python, str(TRL_SIDE), "--config", str(config), *overrides, "--generation", generation,
             "--steps", str(steps), "--out", str(out), *extra]
 
 
@@ -389,6 +400,12 @@ def main() -> int:
                              "seed than between the two libraries: compare a few seeds on each side")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a run is killed (default 900)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_vs_trl")
+    parser.add_argument("--config", type=Path, default=CONFIG,
+                        help="the hpcrl config both sides train on (default: the embedded default, "
+                             "configs/tiny_grpo.toml); e.g. configs/smollm2_word_problems.toml, the real model")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a key of the config on both sides, as hpcrl run --set does "
+                             "(e.g. eval.interval=0: TRL evaluates nothing)")
     args = parser.parse_args()
     if args.setup:
         return setup()
@@ -396,15 +413,18 @@ def main() -> int:
         seeds = [int(seed) for seed in args.seeds.split(",")]
     except ValueError:
         parser.error(f"--seeds {args.seeds!r} is not a comma-separated list of integers, e.g. 0,1,2")
+    config = tomllib.loads(args.config.read_text())
+    model = REPO / config["model"]["path"]
+    make_model = ("python tools/make_tiny_model.py" if model.name.startswith("tiny")
+                  else f"python tools/fetch_model.py {model.name}")
     missing = [(path, fix) for path, fix in ((HPCRL, "tools/setup_env.sh"), (VENV_TRL / "bin" / "python", SETUP_COMMAND),
-                                             (REPO / "models" / "tiny-llama", "python tools/make_tiny_model.py"))
-               if not path.exists()]
+                                             (model, make_model)) if not path.exists()]
     for path, fix in missing:
         print(f"{path} is missing; make it with:\n    {fix}", file=sys.stderr)
     if missing:
         return 2
 
-    steps = args.steps or tomllib.loads(CONFIG.read_text())["trainer"]["steps"]
+    steps = args.steps or config["trainer"]["steps"]
     counts = {"hpcrl": args.runs_hpcrl, "trl": args.runs_trl, "vllm": args.runs_vllm}
     runs: dict[str, list[Run]] = {column: [] for column, count in counts.items() if count > 0}
     load = os.getloadavg()
@@ -416,7 +436,8 @@ def main() -> int:
             out = args.out / f"{column}-{round_ + 1}"
             seed = seeds[round_ % len(seeds)]
             run = Run(column=column, index=round_ + 1, seed=seed,
-                      command=command(column, out, steps, args.trl_vllm_sync, seed), out=str(out))
+                      command=command(column, out, steps, args.trl_vllm_sync, seed, args.config, tuple(args.set)),
+                      out=str(out))
             print(f"{TITLES[column]}, run {run.index} (seed {seed}): {' '.join(run.command)}", flush=True)
             run_one(run, args.timeout)
             print(f"  exit {run.rc}, {run.wall_s:.1f} s", flush=True)
@@ -427,7 +448,7 @@ def main() -> int:
     if args.trl_vllm_sync == "reload":
         titles["vllm"] += " (sync patched: vLLM reload_weights)"
     table, footnotes = render_table([(titles[c], rs) for c, rs in runs.items()])
-    print(f"\n{steps} steps; {os.cpu_count()} CPUs, load average {load[0]:.1f} before, "
+    print(f"\n{args.config.name}, {steps} steps; {os.cpu_count()} CPUs, load average {load[0]:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after; {time.time() - started:.0f} s in all; {versions()}\n")
     print(table)
     for note in footnotes:

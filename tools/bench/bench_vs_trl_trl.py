@@ -1,4 +1,5 @@
-"""The TRL side of tools/bench/bench_vs_trl.py: TRL's GRPOTrainer on hpcrl's embedded default, one run.
+"""The TRL side of tools/bench/bench_vs_trl.py: TRL's GRPOTrainer on an hpcrl config (the embedded default unless
+--config), one run.
 
 Runs in .venv-trl (TRL is no dependency of hpcrl; see tools/bench/bench_vs_trl.py for its set-up), and
 reads hpcrl's own config, prompt stream and reward function from this checkout, so that both sides
@@ -6,6 +7,8 @@ train on the same setting:
 
     .venv-trl/bin/python tools/bench/bench_vs_trl_trl.py --generation transformers --out /tmp/trl-run [--steps N]
     .venv-trl/bin/python tools/bench/bench_vs_trl_trl.py --generation vllm --out /tmp/trl-vllm
+    .venv-trl/bin/python tools/bench/bench_vs_trl_trl.py --config configs/smollm2_word_problems.toml \
+        --generation transformers --out /tmp/trl-smollm2 --steps 4       # the real model, in its chat format
 
 Writes OUT/steps.jsonl, one line per optimizer step: the wall clock (time.time()) at the step's end,
 its reward mean (TRL's logged "reward"), and where its time went (`trl_config` has the mapping):
@@ -32,26 +35,43 @@ sys.path.insert(0, str(REPO))
 
 from hpcrl.config import load_config  # noqa: E402
 from hpcrl.config.schema import Config  # noqa: E402
+from hpcrl.data.chat import conversation, prompt_format  # noqa: E402
 from hpcrl.data.prompts import PromptStream  # noqa: E402
 
 STEPS_FILE = "steps.jsonl"
 
 
-def prompt_rows(config: Config, steps: int) -> list[dict[str, str]]:
+def prompt_rows(config: Config, steps: int) -> list[dict]:
     """The prompts hpcrl's controller draws for steps 1..`steps`, in its order: batch b is
-    PromptStream.next_batch(prompts per step), b = 0, 1, ... (hpcrl.rl.controller)."""
+    PromptStream.next_batch(prompts per step), b = 0, 1, ... (hpcrl.rl.controller). In the chat format
+    (data.format, as hpcrl decides it) each prompt is the conversation hpcrl renders (data.system_prompt
+    first), which TRL renders with the same tokenizer's template; `prompt_text` is what hpcrl's reward reads."""
     stream = PromptStream.from_config(config.data)
     per_step = config.trainer.global_batch_size // config.algorithm.group_size
-    return [{"prompt": p.text, "answer": p.answer} for p in stream.next_batch(per_step * steps)]
+    chat = prompt_format(config.data, str(REPO / config.model.path)) == "chat"
+    return [{"prompt": conversation(p, config.data.system_prompt) if chat else p.text, "prompt_text": p.text,
+             "answer": p.answer} for p in stream.next_batch(per_step * steps)]
 
 
 def reward_function(config: Config):
-    """hpcrl's reward.function as a TRL reward function (one float per completion)."""
+    """hpcrl's reward.function as a TRL reward function (one float per completion), called as hpcrl's reward
+    workers call it: (Prompt.text, the completion's text, the answer), the score alone of a (score, reason).
+    A score that raises (math_verify past its deadline) is None: TRL leaves that completion out of its
+    group's baseline, where hpcrl holds the whole group out."""
     module, name = config.reward.function.split(":")
     score = getattr(importlib.import_module(module), name)
 
-    def reward(prompts, completions, answer, **_):
-        return [score(p, c, a) for p, c, a in zip(prompts, completions, answer)]
+    def one(prompt: str, completion, answer: str) -> float | None:
+        if isinstance(completion, list):  # chat: [{"role": "assistant", "content": ...}]
+            completion = completion[-1]["content"]
+        try:
+            value = score(prompt, completion, answer)
+        except Exception:  # noqa: BLE001 - hpcrl scores it as an error, not a 0
+            return None
+        return float(value[0] if isinstance(value, tuple) else value)
+
+    def reward(prompts, completions, answer, prompt_text, **_):
+        return [one(p, c, a) for p, c, a in zip(prompt_text, completions, answer)]
 
     reward.__name__ = name
     return reward
@@ -84,6 +104,7 @@ def trl_config(config: Config, *, steps: int, generation: str, out: Path) -> dic
         loss_type="dapo",                                         # token mean over the whole step
         scale_rewards="group",                                    # (r - mean) / std within the group
         use_vllm=generation == "vllm",
+        chat_template_kwargs=dict(config.data.chat_template_kwargs) or None,
     )
     if generation == "vllm":
         kwargs.update(vllm_mode="colocate", vllm_gpu_memory_utilization=inf.gpu_memory_utilization,
