@@ -9,7 +9,7 @@ whose model has sizes the others lack has a shape type of its own (a subclass, i
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -98,6 +98,17 @@ def numel(shape: tuple[int, ...]) -> int:
     for dim in shape:
         count *= dim
     return count
+
+
+def routed_experts(shape: ModelShape, *, num_experts: int, top_k: int, intermediate_size: int,
+                   is_moe_layer: Callable[[int], bool]) -> Experts | None:
+    """The routed experts of a MoE family's shape: `num_experts` SwiGLU MLPs (gate, up, down) of
+    `intermediate_size` in every block `is_moe_layer` picks; None when no block routes."""
+    layers = tuple(i for i in range(shape.num_layers) if is_moe_layer(i))
+    if not layers:
+        return None
+    per_block = num_experts * 3 * intermediate_size * shape.hidden_size  # gate, up, down
+    return Experts(layers=layers, num_experts=num_experts, top_k=top_k, parameters=per_block * len(layers))
 
 
 def largest_block_parameters(shape: ModelShape) -> int:

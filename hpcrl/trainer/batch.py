@@ -78,24 +78,20 @@ class RolloutBatch:
 
     def rows(self, start: int, stop: int) -> RolloutBatch:
         """Rows start..stop-1, trimmed to their longest real length (padding costs compute)."""
-        width = max(int(self.lengths[start:stop].max()), 2) if stop > start else 2
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is not None:
-                value = value[start:stop]
-                out[f.name] = value[:, :width] if value.dim() == 2 else value
-        return RolloutBatch(**out)
+        return self._select(slice(start, stop), empty=stop <= start)
 
     def take(self, rows: list[int]) -> RolloutBatch:
         """These rows, in this order, trimmed to their longest real length."""
-        index = torch.tensor(rows, dtype=torch.long)
-        width = max(int(self.lengths[index].max()), 2) if rows else 2
+        return self._select(torch.tensor(rows, dtype=torch.long), empty=not rows)
+
+    def _select(self, which: slice | Tensor, *, empty: bool) -> RolloutBatch:
+        """The rows `which` (a slice: views; an index: copies), trimmed to their longest real length."""
+        width = 2 if empty else max(int(self.lengths[which].max()), 2)
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if value is not None:
-                value = value[index]
+                value = value[which]
                 out[f.name] = value[:, :width] if value.dim() == 2 else value
         return RolloutBatch(**out)
 

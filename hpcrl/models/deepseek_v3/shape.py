@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcrl.models.shape import Experts, ModelShape
+from hpcrl.models.shape import Experts, ModelShape, routed_experts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,12 +62,8 @@ class DeepseekV3Shape(ModelShape):
                 and layer % self.moe_layer_freq == 0)
 
     def experts(self) -> Experts | None:
-        layers = tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
-        if not layers:
-            return None
-        per_block = self.n_routed_experts * 3 * self.moe_intermediate_size * self.hidden_size  # gate, up, down
-        return Experts(layers=layers, num_experts=self.n_routed_experts, top_k=self.num_experts_per_tok,
-                       parameters=per_block * len(layers))
+        return routed_experts(self, num_experts=self.n_routed_experts, top_k=self.num_experts_per_tok,
+                              intermediate_size=self.moe_intermediate_size, is_moe_layer=self.is_moe_layer)
 
     def active_parameters(self) -> int:
         """Parameters a token computes with: every tensor but the routed experts, and top-k of those

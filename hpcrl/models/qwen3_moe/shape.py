@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcrl.models.shape import Experts, ModelShape
+from hpcrl.models.shape import Experts, ModelShape, routed_experts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,9 +30,5 @@ class Qwen3MoeShape(ModelShape):
                 and (layer + 1) % self.decoder_sparse_step == 0)
 
     def experts(self) -> Experts | None:
-        layers = tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
-        if not layers:
-            return None
-        per_block = self.num_experts * 3 * self.moe_intermediate_size * self.hidden_size  # gate, up, down
-        return Experts(layers=layers, num_experts=self.num_experts, top_k=self.num_experts_per_tok,
-                       parameters=per_block * len(layers))
+        return routed_experts(self, num_experts=self.num_experts, top_k=self.num_experts_per_tok,
+                              intermediate_size=self.moe_intermediate_size, is_moe_layer=self.is_moe_layer)
