@@ -18,15 +18,16 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))
 
 
-def hpcrl(*args: str) -> subprocess.CompletedProcess:
+def hpcrl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hpcrl", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
-@pytest.mark.timeout(60)
+# Kimi-K2's plan is 8.45M blocks: 10 s alone on 2 cores, and CI's second worker has made it 60 s.
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
 def test_every_shipped_config_moves_exactly_the_minimum_bytes(config):
-    done = hpcrl("plan", "--transfer", str(config))
+    done = hpcrl("plan", "--transfer", str(config), timeout=230)
     assert done.returncode == 0, done.stderr
     assert "bytes vs minimum: 1.00x" in done.stdout
     assert "per trainer rank" in done.stdout and "per inference rank" in done.stdout

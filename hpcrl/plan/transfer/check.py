@@ -80,7 +80,11 @@ def check_plan(plan: TransferPlan) -> None:
     real = np.array([[d.real_rows[r] * d.local_shape[1] for r in range(tp)] for d in plan.dests], np.int64)
     idx, start, size = _runs(plan, "dst")
     group = (b["replica"][idx] * tp + b["tp_rank"][idx]) * len(plan.dests) + b["dest"][idx]
-    order = np.lexsort((start, group))
+    span = int(start.max()) + 1
+    if int(group.max()) < np.iinfo(np.int64).max // span:  # one int64 key: ~4x faster than lexsort
+        order = np.argsort(group * span + start, kind="stable")
+    else:
+        order = np.lexsort((start, group))
     idx, start, size, group = idx[order], start[order], size[order], group[order]
     first = np.ones(len(idx), bool)
     first[1:] = group[1:] != group[:-1]
@@ -106,10 +110,9 @@ def check_plan(plan: TransferPlan) -> None:
         raise PlanError(f"transfer plan {plan.digest[:12]}: nothing writes {plan.dests[dest].name} on replica "
                         f"{rank // tp} TP rank {rank % tp}")
     # Messages: non-decreasing, never shared by two routes.
-    key = np.stack([b["src_rank"], b["replica"], b["tp_rank"]], axis=1)
     msg = b["message"]
     step = np.diff(msg)
-    route_change = np.any(key[1:] != key[:-1], axis=1)
+    route_change = (np.diff(b["src_rank"]) != 0) | (np.diff(b["replica"]) != 0) | (np.diff(b["tp_rank"]) != 0)
     bad = np.nonzero((step < 0) | (step > 1) | (route_change & (step != 1)))[0]
     if len(bad) or msg[0] != 0:
         raise _fail(plan, int(bad[0]) + 1 if len(bad) else 0, "messages are not numbered in route order")
