@@ -23,6 +23,7 @@ from hpcrl.config.groups import GROUP_NAMES, HEAD, INFERENCE, REWARD, TRAINER
 from hpcrl.config.model_shapes import ModelShape, shape_of
 from hpcrl.config.schema import Config
 from hpcrl.errors import ConfigError
+from hpcrl.models.lora import adapter_parameters, present_targets
 
 
 def _fail(key: str, problem: str, fix: str) -> None:
@@ -47,6 +48,7 @@ def check_config(config: Config) -> ModelShape:
     _check_data(config)
     _check_eval(config)
     _check_env(config, shape)
+    _check_lora(config, shape)
     return shape
 
 
@@ -425,3 +427,26 @@ def _check_env(config: Config, shape: ModelShape) -> None:
         config.algorithm.check_episodes()
     except ConfigError as err:
         _fail(f"algorithm.{err.key}", err.problem, err.fix)
+
+
+def _check_lora(config: Config, shape: ModelShape) -> None:
+    """[lora]: a family that takes adapters, targets the model has, a rank no larger than the layers it adapts."""
+    lora = config.lora
+    if lora is None:
+        return
+    if not shape.family.lora_targets:
+        _fail("lora", f"model family {shape.architecture} takes no LoRA adapters in hpcrl yet",
+              "remove the [lora] table (train every weight), or choose a model of a Llama-style family")
+    have = present_targets(shape)
+    missing = [t for t in lora.targets if t not in have]
+    if missing:
+        close = difflib.get_close_matches(missing[0], have, n=1)
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        experts = " (a routed expert takes no adapter)" if shape.experts() else ""
+        _fail("lora.targets", f"{', '.join(map(repr, missing))}: no such linear layer in {shape.architecture}{experts}",
+              f"{guess}this model's layers that take one: {', '.join(have)}")
+    smallest = min(max(dims) for _, dims in adapter_parameters(shape, 1, lora.targets))  # each layer's in and out
+    if lora.rank > smallest:
+        _fail("lora.rank", f"is {lora.rank}, above the smallest dimension of an adapted layer ({smallest}): the "
+              "adapter would hold more than the layer", f"set lora.rank to at most {smallest}, e.g. 16")
+

@@ -48,6 +48,8 @@ def dump_toml(config: Config) -> str:
     """The TOML text of a resolved config (every field, defaults included)."""
     out = ["# Resolved configuration of this run (profile + experiment + --set), written by hpcrl.", ""]
     for field in dataclasses.fields(config):
+        if getattr(config, field.name) is None:  # an optional table left out ([lora])
+            continue
         _table(field.name, _keys(getattr(config, field.name)) if field.name != "groups"
                else {k: _keys(v) for k, v in config.groups.items()}, out)
     return "\n".join(out)

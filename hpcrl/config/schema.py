@@ -7,7 +7,7 @@ each field carries a one-line docstring, and each class checks its own values in
 not declared here: its keys are the configured algorithm's options, declared beside it with their docs
 and bounds (hpcrl.algorithms.base.Options and the algorithm's subclass).
 
-    [run] [model] [trainer] [checkpoint] [inference] [reward] [algorithm] [data] [eval] [cluster] [groups.<name>]
+    [run] [model] [trainer] [checkpoint] [inference] [reward] [algorithm] [data] [eval] [env] [lora] [cluster] [groups.<name>]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Literal
 from hpcrl.algorithms import algorithm_options
 from hpcrl.algorithms.base import Options
 from hpcrl.errors import ConfigError
+from hpcrl.models.lora import LORA_TARGETS
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # Slurm --time forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
@@ -541,6 +542,39 @@ class EnvConfig:
         _positive(self.step_timeout_s, "step_timeout_s", most=MAX_WAIT_S)
 
 
+#: The most LoRA rank: above it an adapter is as large as the layers it adapts (vLLM serves ranks up to 512).
+MAX_LORA_RANK = 4096
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """[lora]: train low-rank adapters on the model's linear layers instead of its weights (the table's presence
+    turns it on). Each target W [out, in] gets A [rank, in] and B [out, rank], the layer computes
+    W x + (alpha / rank) B A dropout(x) as PEFT's LoRA does; B starts at zero, so step 0 is the base model."""
+
+    rank: int = 16
+    """The adapters' rank r."""
+    alpha: float = 32.0
+    """The scale's numerator: the update is (alpha / rank) B A (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training (PEFT's lora_dropout); 0 = none."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Hugging Face module names of the linear layers that get adapters (the model family says which it has)."""
+    init_from: str = ""
+    """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start from; "" = new adapters."""
+
+    def __post_init__(self) -> None:
+        _positive(self.rank, "rank", most=MAX_LORA_RANK)
+        _positive(self.alpha, "alpha", most=1e6)
+        _require(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout}",
+                 "set dropout = 0.0 (none) or e.g. 0.05")
+        _require(bool(self.targets), "targets", "is empty: no layer would get an adapter",
+                 f"list the layers, e.g. targets = {list(LORA_TARGETS)!r}")
+        twice = sorted({t for t in self.targets if self.targets.count(t) > 1})
+        _require(not twice, "targets", f"names {', '.join(map(repr, twice))} twice", "list each layer once")
+        one_line(self.init_from, "init_from")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
     name: str = "none"
@@ -705,6 +739,8 @@ class Config:
     """[eval]: pass@1 / pass@k on the held-out prompts every eval.interval steps."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """[env]: a multi-turn environment; none by default (single-turn rollouts)."""
+    lora: LoraConfig | None = None
+    """[lora]: train LoRA adapters, the base model frozen; None (no table) = train every weight."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """[cluster]: the cluster profile (usually from launch/<name>.toml)."""
     groups: dict[str, GroupConfig] = field(default_factory=dict)

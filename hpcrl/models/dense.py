@@ -18,6 +18,7 @@ from typing import Any
 from hpcrl.models.blocks import Block, DenseMLP, GroupedQueryAttention
 from hpcrl.models.family import Family, TitanModel
 from hpcrl.models.layout import VllmLayer, VllmParam
+from hpcrl.models.lora import LORA_TARGETS
 from hpcrl.models.shape import ModelShape, numel
 
 #: q/k/v biases (Qwen2; Llama with attention_bias) sit beside the weights; torchtitan's adapters omit them.
@@ -33,6 +34,8 @@ def titan_model(package: str, prefix: str, adapter: str) -> TitanModel:
 
 class DenseDecoder(Family):
     """A Llama-style dense decoder (see the module docstring)."""
+
+    lora_targets = LORA_TARGETS
 
     def reads_qkv_bias(self, config: Mapping[str, Any]) -> bool:
         """Whether a config.json of this family has q/k/v biases."""

@@ -65,6 +65,9 @@ class Family(ABC):
     vllm_load_hooks: tuple[VllmLoadHook, ...] = ()
     """What vLLM does to this family's layers after loading beyond repacking plain linears (e.g.
     prepacking fused experts on CPU); the weight-transfer engine calls them around every update."""
+    lora_targets: tuple[str, ...] = ()
+    """The HF module names of the linear layers [lora] may put adapters on (hpcrl/models/lora.py); () = LoRA
+    is not supported for this family yet."""
 
     @abstractmethod
     def blocks(self, shape: ModelShape) -> list[Block]:
