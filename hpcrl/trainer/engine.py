@@ -258,7 +258,7 @@ class TrainerEngine:
         model.to_empty(device=self.device)
         torch.manual_seed(o.seed)
         titan.init_states(model, device=self.device)
-        model.requires_grad_(trainable)
+        titan.set_trainable(model, trainable)
         model.train(trainable)
         return model
 

@@ -25,7 +25,9 @@ Qwen3's blocks with q/k/v biases and no q/k norm (torchtitan 0.3.0 has no Qwen2 
 block holds the family says with generic layer kinds (`Family.blocks`, hpcrl/models/blocks.py);
 each kind has one builder here: `_attention_config` (grouped-query attention, q/k/v biases and
 q/k norms as the kind says), `_mlp_config` (a dense SwiGLU, or routed experts) and
-`_router_config` (softmax top-k). A new kind is one more branch in one of them. Llama 3.1+ "llama3" RoPE frequency
+`_router_config` (softmax top-k; DeepSeek-V3's grouped sigmoid top-k with its bias, `_biased_moe_class`);
+multi-head latent attention is torchtitan's DeepSeek-V3 `Attention` with interleaved RoPE on its rope part
+(`_latent_attention_config`). A new kind is one more branch in one of them. Llama 3.1+ "llama3" RoPE frequency
 scaling (`RopeScaling`, read from config.json) is applied to the rotate-half cache the way
 transformers computes it (torchtitan's CosSinRoPE refuses it).
 
@@ -157,6 +159,43 @@ def _exact_grouped_experts_class():
     return ExactGroupedExperts
 
 
+@cache
+def _biased_moe_class():
+    """torchtitan's MoE whose router bias `expert_bias_E` is a parameter that takes no gradient (made once).
+
+    DeepSeek-V3's router adds a per-expert bias to its scores when it chooses experts
+    (`e_score_correction_bias`, the auxiliary-loss-free balancing's state). torchtitan keeps it as a
+    buffer, which exists only with a load-balance coefficient (the coefficient's value is read only by
+    torchtitan's own bias update, which hpcrl does not run). As a parameter (requires_grad False: no
+    gradient, no optimizer state) it is an HF tensor like the others: loaded from the checkpoint, sharded
+    by FSDP2, sent by the weight transfer, saved by the checkpoint."""
+    from torchtitan.models.common.moe import MoE
+
+    class BiasedMoE(MoE):
+        @dataclass(kw_only=True, slots=True)
+        class Config(MoE.Config):
+            pass
+
+        def __init__(self, config: Config) -> None:
+            super().__init__(config)
+            self.expert_bias_E = nn.Parameter(self._buffers.pop("expert_bias_E"), requires_grad=False)
+
+        def reset_parameters(self) -> None:  # torchtitan's init of a module's own parameters
+            with torch.no_grad():
+                self.expert_bias_E.zero_()
+
+        def _init_self_buffers(self, *, buffer_device: torch.device | None = None) -> None:
+            bias, coeff = self._parameters.pop("expert_bias_E"), self.load_balance_coeff
+            self.load_balance_coeff = None  # the parent then remakes its counters, not the bias
+            try:
+                super()._init_self_buffers(buffer_device=buffer_device)
+            finally:
+                self.load_balance_coeff = coeff
+                self.register_parameter("expert_bias_E", bias)
+
+    return BiasedMoE
+
+
 @dataclass(frozen=True)
 class Documents:
     """A packed row's rollouts for the attention: rollout i is positions bounds[i]:bounds[i + 1] of the row."""
@@ -197,6 +236,13 @@ def _router_config(router: blocks.Router, *, dim: int, num_experts: int, top_k: 
     if isinstance(router, blocks.SoftmaxTopK):
         return make_router_config(dim=dim, num_experts=num_experts, gate_param_init=linear, top_k=top_k,
                                   score_func="softmax", route_norm=router.renormalize)
+    if isinstance(router, blocks.SigmoidGroupTopK):
+        grouped = router.n_group > 1  # one group: every expert is a candidate, as without groups
+        return make_router_config(dim=dim, num_experts=num_experts, gate_param_init=linear, top_k=top_k,
+                                  score_func="sigmoid", route_norm=router.renormalize,
+                                  route_scale=router.scaling_factor,
+                                  num_expert_groups=router.n_group if grouped else None,
+                                  num_limited_groups=router.topk_group if grouped else None)
     raise TrainerError(f"no torchtitan builder for the router kind {type(router).__name__}; "
                        "add one to hpcrl/trainer/titan.py _router_config")
 
@@ -221,9 +267,14 @@ def _mlp_config(mlp: blocks.MLP, *, dim: int, linear: dict, depth: dict) -> dict
         inner = routed.inner_experts
         routed.inner_experts = _exact_grouped_experts_class().Config(
             dim=inner.dim, hidden_dim=inner.hidden_dim, num_experts=inner.num_experts, param_init=inner.param_init)
+        shared = (make_ffn_config(dim=dim, hidden_dim=mlp.shared_hidden_dim, w1_param_init=linear,
+                                  w2w3_param_init=depth) if mlp.shared_hidden_dim else None)
+        router = _router_config(mlp.router, dim=dim, num_experts=e, top_k=k, linear=linear)
+        if isinstance(mlp.router, blocks.SigmoidGroupTopK):  # a router with a bias: see _biased_moe_class
+            return {"feed_forward": None, "moe": _biased_moe_class().Config(
+                num_experts=e, load_balance_coeff=1.0, routed_experts=routed, shared_experts=shared, router=router)}
         return {"feed_forward": None, "moe": make_moe_config(
-            num_experts=e, load_balance_coeff=None, routed_experts=routed,
-            router=_router_config(mlp.router, dim=dim, num_experts=e, top_k=k, linear=linear))}
+            num_experts=e, load_balance_coeff=None, routed_experts=routed, shared_experts=shared, router=router)}
     raise TrainerError(f"no torchtitan builder for the MLP kind {type(mlp).__name__}; "
                        "add one to hpcrl/trainer/titan.py _mlp_config")
 
@@ -246,8 +297,35 @@ def _attention_config(attention: blocks.Attention, *, dim: int, eps: float, rope
             config.qkv_linear.wq.bias = True
             config.qkv_linear.wkv.bias = True
         return config
+    if isinstance(attention, blocks.LatentAttention):
+        return _latent_attention_config(attention, dim=dim, eps=eps, rope=rope, linear=linear, depth=depth, norm=norm)
     raise TrainerError(f"no torchtitan builder for the attention kind {type(attention).__name__}; "
                        "add one to hpcrl/trainer/titan.py _attention_config")
+
+
+def _latent_attention_config(mla: blocks.LatentAttention, *, dim: int, eps: float, rope: Callable[..., Any],
+                             linear: dict, depth: dict, norm: dict):
+    """torchtitan's DeepSeek-V3 multi-head latent attention (its `Attention`, the one MLA torchtitan has).
+    RoPE over the qk_rope_head_dim part is interleaved (adjacent pairs, torchtitan's ComplexRoPE), as
+    transformers' DeepSeek-V3 (rope_interleave) and vLLM's (is_neox_style=False) rotate it."""
+    from torchtitan.models.common import Linear, RMSNorm
+
+    def linear_config(inp: int, out: int, init: dict):
+        return Linear.Config(in_features=inp, out_features=out, bias=False, param_init=init)
+
+    heads, qk = mla.num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    query = ({"wq": linear_config(dim, heads * qk, linear)} if not mla.q_lora_rank else
+             {"wq_a": linear_config(dim, mla.q_lora_rank, linear), "wq_b": linear_config(mla.q_lora_rank, heads * qk, linear)})
+    return _titan_class("torchtitan.models.deepseek_v3.model.Attention").Config(
+        n_heads=heads, dim=dim, q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
+        qk_nope_head_dim=mla.qk_nope_head_dim, qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
+        wkv_a=linear_config(dim, mla.kv_lora_rank + mla.qk_rope_head_dim, linear),
+        wkv_b=linear_config(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), linear),
+        wo=linear_config(heads * mla.v_head_dim, dim, depth),
+        q_norm=RMSNorm.Config(normalized_shape=max(mla.q_lora_rank, 1), eps=eps, param_init=norm),
+        kv_norm=RMSNorm.Config(normalized_shape=mla.kv_lora_rank, eps=eps, param_init=norm),
+        rope=rope(mla.qk_rope_head_dim, interleaved=True), inner_attention=_document_attention_class().Config(),
+        **query)
 
 
 def _titan_class(path: str):
@@ -261,10 +339,15 @@ def _titan_class(path: str):
                            f"lacks ({err}); fix the family's `titan` paths under hpcrl/models/") from None
 
 
-def _rope_config(dim: int, *, theta: float, max_seq_len: int, scaling: RopeScaling | None):
-    """torchtitan's rotate-half RoPE config over `dim` of each head (Llama 3 scaled when `scaling`)."""
-    from torchtitan.models.common.rope import CosSinRoPE
+def _rope_config(dim: int, *, theta: float, max_seq_len: int, scaling: RopeScaling | None, interleaved: bool = False):
+    """torchtitan's rotate-half RoPE config over `dim` of each head (Llama 3 scaled when `scaling`), or with
+    `interleaved` its RoPE over adjacent pairs (MLA's)."""
+    from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
 
+    if interleaved:
+        if scaling is not None:
+            raise TrainerError("Llama 3 RoPE scaling on interleaved (MLA) RoPE: no model has it; remove rope_scaling")
+        return ComplexRoPE.Config(dim=dim, max_seq_len=max_seq_len, theta=theta)
     if scaling is None:
         return CosSinRoPE.Config(dim=dim, max_seq_len=max_seq_len, theta=theta)
     return _scaled_rope_class().Config(
@@ -332,6 +415,14 @@ def init_states(model: nn.Module, *, device: torch.device) -> None:
     """Random parameters (torchtitan's per-module inits) and RoPE caches, after `to_empty`."""
     with torch.no_grad():
         cast(_Decoder, model).init_states(buffer_device=device)
+
+
+def set_trainable(model: nn.Module, trainable: bool) -> None:
+    """requires_grad on every parameter, or none; a router bias never takes one (`_biased_moe_class`)."""
+    model.requires_grad_(trainable)
+    for module in model.modules():
+        if isinstance(module, _biased_moe_class()):
+            module.expert_bias_E.requires_grad_(False)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

@@ -156,3 +156,89 @@ def test_torchtitan_adapter_names_every_hf_parameter_of_the_family(q_lora, flavo
     assert templates["model.layers.{}.mlp.gate.e_score_correction_bias"] == "layers.{}.moe.expert_bias_E"
     for hf, stack in titan.expert_stacks.items():
         assert templates[hf] == stack  # the adapter stacks experts as the family says
+
+
+def _save_hf_checkpoint(shape, out) -> None:
+    """A random transformers DeepseekV3ForCausalLM of `shape`, its norms and router bias random too (zeros and
+    ones would hide a swapped or missing one), saved as a checkpoint."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = shape.to_hf_config()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf.pop("model_type"), **hf), dtype=torch.float32)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if "norm" in name:
+                tensor.uniform_(0.5, 1.5)
+            elif name.endswith("e_score_correction_bias"):
+                tensor.uniform_(-0.05, 0.05)  # scores stay positive: transformers masks groups with 0, vLLM with -inf
+    model.save_pretrained(out)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shape", [TINY, replace(TINY, q_lora_rank=0, n_group=1, topk_group=1)],
+                         ids=["q-lora-grouped", "q-proj-ungrouped"])
+def test_torchtitan_deepseek_v3_gives_transformers_logits_from_the_same_checkpoint(shape, tmp_path):
+    """MLA (interleaved RoPE on the rope part, a q LoRA or not), the grouped sigmoid router with its bias, the
+    shared expert and the dense first block, built from the family's layer kinds and loaded by the trainer's
+    loader, compute transformers' logits."""
+    pytest.importorskip("torchtitan")
+    import warnings
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.trainer import titan
+    from hpcrl.trainer.weights import load_hf_weights
+
+    _save_hf_checkpoint(shape, tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    model = titan.build_model(shape, max_seq_len=64, device="meta")
+    model.to_empty(device="cpu")
+    titan.init_states(model, device=torch.device("cpu"))
+    load_hf_weights(model, titan.hf_to_titan_names(shape), tmp_path)
+    tokens = torch.randint(0, shape.vocab_size, (3, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="In CPU autocast")  # torchtitan's fp32 router autocast
+        ours, theirs = model.eval()(tokens), reference(tokens).logits
+    assert (ours - theirs).abs().max() < 1e-5
+
+
+@pytest.mark.timeout(120)
+def test_the_trainer_engine_trains_deepseek_v3_and_leaves_the_router_bias_as_loaded(tmp_path):
+    """The router bias is a parameter without gradient (hpcrl/trainer/titan.py _biased_moe_class): it loads, is
+    exported and sent under its HF name, and a train step leaves it bitwise, with no optimizer state; the
+    latent attention, the router and the experts the tokens went to learn."""
+    pytest.importorskip("torchtitan")
+    import warnings
+
+    import torch
+    from safetensors.torch import load_file
+
+    from hpcrl.algorithms.base import Options
+    from hpcrl.trainer import EngineOptions, TrainerEngine
+    from hpcrl.trainer.batch import pad_rows
+
+    _save_hf_checkpoint(TINY, tmp_path)
+    checkpoint = load_file(tmp_path / "model.safetensors")
+    engine = TrainerEngine(EngineOptions(
+        shape=TINY, weights_path=str(tmp_path), max_seq_len=64, lr=1e-2, betas=(0.9, 0.99), eps=1e-6,
+        micro_batch_size=2, grad_clip=1.0, total_steps=10,
+        loss=Options(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0)))
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert torch.equal(engine.local_shards()[bias].tensor, checkpoint[bias])
+    batch = pad_rows(sequences=[[1, 40, 41, 42, 43, 44], [1, 40, 50, 51]], prompt_lengths=[2, 2],
+                     old_logprobs=[[-4.8, -4.9, -5.0, -4.7], [-4.6, -5.1]], advantages=[1.0, -1.0])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="In CPU autocast")
+        engine.train_step(batch)
+    trained = engine.full_state_dict_hf()
+    assert set(trained) == set(checkpoint)
+    changed = {name for name in checkpoint if not torch.equal(trained[name], checkpoint[name])}
+    assert bias not in changed
+    assert {"model.layers.0.self_attn.kv_b_proj.weight", "model.layers.1.self_attn.q_a_proj.weight",
+            "model.layers.1.mlp.gate.weight", "model.layers.1.mlp.shared_experts.up_proj.weight"} <= changed
+    assert any(".mlp.experts." in name for name in changed)
+    frozen = [p for p in engine.model.parameters() if not p.requires_grad]
+    assert len(frozen) == 1 and all(p not in engine.optimizer.state for p in frozen)
