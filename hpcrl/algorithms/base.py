@@ -171,6 +171,11 @@ class Options:
     moe_aux_loss_coef: float = option(
         0.0, "Mixture-of-Experts models: weight of the routers' load-balancing loss (hpcrl/trainer/routing.py) "
              "added to the step loss; 0 = not added (still reported as moe_aux_loss). Qwen3-MoE: 0.001.", at_least=0)
+    moe_bias_update_rate: float = option(
+        0.0, "Mixture-of-Experts routers with a bias (DeepSeek-V3's e_score_correction_bias): the auxiliary-loss-free "
+             "balancing's speed; after each step a block's bias moves by this x sign(mean load - the expert's load) "
+             "over the step's completion tokens, centred (torchtitan's rule); 0 = the bias stays as loaded. "
+             "DeepSeek-V3 was pretrained with 0.001.", at_least=0)
     mismatch_every: int = option(
         1, "With max_policy_lag > 0: measure logprob_mismatch (a trainer forward and a vLLM scoring call of one "
            "group after the weight sync) every this many steps; at lag 0 the step's own forward measures it.",

@@ -23,6 +23,7 @@ from hpcrl.config.groups import GROUP_NAMES, HEAD, INFERENCE, REWARD, TRAINER
 from hpcrl.config.model_shapes import ModelShape, shape_of
 from hpcrl.config.schema import Config
 from hpcrl.errors import ConfigError
+from hpcrl.models.blocks import has_router_bias
 from hpcrl.models.lora import adapter_parameters, present_targets
 
 
@@ -384,6 +385,10 @@ def _check_moe_keys(config: Config, shape: ModelShape) -> None:
         _fail("algorithm.moe_aux_loss_coef",
               f"is {config.algorithm.moe_aux_loss_coef} but {shape.architecture} has no Mixture-of-Experts block "
               "(no router to balance)", "set algorithm.moe_aux_loss_coef = 0, or train a MoE model")
+    if config.algorithm.moe_bias_update_rate > 0 and not has_router_bias(shape):
+        _fail("algorithm.moe_bias_update_rate",
+              f"is {config.algorithm.moe_bias_update_rate} but {shape.architecture}'s routers have no bias to update "
+              "(only DeepSeek-V3's do)", "set algorithm.moe_bias_update_rate = 0")
     if config.inference.expert_parallel and config.inference.gpus_per_node == 0:
         _fail("inference.expert_parallel",
               "is true on CPU inference (gpus_per_node = 0): vLLM 0.32's CPU MoE kernel crashes on the first forward "

@@ -13,6 +13,10 @@ touches neither.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hpcrl.models.shape import ModelShape
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +99,12 @@ class RoutedExperts:
     shared_hidden_dim: int = 0
     """Width of the shared experts' SwiGLU MLP, which every token goes through beside its routed
     experts (DeepSeek-V3: n_shared_experts * the expert width); 0: none."""
+
+
+def has_router_bias(shape: ModelShape) -> bool:
+    """Whether any block of `shape` routes with a biased router (SigmoidGroupTopK's correction bias)."""
+    return any(isinstance(block.mlp, RoutedExperts) and isinstance(block.mlp.router, SigmoidGroupTopK)
+               for block in shape.family.blocks(shape))
 
 
 Attention = GroupedQueryAttention | LatentAttention

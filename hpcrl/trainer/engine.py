@@ -51,6 +51,7 @@ from hpcrl.algorithms.base import Options, options_of
 from hpcrl.algorithms.terms import Normaliser, local_counts
 from hpcrl.config.model_shapes import ModelShape, shape_of
 from hpcrl.errors import TrainerError
+from hpcrl.models.blocks import has_router_bias
 from hpcrl.plan.micro_batches import plan_micro_batches
 from hpcrl.trainer import checkpoint, routing, titan, weights
 from hpcrl.trainer.batch import Packing, RolloutBatch, pack, pad_rows
@@ -120,6 +121,8 @@ class EngineOptions:
     """Recompute each chunk's logits in the backward instead of keeping [tokens, vocab] logits in
     the compute dtype (saves that memory for one more lm_head matmul)."""
     moe_aux_loss_coef: float = 0.0
+    moe_bias_update_rate: float = 0.0
+    """The router bias's auxiliary-loss-free update speed (algorithm.moe_bias_update_rate; 0 = kept as loaded)."""
     """Weight of the routers' load-balancing loss (hpcrl.trainer.routing) added to the step loss of a
     Mixture-of-Experts model; 0 = not added (the loss is then exactly the algorithm's). Qwen3-MoE was
     pretrained with 0.001 (router_aux_loss_coef in its config.json)."""
@@ -147,6 +150,11 @@ class EngineOptions:
         if self.moe_aux_loss_coef > 0 and not _has_moe(self.shape):
             raise TrainerError(f"moe_aux_loss_coef = {self.moe_aux_loss_coef} but {self.shape.architecture} has "
                                "no Mixture-of-Experts block (no router to balance); set algorithm.moe_aux_loss_coef = 0")
+        if not self.moe_bias_update_rate >= 0:
+            raise TrainerError(f"moe_bias_update_rate must be >= 0, got {self.moe_bias_update_rate}")
+        if self.moe_bias_update_rate > 0 and not has_router_bias(self.shape):
+            raise TrainerError(f"moe_bias_update_rate = {self.moe_bias_update_rate} but {self.shape.architecture}'s "
+                               "routers have no bias; set algorithm.moe_bias_update_rate = 0")
         if self.weights_path and self.rope_scaling is None:
             # The checkpoint decides: a Llama 3.1+ config.json asks for scaled RoPE frequencies.
             object.__setattr__(self, "rope_scaling", weights.read_rope_scaling(self.weights_path))
@@ -171,7 +179,8 @@ class EngineOptions:
             grad_clip=t.grad_clip, activation_checkpointing=t.activation_checkpointing,
             dp_replicate=t.dp_replicate, dp_shard=t.dp_shard,
             loss=options_of(config),
-            moe_aux_loss_coef=config.algorithm.moe_aux_loss_coef)
+            moe_aux_loss_coef=config.algorithm.moe_aux_loss_coef,
+            moe_bias_update_rate=config.algorithm.moe_bias_update_rate)
         values.update(overrides)
         return cls(**values)
 
@@ -435,6 +444,7 @@ class TrainerEngine:
         # wait for the device)
         sums = torch.zeros(8, dtype=torch.float64, device=self.device)
         tap = routing.RouterTap(self.model, differentiable=o.moe_aux_loss_coef > 0) if self.moe else None
+        loads: dict[int, Tensor] = {}  # MoE block -> [E] the step's valid tokens per expert (the bias update)
         for micro in self._micro_batches(batch, micro_batches, packed=True if micro_batches is not None else None):
             mb = micro.batch
             ref = mb.ref_logprobs
@@ -456,6 +466,9 @@ class TrainerEngine:
                 # this micro-batch's token-weighted share of the step's load-balancing loss: a
                 # metric, and with a coefficient > 0 a term of the loss
                 balance = routing.load_balancing_loss(tap.records) * (tap.valid.sum() / max(float(counts[2]), 1.0))
+                if o.moe_bias_update_rate > 0:
+                    for record in tap.records:
+                        loads[record.layer] = loads.get(record.layer, 0) + record.fraction * tap.valid.sum()
                 tap.records = []
                 if o.moe_aux_loss_coef > 0:
                     loss = loss + o.moe_aux_loss_coef * balance
@@ -475,6 +488,8 @@ class TrainerEngine:
         totals = torch.cat([self._all_reduce(sums, read=False),
                             self._clip_gradients().to(self.device, torch.float64).view(1)]).cpu()
         grad_norm = self._check_grad_norm(float(totals[8]))
+        if loads:
+            self._update_router_bias(loads)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -487,6 +502,22 @@ class TrainerEngine:
             grad_norm=grad_norm, lr=lr, completion_tokens=int(norm.tokens), sequences=int(norm.sequences),
             tokens_per_s=float(counts[2]) / elapsed, step_time_s=elapsed,
             sampling_logprob_diff=float(totals[6]) / tokens, moe_aux_loss=float(totals[7]))
+
+    def _update_router_bias(self, loads: dict[int, Tensor]) -> None:
+        """Auxiliary-loss-free balancing (DeepSeek-V3), torchtitan's rule (components/optimizer.py
+        `_update_expert_bias`): over every rank's completion tokens of the step, each MoE block's bias moves
+        by rate x sign(mean load - expert's load), centred to sum 0. Padding and prompt tokens do not count
+        (torchtitan counts every token: pretraining has neither)."""
+        layers = sorted(loads)
+        total = self._all_reduce(torch.stack([loads[layer] for layer in layers]).double(), read=False)
+        biases = titan.router_biases(self.model)
+        rate = self.options.moe_bias_update_rate
+        with torch.no_grad():
+            for load, layer in zip(total, layers):
+                delta = rate * torch.sign(load.mean() - load)
+                delta -= delta.mean()
+                local, first = weights.local_rows(biases[layer])
+                local += delta[first:first + local.shape[0]].to(local.dtype)
 
     def _clip_gradients(self) -> Tensor:
         """Clip the gradients to options.grad_clip; the global norm before clipping (not read)."""

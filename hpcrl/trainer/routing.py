@@ -14,7 +14,8 @@ inside the `with`, so the activation-checkpoint recompute in the backward adds n
     aux = load_balancing_loss(tap.records)              # differentiable, in the routers' weights
     ids = tap.top_k(num_layers)                         # [B, L, num_layers, K], -1 at dense blocks
 
-The load-balancing loss is the Switch Transformer's, as Qwen's MoE models are trained with it
+A sigmoid router's (DeepSeek-V3) scores are normalised to sum 1 per token first, as DeepSeek-V3's
+sequence-wise balance loss takes them. The load-balancing loss is the Switch Transformer's, as Qwen's MoE models are trained with it
 (transformers' `load_balancing_loss_func`, `router_aux_loss_coef` in their config.json): per MoE
 block, E x sum_e f_e x P_e, where f_e is the fraction of the (valid) tokens that chose expert e
 among their top k and P_e the mean softmax probability of e; the engine averages it over the MoE
@@ -110,8 +111,12 @@ class RouterTap:
         self._handles = []
 
     def _keep(self, layer: int):
-        def keep(_module, _inputs, outputs) -> None:
+        def keep(module, _inputs, outputs) -> None:
             _top_scores, expert_ids, scores = outputs
+            if getattr(module, "score_func", "softmax") == "sigmoid":
+                # a sigmoid router's scores do not sum to 1: normalised per token, as DeepSeek-V3's balance
+                # loss takes them, so P_e is a probability again and the loss is k when balanced
+                scores = scores / scores.sum(dim=-1, keepdim=True)
             self._pending[layer] = (scores, expert_ids)
         return keep
 

@@ -185,7 +185,7 @@ def _biased_moe_class():
                 self.expert_bias_E.zero_()
 
         def _init_self_buffers(self, *, buffer_device: torch.device | None = None) -> None:
-            bias, coeff = self._parameters.pop("expert_bias_E"), self.load_balance_coeff
+            bias, coeff = self._parameters.pop("expert_bias_E"), getattr(self, "load_balance_coeff")  # noqa: B009
             self.load_balance_coeff = None  # the parent then remakes its counters, not the bias
             try:
                 super()._init_self_buffers(buffer_device=buffer_device)
@@ -423,6 +423,12 @@ def set_trainable(model: nn.Module, trainable: bool) -> None:
     for module in model.modules():
         if isinstance(module, _biased_moe_class()):
             module.expert_bias_E.requires_grad_(False)
+
+
+def router_biases(model: nn.Module) -> dict[int, nn.Parameter]:
+    """{block index: its router's bias} for every block whose router has one (`_biased_moe_class`)."""
+    return {int(clean_name(name).split(".")[1]): module.expert_bias_E for name, module in model.named_modules()
+            if isinstance(module, _biased_moe_class())}
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

@@ -40,7 +40,7 @@ class LocalShard(NamedTuple):
     """First row of the whole parameter held here."""
 
 
-def _rows(param: Tensor) -> tuple[Tensor, int]:
+def local_rows(param: Tensor) -> tuple[Tensor, int]:
     """(local tensor, first global row) of a parameter, sharded (DTensor) or not.
 
     A 3-D parameter (a MoE layer's expert stack, (E, rows, columns): hpcrl.trainer.titan) is seen
@@ -93,7 +93,7 @@ def local_shards(model: nn.Module, hf_to_titan: dict[str, str], *, rank: int = 0
         if sharded and not isinstance(param, DTensor):
             raise TrainerError(f"rank {rank}: {hf_name} is gathered, not sharded; reshard the FSDP "
                                "model (hpcrl.trainer.parallel.reshard) before reading its local shards")
-        local, offset = _rows(param)
+        local, offset = local_rows(param)
         out[hf_name] = LocalShard(local, _row_shape(param), offset)
     return out
 
@@ -168,7 +168,7 @@ def load_hf_weights(model: nn.Module, hf_to_titan: dict[str, str], path: str | P
                 if tuple(entry.get_shape()) != tuple(param.shape):
                     raise TrainerError(f"rank {rank}: {hf_name} is {tuple(entry.get_shape())} in {file.name} "
                                        f"but {tuple(param.shape)} in the model")
-                local, offset = _rows(param)
+                local, offset = local_rows(param)
                 with torch.no_grad():
                     local.copy_(entry[offset:offset + local.shape[0]])
                 seen.add(hf_name)
@@ -186,7 +186,7 @@ def _load_expert(stack: Tensor, expert: int, entry, hf_name: str, *, rank: int) 
     if expert >= stack.shape[0]:
         raise TrainerError(f"rank {rank}: {hf_name} names expert {expert}, but the model has {stack.shape[0]}; "
                            "is model.preset the checkpoint's shape?")
-    local, row = _rows(stack)
+    local, row = local_rows(stack)
     first = row // stack.shape[1]
     if first <= expert < first + local.shape[0] // stack.shape[1]:
         rows = stack.shape[1]
@@ -200,4 +200,4 @@ def copy_weights(source: nn.Module, target: nn.Module, hf_to_titan: dict[str, st
     dst = parameters_by_hf_name(target, hf_to_titan, rank=rank)
     with torch.no_grad():
         for name, param in src.items():
-            _rows(dst[name])[0].copy_(_rows(param)[0])
+            local_rows(dst[name])[0].copy_(local_rows(param)[0])

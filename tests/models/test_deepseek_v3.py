@@ -242,3 +242,48 @@ def test_the_trainer_engine_trains_deepseek_v3_and_leaves_the_router_bias_as_loa
     assert any(".mlp.experts." in name for name in changed)
     frozen = [p for p in engine.model.parameters() if not p.requires_grad]
     assert len(frozen) == 1 and all(p not in engine.optimizer.state for p in frozen)
+
+
+@pytest.mark.timeout(120)
+def test_the_router_bias_moves_toward_balance_by_the_rate_over_completion_tokens_and_stays_without_one(tmp_path):
+    """algorithm.moe_bias_update_rate: after a step each biased block's bias moves by rate x sign(mean load -
+    the expert's load), centred (torchtitan's rule), counted over the step's completion tokens (the
+    RouterTap's valid tokens); rate 0 leaves it bitwise. The load-balancing metric of a sigmoid router is on
+    its normalised scores: between k (balanced) and E."""
+    pytest.importorskip("torchtitan")
+    import warnings
+
+    import torch
+
+    from hpcrl.algorithms.base import Options
+    from hpcrl.trainer import EngineOptions, TrainerEngine, routing, titan
+    from hpcrl.trainer.batch import pad_rows
+
+    _save_hf_checkpoint(TINY, tmp_path)
+    batch = pad_rows(sequences=[[1, 40, 41, 42, 43, 44], [1, 40, 50, 51]], prompt_lengths=[2, 2],
+                     old_logprobs=[[-4.8, -4.9, -5.0, -4.7], [-4.6, -5.1]], advantages=[1.0, -1.0])
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    results = {}
+    for rate in (0.0, 0.01):
+        engine = TrainerEngine(EngineOptions(
+            shape=TINY, weights_path=str(tmp_path), max_seq_len=64, lr=1e-2, betas=(0.9, 0.99), eps=1e-6,
+            micro_batch_size=1, grad_clip=1.0, total_steps=10, moe_bias_update_rate=rate,
+            loss=Options(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0)))
+        before = engine.local_shards()[bias].tensor.clone()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="In CPU autocast")
+            tap = routing.RouterTap(engine.model, keep_ids=True, differentiable=False)
+            tap.valid = routing.valid_tokens(batch.completion_mask)
+            with torch.no_grad(), tap:  # the load the step will count, measured alike
+                titan.hidden_states(engine.model, batch.tokens)
+            (record,) = tap.records
+            load = record.fraction * tap.valid.sum()
+            assert load.sum() == 2 * tap.valid.sum() < 2 * batch.tokens.numel()  # top-2 of each token but padding
+            metrics = engine.train_step(batch)
+        results[rate] = (before, engine.local_shards()[bias].tensor.clone(), load, metrics)
+    before, after, _, metrics = results[0.0]
+    assert torch.equal(before, after) and 2.0 <= metrics.moe_aux_loss <= 8.0
+    before, after, load, _ = results[0.01]
+    expected = 0.01 * torch.sign(load.mean() - load)
+    expected -= expected.mean()
+    assert torch.allclose(after - before, expected.to(after.dtype), atol=1e-7) and expected.abs().max() > 0
