@@ -77,7 +77,7 @@ class EngineOptions:
     """"cpu", or "cuda" (the current CUDA device of this process)."""
     max_seq_len: int = 4096
     """Longest row (prompt + completion) the RoPE cache covers."""
-    rope_scaling: titan.RopeScaling | None = None
+    rope_scaling: titan.RopeScaling | titan.YarnRopeScaling | None = None
     """Llama 3 RoPE scaling; None = read it from weights_path/config.json (or none without weights)."""
     temperature: float = 1.0
     """Logits are divided by this before logprobs (match the logprobs vLLM reports)."""

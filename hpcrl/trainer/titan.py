@@ -98,6 +98,21 @@ class RopeScaling:
     original_max_position_embeddings: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class YarnRopeScaling:
+    """YaRN RoPE scaling as DeepSeek-V3 and Kimi-K2 use it (config.json rope_scaling, type "yarn"): the
+    frequencies interpolated by parts (transformers' `_compute_yarn_parameters`), and the softmax scale times
+    (0.1 mscale_all_dim ln(factor) + 1)^2 (transformers' `yarn_apply_mscale`). Its attention factor on
+    cos/sin must be 1 (weights.read_rope_scaling refuses others)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+
+
 def llama3_inv_freq(*, head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """Inverse RoPE frequencies, scaled as transformers' `_compute_llama3_parameters` does."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -279,10 +294,10 @@ def _mlp_config(mlp: blocks.MLP, *, dim: int, linear: dict, depth: dict) -> dict
                        "add one to hpcrl/trainer/titan.py _mlp_config")
 
 
-def _attention_config(attention: blocks.Attention, *, dim: int, eps: float, rope: Callable[[int], Any],
-                      linear: dict, depth: dict, norm: dict):
+def _attention_config(attention: blocks.Attention, *, dim: int, eps: float, rope: Callable[..., Any],
+                      linear: dict, depth: dict, norm: dict, mscale: float = 0.0):
     """torchtitan's attention config of an attention kind (see the module docstring for the choices);
-    `rope(dim)` is the RoPE config over `dim` of each head."""
+    `rope(dim)` is the RoPE config over `dim` of each head; `mscale` YaRN's mscale_all_dim (MLA's softmax scale)."""
     from torchtitan.models.common import RMSNorm
     from torchtitan.models.common.config_utils import make_gqa_config
 
@@ -298,13 +313,14 @@ def _attention_config(attention: blocks.Attention, *, dim: int, eps: float, rope
             config.qkv_linear.wkv.bias = True
         return config
     if isinstance(attention, blocks.LatentAttention):
-        return _latent_attention_config(attention, dim=dim, eps=eps, rope=rope, linear=linear, depth=depth, norm=norm)
+        return _latent_attention_config(attention, dim=dim, eps=eps, rope=rope, linear=linear, depth=depth, norm=norm,
+                                        mscale=mscale)
     raise TrainerError(f"no torchtitan builder for the attention kind {type(attention).__name__}; "
                        "add one to hpcrl/trainer/titan.py _attention_config")
 
 
 def _latent_attention_config(mla: blocks.LatentAttention, *, dim: int, eps: float, rope: Callable[..., Any],
-                             linear: dict, depth: dict, norm: dict):
+                             linear: dict, depth: dict, norm: dict, mscale: float):
     """torchtitan's DeepSeek-V3 multi-head latent attention (its `Attention`, the one MLA torchtitan has).
     RoPE over the qk_rope_head_dim part is interleaved (adjacent pairs, torchtitan's ComplexRoPE), as
     transformers' DeepSeek-V3 (rope_interleave) and vLLM's (is_neox_style=False) rotate it."""
@@ -325,7 +341,7 @@ def _latent_attention_config(mla: blocks.LatentAttention, *, dim: int, eps: floa
         q_norm=RMSNorm.Config(normalized_shape=max(mla.q_lora_rank, 1), eps=eps, param_init=norm),
         kv_norm=RMSNorm.Config(normalized_shape=mla.kv_lora_rank, eps=eps, param_init=norm),
         rope=rope(mla.qk_rope_head_dim, interleaved=True), inner_attention=_document_attention_class().Config(),
-        **query)
+        mscale=mscale, **query)
 
 
 def _titan_class(path: str):
@@ -339,15 +355,24 @@ def _titan_class(path: str):
                            f"lacks ({err}); fix the family's `titan` paths under hpcrl/models/") from None
 
 
-def _rope_config(dim: int, *, theta: float, max_seq_len: int, scaling: RopeScaling | None, interleaved: bool = False):
+def _rope_config(dim: int, *, theta: float, max_seq_len: int, scaling: RopeScaling | YarnRopeScaling | None,
+                 interleaved: bool = False):
     """torchtitan's rotate-half RoPE config over `dim` of each head (Llama 3 scaled when `scaling`), or with
-    `interleaved` its RoPE over adjacent pairs (MLA's)."""
+    `interleaved` its RoPE over adjacent pairs (MLA's; YaRN scaled when `scaling`)."""
     from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
 
+    if scaling is not None and isinstance(scaling, YarnRopeScaling) != interleaved:
+        kind = "YaRN" if isinstance(scaling, YarnRopeScaling) else "Llama 3"
+        raise TrainerError(f"{kind} RoPE scaling is not built for this model's attention (YaRN for multi-head latent "
+                           "attention only, Llama 3 for rotate-half RoPE only); use a checkpoint without rope_scaling")
     if interleaved:
-        if scaling is not None:
-            raise TrainerError("Llama 3 RoPE scaling on interleaved (MLA) RoPE: no model has it; remove rope_scaling")
-        return ComplexRoPE.Config(dim=dim, max_seq_len=max_seq_len, theta=theta)
+        if scaling is None:
+            return ComplexRoPE.Config(dim=dim, max_seq_len=max_seq_len, theta=theta)
+        assert isinstance(scaling, YarnRopeScaling)
+        return ComplexRoPE.Config(dim=dim, max_seq_len=max_seq_len, theta=theta, scaling="yarn",
+                                  rope_factor=scaling.factor, beta_fast=scaling.beta_fast, beta_slow=scaling.beta_slow,
+                                  original_seq_len=scaling.original_max_position_embeddings, truncate=scaling.truncate)
+    assert not isinstance(scaling, YarnRopeScaling)
     if scaling is None:
         return CosSinRoPE.Config(dim=dim, max_seq_len=max_seq_len, theta=theta)
     return _scaled_rope_class().Config(
@@ -365,7 +390,7 @@ def _inits(shape: ModelShape):
     return linear, depth, {"weight": nn.init.ones_}
 
 
-def model_config(shape: ModelShape, *, max_seq_len: int, rope_scaling: RopeScaling | None = None):
+def model_config(shape: ModelShape, *, max_seq_len: int, rope_scaling: RopeScaling | YarnRopeScaling | None = None):
     """The torchtitan `Decoder.Config` for `shape` (see the module docstring for the choices)."""
     supply_missing_torch_names()
     from torchtitan.models.common import Embedding, Linear, RMSNorm
@@ -379,7 +404,9 @@ def model_config(shape: ModelShape, *, max_seq_len: int, rope_scaling: RopeScali
     for block in family.blocks(shape):
         attention = _attention_config(block.attention, dim=dim, eps=eps, linear=linear, depth=depth, norm=norm,
                                       rope=partial(_rope_config, theta=shape.rope_theta, max_seq_len=max_seq_len,
-                                                   scaling=rope_scaling))
+                                                   scaling=rope_scaling),
+                                      mscale=rope_scaling.mscale_all_dim if isinstance(rope_scaling, YarnRopeScaling)
+                                      else 0.0)
         layers.append(block_cls.Config(
             attention_norm=RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=norm),
             ffn_norm=RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=norm),
@@ -403,7 +430,7 @@ class _Decoder(Protocol):
     def init_states(self, *, buffer_device: torch.device | None = None) -> None: ...
 
 
-def build_model(shape: ModelShape, *, max_seq_len: int, rope_scaling: RopeScaling | None = None,
+def build_model(shape: ModelShape, *, max_seq_len: int, rope_scaling: RopeScaling | YarnRopeScaling | None = None,
                 device: str | torch.device = "meta") -> nn.Module:
     """The torchtitan model of `shape`, with parameters on `device` (meta: no memory, fill later)."""
     config = model_config(shape, max_seq_len=max_seq_len, rope_scaling=rope_scaling)

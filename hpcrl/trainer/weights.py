@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from hpcrl.errors import TrainerError
-from hpcrl.trainer.titan import RopeScaling, clean_name, expert_stack_name
+from hpcrl.trainer.titan import RopeScaling, YarnRopeScaling, clean_name, expert_stack_name
 
 #: HF checkpoint entries that are not parameters of the model.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -111,10 +111,11 @@ def full_state_dict_hf(model: nn.Module, hf_to_titan: dict[str, str], *, rank: i
     return out
 
 
-def read_rope_scaling(path: str | Path) -> RopeScaling | None:
-    """The checkpoint's Llama 3 RoPE scaling from its config.json (None: plain RoPE).
+def read_rope_scaling(path: str | Path) -> RopeScaling | YarnRopeScaling | None:
+    """The checkpoint's RoPE scaling from its config.json (None: plain RoPE): Llama 3's, or YaRN as DeepSeek-V3
+    and Kimi-K2 use it (an attention factor of 1 on cos/sin, which their mscale = mscale_all_dim gives).
 
-    Other kinds (linear, dynamic, yarn, ...) are refused: the trainer's logits would differ from vLLM's.
+    Other kinds (linear, dynamic, ...) are refused: the trainer's logits would differ from vLLM's.
     """
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
@@ -125,12 +126,40 @@ def read_rope_scaling(path: str | Path) -> RopeScaling | None:
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind == "default":
         return None
+    if kind == "yarn":
+        return _yarn(params, config_file)
     if kind != "llama3":
         raise TrainerError(f"{config_file}: rope scaling {kind!r} is not supported by the trainer; "
                            "only Llama 3's 'llama3' scaling is. Use a checkpoint without it")
     return RopeScaling(factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
                        high_freq_factor=float(params["high_freq_factor"]),
                        original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+
+
+def _yarn(params: dict, config_file: Path) -> YarnRopeScaling:
+    """YaRN's parameters as transformers reads them (`_compute_yarn_parameters`); refused when its attention
+    factor on cos/sin is not 1 (torchtitan's MLA folds YaRN's scale into the softmax scale only)."""
+    import math
+
+    if "original_max_position_embeddings" not in params:
+        raise TrainerError(f"{config_file}: YaRN scaling lacks 'original_max_position_embeddings' (the context the "
+                           "model was pretrained with); add it to rope_scaling")
+    factor = float(params["factor"])
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim \
+            else get_mscale(factor)
+    if abs(attention - 1.0) > 1e-12:
+        raise TrainerError(f"{config_file}: YaRN with an attention factor of {attention:.6g} on cos/sin is not built "
+                           "(DeepSeek-V3's and Kimi-K2's mscale = mscale_all_dim make it 1); use such a config")
+    return YarnRopeScaling(factor=factor, original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+                           beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                           mscale_all_dim=float(mscale_all_dim or 0.0), truncate=bool(params.get("truncate", True)))
 
 
 def _safetensors_files(path: Path) -> list[Path]:

@@ -158,13 +158,13 @@ def test_torchtitan_adapter_names_every_hf_parameter_of_the_family(q_lora, flavo
         assert templates[hf] == stack  # the adapter stacks experts as the family says
 
 
-def _save_hf_checkpoint(shape, out) -> None:
+def _save_hf_checkpoint(shape, out, **extra) -> None:
     """A random transformers DeepseekV3ForCausalLM of `shape`, its norms and router bias random too (zeros and
     ones would hide a swapped or missing one), saved as a checkpoint."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf = shape.to_hf_config()
+    hf = {**shape.to_hf_config(), **extra}
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf.pop("model_type"), **hf), dtype=torch.float32)
     with torch.no_grad():
@@ -176,13 +176,18 @@ def _save_hf_checkpoint(shape, out) -> None:
     model.save_pretrained(out)
 
 
+#: DeepSeek-V3's YaRN (its published rope_scaling), with an original context short enough to change the tiny
+#: model's frequencies: interpolated by parts, and the softmax scale times (0.1 ln 40 + 1)^2.
+YARN = {"rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "original_max_position_embeddings": 16}}
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("shape", [TINY, replace(TINY, q_lora_rank=0, n_group=1, topk_group=1)],
-                         ids=["q-lora-grouped", "q-proj-ungrouped"])
-def test_torchtitan_deepseek_v3_gives_transformers_logits_from_the_same_checkpoint(shape, tmp_path):
-    """MLA (interleaved RoPE on the rope part, a q LoRA or not), the grouped sigmoid router with its bias, the
-    shared expert and the dense first block, built from the family's layer kinds and loaded by the trainer's
-    loader, compute transformers' logits."""
+@pytest.mark.parametrize("shape, extra", [(TINY, {}), (replace(TINY, q_lora_rank=0, n_group=1, topk_group=1), {}),
+                                          (TINY, YARN)], ids=["q-lora-grouped", "q-proj-ungrouped", "yarn"])
+def test_torchtitan_deepseek_v3_gives_transformers_logits_from_the_same_checkpoint(shape, extra, tmp_path):
+    """MLA (interleaved RoPE on the rope part, a q LoRA or not, YaRN scaling or none), the grouped sigmoid router
+    with its bias, the shared expert and the dense first block, built from the family's layer kinds and loaded
+    by the trainer's loader, compute transformers' logits."""
     pytest.importorskip("torchtitan")
     import warnings
 
@@ -190,11 +195,13 @@ def test_torchtitan_deepseek_v3_gives_transformers_logits_from_the_same_checkpoi
     from transformers import AutoModelForCausalLM
 
     from hpcrl.trainer import titan
-    from hpcrl.trainer.weights import load_hf_weights
+    from hpcrl.trainer.weights import load_hf_weights, read_rope_scaling
 
-    _save_hf_checkpoint(shape, tmp_path)
+    _save_hf_checkpoint(shape, tmp_path, **extra)
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    model = titan.build_model(shape, max_seq_len=64, device="meta")
+    scaling = read_rope_scaling(tmp_path)
+    assert (scaling is not None) == bool(extra)
+    model = titan.build_model(shape, max_seq_len=64, rope_scaling=scaling, device="meta")
     model.to_empty(device="cpu")
     titan.init_states(model, device=torch.device("cpu"))
     load_hf_weights(model, titan.hf_to_titan_names(shape), tmp_path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -72,9 +73,17 @@ def test_tiny_checkpoint_loads_with_the_shape_of_its_preset(tiny_model):
     assert all(torch.equal(full[name], saved[name]) for name in saved)
 
 
-def test_rope_scaling_kinds_other_than_llama3_are_refused_with_the_file_named(tmp_path):
+@pytest.mark.parametrize("scaling, says", [
+    ('{"rope_type": "linear", "factor": 4.0}', "rope scaling 'linear' is not supported"),
+    # YaRN without DeepSeek's mscale = mscale_all_dim scales cos/sin by 0.1 ln 4 + 1 (Qwen's YaRN): not built
+    ('{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}',
+     "YaRN with an attention factor of 1.13863 on cos/sin is not built"),
+    ('{"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0}',
+     "YaRN scaling lacks 'original_max_position_embeddings'"),
+])
+def test_rope_scaling_the_trainer_does_not_build_is_refused_with_the_file_named(tmp_path, scaling, says):
     from hpcrl.errors import TrainerError
     from hpcrl.trainer.weights import read_rope_scaling
-    (tmp_path / "config.json").write_text('{"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}')
-    with pytest.raises(TrainerError, match=r"config.json: rope scaling 'yarn'"):
+    (tmp_path / "config.json").write_text(f'{{"rope_scaling": {scaling}}}')
+    with pytest.raises(TrainerError, match=r"config.json: " + re.escape(says)):
         read_rope_scaling(tmp_path)
