@@ -458,6 +458,8 @@ class TrainerEngine:
         # load-balancing share: device tensors, read once after the loop (a read inside it would
         # wait for the device)
         sums = torch.zeros(8, dtype=torch.float64, device=self.device)
+        if self.adapters is not None:
+            self.adapters.seed_dropout(seed=o.seed, step=self.step, rank=self.rank, device=self.device)
         tap = routing.RouterTap(self.model, differentiable=o.moe_aux_loss_coef > 0) if self.moe else None
         for micro in self._micro_batches(batch, micro_batches, packed=True if micro_batches is not None else None):
             mb = micro.batch

@@ -55,6 +55,8 @@ class _Switch:
     dropout: float
     enabled: bool = True
     training: bool = False
+    generator: torch.Generator | None = None
+    """Draws the dropout masks of a step (seeded per step: `Adapters.seed_dropout`)."""
 
 
 @dataclass
@@ -74,6 +76,13 @@ class Adapters:
             yield
         finally:
             self.switch.enabled = True
+
+    def seed_dropout(self, *, seed: int, step: int, rank: int, device: torch.device) -> None:
+        """Seed the dropout masks of optimizer step `step` on this rank from the run's seed: a resumed run draws
+        the masks it would have drawn (the global RNG, which a checkpoint does not hold, is not used)."""
+        if self.switch.dropout > 0:
+            self.switch.generator = torch.Generator(device=device).manual_seed(
+                (seed * 1_000_003 + step) * 65_537 + rank)
 
     @contextmanager
     def training(self) -> Iterator[None]:
@@ -157,8 +166,9 @@ def _adapter_hook(switch: _Switch):
         if not switch.enabled:
             return output
         x = args[0]
-        if switch.training and switch.dropout > 0:
-            x = nn.functional.dropout(x, p=switch.dropout, training=True)
+        if switch.training and switch.dropout > 0:  # nn.Dropout's x * mask / (1 - p), the mask from the step's generator
+            keep = torch.empty_like(x).bernoulli_(1 - switch.dropout, generator=switch.generator)
+            x = x * keep / (1 - switch.dropout)
         lora_a, lora_b = cast(nn.Linear, module.lora_A), cast(nn.Linear, module.lora_B)
         return output + lora_b(lora_a(x)) * switch.scale
 

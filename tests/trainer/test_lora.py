@@ -70,6 +70,23 @@ def test_the_reference_is_the_base_model_with_the_adapters_off_and_no_second_cop
     assert not torch.equal(engine.logprobs(batch), base_engine.logprobs(batch))  # the adapters are back on
 
 
+@pytest.mark.timeout(60)
+def test_dropout_applies_to_the_steps_forward_only(tiny_model, base_engine):
+    engine = _lora_engine(tiny_model, lora=dataclasses.replace(LORA, dropout=0.5))
+    batch = toy_batch()
+    engine.train_step(batch)  # B moves: the adapters now change the output, and dropout with them
+    quiet = engine.logprobs(batch)
+    assert torch.equal(engine.logprobs(batch), quiet)  # no dropout outside train_step
+    with engine.adapters.training():
+        engine.adapters.seed_dropout(seed=0, step=1, rank=0, device=engine.device)
+        first = engine.logprobs(batch)
+        engine.adapters.seed_dropout(seed=0, step=1, rank=0, device=engine.device)
+        assert torch.equal(engine.logprobs(batch), first)  # the step's seed decides the masks
+    assert not torch.equal(first, quiet)
+    with pytest.raises(TrainerError, match="lora.dropout.*activation_checkpointing"):
+        engine_options(str(tiny_model), lora=engine.adapters.config, activation_checkpointing=True)
+
+
 @pytest.mark.timeout(120)
 def test_every_algorithm_trains_the_adapters(tiny_model):
     engine = _lora_engine(tiny_model)
@@ -88,7 +105,7 @@ def test_an_adapter_checkpoint_holds_no_base_weight_and_resumes_bitwise(tiny_mod
     from torch.distributed.checkpoint import FileSystemReader
 
     batch = toy_batch()
-    engine = _lora_engine(tiny_model, lora=dataclasses.replace(LORA, dropout=0.0))
+    engine = _lora_engine(tiny_model, lora=dataclasses.replace(LORA, dropout=0.1))  # its masks too
     engine.train_step(batch)
     engine.save_checkpoint(tmp_path / "ckpt")
     expected = engine.train_step(batch)
@@ -99,7 +116,7 @@ def test_an_adapter_checkpoint_holds_no_base_weight_and_resumes_bitwise(tiny_mod
     base = json.loads((tmp_path / "ckpt" / BASE_FILE).read_text())
     assert base["path"] == str(tiny_model.resolve()) and len(base["sha256"]) == 64
 
-    resumed = _lora_engine(tiny_model)
+    resumed = _lora_engine(tiny_model, lora=dataclasses.replace(LORA, dropout=0.1))
     resumed.load_checkpoint(tmp_path / "ckpt")
     assert resumed.step == 1
     again = resumed.train_step(batch)
