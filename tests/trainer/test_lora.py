@@ -161,3 +161,27 @@ def test_lora_on_two_fsdp_gloo_ranks_takes_the_step_of_one_process_and_sends_row
         chunks = torch.chunk(ranks[0]["adapters"][name], 2)
         assert [p[2] for p in parts] == [0, chunks[0].shape[0]] and all(p[1] == tuple(tensor.shape) for p in parts)
         assert all(torch.equal(p[0], c) for p, c in zip(parts, chunks, strict=True))
+
+
+@pytest.mark.timeout(120)
+def test_activation_checkpointing_does_not_change_the_lora_step(tiny_model):
+    batch = toy_batch()
+    plain, checkpointed = _lora_engine(tiny_model), _lora_engine(tiny_model, activation_checkpointing=True)
+    first, second = plain.train_step(batch), checkpointed.train_step(batch)
+    assert (first.loss, first.grad_norm) == (second.loss, second.grad_norm)
+    ours, theirs = plain.adapter_state_dict(), checkpointed.adapter_state_dict()
+    assert all(torch.equal(ours[n], theirs[n]) for n in ours)
+
+
+@pytest.mark.timeout(120)
+def test_a_moe_model_takes_adapters_on_its_attention_and_trains_them():
+    from hpcrl.config.model_shapes import PRESETS
+    from hpcrl.trainer import EngineOptions
+
+    shape = PRESETS["tiny-qwen3-moe"]
+    engine = TrainerEngine(EngineOptions(shape=shape, max_seq_len=64, lora=LORA, loss=Options(kl_coef=0.1)))
+    assert list(engine.adapters.names) == [n for n, _ in adapter_parameters(shape, LORA.rank, LORA.targets)]
+    assert all(".self_attn." in name for name in engine.adapters.names)  # routed experts take none
+    metrics = engine.train_step(toy_batch())
+    assert math.isfinite(metrics.loss) and metrics.grad_norm > 0
+    assert any(t.any() for n, t in engine.adapter_state_dict().items() if n.endswith("lora_B.weight"))
