@@ -6,6 +6,7 @@
     hpcrl status RUN_DIR|JOBID
     hpcrl logs RUN_DIR [--group G [--rank K]] [-f]
     hpcrl cancel RUN_DIR
+    hpcrl export RUN_DIR [--step N] [--out DIR] [--merged]   (a LoRA run: PEFT adapter or merged HF model)
 
 Exit status: 0 done; 2 an error the message explains (HpcrlError: a wrong config, a refused
 submission, Slurm's refusal) or a bad command line; 1 `submit --wait` of a run that did not
@@ -37,12 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hpcrl", description="Slurm-native RL post-training of LLMs.")
     parser.add_argument("--version", action="version", version=f"hpcrl {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from hpcrl.cli import jobs_cmd, plan_cmd, resume_cmd, run_cmd, submit_cmd
+    from hpcrl.cli import export_cmd, jobs_cmd, plan_cmd, resume_cmd, run_cmd, submit_cmd
     plan_cmd.add_parser(subparsers, common)
     run_cmd.add_parser(subparsers, common)
     submit_cmd.add_parser(subparsers, common)
     resume_cmd.add_parser(subparsers)
     jobs_cmd.add_parsers(subparsers)
+    export_cmd.add_parser(subparsers)
     return parser
 
 

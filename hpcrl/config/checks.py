@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import difflib
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from hpcrl.config.model_shapes import ModelShape, shape_of
 from hpcrl.config.schema import Config
 from hpcrl.errors import ConfigError
 from hpcrl.models.blocks import has_router_bias
-from hpcrl.models.lora import adapter_parameters, present_targets
+from hpcrl.models.lora import PEFT_PREFIX, adapter_parameters, present_targets
 
 
 def _fail(key: str, problem: str, fix: str) -> None:
@@ -454,4 +455,40 @@ def _check_lora(config: Config, shape: ModelShape) -> None:
     if lora.rank > smallest:
         _fail("lora.rank", f"is {lora.rank}, above the smallest dimension of an adapted layer ({smallest}): the "
               "adapter would hold more than the layer", f"set lora.rank to at most {smallest}, e.g. 16")
+    if lora.init_from:
+        _check_lora_init_from(config, shape)
+
+
+def _check_lora_init_from(config: Config, shape: ModelShape) -> None:
+    """lora.init_from: a PEFT directory whose rank, targets, base model and tensors are this run's (read from
+    adapter_config.json and the safetensors header: no tensor is loaded here)."""
+    lora = config.lora
+    assert lora is not None
+    root = Path(lora.init_from)
+    files = root / "adapter_config.json", root / "adapter_model.safetensors"
+    if not all(f.is_file() for f in files):
+        _fail("lora.init_from", f"{root} is not a PEFT adapter directory (it needs {files[0].name} and {files[1].name})",
+              "point it at a directory `hpcrl export RUN_DIR` wrote, or remove the key to start new adapters")
+    try:
+        peft = json.loads(files[0].read_text())
+        with open(files[1], "rb") as handle:
+            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+    except (OSError, ValueError) as err:
+        _fail("lora.init_from", f"{root}: unreadable adapter ({err})", "export the adapter again")
+    if peft.get("r") != lora.rank:
+        _fail("lora.rank", f"is {lora.rank}, but the adapter of lora.init_from ({root}) has r = {peft.get('r')}",
+              f"set lora.rank = {peft.get('r')}, or start new adapters (remove lora.init_from)")
+    theirs = sorted(peft.get("target_modules") or [])
+    if theirs != sorted(lora.targets):
+        _fail("lora.targets", f"are {sorted(lora.targets)}, but the adapter of lora.init_from ({root}) adapts {theirs}",
+              f"set lora.targets = {theirs}")
+    base, ours = peft.get("base_model_name_or_path") or "", Path(config.model.path)
+    if base and Path(base).is_dir() and ours.is_dir() and Path(base).resolve() != ours.resolve():
+        _fail("lora.init_from", f"{root} is an adapter of the base model {base}, but model.path is {ours.resolve()}",
+              "set model.path to the adapter's base, or choose an adapter of this model")
+    shapes = {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+    for name, dims in adapter_parameters(shape, lora.rank, lora.targets):
+        if shapes.get(PEFT_PREFIX + name) != dims:
+            _fail("lora.init_from", f"{root}: {PEFT_PREFIX + name} is {shapes.get(PEFT_PREFIX + name)}, this model's "
+                  f"adapter is {dims}: the adapter is of another base model", "choose an adapter of this model")
 

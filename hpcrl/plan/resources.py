@@ -26,6 +26,12 @@ Memory estimates (per GPU, or per node on CPU) are deliberately simple and on th
               a token's activations count its top k experts (`activation_values_per_token`: k
               dispatched copies of 2h + 4 moe_f, plus the router's E scores), not all E. The
               load-balancing loss keeps [E] per block (hpcrl.trainer.routing): nothing per token.
+            LoRA ([lora], hpcrl.trainer.lora): the base is frozen, so gradients and AdamW states are the
+              adapters' only (fp32, / dp_shard); params_fp32 counts the base's fp32 shards and the
+              adapters'; no reference model and no second gathered root (the reference is the policy
+              with its adapters off); a gathered block holds its adapters too, and a token's
+              activations add each adapted linear's input to B (rank values) and the update it adds
+              (the linear's output width)
   inference weights / TP (embedding and head vocab-split), then the KV-cache budget
             gpu_memory_utilization x memory - weights - activation reserve, or kv_cache_gib when set.
 
@@ -43,6 +49,7 @@ from typing import TypedDict
 from hpcrl.config.components import Component, make_components
 from hpcrl.config.model_shapes import DTYPE_BYTES, ModelShape
 from hpcrl.config.schema import Config
+from hpcrl.models.lora import adapter_parameters
 from hpcrl.models.shape import Experts
 from hpcrl.plan.transfer.speed import host_round_trip_warning
 
@@ -134,19 +141,21 @@ def _trainer_memory(config: Config, shape: ModelShape) -> MemoryEstimate:
     params = shape.num_parameters
     # a micro-batch's positions: its token budget when packed, else micro_batch_size rows padded to the longest
     tokens = t.micro_batch_tokens or t.micro_batch_size * (config.data.max_prompt_tokens + config.inference.max_tokens)
-    roots = 2 if alg.kl_coef > 0 else 1
+    trained, lora_block, lora_per_token = _lora_sizes(config, shape)
+    reference = alg.kl_coef > 0 and config.lora is None  # with LoRA the reference is the policy, adapters off
+    roots = 2 if reference else 1
     root_params = shape.root_parameters  # not params - layers x the largest block: blocks may differ (MoE)
-    block_per_token = shape.family.activation_values_per_token(shape) * compute
+    block_per_token = (shape.family.activation_values_per_token(shape) + lora_per_token) * compute
     if t.activation_checkpointing:
         activations = tokens * (shape.hidden_size * compute * shape.num_layers + block_per_token)
     else:
         activations = tokens * block_per_token * shape.num_layers
     parts = {
-        "params_fp32": 4 * params // shard,
-        "grads_fp32": 4 * params // shard,
-        "adamw_states": 8 * params // shard,
-        "reference_model": 4 * params // shard if alg.kl_coef > 0 else 0,
-        "gathered_blocks": 2 * compute * shape.layer_parameters,
+        "params_fp32": 4 * (params + trained * (config.lora is not None)) // shard,
+        "grads_fp32": 4 * trained // shard,
+        "adamw_states": 8 * trained // shard,
+        "reference_model": 4 * params // shard if reference else 0,
+        "gathered_blocks": 2 * compute * (shape.layer_parameters + lora_block),
         "gathered_roots": roots * compute * root_params,
         "activations": activations,
         "logits_fp32": 2 * 4 * tokens * shape.vocab_size,
@@ -158,6 +167,21 @@ def _trainer_memory(config: Config, shape: ModelShape) -> MemoryEstimate:
     per_node = {k: v * t.ranks_on_each_node for k, v in parts.items()}
     return MemoryEstimate(device="CPU node", parts=per_node,
                           capacity=int(config.cluster.mem_per_node_gib * GIB))
+
+
+def _lora_sizes(config: Config, shape: ModelShape) -> tuple[int, int, int]:
+    """(trained parameters, adapter parameters of the largest block, adapter activations per token per
+    block): every parameter, 0, 0 without [lora]."""
+    if config.lora is None:
+        return shape.num_parameters, 0, 0
+    adapters = list(adapter_parameters(shape, config.lora.rank, config.lora.targets))
+    per_layer: dict[str, int] = {}
+    for name, (rows, cols) in adapters:
+        layer = name.split(".")[2]
+        per_layer[layer] = per_layer.get(layer, 0) + rows * cols
+    outputs = sum(rows for name, (rows, _) in adapters if name.endswith(".lora_B.weight"))
+    per_token = (config.lora.rank * len(adapters) // 2 + outputs) // max(shape.num_layers, 1)
+    return sum(per_layer.values()), max(per_layer.values(), default=0), per_token
 
 
 def _inference_memory(config: Config, shape: ModelShape) -> tuple[MemoryEstimate, int]:

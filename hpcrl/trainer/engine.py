@@ -37,6 +37,7 @@ device: the metrics stay device tensors until one read after the backward.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass, fields
@@ -53,13 +54,14 @@ from hpcrl.config.model_shapes import ModelShape, shape_of
 from hpcrl.errors import TrainerError
 from hpcrl.models.blocks import has_router_bias
 from hpcrl.plan.micro_batches import plan_micro_batches
-from hpcrl.trainer import checkpoint, routing, titan, weights
+from hpcrl.trainer import checkpoint, lora, routing, titan, weights
 from hpcrl.trainer.batch import Packing, RolloutBatch, pack, pad_rows
 from hpcrl.trainer.loss import DEFAULT_CHUNK_TOKENS, linear_logprobs
 from hpcrl.trainer.parallel import make_dp_mesh, reshard, shard_decoder
 from hpcrl.trainer.schedule import LrSchedule, lr_at
 
 if TYPE_CHECKING:
+    from hpcrl.config.schema import LoraConfig
     from hpcrl.trainer.types import TrainBatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -131,6 +133,9 @@ class EngineOptions:
     (Llama-3 1B, bf16, batch 4 x 2048): the step 186.5 ms eager, 168.8 ms compiled, beside 168.3 ms
     for a plain cross-entropy loop (BENCHMARKS.md "Trainer"); on CPU inductor's build costs more
     than it saves in a short run."""
+    lora: LoraConfig | None = None
+    """[lora]: train LoRA adapters on the target linears, the base weights frozen (hpcrl.trainer.lora); the
+    reference policy is then the model with its adapters off. None = train every weight."""
 
     def __post_init__(self) -> None:
         if self.compile_logprobs is None:
@@ -155,6 +160,9 @@ class EngineOptions:
         if self.moe_bias_update_rate > 0 and not has_router_bias(self.shape):
             raise TrainerError(f"moe_bias_update_rate = {self.moe_bias_update_rate} but {self.shape.architecture}'s "
                                "routers have no bias; set algorithm.moe_bias_update_rate = 0")
+        if self.lora is not None and self.lora.dropout > 0 and self.activation_checkpointing:
+            raise TrainerError("lora.dropout > 0 with trainer.activation_checkpointing: the recomputed forward would "
+                               "draw other dropout masks than the first; set lora.dropout = 0 or turn checkpointing off")
         if self.weights_path and self.rope_scaling is None:
             # The checkpoint decides: a Llama 3.1+ config.json asks for scaled RoPE frequencies.
             object.__setattr__(self, "rope_scaling", weights.read_rope_scaling(self.weights_path))
@@ -180,7 +188,7 @@ class EngineOptions:
             dp_replicate=t.dp_replicate, dp_shard=t.dp_shard,
             loss=options_of(config),
             moe_aux_loss_coef=config.algorithm.moe_aux_loss_coef,
-            moe_bias_update_rate=config.algorithm.moe_bias_update_rate)
+            moe_bias_update_rate=config.algorithm.moe_bias_update_rate, lora=config.lora)
         values.update(overrides)
         return cls(**values)
 
@@ -240,17 +248,23 @@ class TrainerEngine:
         self.moe = _has_moe(options.shape)
         self.mesh = make_dp_mesh(dp_replicate=options.dp_replicate, dp_shard=options.dp_shard,
                                  device_type=self.device.type) if self.distributed else None
+        self.adapters: lora.Adapters | None = None
         self.model = self._build(trainable=True)
         if options.weights_path:
             weights.load_hf_weights(self.model, self.hf_names, options.weights_path, rank=self.rank)
+        if self.adapters is not None:
+            self.adapters.initialise(self.model, seed=options.seed, rank=self.rank)
+            if self.adapters.config.init_from:
+                self.adapters.load(self.model, self.adapters.config.init_from, rank=self.rank)
         self.reference = None
-        if options.loss.kl_coef > 0:
+        if options.loss.kl_coef > 0 and self.adapters is None:  # with LoRA: the model with its adapters off
             self.reference = self._build(trainable=False)
             weights.copy_weights(self.model, self.reference, self.hf_names, rank=self.rank)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=options.lr, betas=options.betas,
             eps=options.eps, weight_decay=options.weight_decay, fused=self.device.type == "cuda")
         self.step = 0
+        self._base: dict[str, str] | None = None
 
     @classmethod
     def from_config(cls, config, *, device: str | None = None, **overrides) -> TrainerEngine:
@@ -259,6 +273,8 @@ class TrainerEngine:
     def _build(self, *, trainable: bool):
         o = self.options
         model = titan.build_model(o.shape, max_seq_len=o.max_seq_len, rope_scaling=o.rope_scaling, device="meta")
+        if o.lora is not None and trainable:
+            self.adapters = lora.add_adapters(model, o.shape, o.lora, self.hf_names)
         if o.activation_checkpointing and trainable:
             titan.apply_activation_checkpointing(model)
         if self.mesh is not None:
@@ -268,6 +284,10 @@ class TrainerEngine:
         torch.manual_seed(o.seed)
         titan.init_states(model, device=self.device)
         titan.set_trainable(model, trainable)
+        if self.adapters is not None and trainable:
+            model.requires_grad_(False)  # the base is frozen: no gradient, no optimizer state
+            for param in self.adapters.parameters(model, rank=self.rank).values():
+                param.requires_grad_(True)
         model.train(trainable)
         return model
 
@@ -399,7 +419,11 @@ class TrainerEngine:
         return [out[i][:len(seq)] for i, seq in enumerate(sequences)]
 
     def ref_logprobs(self, batch: RolloutBatch) -> Tensor:
-        """[B, T] logprobs under the frozen reference (needs kl_coef > 0). Collective."""
+        """[B, T] logprobs under the frozen reference (needs kl_coef > 0; with LoRA: the base model, the
+        adapters off). Collective."""
+        if self.adapters is not None:
+            with self.adapters.off():
+                return self._logprobs_of(self.model, batch)
         if self.reference is None:
             raise TrainerError("there is no reference model: it is built only when algorithm.kl_coef > 0")
         return self._logprobs_of(self.reference, batch)
@@ -443,21 +467,23 @@ class TrainerEngine:
         # load-balancing share: device tensors, read once after the loop (a read inside it would
         # wait for the device)
         sums = torch.zeros(8, dtype=torch.float64, device=self.device)
+        if self.adapters is not None:
+            self.adapters.seed_dropout(seed=o.seed, step=self.step, rank=self.rank, device=self.device)
         tap = routing.RouterTap(self.model, differentiable=o.moe_aux_loss_coef > 0) if self.moe else None
         loads: dict[int, Tensor] = {}  # MoE block -> [E] the step's valid tokens per expert (the bias update)
         for micro in self._micro_batches(batch, micro_batches, packed=True if micro_batches is not None else None):
             mb = micro.batch
             ref = mb.ref_logprobs
             if o.loss.kl_coef > 0 and ref is None:
-                with torch.no_grad():
-                    ref = self._forward_logprobs(self.reference, micro)[0]
-            if tap is None:
-                logp, entropy = self._forward_logprobs(self.model, micro, entropy=True)
-            else:
-                tap.valid = (routing.valid_tokens(mb.completion_mask) if micro.packing is None
-                             else micro.packing.valid)
-                with tap:
+                ref = self._reference_forward(micro)
+            with self._adapters_training():
+                if tap is None:
                     logp, entropy = self._forward_logprobs(self.model, micro, entropy=True)
+                else:
+                    tap.valid = (routing.valid_tokens(mb.completion_mask) if micro.packing is None
+                                 else micro.packing.valid)
+                    with tap:
+                        logp, entropy = self._forward_logprobs(self.model, micro, entropy=True)
             mask = mb.completion_mask
             share = algorithm.loss(logprobs=logp, old_logprobs=mb.old_logprobs, advantages=mb.advantages,
                                    mask=mask, settings=o.loss, norm=norm, ref_logprobs=ref)
@@ -519,6 +545,19 @@ class TrainerEngine:
                 local, first = weights.local_rows(biases[layer])
                 local += delta[first:first + local.shape[0]].to(local.dtype)
 
+    def _reference_forward(self, micro: _Micro) -> Tensor:
+        """The micro-batch's logprobs under the reference: the frozen copy, or with LoRA the base model (the
+        policy's own weights with its adapters off: no second copy)."""
+        with torch.no_grad():
+            if self.adapters is None:
+                return self._forward_logprobs(self.reference, micro)[0]
+            with self.adapters.off():
+                return self._forward_logprobs(self.model, micro)[0]
+
+    def _adapters_training(self):
+        """LoRA's dropout on for the policy's forward of a step (a no-op without LoRA)."""
+        return self.adapters.training() if self.adapters is not None else contextlib.nullcontext()
+
     def _clip_gradients(self) -> Tensor:
         """Clip the gradients to options.grad_clip; the global norm before clipping (not read)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -535,22 +574,47 @@ class TrainerEngine:
         return value
 
     def local_shards(self) -> dict[str, weights.LocalShard]:
-        """{hf_name: LocalShard(tensor, global_shape, dim0_offset)} of this rank. No communication."""
+        """{hf_name: LocalShard(tensor, global_shape, dim0_offset)} of this rank: what the weight transfer
+        sends. With LoRA only the adapters, under their PEFT names (hpcrl.models.lora.adapter_parameters).
+        No communication."""
         self._reshard(self.model)  # a no-op unless something left parameters gathered
-        return weights.local_shards(self.model, self.hf_names, rank=self.rank, sharded=self.mesh is not None)
+        names = self.hf_names if self.adapters is None else self.adapters.names
+        return weights.local_shards(self.model, names, rank=self.rank, sharded=self.mesh is not None)
 
     def full_state_dict_hf(self) -> dict[str, Tensor]:
-        """{hf_name: full CPU tensor} on every rank (for tests and HF export). Collective."""
+        """{hf_name: full CPU tensor} on every rank (for tests and HF export; with LoRA the frozen base).
+        Collective."""
         return weights.full_state_dict_hf(self.model, self.hf_names, rank=self.rank)
 
+    def adapter_state_dict(self) -> dict[str, Tensor]:
+        """{HF adapter name: full CPU tensor} on every rank, in checkpoint order (LoRA only). Collective."""
+        if self.adapters is None:
+            raise TrainerError("this trainer has no LoRA adapters: add a [lora] table to the config")
+        return weights.full_state_dict_hf(self.model, self.adapters.names, rank=self.rank)
+
     def save_checkpoint(self, directory) -> None:
-        """Model, optimizer and step under `directory` (DCP, one file per rank). Collective."""
-        checkpoint.save(self.model, self.optimizer, self.step, directory)
+        """Model, optimizer and step under `directory` (DCP, one file per rank). Collective. With LoRA the
+        adapters and their optimizer state only, and the base model's path and hash (checkpoint.BASE_FILE)."""
+        lora_run = self.adapters is not None
+        checkpoint.save(self.model, self.optimizer, self.step, directory, adapters_only=lora_run)
+        if lora_run and self.rank == 0:
+            checkpoint.write_base(directory, self._base_identity())
 
     def load_checkpoint(self, directory) -> None:
         """Resume from `directory`, written by any number of ranks. Collective. The reference
-        model is not saved: it is the initial weights, reloaded from the checkpoint path at start."""
-        self.step = checkpoint.load(self.model, self.optimizer, directory, rank=self.rank)
+        model is not saved: it is the initial weights, reloaded from the checkpoint path at start
+        (with LoRA the base, which must be the one the checkpoint names: checked first, by rank 0)."""
+        lora_run = self.adapters is not None
+        why = checkpoint.base_mismatch(directory, self._base_identity() if lora_run else None) if self.rank == 0 else ""
+        if float(self._all_reduce(torch.tensor([float(bool(why))], dtype=torch.float64), op="max")[0]):
+            raise TrainerError(why or f"rank {self.rank}: rank 0 refused checkpoint {directory} (its log says why)")
+        self.step = checkpoint.load(self.model, self.optimizer, directory, rank=self.rank, adapters_only=lora_run)
+
+    def _base_identity(self) -> dict[str, str]:
+        """The base model's path and hash (hashed once: checkpoint.base_identity reads every byte)."""
+        if self._base is None:
+            self._base = checkpoint.base_identity(self.options.weights_path)
+        return self._base
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())

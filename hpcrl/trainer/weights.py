@@ -70,11 +70,19 @@ def _row_shape(param: Tensor) -> tuple[int, ...]:
     return (shape[0] * shape[1], shape[2]) if len(shape) == 3 else shape
 
 
+def is_adapter(name: str) -> bool:
+    """Whether a parameter (HF or torchtitan name) is a LoRA adapter's (hpcrl.trainer.lora)."""
+    return name.endswith((".lora_A.weight", ".lora_B.weight"))
+
+
 def parameters_by_hf_name(model: nn.Module, hf_to_titan: dict[str, str], *, rank: int) -> dict[str, Tensor]:
-    """{hf_name: parameter}; every HF name must have exactly one parameter and vice versa."""
+    """{hf_name: parameter}; every HF name must have exactly one parameter and vice versa. A map names
+    either the model's own weights or its LoRA adapters (hpcrl.trainer.lora): the parameters of the other
+    kind are not its concern."""
+    adapters = any(map(is_adapter, hf_to_titan.values()))
     params = {clean_name(n): p for n, p in model.named_parameters()}
     missing = [t for t in hf_to_titan.values() if t not in params]
-    extra = sorted(set(params) - set(hf_to_titan.values()))
+    extra = sorted(n for n in set(params) - set(hf_to_titan.values()) if is_adapter(n) == adapters)
     if missing or extra:
         raise TrainerError(f"rank {rank}: model and HF names disagree: no parameter for {missing[:3]}, "
                            f"no HF name for {extra[:3]}")
@@ -221,6 +229,13 @@ def _load_expert(stack: Tensor, expert: int, entry, hf_name: str, *, rank: int) 
         rows = stack.shape[1]
         with torch.no_grad():
             local[(expert - first) * rows:(expert - first + 1) * rows].copy_(entry[:])
+
+
+def set_rows(param: Tensor, full: Tensor) -> None:
+    """Copy this rank's rows of the whole tensor `full` into `param` (sharded or not)."""
+    local, offset = local_rows(param)
+    with torch.no_grad():
+        local.copy_(_as_rows(full)[offset:offset + local.shape[0]])
 
 
 def copy_weights(source: nn.Module, target: nn.Module, hf_to_titan: dict[str, str], *, rank: int = 0) -> None:

@@ -82,8 +82,10 @@ def _worker(rank: int, world_size: int, store_path: str, out_dir: str, model_dir
         shards = {name: (s.tensor.clone(), s.global_shape, s.dim0_offset)
                   for name, s in engine.local_shards().items()}
         full = engine.full_state_dict_hf()
+        adapters = engine.adapter_state_dict() if engine.adapters is not None else None
         engine.save_checkpoint(os.path.join(out_dir, "checkpoint"))
-        torch.save({"metrics": metrics.as_dict(), "shards": shards, "full": full, "logprobs": logprobs},
+        torch.save({"metrics": metrics.as_dict(), "shards": shards, "full": full, "logprobs": logprobs,
+                    "adapters": adapters},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
