@@ -66,6 +66,11 @@ CALL_TIMEOUT_S = 600.0
 #: healthy (unreachable for a moment, not yet silent for heartbeat_timeout), and a retry without
 #: a pause would spin the head's event loop so that it never learns otherwise.
 RETRY_PAUSE_S = 0.2
+#: With spare nodes, heartbeat timeouts a weight push waits on one message before it gives up (and the
+#: least seconds): a replica whose node lost power never answers, and only a failed push lets the head
+#: form the transfer group again with its replacement inside the job. Without spares the job is requeued
+#: instead, and a push waits as long as the group's formation may (the rejoin or start timeout).
+PUSH_WAIT_HEARTBEATS, PUSH_WAIT_MIN_S = 3, 30.0
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +115,9 @@ class BusPorts:
         """The start-up (hpcrl.rl.startup): when each group was ready, seconds from the head's launch."""
         self.rejoin_timeout_s = _rejoin_timeout_s(config)
         """Seconds a lost inference replica has to come back (started again by the head) and register."""
+        self.push_wait_s = (max(PUSH_WAIT_MIN_S, PUSH_WAIT_HEARTBEATS * config.cluster.heartbeat_timeout_s)
+                            if config.cluster.spare_nodes else None)
+        """Spare nodes: seconds a transfer waits on one message (PUSH_WAIT_HEARTBEATS); None: the formation's."""
         self.replicas = config.inference.replicas
         # Trainer-side work (train steps, weight pushes, forming the transfer group) one at a time.
         self._trainer_turn = asyncio.Lock()
@@ -161,7 +169,9 @@ class BusPorts:
         forming = time.monotonic()
         self.generation += 1
         self.current = False
-        call = ConnectTransferCall(store=self.store, timeout_s=timeout, digest=self.plan.digest,
+        # The group's ends wait this long to form it, and on each message of a push.
+        wait_s = min(timeout, self.push_wait_s) if self.push_wait_s else timeout
+        call = ConnectTransferCall(store=self.store, timeout_s=wait_s, digest=self.plan.digest,
                                    generation=self.generation)
         members = {r: (p.host, p.pid) for r in range(self.replicas) if (p := self._leader(r)) is not None}
         await asyncio.gather(self.trainer.call_all(0, TRN.connect_transfer, call, timeout=timeout),
