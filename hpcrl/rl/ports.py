@@ -282,12 +282,28 @@ class BusPorts:
     async def _env(self, endpoint: Endpoint[EnvCall, list[EnvReply]], requests: list[EnvRequest]) -> list[EnvReply]:
         # A worker answers its share one episode after another, each within env.step_timeout_s.
         timeout = CALL_TIMEOUT_S + self.config.env.step_timeout_s * len(requests)
-        return await self.reward.route(endpoint, EnvCall(requests=requests), timeout=timeout)
+        return await self._call_reward(endpoint, EnvCall(requests=requests), timeout=timeout)
 
     async def score(self, samples: list[Sample]) -> list[RewardResult]:
         if self.local_scorer is not None:
             return await asyncio.to_thread(self.local_scorer.score, samples)
-        return await self.reward.route(REW.score, ScoreCall(samples=samples), timeout=CALL_TIMEOUT_S)
+        return await self._call_reward(REW.score, ScoreCall(samples=samples), timeout=CALL_TIMEOUT_S)
+
+    async def _call_reward(self, endpoint: Endpoint[Req, Rep], request: Req, *, timeout: float) -> Rep:
+        """A call to the least busy reward task. With spare nodes, a call that finds none left (its node lost,
+        the head starting it again on a spare) waits for the newcomer and is made again there: every reward
+        call holds all it needs, and a lost call's answer never reached the head, so nothing is scored twice."""
+        from hpcrl.bus.errors import NoHealthyReplicaError
+
+        while True:
+            try:
+                return await self.reward.route(endpoint, request, timeout=timeout)
+            except NoHealthyReplicaError:
+                if not self.config.cluster.spare_nodes:
+                    raise
+                log.warning(f"{endpoint.name}: no reward task serves; waiting for the one started again")
+                await asyncio.sleep(RETRY_PAUSE_S)  # the lost task may still count as healthy for a moment
+                await self.head.wait_for_peers(REWARD, 1, timeout=self.rejoin_timeout_s)
 
     async def train_step(self, batch: TrainBatch, *, step: int) -> dict[str, float]:
         async with self._trainer_turn:
