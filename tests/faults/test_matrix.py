@@ -336,8 +336,10 @@ def test_a_lost_inference_node_is_replaced_by_a_spare_inside_the_job_without_a_r
     where = {(t["group"], t["rank"]): t["node"] for t in read_json(run_dir / EXIT_FILE)["tasks"]}
     assert where[("inference", 1)] == lost_on.group(1)
     # Every step once; bitwise equal to the uninterrupted run until the replacement serves (the batch after the one the
-    # step logged before it caught up: max_policy_lag = 1). From there they differ: a replica started afresh draws
-    # other tokens for the same chunk seed than the one that served all along (seen 2026-11-29, not explained yet).
+    # step logged before it caught up: max_policy_lag = 1). From there they differ, as the algorithm allows: the push
+    # the loss broke is made again with the trainer's newest weights (the trainer holds no older ones), so the batch
+    # generated after it is one version fresher than the uninterrupted run's (lag 0 instead of 1; rl/controller.py
+    # accepts it), and every later step follows from it.
     ended, reference = rows_of(run_dir), rows_of(uninterrupted)
     assert [r[0] for r in ended] == [r[0] for r in reference]
     caught_up = next(line for line in log.splitlines() if "inference replicas caught up" in line)
