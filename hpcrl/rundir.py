@@ -47,6 +47,7 @@ JOB_FILE = "job.json"
 JOB_ID_FILE = "job_id"
 SECRET_FILE = "bus.secret"  # hpcrl.bus.secret writes and reads it
 EXIT_FILE = "exit.json"
+RECOVERIES_FILE = "recoveries.json"  # hpcrl.launch.supervisor: each task started again inside the job
 METRICS_FILE = "metrics.jsonl"
 SUBMITIT_DIR = "submitit"
 LOGS_DIR = "logs"

@@ -81,6 +81,7 @@ def render_text(plan: ResourcePlan) -> str:
         lines.append(f"{c.name:<10} {c.index:>3} {c.nodes:>5} {c.tasks_per_node:>10} {c.tasks:>5} "
                      f"{c.gpus_per_task:>9} {c.cpus_per_task or '-':>9} {c.mem or '-':>9}  {c.role}")
     lines.append("(each task sees only its own GPUs; '-': Slurm's default, the profile does not say)")
+    lines.append(f"recovery: {plan.recovery}")
     mesh, inf = plan.trainer_mesh, plan.inference_layout
     lines += [
         "",

@@ -40,6 +40,8 @@ def _require(ok: bool, key: str, problem: str, fix: str) -> None:
 SEED_LIMIT = 2**32
 #: Slurm's --signal=B:USR2@N takes N up to 65535 seconds.
 SLURM_SIGNAL_MAX_S = 65535
+#: The most cluster.spare_nodes: spares beyond a few per lost node a day only sit idle.
+MAX_SPARE_NODES = 64
 #: The least cluster.heartbeat_timeout_s: a few of the tasks' one-second heartbeats.
 HEARTBEAT_TIMEOUT_MIN_S = 3.0
 
@@ -609,6 +611,9 @@ class ClusterConfig:
     """Environment variables set for every program of the job."""
     slurm_conf: str = ""
     """SLURM_CONF for sbatch/squeue/scancel (only for a private cluster like tools/local_slurm.sh)."""
+    spare_nodes: int = 0
+    """Idle nodes held in the allocation (layout "split" only): a task whose node is lost starts again on one
+    inside the job, with no requeue (docs/FACTS.md: a hetjob cannot outlive a node in Slurm 22.05)."""
     max_requeues: int = 3
     """Times a job that lost a group task (a node died, a process was killed) requeues itself to resume from
     its last checkpoint before it ends FAILED (Slurm only; SLURM_RESTART_COUNT counts them)."""
@@ -637,6 +642,14 @@ class ClusterConfig:
         _require(self.max_requeues >= 0, "max_requeues", f"must be 0 or more, got {self.max_requeues}",
                  "set max_requeues = 0 to end a run that loses a task FAILED")
         _at_most(self.max_requeues, 1000, "max_requeues", "0 to 1,000")
+        _require(self.spare_nodes >= 0, "spare_nodes", f"must be 0 or more, got {self.spare_nodes}",
+                 "set spare_nodes = 0 (no spare), or the count of idle nodes the job holds for lost tasks")
+        _at_most(self.spare_nodes, MAX_SPARE_NODES, "spare_nodes", f"0 to {MAX_SPARE_NODES}")
+        _require(self.spare_nodes == 0 or self.layout == "split", "spare_nodes",
+                 f'spare_nodes = {self.spare_nodes} needs layout = "split": Slurm 22.05 ends a heterogeneous job '
+                 "when any of its nodes fails, --no-kill or not (docs/FACTS.md), so spares in a hetjob never serve",
+                 'set layout = "split" (one homogeneous job with --no-kill), or spare_nodes = 0 (a lost node '
+                 "requeues the job)")
         _require(self.heartbeat_timeout_s >= HEARTBEAT_TIMEOUT_MIN_S, "heartbeat_timeout_s",
                  f"must be at least {HEARTBEAT_TIMEOUT_MIN_S:g} s (tasks beat every second), got {self.heartbeat_timeout_s}",
                  "leave it at 30, or lower it to about 10 where steps are short and a quick recovery matters")

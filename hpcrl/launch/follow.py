@@ -18,7 +18,7 @@ from pathlib import Path
 
 from hpcrl.bus.config import REFUSED_FILE
 from hpcrl.errors import SlurmError
-from hpcrl.rundir import EXIT_FILE, JOB_FILE, LAUNCH_FILE, LOGS_DIR, METRICS_FILE, read_json
+from hpcrl.rundir import EXIT_FILE, JOB_FILE, LAUNCH_FILE, LOGS_DIR, METRICS_FILE, RECOVERIES_FILE, read_json
 from hpcrl.slurm import tracking
 
 
@@ -42,6 +42,10 @@ class RunStatus:
     run_dir: Path | None = None
     refused: tuple[tuple[str, int], ...] = ()
     """Messages the head's bus refused, by reason (forged, too large, ...): a flood shows here."""
+    spare_nodes: int = 0
+    """Idle nodes the job holds for lost tasks (cluster.spare_nodes)."""
+    recoveries: tuple[str, ...] = ()
+    """Each task the head started again on a spare node, inside the job (RECOVERIES_FILE)."""
 
     @property
     def done(self) -> bool:
@@ -55,6 +59,9 @@ class RunStatus:
             lines.append(f"  {'component':<12} {'state':<12} {'nodes':<16} elapsed")
             lines += [f"  {r.component:<12} {r.state:<12} {r.nodes:<16} {r.elapsed}" for r in self.rows]
         lines += [f"  failed: {f}" for f in self.failures]
+        if self.spare_nodes:
+            lines.append(f"  spare nodes: {self.spare_nodes} (used: {len(self.recoveries)})")
+        lines += [f"  recovered: {r}" for r in self.recoveries]
         if self.last_metrics:
             lines.append(f"  last metrics: {self.last_metrics}")
         if self.refused:
@@ -182,6 +189,26 @@ def _refused(run_dir: Path, record: dict | None) -> tuple[tuple[str, int], ...]:
     return tuple(sorted((str(k), int(v)) for k, v in (counts or {}).items()))
 
 
+def _recoveries(run_dir: Path) -> tuple[str, ...]:
+    """The head's recoveries inside the job (hpcrl.launch.supervisor), one line each."""
+    path = run_dir / RECOVERIES_FILE
+    lines = []
+    for e in read_json(path).get("recoveries", []) if path.is_file() else []:
+        back = (f"registered {e['registered_after_s']} s later" if e.get("registered_after_s") is not None
+                else "not registered yet")
+        if e.get("ready_after_s") is not None:
+            back += f", serving {e['ready_after_s']} s later"
+        when = time.strftime("%H:%M:%S", time.localtime(e["at"]))
+        lines.append(f"{e['group']} rank {e['rank']} lost on {e['lost_on']} at {when} ({e['why']}): started again "
+                     f"on {e['restarted_on']}, {back}")
+    return tuple(lines)
+
+
+def _spare_nodes(run_dir: Path) -> int:
+    path = run_dir / LAUNCH_FILE
+    return int(read_json(path).get("spare_nodes", 0)) if path.is_file() else 0
+
+
 def status(target: str | Path) -> RunStatus:
     """The status of a run directory or a Slurm job id."""
     if str(target).isdigit() and not Path(target).is_dir():
@@ -209,7 +236,8 @@ def status(target: str | Path) -> RunStatus:
     rows = tuple(Row(names.get(c.component, c.job_id) if len(job.components) > 1 else "all",
                      c.state, c.nodes, c.elapsed) for c in job.components)
     return RunStatus(job_id=run.job_id, executor="slurm", state=state, rows=rows, source=job.source,
-                     failures=failures, last_metrics=metrics, run_dir=run.run_dir, refused=refused)
+                     failures=failures, last_metrics=metrics, run_dir=run.run_dir, refused=refused,
+                     spare_nodes=_spare_nodes(run.run_dir), recoveries=_recoveries(run.run_dir))
 
 
 def wait(target: str | Path, *, timeout_s: float, poll_s: float = 0.5) -> RunStatus:

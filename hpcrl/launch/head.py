@@ -40,7 +40,7 @@ from pathlib import Path
 
 from hpcrl.bus import BusConfig, Router, load_secret
 from hpcrl.bus.config import MIN_MESSAGE_BYTES, REFUSED_FILE, message_limit_for
-from hpcrl.config.groups import HEAD, INFERENCE
+from hpcrl.config.groups import HEAD, INFERENCE, REWARD
 from hpcrl.errors import HpcrlError
 from hpcrl.fsio import PRIVATE_UMASK
 from hpcrl.launch.supervisor import GroupFailed, Supervisor
@@ -127,7 +127,8 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
     server = serve_store(load_secret(sup.run_dir), bind="tcp://0.0.0.0:0")
     store = f"tcp://{advertise}:{server.address.rpartition(':')[2]}"
     log.info(f"rendezvous store at {store} (requests signed with the run's secret)")
-    sup.revivable = {INFERENCE}
+    # Spare nodes: a lost reward task (its calls wait and are made again) starts again inside the job too.
+    sup.revivable = {INFERENCE, REWARD} if launch.spare_nodes else {INFERENCE}
     sup.start({"HPCRL_STORE_ADDR": store})
     preempt = asyncio.Event()
 

@@ -2,6 +2,8 @@
 
     hetjob  srun --het-group=i --nodes=N --ntasks=T --ntasks-per-node=K [resources] --output=.../rank%t.log
     split   srun --nodes=N --ntasks=T --nodelist=<the group's node range> [resources] --output=...
+            (and --no-kill when the job holds spare nodes: a lost node then ends only its own tasks,
+            not the step's tasks on the other nodes; docs/FACTS.md)
     local   T processes on this machine, each the leader of its own POSIX process group (os.killpg)
 
 [resources] are the component's, as in its #SBATCH block (hpcrl.config.components): --cpus-per-task
@@ -54,10 +56,11 @@ def task_env(slot: GroupSlot, env: Mapping[str, str]) -> dict[str, str]:
 
 
 def srun_argv(slot: GroupSlot, *, layout: str, run_dir: Path, python: str,
-              nodelist: list[str] | None = None) -> list[str]:
-    """The srun command line starting every task of `slot` (pure)."""
+              nodelist: list[str] | None = None, no_kill: bool = False) -> list[str]:
+    """The srun command line starting every task of `slot` (pure); `no_kill`: a lost node ends only its tasks."""
     c = slot.component
     argv = ["srun", "--unbuffered", "--kill-on-bad-exit=0", f"--job-name={slot.name}"]
+    argv += ["--no-kill"] if no_kill else []
     if layout == "hetjob":
         argv.append(f"--het-group={c.index}")
     else:
@@ -124,13 +127,13 @@ class Step:
 
 
 def start_slurm_step(slot: GroupSlot, *, layout: str, run_dir: Path, python: str,
-                     env: Mapping[str, str], nodelist: list[str] | None = None) -> Step:
+                     env: Mapping[str, str], nodelist: list[str] | None = None, no_kill: bool = False) -> Step:
     step_env = task_env(slot, env)
     if layout == "hetjob":
         step_env["HPCRL_STEP_COMPONENTS"] = str(slot.component.index)
     else:
         step_env["HPCRL_GROUP"] = slot.name
-    argv = srun_argv(slot, layout=layout, run_dir=run_dir, python=python, nodelist=nodelist)
+    argv = srun_argv(slot, layout=layout, run_dir=run_dir, python=python, nodelist=nodelist, no_kill=no_kill)
     proc = subprocess.Popen(argv, env=step_env, stdin=subprocess.DEVNULL)
     return Step(slot=slot, procs=[proc], local=False, ranks=range(slot.component.tasks))
 
@@ -141,7 +144,7 @@ def start_replacement(slot: GroupSlot, rank: int, *, executor: str, layout: str,
     """Start rank `rank` of `slot` again, alone (its log is appended to), e.g. a lost inference replica.
 
     Under Slurm: an srun step of one task in the group's component (hetjob) on `node`, the node the
-    rank ran on, sharing the allocation with whatever the old step left (--overlap). The task keeps
+    rank ran on or a spare node of the allocation (split), sharing the allocation with whatever the old step left (--overlap). The task keeps
     its local rank (HPCRL_LOCAL_RANK: ranks are laid out node by node), so it takes the same GPUs."""
     per_node = slot.component.tasks_per_node
     env_one = {**task_env(slot, env), "HPCRL_GROUP": slot.name, "HPCRL_RELAUNCH_RANK": str(rank),

@@ -120,7 +120,8 @@ def launch_record(config: Config, spec: JobSpec, *, executor: str, python: str, 
                         cluster=spec.cluster, python=python, groups=spec.groups, hold_s=hold_s,
                         exit_codes=dict(exit_codes or {}), start_timeout_s=start_timeout_s,
                         slurm_conf=config.cluster.slurm_conf, env=dict(config.cluster.env),
-                        max_requeues=config.cluster.max_requeues, verbose=verbose)
+                        max_requeues=config.cluster.max_requeues, spare_nodes=spec.spare_nodes,
+                        verbose=verbose)
 
 
 def check_partitions(config: Config, spec: JobSpec, env: dict[str, str]) -> None:

@@ -14,6 +14,12 @@ BYE with its exit code, which the task's supervisor process sends even after a k
 by the bus's heartbeat timeout. The steps' own exit codes (srun returns the largest of its
 tasks') complete the picture: a step that ended before all its tasks registered, or with a
 non-zero code, fails the run naming group, rank and node.
+
+Spare nodes (cluster.spare_nodes, layout split): the allocation's last nodes, idle. A revivable task
+whose node is presumed lost (silent past the heartbeat timeout, or its step ended without its exit
+code) starts again on the next spare instead of its own node; one that exited with a code (its node
+lives) starts again in place. Each such recovery is appended to RUN_DIR/recoveries.json (what was
+lost, where it started again, when it registered), which `hpcrl status` lists.
 """
 
 from __future__ import annotations
@@ -30,11 +36,11 @@ from hpcrl.bus.router import PeerEvent, Router
 from hpcrl.config.groups import HEAD
 from hpcrl.errors import HpcrlError
 from hpcrl.launch.steps import Step, local_gpu_blocks, start_local_step, start_replacement, start_slurm_step
-from hpcrl.rundir import log_path
+from hpcrl.rundir import RECOVERIES_FILE, log_path, read_json, write_json
 from hpcrl.slurm.identity import layout_env
 from hpcrl.slurm.nodelist import expand_nodelist
 from hpcrl.slurm.record import LaunchRecord
-from hpcrl.slurm.spec import GroupSlot
+from hpcrl.slurm.spec import GroupSlot, spare_nodes_of
 
 #: Times one lost inference replica is started again before the run gives up.
 MAX_RELAUNCHES = 3
@@ -87,6 +93,10 @@ class Supervisor:
         self._events: list[PeerEvent] = []
         self.local_gpus: dict[tuple[str, int], str] = {}
         """(group, rank) -> its GPUs, under the local executor (every group on this machine)."""
+        self.spares: list[str] = []
+        """Spare nodes of the allocation not used yet (split layout with cluster.spare_nodes)."""
+        self._recovering: dict[tuple[str, int], dict] = {}
+        """(group, rank) -> its entry of RECOVERIES_FILE, until the task started again is ready."""
         self._deadline = time.monotonic() + launch.start_timeout_s
         router.watch(self._events.append)
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -102,6 +112,9 @@ class Supervisor:
                     "HPCRL_LAYOUT": layout_env(self.launch.groups), **(extra_env or {})}
         self._deadline = time.monotonic() + self.launch.start_timeout_s
         self.local_gpus = local_gpu_blocks(self.launch.groups, os.environ) if self.launch.executor == "local" else {}
+        self.spares = self.spare_nodes()
+        if self.spares:
+            log.info(f"spare nodes, idle until a node is lost: {','.join(self.spares)}")
         for slot in self.launch.groups:
             if not slot.module:
                 continue
@@ -111,30 +124,54 @@ class Supervisor:
             else:
                 nodes = (self.nodes_of(slot) or None) if self.launch.layout == "split" else None
                 step = start_slurm_step(slot, layout=self.launch.layout, run_dir=self.run_dir,
-                                        python=self.launch.python, env=self.env, nodelist=nodes)
+                                        python=self.launch.python, env=self.env, nodelist=nodes,
+                                        no_kill=bool(self.launch.spare_nodes))
             self.steps.append(step)
             for rank in step.ranks:
                 self.live_step[(slot.name, rank)] = step
             log.info(f"started group {slot.name}: {slot.component.nodes} node(s) x {slot.component.tasks_per_node} "
                      "task(s)")
 
-    def revive(self, group: str, rank: int, why: str) -> None:
-        """Start a lost task of a revivable group again (it registers anew, on the same node)."""
+    def revive(self, group: str, rank: int, why: str, *, node_lost: bool = False) -> None:
+        """Start a lost task of a revivable group again (it registers anew): on a spare node when its own
+        is presumed lost and a spare is left, else on the same node."""
         key = (group, rank)
         count = self.relaunches.get(key, 0) + 1
         if count > MAX_RELAUNCHES:
             raise GroupFailed(f"group {group} rank {rank} was lost {count} times (last: {why}); not starting it again")
         self.relaunches[key] = count
         old = self.tasks.pop(key, None)
-        node = old.identity.get("node") if old else self.node_of(group, rank)
-        log.warning(f"group {group} rank {rank} lost ({why}); starting it again (time {count} of "
+        lost_on = old.identity.get("node") if old else self.node_of(group, rank)
+        node = self.spares.pop(0) if node_lost and self.spares else lost_on
+        where = f"on spare node {node}" if node != lost_on else "on its node"
+        log.warning(f"group {group} rank {rank} lost ({why}); starting it again {where} (time {count} of "
                     f"{MAX_RELAUNCHES})")
+        if node != lost_on:
+            self._recovering[key] = {"group": group, "rank": rank, "lost_on": lost_on, "why": why,
+                                     "restarted_on": node, "at": time.time(), "registered_after_s": None,
+                                     "ready_after_s": None}
+            self._record_recovery(self._recovering[key])
         slot = self.launch.group(group)
         step = start_replacement(slot, rank, executor=self.launch.executor, layout=self.launch.layout,
                                  run_dir=self.run_dir, python=self.launch.python, env=self.env,
                                  node=node, gpus=self.local_gpus)
         self.steps.append(step)
         self.live_step[key] = step
+
+    def spare_nodes(self) -> list[str]:
+        """The allocation's spare nodes (split layout): the launch record's spare_nodes after every group's
+        range; [] without them or without Slurm."""
+        if self.launch.layout != "split" or not self.launch.spare_nodes or self.launch.executor != "slurm":
+            return []
+        return spare_nodes_of(self.launch.groups, expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", "")),
+                              self.launch.spare_nodes)
+
+    def _record_recovery(self, entry: dict) -> None:
+        """Add `entry` to RECOVERIES_FILE, or update it there (same group, rank and time)."""
+        path = self.run_dir / RECOVERIES_FILE
+        known = read_json(path).get("recoveries", []) if path.is_file() else []
+        known = [e for e in known if (e["group"], e["rank"], e["at"]) != (entry["group"], entry["rank"], entry["at"])]
+        write_json(path, {"recoveries": [*known, entry]})
 
     def nodes_of(self, slot: GroupSlot) -> list[str]:
         """The nodes of group `slot` in the job: its component's (hetjob), or its range of the allocation
@@ -167,6 +204,9 @@ class Supervisor:
                                                  "node": info.host, "pid": info.pid, "gpus": info.gpu,
                                                  "cpus": info.cpus, "threads": info.threads}, peer=info.name)
                 gpus = f", GPUs {info.gpu}" if info.gpu else ""
+                if (entry := self._recovering.get(key)) is not None:
+                    entry["registered_after_s"] = round(time.time() - entry["at"], 1)
+                    self._record_recovery(entry)
                 log.info(f"registered: {info.group} rank {info.task} replica {info.replica} "
                          f"on node {info.host} (pid {info.pid}, {info.cpus} CPUs{gpus})")
                 if self.released:  # started again just before the end
@@ -175,14 +215,17 @@ class Supervisor:
             task = self.tasks.get(key)
             if task is None or task.peer != info.name or task.identity["pid"] != info.pid:
                 continue  # an earlier incarnation of a task started again since
-            if event.kind == "exited":
+            if event.kind == "ready" and (entry := self._recovering.pop(key, None)) is not None:
+                entry["ready_after_s"] = round(time.time() - entry["at"], 1)  # serving: its engine is up
+                self._record_recovery(entry)
+            elif event.kind == "exited":
                 task.code = event.code
                 if info.group in self.revivable and event.code != 0:
                     self.revive(*key, why=f"it exited with code {event.code}: {event.reason}")
             elif event.kind == "dead":
                 task.lost = event.reason
-                if info.group in self.revivable:
-                    self.revive(*key, why=event.reason)
+                if info.group in self.revivable:  # silent: its node is presumed lost
+                    self.revive(*key, why=event.reason, node_lost=True)
 
     def release(self) -> None:
         """Tell every task to exit: 0, or launch.json's exit_codes (program check, to test failures)."""
@@ -231,7 +274,9 @@ class Supervisor:
                     step.kill()  # the lost task's children (vLLM's engine processes) go with it
                 for rank in step.ranks:  # unless its exit code on the bus already had it started again
                     if self.live_step.get((step.slot.name, rank)) is step:
-                        self.revive(step.slot.name, rank, why=f"its step ended with code {code}")
+                        task = self.tasks.get((step.slot.name, rank))  # no exit code of its own: node lost
+                        self.revive(step.slot.name, rank, why=f"its step ended with code {code}",
+                                    node_lost=task is None or task.code is None)
         codes = [(step, code) for step, code in codes if id(step) not in self.retired]
         failed = [(step, code) for step, code in codes if code not in (None, 0)]
         if failed:

@@ -109,9 +109,22 @@ class ResourcePlan:
     inference_memory: MemoryEstimate
     kv_cache_tokens: int
     """Tokens the KV cache of one replica holds (all its TP ranks together)."""
+    spare_nodes: int = 0
+    """Idle nodes held in the allocation for lost tasks (cluster.spare_nodes; layout split only)."""
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     """What the config chose that costs the run (a weight transport that stages through the host)."""
+
+    @property
+    def recovery(self) -> str:
+        """What a lost node costs this run: a requeue, or a start again on a spare node inside the job."""
+        if self.layout == "hetjob":
+            return ("a lost node requeues the hetjob (Slurm 22.05 ends a hetjob on any node failure); recovery "
+                    'inside the job needs layout = "split" with cluster.spare_nodes')
+        if not self.spare_nodes:
+            return "a lost node requeues the job (cluster.spare_nodes = 0)"
+        return (f"{self.spare_nodes} spare node(s), idle in the allocation (--no-kill): a lost inference replica "
+                "or reward task starts again on one, same job; any other loss requeues the job")
 
     @property
     def inference_fits(self) -> bool:
@@ -131,6 +144,7 @@ class ResourcePlan:
         for comp, data in zip(self.components, out["components"]):
             data["tasks"] = comp.tasks
         out["fits"] = self.fits
+        out["recovery"] = self.recovery
         return out
 
 
@@ -261,6 +275,7 @@ def plan_resources(config: Config, shape: ModelShape) -> ResourcePlan:
         trainer_memory=trainer_memory,
         inference_memory=inference_memory,
         kv_cache_tokens=kv_tokens,
+        spare_nodes=config.cluster.spare_nodes,
         notes=notes,
         warnings=[w for w in (host_round_trip_warning(config),) if w],
     )

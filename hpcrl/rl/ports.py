@@ -66,6 +66,11 @@ CALL_TIMEOUT_S = 600.0
 #: healthy (unreachable for a moment, not yet silent for heartbeat_timeout), and a retry without
 #: a pause would spin the head's event loop so that it never learns otherwise.
 RETRY_PAUSE_S = 0.2
+#: With spare nodes, heartbeat timeouts a weight push waits on one message before it gives up (and the
+#: least seconds): a replica whose node lost power never answers, and only a failed push lets the head
+#: form the transfer group again with its replacement inside the job. Without spares the job is requeued
+#: instead, and a push waits as long as the group's formation may (the rejoin or start timeout).
+PUSH_WAIT_HEARTBEATS, PUSH_WAIT_MIN_S = 3, 30.0
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +115,9 @@ class BusPorts:
         """The start-up (hpcrl.rl.startup): when each group was ready, seconds from the head's launch."""
         self.rejoin_timeout_s = _rejoin_timeout_s(config)
         """Seconds a lost inference replica has to come back (started again by the head) and register."""
+        self.push_wait_s = (max(PUSH_WAIT_MIN_S, PUSH_WAIT_HEARTBEATS * config.cluster.heartbeat_timeout_s)
+                            if config.cluster.spare_nodes else None)
+        """Spare nodes: seconds a transfer waits on one message (PUSH_WAIT_HEARTBEATS); None: the formation's."""
         self.replicas = config.inference.replicas
         # Trainer-side work (train steps, weight pushes, forming the transfer group) one at a time.
         self._trainer_turn = asyncio.Lock()
@@ -161,7 +169,9 @@ class BusPorts:
         forming = time.monotonic()
         self.generation += 1
         self.current = False
-        call = ConnectTransferCall(store=self.store, timeout_s=timeout, digest=self.plan.digest,
+        # The group's ends wait this long to form it, and on each message of a push.
+        wait_s = min(timeout, self.push_wait_s) if self.push_wait_s else timeout
+        call = ConnectTransferCall(store=self.store, timeout_s=wait_s, digest=self.plan.digest,
                                    generation=self.generation)
         members = {r: (p.host, p.pid) for r in range(self.replicas) if (p := self._leader(r)) is not None}
         await asyncio.gather(self.trainer.call_all(0, TRN.connect_transfer, call, timeout=timeout),
@@ -272,12 +282,28 @@ class BusPorts:
     async def _env(self, endpoint: Endpoint[EnvCall, list[EnvReply]], requests: list[EnvRequest]) -> list[EnvReply]:
         # A worker answers its share one episode after another, each within env.step_timeout_s.
         timeout = CALL_TIMEOUT_S + self.config.env.step_timeout_s * len(requests)
-        return await self.reward.route(endpoint, EnvCall(requests=requests), timeout=timeout)
+        return await self._call_reward(endpoint, EnvCall(requests=requests), timeout=timeout)
 
     async def score(self, samples: list[Sample]) -> list[RewardResult]:
         if self.local_scorer is not None:
             return await asyncio.to_thread(self.local_scorer.score, samples)
-        return await self.reward.route(REW.score, ScoreCall(samples=samples), timeout=CALL_TIMEOUT_S)
+        return await self._call_reward(REW.score, ScoreCall(samples=samples), timeout=CALL_TIMEOUT_S)
+
+    async def _call_reward(self, endpoint: Endpoint[Req, Rep], request: Req, *, timeout: float) -> Rep:
+        """A call to the least busy reward task. With spare nodes, a call that finds none left (its node lost,
+        the head starting it again on a spare) waits for the newcomer and is made again there: every reward
+        call holds all it needs, and a lost call's answer never reached the head, so nothing is scored twice."""
+        from hpcrl.bus.errors import NoHealthyReplicaError
+
+        while True:
+            try:
+                return await self.reward.route(endpoint, request, timeout=timeout)
+            except NoHealthyReplicaError:
+                if not self.config.cluster.spare_nodes:
+                    raise
+                log.warning(f"{endpoint.name}: no reward task serves; waiting for the one started again")
+                await asyncio.sleep(RETRY_PAUSE_S)  # the lost task may still count as healthy for a moment
+                await self.head.wait_for_peers(REWARD, 1, timeout=self.rejoin_timeout_s)
 
     async def train_step(self, batch: TrainBatch, *, step: int) -> dict[str, float]:
         async with self._trainer_turn:

@@ -52,6 +52,8 @@ class LaunchRecord:
     env: dict[str, str] = field(default_factory=dict)
     """cluster.env: exported to every task."""
     max_requeues: int = 0
+    spare_nodes: int = 0
+    """Split layout: idle nodes at the end of the allocation (cluster.spare_nodes), where a lost task starts again."""
     verbose: bool = False
     """hpcrl submit --verbose: every task logs hpcrl's DEBUG lines, and every library's INFO lines on its terminal."""
     version: int = VERSION

@@ -10,6 +10,9 @@ Two layouts (cluster.layout):
           get consecutive node ranges of one allocation (trainer first), and the head runs in
           the batch step on the allocation's first node. Every Slurm setting must then agree
           across groups; where two groups differ, the spec is refused with the key to change.
+          With cluster.spare_nodes = N the allocation ends with N more nodes, idle, and the job is
+          submitted with --no-kill: a lost node does not end it, and the head starts the lost task
+          again on a spare (docs/FACTS.md: only a homogeneous job outlives a node in Slurm 22.05).
 
 The JobSpec also carries the launch layout the head needs (which group is which component,
 how many tasks, how ranks form replicas) so the same data drives rendering and launching.
@@ -69,6 +72,8 @@ class JobSpec:
     setup: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     signal_delay_s: int = 90
+    spare_nodes: int = 0
+    """Split layout: idle nodes at the end of the allocation, where a lost task starts again."""
     time_limit: str = ""
     """Longest --time of the job ("" = partition default); used by the local executor too."""
     notes: tuple[str, ...] = field(default=())
@@ -83,6 +88,12 @@ def slot_named(slots: tuple[GroupSlot, ...], name: str) -> GroupSlot:
         if slot.name == name:
             return slot
     raise KeyError(f"no group {name!r} in this run (its groups: {', '.join(s.name for s in slots)})")
+
+
+def spare_nodes_of(slots: tuple[GroupSlot, ...], allocation: list[str], count: int) -> list[str]:
+    """Split layout: the `count` spare nodes of `allocation` (the job's nodes, in order), after every group's range."""
+    used = max((s.first_node + s.component.nodes for s in slots if s.module), default=0)
+    return allocation[used:used + count]
 
 
 def _ranks_per_replica(config: Config, name: str, tasks: int) -> int:
@@ -153,7 +164,8 @@ _AGREE = ("partition", "account", "qos", "mem", "time", "constraint", "sbatch_ex
 
 
 def _split_layout(config: Config, slots: list[GroupSlot]) -> tuple[list[GroupSlot], SbatchBlock]:
-    """Lay the non-head groups end to end in one allocation; the head takes no node of its own."""
+    """Lay the non-head groups end to end in one allocation, then cluster.spare_nodes idle nodes; the head
+    takes no node of its own."""
     workers = [s for s in slots if s.name != HEAD]
     if not workers:
         raise ConfigError(key="cluster.layout", problem='layout = "split" with no group besides the head',
@@ -180,12 +192,15 @@ def _split_layout(config: Config, slots: list[GroupSlot]) -> tuple[list[GroupSlo
         placed.append(replace(slot, first_node=first_node))
         first_node += slot.component.nodes
     parts = [s.component for s in workers]
+    spares = config.cluster.spare_nodes
     options = _resource_options(
-        config, config.group(parts[0].name), nodes=first_node,
+        config, config.group(parts[0].name), nodes=first_node + spares,
         tasks_per_node=max(c.tasks_per_node for c in parts),
         cpus_per_task=max(c.cpus_per_task for c in parts),
         gpus_per_node=max(c.gpus_per_node for c in parts),
         mem=max((c.mem for c in parts), key=lambda m: mem_gib(m) if m and m != "0" else (1e18 if m else 0)))
+    if spares:
+        options.append(("no-kill", ""))  # a lost node leaves the job running: the head decides
     return placed, SbatchBlock(title="one job for every group (layout split)", options=tuple(options))
 
 
@@ -200,6 +215,9 @@ def job_spec(config: Config) -> JobSpec:
         blocks = [block]
         if any(getattr(config.group(HEAD), k) for k in ("partition", "account", "qos", "mem", "constraint")):
             notes.append('layout = "split": the head runs in the batch step, so [groups.head] Slurm settings are unused')
+        if cluster.spare_nodes:
+            notes.append(f"spare nodes: the allocation's last {cluster.spare_nodes}, idle; a task whose node is lost "
+                         "starts again on one (cluster.spare_nodes)")
     else:
         blocks = _hetjob_blocks(config, [slot.component for slot in slots])
     times = [config.group(s.name).time for s in slots if config.group(s.name).time]
@@ -208,7 +226,7 @@ def job_spec(config: Config) -> JobSpec:
         groups=tuple(slots), blocks=tuple(blocks), modules=tuple(cluster.modules),
         setup=tuple(cluster.setup), env=tuple(sorted(cluster.env.items())),
         time_limit=max(times, key=_time_seconds) if times else "", notes=tuple(notes),
-        signal_delay_s=cluster.signal_delay_s)
+        signal_delay_s=cluster.signal_delay_s, spare_nodes=cluster.spare_nodes)
 
 
 def _time_seconds(text: str) -> int:

@@ -200,3 +200,15 @@ def test_plan_refuses_the_chat_format_for_a_tokenizer_without_a_chat_template(tm
     assert "data.format" in done.stderr and "has no chat template" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
     assert hpcrl("plan", "configs/tiny_grpo.toml", "--set", f"model.path={model}").returncode == 0  # text: fine
+
+
+@pytest.mark.timeout(60)
+def test_plan_says_what_a_lost_node_costs_a_hetjob_and_a_split_job_with_spares():
+    hetjob = hpcrl("plan", "configs/tiny_grpo.toml", "--cluster", "local")
+    assert hetjob.returncode == 0, hetjob.stderr
+    assert "recovery: a lost node requeues the hetjob" in hetjob.stdout
+    spared = hpcrl("plan", "configs/tiny_grpo.toml", "--cluster", "local", "--set", 'cluster.layout="split"',
+                   "--set", "cluster.spare_nodes=1", "--set", "inference.replicas=2", "--json")
+    assert spared.returncode == 0, spared.stderr
+    plan = json.loads(spared.stdout)
+    assert plan["spare_nodes"] == 1 and plan["recovery"].startswith("1 spare node(s), idle in the allocation")

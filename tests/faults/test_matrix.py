@@ -90,6 +90,8 @@ class Case:
     """poweroff | kill-head | sigstop | cut | cut-5s | down | slurmd | usr2"""
     bound_s: float | None
     """Running again within this many seconds of the fault; None: no recovery is needed."""
+    back: str = "resumed from"
+    """What the head logs once the run is running again (or back at full strength, where it never stopped)."""
 
 
 CASES = [
@@ -179,7 +181,9 @@ def recovery(case: Case, run_dir: Path, t0: float, at_step: int) -> dict:
                     if re.search(r"lost|silent|unhealthy|requeu|killed by|SIGUSR2|: head on ", line)), float("nan"))
     resumed = [(stamp(line) - t0, int(m.group(1))) for line in after if (m := re.search(r"resumed from .* \(step (\d+)\)", line))]
     back_s, from_step = resumed[0] if resumed else (float("nan"), None)
-    return {"case": case.name, "noticed_s": round(noticed, 1), "running_again_s": round(back_s, 1),
+    if case.back != "resumed from":  # recovered inside the job: nothing resumed, back at full strength
+        back_s = next((stamp(line) - t0 for line in after if case.back in line), float("nan"))
+    return {"case": case.name, "at": t0, "noticed_s": round(noticed, 1), "running_again_s": round(back_s, 1),
             "resumed_from": from_step, "steps_lost": at_step - from_step if from_step is not None else 0}
 
 
@@ -205,7 +209,7 @@ def survive_in_turn(cases: list[Case], tmp_path: Path, model: Path, env: dict[st
             repairs.append(strike(case, run_dir, env))
             at_step = max(int(m) for m in re.findall(r"step +(\d+)/", head_log(run_dir)))
             if case.bound_s is not None:
-                wait_for(lambda t0=t0: any("resumed from" in line for line in lines_after(run_dir, t0)),
+                wait_for(lambda t0=t0, case=case: any(case.back in line for line in lines_after(run_dir, t0)),
                          f"the run running again after: {case.name}", case.bound_s + 60)
             row = recovery(case, run_dir, t0, at_step)
             rows.append(row)
@@ -294,3 +298,52 @@ def test_a_multi_turn_environment_on_a_mixture_of_experts_model_survives_a_power
     assert len(rows) == VARIANT_STEPS
     assert all(r["moe_aux_loss"] > 0 for r in rows), rows[-1]  # its routers' loss: a MoE trained, not a dense model
     assert all(r["turns_mean"] > 1 for r in rows), rows[-1]  # episodes of more than one turn
+
+
+# -- recovery inside the allocation (issue 41): layout split with a spare node, two inference replicas (one per node).
+# Slurm 22.05 keeps a homogeneous --no-kill job when a node fails (docs/FACTS.md); the head starts the lost replica
+# again on the spare, the survivor takes the lost calls, and the transfer group forms again with the newcomer. Two
+# short runs (one uninterrupted): two replicas draw other seeds than the matrix's one (a chunk's seed is its place in
+# the batch), so the matrix's uninterrupted run is no reference for this one.
+SPARE_STEPS = 30
+SPARE_ARGS = ("--set", 'cluster.layout="split"', "--set", "cluster.spare_nodes=1", "--set", "inference.replicas=2")
+BACK_BOUND_S = 90
+"""Back at full strength (both replicas on current weights) within this many seconds of the power loss. Issue 41 aims
+at 45 s; the replacement's vLLM start is most of it: back after 33 s on a quiet machine, 59 s on one shared with two
+other sessions (2026-11-29)."""
+
+
+@pytest.mark.timeout(900)
+def test_a_lost_inference_node_is_replaced_by_a_spare_inside_the_job_without_a_requeue_or_a_lost_step(
+        namespaced, tiny_model, tmp_path):
+    # Split layout: trainer n1+n2 (the head in the batch step on n1), inference n3+n4, reward n5, spare n6.
+    args = run_args(SPARE_STEPS, INTERVAL, *SPARE_ARGS)
+    uninterrupted = tmp_path / "straight" / "run"
+    done = submit(uninterrupted, tiny_model, namespaced, wait=True, config="configs/tiny_grpo.toml", args=args)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    case = Case("power loss of an inference node, a spare in the job", "inference:1", "poweroff", BACK_BOUND_S,
+                back="inference replicas caught up")
+    run_dir, (row,) = survive_in_turn([case], tmp_path, tiny_model, namespaced, config="configs/tiny_grpo.toml",
+                                      args=args, first=INTERVAL + 2, every=INTERVAL)
+    log = head_log(run_dir)
+    assert len(re.findall(r"\): head on ", log)) == 1 and "requeueing" not in log  # one head, one job: no requeue
+    assert row["resumed_from"] is None and row["running_again_s"] <= BACK_BOUND_S, row
+    lost_on = re.search(r"inference rank 1 lost \(.*\); starting it again on spare node (\S+)", log)
+    assert lost_on, log[-3000:]
+    recovery, = read_json(run_dir / "recoveries.json")["recoveries"]
+    assert recovery["restarted_on"] == lost_on.group(1) and recovery["ready_after_s"] is not None, recovery
+    print(f"Recovery | {case.name}: the replacement served {recovery['ready_after_s']} s after it was started")
+    where = {(t["group"], t["rank"]): t["node"] for t in read_json(run_dir / EXIT_FILE)["tasks"]}
+    assert where[("inference", 1)] == lost_on.group(1)
+    # Every step once; bitwise equal to the uninterrupted run until the replacement serves (the batch after the one the
+    # step logged before it caught up: max_policy_lag = 1). From there they differ, as the algorithm allows: the push
+    # the loss broke is made again with the trainer's newest weights (the trainer holds no older ones), so the batch
+    # generated after it is one version fresher than the uninterrupted run's (lag 0 instead of 1; rl/controller.py
+    # accepts it), and every later step follows from it.
+    ended, reference = rows_of(run_dir), rows_of(uninterrupted)
+    assert [r[0] for r in ended] == [r[0] for r in reference]
+    caught_up = next(line for line in log.splitlines() if "inference replicas caught up" in line)
+    before = max(int(m) for m in re.findall(r"step +(\d+)/", log[:log.index(caught_up)]))
+    assert ended[:before + 1] == reference[:before + 1]
+    probed = [r["logprob_mismatch"] for r in read_metrics(run_dir) if r.get("logprob_mismatch") is not None]
+    assert probed and all(m < 1e-3 for m in probed), probed  # the replacement serves the trainer's weights

@@ -88,3 +88,18 @@ def test_the_runs_own_controller_is_running_and_cancel_stops_it(tmp_path: Path):
     finally:
         controller.kill()
         controller.wait(timeout=10)
+
+
+def test_hpcrl_status_lists_each_recovery_inside_the_job_with_its_times(tmp_path):
+    from hpcrl.launch.follow import RunStatus, _recoveries
+    from hpcrl.rundir import RECOVERIES_FILE, write_json
+
+    entry = {"group": "inference", "rank": 1, "lost_on": "n4", "why": "silent for 10.2 s", "restarted_on": "n6",
+             "at": 1_700_000_000.0, "registered_after_s": 1.1, "ready_after_s": 24.5}
+    write_json(tmp_path / RECOVERIES_FILE, {"recoveries": [entry]})
+    lines = _recoveries(tmp_path)
+    assert len(lines) == 1 and lines[0].startswith("inference rank 1 lost on n4 at ")
+    assert "(silent for 10.2 s): started again on n6, registered 1.1 s later, serving 24.5 s later" in lines[0]
+    shown = RunStatus(job_id="7", executor="slurm", state="RUNNING", spare_nodes=1, recoveries=lines).render()
+    assert "spare nodes: 1 (used: 1)" in shown and f"recovered: {lines[0]}" in shown
+    assert _recoveries(tmp_path / "none") == ()

@@ -62,3 +62,12 @@ def test_the_local_executor_gives_every_gpu_task_its_own_block_group_after_group
     assert ("reward", 0) not in blocks
     assert local_gpu_blocks([REWARD], {}) == {}
     assert local_gpu_blocks([INFERENCE], {})[("inference", 1)] == "2,3"  # no variable: this machine's 0, 1, ...
+
+
+def test_a_split_group_of_a_job_with_spares_is_started_so_that_a_lost_node_ends_only_its_own_tasks():
+    argv = srun_argv(INFERENCE, layout="split", run_dir=Path("/runs/x"), python="py", nodelist=["n3"], no_kill=True)
+    assert "--no-kill" in argv
+    assert "--no-kill" not in srun_argv(INFERENCE, layout="split", run_dir=Path("/runs/x"), python="py",
+                                        nodelist=["n3"])
+    spare = replacement_argv(INFERENCE, 1, layout="split", run_dir=Path("/runs/x"), python="py", node="n6")
+    assert "--nodelist=n6" in spare and "--gres=gpu:4" in spare and not any("het-group" in a for a in spare)

@@ -683,3 +683,37 @@ def test_over_bus_ports_the_evaluation_is_shared_by_the_replicas_and_gives_the_i
     assert outcome(runs / "bus") == outcome(runs / "memory")
     served = {p.replica for p in job.processes for _, prompt, _ in p.engine.generated if prompt.startswith("echo-test")}
     assert served == {0, 1}
+
+
+def with_spares(config: Config) -> Config:
+    """The same run in a split job holding a spare node (cluster.spare_nodes: the head revives reward tasks too)."""
+    return dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, layout="split", spare_nodes=1))
+
+
+@pytest.mark.parametrize("spares", [True, False])
+def test_a_score_call_that_finds_no_reward_task_waits_for_the_one_started_again_only_with_spare_nodes(
+        runs, no_retry_pause, logged, spares):
+    from hpcrl.bus.errors import NoHealthyReplicaError
+    from hpcrl.contract.endpoints import RewardEndpoints
+    from hpcrl.reward.types import Sample
+
+    async def scenario() -> None:
+        config = bus_config(runs)
+        job, ports = await connected(with_spares(config) if spares else config)
+        lost, = job.head.peers("reward")
+        job.head.mark_dead(lost.name, "silent for 10.4 s (heartbeat_timeout 10.0 s)")  # its node lost power
+        samples = [Sample(id=f"s{k}", prompt_id="p", prompt="say 7:", completion=str(k), answer="7") for k in (6, 7)]
+        scoring = asyncio.create_task(ports.score(samples))
+        if not spares:  # today's path: the loop fails, and the head requeues the job
+            with pytest.raises(NoHealthyReplicaError):
+                await scoring
+            return
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not scoring.done()  # it waits for the reward task the head starts on a spare
+        job.head.register(dataclasses.replace(lost, pid=lost.pid + 1, host="spare-node"),
+                          {RewardEndpoints.score: job._score})
+        results = await scoring
+        assert [r.reward for r in results] == [r.reward for r in job.reward.score(samples)]
+        assert "score: no reward task serves; waiting for the one started again" in logged
+    run(scenario())

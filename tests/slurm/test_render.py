@@ -114,3 +114,13 @@ def test_a_spec_whose_sbatch_option_holds_a_newline_is_refused_by_the_renderer_n
     with pytest.raises(ConfigError, match=r"#SBATCH --partition: holds the control character '\\n' at character 3"):
         render_template(bad)
     assert "touch" not in render_template(spec)
+
+
+def test_a_split_job_with_a_spare_node_renders_one_more_node_and_no_kill():
+    """Its own golden file (sbatch/golden/spare/): the shipped configs' goldens hold no spare (spare_nodes = 0)."""
+    config = load_config(REPO / "configs" / "tiny_grpo.toml", cluster=str(REPO / "launch" / "local.toml"),
+                         overrides=["run.run_dir=/runs/tiny_grpo", 'cluster.layout="split"', "cluster.spare_nodes=1",
+                                    "inference.replicas=2"])
+    text = _script(config)
+    _compare(GOLDEN / "spare" / "tiny_grpo__local__split__spare1.sbatch", text)
+    assert "#SBATCH --nodes=5\n" in text and "#SBATCH --no-kill\n" in text

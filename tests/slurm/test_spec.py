@@ -9,7 +9,7 @@ import pytest
 from hpcrl.config import load_config
 from hpcrl.config.components import make_components
 from hpcrl.errors import ConfigError
-from hpcrl.slurm.spec import job_spec, time_limit_seconds
+from hpcrl.slurm.spec import job_spec, spare_nodes_of, time_limit_seconds
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny_grpo.toml"
@@ -79,3 +79,21 @@ def test_trainer_replicas_follow_the_hsdp_layout():
     spec = _spec("trainer.nodes=2", "trainer.dp_replicate=2")
     assert spec.group("trainer").ranks_per_replica == 1
     assert _spec("trainer.nodes=2").group("trainer").ranks_per_replica == 2
+
+
+def test_spare_nodes_in_a_hetjob_are_refused_naming_the_key_and_the_layout_that_holds_them():
+    with pytest.raises(ConfigError) as err:
+        _spec("cluster.spare_nodes=1")
+    assert err.value.key == "cluster.spare_nodes" and 'layout = "split"' in err.value.fix
+    with pytest.raises(ConfigError, match="cluster.spare_nodes: must be 0 or more"):
+        _spec('cluster.layout="split"', "cluster.spare_nodes=-1")
+    with pytest.raises(ConfigError, match="cluster.spare_nodes"):
+        _spec('cluster.layout="split"', "cluster.spare_nodes=65")
+
+
+def test_a_split_job_with_spare_nodes_asks_for_them_with_no_kill_and_finds_them_after_every_group():
+    spec = _spec('cluster.layout="split"', "trainer.nodes=2", "inference.replicas=2", "cluster.spare_nodes=2")
+    options = dict(spec.blocks[0].options)
+    assert options["nodes"] == "7" and options["no-kill"] == "" and spec.spare_nodes == 2
+    assert spare_nodes_of(spec.groups, [f"n{i}" for i in range(1, 8)], spec.spare_nodes) == ["n6", "n7"]
+    assert "no-kill" not in dict(_spec('cluster.layout="split"').blocks[0].options)  # no spare: as before
