@@ -313,6 +313,7 @@ at 45 s; the replacement's vLLM start is most of it: back after 33 s on a quiet 
 other sessions (2026-11-29)."""
 
 
+@pytest.mark.extended  # ~5 min of CI's 45 (tools/test.sh --faults --extended runs it)
 @pytest.mark.timeout(900)
 def test_a_lost_inference_node_is_replaced_by_a_spare_inside_the_job_without_a_requeue_or_a_lost_step(
         namespaced, tiny_model, tmp_path):
