@@ -128,6 +128,7 @@ class VllmEngine:
         self.weight_version = 0
         self.lora_alpha = lora_alpha
         self.lora = bool(lora_rank)
+        self.lora_synced = False  # an adapter has been received: generate with the newest version's
         self.model_path = model_path
         self._turn_stops: list[int] | None = None  # chat prompts' stop tokens (turn_stop_ids)
 
@@ -148,16 +149,17 @@ class VllmEngine:
                    lora_versions=config.algorithm.max_policy_lag + 1)
 
     def lora_request(self) -> Any:
-        """vLLM's LoRARequest of the newest synced adapter (the policy version), or None: the base model (with
-        [lora], version 0 is the base model: PEFT's B starts at zero)."""
-        if not self.lora or self.weight_version < 1:
+        """vLLM's LoRARequest of the newest synced adapter (the policy version), or None: no LoRA, or none synced
+        yet (the base model; a run syncs its initial adapter, version 0, before generating)."""
+        if not self.lora_synced:
             return None
         from vllm.lora.request import LoRARequest
 
-        from hpcrl.transfer.vllm_lora import slot_path
+        from hpcrl.transfer.vllm_lora import adapter_id, slot_path
 
         version = self.weight_version
-        return LoRARequest(lora_name=f"hpcrl-policy-{version}", lora_int_id=version, lora_path=slot_path(version))
+        return LoRARequest(lora_name=f"hpcrl-policy-{version}", lora_int_id=adapter_id(version),
+                           lora_path=slot_path(version))
 
     def generate(self, prompts: list[Prompt], *, n: int, seed: int, offset: int = 0,
                  temperature: float | None = None, max_tokens: list[int] | None = None) -> list[list[Completion]]:
@@ -249,7 +251,7 @@ class VllmEngine:
     def receive_weights(self, version: int) -> None:
         """Take one weight update from the trainer ranks (hpcrl's weight-transfer engine, which must
         be initialised) and serve it as `version`. Blocks until every worker has received its share.
-        With [lora], the update is the adapter, into a LoRA slot of its own (adapter id `version`,
+        With [lora], the update is the adapter, into a LoRA slot of its own (adapter id `version` + 1,
         hpcrl.transfer.vllm_lora): the next generate uses it; a request already running keeps its own."""
         llm = self.llm
         # LLM's start_weight_update, update_weights and finish_weight_update in one round trip.
@@ -258,6 +260,7 @@ class VllmEngine:
         # The prefix cache, stale now, is not reset here: generate empties it before every chunk,
         # and scoring never reads it (module docstring).
         self.weight_version = version
+        self.lora_synced = self.lora
 
     def token_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-probability of every token after the first of each sequence, under the live weights.

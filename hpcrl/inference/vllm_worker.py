@@ -92,9 +92,10 @@ class HpcrlWorkerExtension:
         """One whole update in one call: the Worker's own start_weight_update, update_weights and
         finish_weight_update, in turn, with their bookkeeping (a failed update ends the session, as
         there). LLM's three calls are three round trips to the engine core, each about 0.4 ms on CPU,
-        on the critical path of every step."""
+        on the critical path of every step. A LoRA plan's update is the engine's receive_adapter instead
+        (hpcrl.transfer.vllm_lora)."""
         engine = getattr(self, "weight_transfer_engine", None)
-        if getattr(engine, "lora", None) is not None:
+        if engine is not None and getattr(engine, "lora", None) is not None:
             # A LoRA plan: the adapter into a LoRA slot of its own. Not through the Worker's session: its
             # finish_weight_update drops every adapter (reset_lora_state), as after new base weights.
             from vllm.config import set_current_vllm_config

@@ -5,13 +5,13 @@ copies it into a slot of every LoRA layer (model_manager.py `activate_adapter` -
 slot itself instead, no file and no copy:
 
     slots = LoraSlots(model, plan, tp_rank=r, alpha=32.0)    # model.lora_manager: vLLM's LoRAModelManager
-    targets = slots.begin(version)     # register `version` (an adapter id), zero its slot: plan dest -> view
+    targets = slots.begin(version)     # register the version's adapter id, zero its slot: plan dest -> view
     ... execute.receive(..., targets) ...
     slots.finish()                     # B *= alpha / rank, as vLLM's LoRALayerWeights.optimize does at load
 
-`begin` registers an empty LoRAModel under id `version` in vLLM's manager and activates it: vLLM gives it the
+`begin` registers an empty LoRAModel under id `adapter_id(version)` (version + 1) in vLLM's manager and activates it: vLLM gives it the
 first free slot and zeroes that slot in every LoRA layer (`reset_lora`), and a request with
-LoRARequest(lora_int_id=version) then finds the adapter resident, so vLLM never reads its path
+LoRARequest(lora_int_id=adapter_id(version)) then finds the adapter resident, so vLLM never reads its path
 (LRUCacheWorkerLoRAManager.add_adapter). Slot tensors (hpcrl/plan/transfer/lora.py):
 `lora_a_stacked[slice][slot, 0, :rank, :]` receives A in place; `lora_b_stacked[slice][slot, 0, :, :rank]` too when
 rank = max_lora_rank, else (vLLM's ranks are 1, 8, 16, ...) B arrives in a buffer copied there at finish.
@@ -31,6 +31,12 @@ import torch
 
 from hpcrl.errors import TransferError
 from hpcrl.plan.transfer.plan import TransferPlan
+
+
+def adapter_id(version: int) -> int:
+    """vLLM's adapter id of a policy version: version + 1 (vLLM's ids start at 1; a run syncs version 0, its
+    initial adapter, at start)."""
+    return version + 1
 
 
 def slot_path(version: int) -> str:
@@ -78,21 +84,21 @@ class LoraSlots:
         the tensor each plan dest is received into."""
         from vllm.lora.lora_model import LoRAModel
 
-        if version < 1:
-            raise TransferError(f"{self.where}: LoRA policy version {version}: vLLM's adapter ids start at 1")
-        manager = self.manager
+        if version < 0:
+            raise TransferError(f"{self.where}: LoRA policy version {version} is negative")
+        manager, ident = self.manager, adapter_id(version)
         if version in self.resident:  # the same version again (a retried sync): take a fresh slot for it
             self.resident.remove(version)
-            manager.remove_adapter(version)
+            manager.remove_adapter(ident)
         while len(self.resident) >= manager.lora_slots or len(manager) >= manager.capacity:
             if not self.resident:
                 raise TransferError(f"{self.where}: vLLM's LoRA slots hold adapters hpcrl did not put there (ids "
                                     f"{sorted(manager.list_adapters())}, slots {manager.lora_index_to_id}); a LoRA "
                                     "engine that receives syncs serves only its synced versions")
-            manager.remove_adapter(self.resident.pop(0))
-        manager._registered_adapters[version] = LoRAModel(version, self.plan.inference.lora_rank, {})
-        manager.activate_adapter(version)  # first free slot, zeroed in every LoRA layer (reset_lora)
-        index = manager.lora_index_to_id.index(version)
+            manager.remove_adapter(adapter_id(self.resident.pop(0)))
+        manager._registered_adapters[ident] = LoRAModel(ident, self.plan.inference.lora_rank, {})
+        manager.activate_adapter(ident)  # first free slot, zeroed in every LoRA layer (reset_lora)
+        index = manager.lora_index_to_id.index(ident)
         self.resident.append(version)
         targets, self._b = {}, []
         rank = self.plan.inference.lora_rank

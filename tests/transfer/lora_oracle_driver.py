@@ -4,7 +4,7 @@ Run by test_vllm_lora_oracle.py as a subprocess in its own session (as oracle_dr
 peft (get_peft_model on the tiny model + save_pretrained: adapter_config.json and adapter_model.safetensors), with
 non-zero A and B drawn from a seed per version. For each version: that many trainer ranks hold the adapter's
 tensors as FSDP2 Shard(0) local shards (torch.chunk rows, under PEFT's names without its prefix), the LoRA plan
-moves them into a LoRA slot of the engine (adapter id = the version), and the driver prints one JSON line with
+moves them into a LoRA slot of the engine (versions 0, 1, ... as a run syncs them; adapter id = version + 1), and the driver prints one JSON line with
 the slot's digests beside those of vLLM's own loading of the same PEFT directory (another adapter id), greedy
 generations (base model, the synced version through the engine's own generate, vLLM's loading) and which
 versions are resident. (A request for an evicted version is not tried: vLLM would look for its adapter at its
@@ -87,7 +87,7 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("--preset", required=True)
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--fsdp", default="2,3,1,2", help="trainer sizes, one synced version each (versions 1, 2, ...)")
+    ap.add_argument("--fsdp", default="2,3,1,2", help="trainer sizes, one synced version each (versions 0, 1, ...)")
     ap.add_argument("--rank", type=int, default=4)
     ap.add_argument("--alpha", type=float, default=8.0)
     ap.add_argument("--versions", type=int, default=3, help="versions resident at once (max_policy_lag + 1)")
@@ -104,12 +104,12 @@ def main() -> int:
     from hpcrl.data.prompts import Prompt
     from hpcrl.inference.engine import VllmEngine
     from hpcrl.rendezvous.meet import serve_store
-    from hpcrl.transfer.vllm_lora import slot_path
+    from hpcrl.transfer.vllm_lora import adapter_id, slot_path
 
     work = Path(args.work)
     spec = {"preset": args.preset, "tp": args.tp, "rank": args.rank}
-    adapters = [make_adapter(args.model, work / f"adapter-{v}", rank=args.rank, alpha=args.alpha, seed=v)
-                for v in range(1, len(args.fsdp.split(",")) + 1)]
+    adapters = [make_adapter(args.model, work / f"adapter-{v}", rank=args.rank, alpha=args.alpha, seed=1 + v)
+                for v in range(len(args.fsdp.split(",")))]
     t0 = time.perf_counter()
     _keeper = serve_store()  # before vLLM starts: its workers inherit the stores' secret
     # The references take one slot beside the resident versions while compared (then removed).
@@ -125,7 +125,7 @@ def main() -> int:
                                                                    use_tqdm=False)]
 
     def version_request(v: int) -> LoRARequest:  # what a request started on version v holds
-        return LoRARequest(lora_name=f"hpcrl-policy-{v}", lora_int_id=v, lora_path=slot_path(v))
+        return LoRARequest(lora_name=f"hpcrl-policy-{v}", lora_int_id=adapter_id(v), lora_path=slot_path(v))
 
     base = generate()
     print(json.dumps({"event": "engine", "seconds": time.perf_counter() - t0}), flush=True)
@@ -133,7 +133,7 @@ def main() -> int:
     ctx.set_forkserver_preload(["torch", "safetensors.torch", "hpcrl.transfer.trainer", "hpcrl.plan.transfer.planner"])
     digests: dict[int, list[dict]] = {}
     generations: dict[int, list[list[int]]] = {}
-    for version, (entry, adapter) in enumerate(zip(args.fsdp.split(","), adapters), start=1):
+    for version, (entry, adapter) in enumerate(zip(args.fsdp.split(","), adapters)):
         k = int(entry)
         p = lora_plan(spec, k)
         store = serve_store()
@@ -149,7 +149,7 @@ def main() -> int:
         trainers = [results.get(timeout=180) for _ in procs]
         for proc in procs:
             proc.join(timeout=30)
-        digests[version] = llm.collective_rpc("hpcrl_lora_digests", args=(version,))
+        digests[version] = llm.collective_rpc("hpcrl_lora_digests", args=(adapter_id(version),))
         chunk = engine.generate([Prompt(id=str(i), text=t, answer="") for i, t in enumerate(PROMPTS)], n=1, seed=0,
                                 temperature=0.0)
         generations[version] = [g[0].token_ids for g in chunk]
@@ -158,16 +158,17 @@ def main() -> int:
                  "last": llm.collective_rpc("hpcrl_last_update"), "digests": digests[version],
                  "generation": generations[version], "generation_base": base,
                  "generation_lora_request": generate(engine.lora_request())}
-        if version <= args.references:
+        if version < args.references:
             ref_id = REFERENCE_ID + version
             reference = LoRARequest(lora_name=f"peft-{version}", lora_int_id=ref_id, lora_path=str(adapter))
             event["generation_reference"] = generate(reference)
             event["digests_reference"] = llm.collective_rpc("hpcrl_lora_digests", args=(ref_id,))
             llm.llm_engine.remove_lora(ref_id)  # its slot back to the versions
         event["slots"] = llm.collective_rpc("hpcrl_lora_slots")  # per TP rank: the adapter id in each slot
-        resident = [v for v in range(1, version + 1) if all(v in ids for ids in event["slots"])]
+        resident = [v for v in range(0, version + 1) if all(adapter_id(v) in ids for ids in event["slots"])]
         # Every earlier version still resident computes as when it was synced (a request started on it finishes on it).
-        event["earlier"] = {v: {"digests_equal": llm.collective_rpc("hpcrl_lora_digests", args=(v,)) == digests[v],
+        event["earlier"] = {v: {"digests_equal": llm.collective_rpc("hpcrl_lora_digests",
+                                                                    args=(adapter_id(v),)) == digests[v],
                                 "generation_equal": generate(version_request(v)) == generations[v]}
                             for v in resident if v != version}
         event["resident"] = resident
