@@ -4,6 +4,7 @@ slice them (hpcrl/plan/transfer/lora.py; re-derived in check.lora_expected), and
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from hpcrl.plan.transfer.check import check_plan, verify_elements
 from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
 from hpcrl.plan.transfer.planner import plan
 
+REPO = Path(__file__).resolve().parents[2]
 LLAMA = PRESETS["tiny-llama"]  # 4 heads, 2 KV heads: at TP 4 each KV head is on two ranks
 
 
@@ -65,7 +67,7 @@ def test_a_lora_layout_needs_both_a_rank_and_targets():
 
 def test_a_lora_config_plans_only_the_adapters_and_the_cli_shows_them(tmp_path):
     base = (tmp_path / "lora.toml")
-    base.write_text((open("configs/tiny_grpo.toml").read()) + "\n[lora]\nrank = 8\nalpha = 16.0\n"
+    base.write_text((REPO / "configs" / "tiny_grpo.toml").read_text() + "\n[lora]\nrank = 8\nalpha = 16.0\n"
                     'targets = ["v_proj", "q_proj", "down_proj"]\n')
     config = load_config(base)
     p = plan_for_config(config)

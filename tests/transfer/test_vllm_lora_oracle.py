@@ -47,6 +47,7 @@ def test_synced_adapters_equal_vllm_own_loading_of_the_peft_directory_bitwise_an
     for u in updates[:2]:  # vLLM's own loading of the same PEFT directory, beside the resident versions
         assert u["digests"] == u["digests_reference"]
         assert u["generation"] == u["generation_reference"]
+        assert u["logprobs_equal"]  # the mismatch probe's logprobs come from the synced version too
     # A version's slot is never written while it is resident; the oldest is evicted past max_policy_lag + 1.
     assert [u["resident"] for u in updates] == [[0], [0, 1], [0, 1, 2], [1, 2, 3]]
     for u in updates:
