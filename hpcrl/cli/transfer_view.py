@@ -19,6 +19,7 @@ from hpcrl.errors import ConfigError
 from hpcrl.plan.for_config import describe_plan, plan_for_config
 from hpcrl.plan.transfer.baselines import baseline_bytes_per_rank
 from hpcrl.plan.transfer.check import check_plan
+from hpcrl.plan.transfer.layout import vllm_layout
 from hpcrl.plan.transfer.speed import Bandwidths, SyncPrediction, host_round_trip_warning, predict_sync
 
 
@@ -53,7 +54,7 @@ def transfer_summary(config: Config, shape: ModelShape, *, link_gbps: float, tcp
             raise ConfigError(key=flag, problem=f"must be positive, got {value}", fix=f"e.g. {flag} {example}")
     t, inf = config.trainer, config.inference
     plan = plan_for_config(config, shape)
-    trainer = plan.trainer
+    trainer, inf_layout = plan.trainer, plan.inference
     check_plan(plan)
     stats = plan.stats()
     minimum = max(stats.minimum_per_tp_rank)
@@ -61,8 +62,17 @@ def transfer_summary(config: Config, shape: ModelShape, *, link_gbps: float, tcp
     link = link_gbps * 1e9 / 8
     bandwidths = Bandwidths(infiniband_per_gpu=link, ethernet_per_node=tcp_gbps * 1e9 / 8)
     predictions = _predictions(config, stats.sent_per_trainer_rank, stats.received_per_inference_rank, bandwidths)
+    lora = None
+    if inf_layout.lora_rank:  # what a full-weight sync of the same layouts would move at the least
+        dests, _ = vllm_layout(shape, inf.tensor_parallel, inf_layout.vocab_padding,
+                               expert_parallel=inf_layout.expert_parallel, expert_placement=inf_layout.expert_placement)
+        full = max(sum(d.real_rows[r] * d.local_shape[1] for d in dests) for r in range(inf.tensor_parallel))
+        lora = {"rank": inf_layout.lora_rank, "targets": list(inf_layout.lora_targets), "adapter_tensors": len(plan.sources),
+                "full_weights_minimum_bytes_per_tp_rank": full * plan.itemsize,
+                "full_weights_sync_s": full * plan.itemsize / link_gbps / 1e9 * 8}
     return {
         "headline": describe_plan(plan),
+        "lora": lora,
         "digest": plan.digest, "wire_dtype": plan.wire_dtype, "blocks": stats.blocks, "messages": stats.messages,
         "bucket_bytes": plan.bucket_bytes, "round_bytes": plan.round_bytes,
         "trainer": {"dp_replicate": trainer.dp_replicate, "dp_shard": trainer.dp_shard,
@@ -139,6 +149,11 @@ def render_transfer(s: dict) -> str:
         f"(vLLM NCCL {s['baselines_sync_s']['vllm-nccl']:.4g} s, M2N {s['baselines_sync_s']['vllm-m2n']:.4g} s, "
         "receive side)",
     ]
+    if s["lora"]:
+        lo = s["lora"]
+        lines.append(f"  LoRA: only the {lo['adapter_tensors']} adapter tensors move, into vLLM's LoRA slots; the full "
+                     f"weights would be at least {_size(lo['full_weights_minimum_bytes_per_tp_rank'])} per inference "
+                     f"rank ({_sec(lo['full_weights_sync_s'])} at {s['link_gbps']:g} Gbit/s)")
     return "\n".join(lines + _transport_table(s))
 
 

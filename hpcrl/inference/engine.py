@@ -66,6 +66,19 @@ if TYPE_CHECKING:
 __all__ = ["InferenceError", "VllmEngine", "chunk_seed"]
 
 
+#: vLLM's allowed max_lora_rank values (vllm/config/lora.py MaxLoRARanks, vLLM 0.32).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM takes that holds adapters of `rank` (its slots are that wide)."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise InferenceError(f"[lora] rank {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}; "
+                         f"set lora.rank to at most {VLLM_LORA_RANKS[-1]}")
+
+
 def chunk_seed(seed: int, offset: int) -> int:
     """The sampling seed of the chunk that starts at prompt `offset` of a batch generated with `seed`
     (63 bits of sha256: chunks of one batch and batches of one run never share a stream)."""
@@ -86,7 +99,8 @@ class VllmEngine:
                  temperature: float, top_p: float, top_k: int, max_tokens: int,
                  kv_cache_gib: float = 0.0, weight_transfer: bool = False, cpu_binding: str | None = None,
                  expert_parallel: bool = False, family_modules: tuple[str, ...] | list[str] = (),
-                 engine_core_here: bool = False) -> None:
+                 engine_core_here: bool = False, lora_rank: int = 0, lora_alpha: float = 0.0,
+                 lora_versions: int = 1) -> None:
         kwargs: dict[str, Any] = dict(
             model=model_path, dtype=dtype, seed=seed,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
@@ -98,6 +112,9 @@ class VllmEngine:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         if expert_parallel:  # MoE: whole experts per TP rank (the weight transfer plans the same)
             kwargs["enable_expert_parallel"] = True
+        if lora_rank:  # [lora]: the synced adapters are served from vLLM's LoRA slots, one per resident version
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora_rank), max_loras=lora_versions,
+                          max_cpu_loras=lora_versions)
         if weight_transfer:
             # hpcrl's weight-transfer engine, registered inside each vLLM worker (hpcrl.transfer.vllm_engine).
             kwargs["weight_transfer_config"] = {"backend": "hpcrl"}
@@ -109,6 +126,9 @@ class VllmEngine:
         self._sampling: dict[str, Any] = dict(temperature=temperature, top_p=top_p, top_k=top_k,
                                               max_tokens=max_tokens)
         self.weight_version = 0
+        self.lora_alpha = lora_alpha
+        self.lora = bool(lora_rank)
+        self.lora_synced = False  # an adapter has been received: generate with the newest version's
         self.model_path = model_path
         self._turn_stops: list[int] | None = None  # chat prompts' stop tokens (turn_stop_ids)
 
@@ -124,7 +144,22 @@ class VllmEngine:
                    temperature=inf.temperature, top_p=inf.top_p, top_k=inf.top_k, max_tokens=inf.max_tokens,
                    kv_cache_gib=inf.kv_cache_gib, weight_transfer=weight_transfer, cpu_binding=cpu_binding,
                    expert_parallel=inf.expert_parallel, family_modules=config.model.family_modules,
-                   engine_core_here=engine_core_here)
+                   engine_core_here=engine_core_here, lora_rank=config.lora.rank if config.lora else 0,
+                   lora_alpha=config.lora.alpha if config.lora else 0.0,
+                   lora_versions=config.algorithm.max_policy_lag + 1)
+
+    def lora_request(self) -> Any:
+        """vLLM's LoRARequest of the newest synced adapter (the policy version), or None: no LoRA, or none synced
+        yet (the base model; a run syncs its initial adapter, version 0, before generating)."""
+        if not self.lora_synced:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        from hpcrl.transfer.vllm_lora import adapter_id, slot_path
+
+        version = self.weight_version
+        return LoRARequest(lora_name=f"hpcrl-policy-{version}", lora_int_id=adapter_id(version),
+                           lora_path=slot_path(version))
 
     def generate(self, prompts: list[Prompt], *, n: int, seed: int, offset: int = 0,
                  temperature: float | None = None, max_tokens: list[int] | None = None) -> list[list[Completion]]:
@@ -160,7 +195,7 @@ class VllmEngine:
         llm.collective_rpc("hpcrl_seed_sampling", args=(chunk_seed(seed, offset),))
         llm.sleep(level=0)  # pause scheduling: the chunk's requests are queued, none runs yet
         try:
-            ids = llm.enqueue(inputs, params, use_tqdm=False)
+            ids = llm.enqueue(inputs, params, lora_request=self.lora_request(), use_tqdm=False)
         finally:
             llm.wake_up(tags=["scheduling"])
         # In request order; enqueue's ids are the outputs' ids with a suffix vLLM adds ("0" -> "0-1f2e...").
@@ -209,12 +244,15 @@ class VllmEngine:
 
         info = init_info(store=store, replica=replica, trainer=plan.trainer, inference=plan.inference,
                          wire_dtype=plan.wire_dtype, bucket_bytes=plan.bucket_bytes, timeout_s=timeout_s,
-                         digest=plan.digest, generation=generation, transport=transport)
+                         digest=plan.digest, generation=generation, transport=transport,
+                         lora_alpha=self.lora_alpha)
         self.llm.init_weight_transfer_engine({"init_info": info})
 
     def receive_weights(self, version: int) -> None:
         """Take one weight update from the trainer ranks (hpcrl's weight-transfer engine, which must
-        be initialised) and serve it as `version`. Blocks until every worker has received its share."""
+        be initialised) and serve it as `version`. Blocks until every worker has received its share.
+        With [lora], the update is the adapter, into a LoRA slot of its own (adapter id `version` + 1,
+        hpcrl.transfer.vllm_lora): the next generate uses it; a request already running keeps its own."""
         llm = self.llm
         # LLM's start_weight_update, update_weights and finish_weight_update in one round trip.
         llm.collective_rpc("hpcrl_receive_weights", args=(version,))
@@ -222,6 +260,7 @@ class VllmEngine:
         # The prefix cache, stale now, is not reset here: generate empties it before every chunk,
         # and scoring never reads it (module docstring).
         self.weight_version = version
+        self.lora_synced = self.lora
 
     def token_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-probability of every token after the first of each sequence, under the live weights.
@@ -234,7 +273,7 @@ class VllmEngine:
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(seq)) for seq in sequences], params,
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=self.lora_request())
         result = []
         for k, (seq, output) in enumerate(zip(sequences, outputs)):
             steps = output.prompt_logprobs or []

@@ -92,7 +92,17 @@ class HpcrlWorkerExtension:
         """One whole update in one call: the Worker's own start_weight_update, update_weights and
         finish_weight_update, in turn, with their bookkeeping (a failed update ends the session, as
         there). LLM's three calls are three round trips to the engine core, each about 0.4 ms on CPU,
-        on the critical path of every step."""
+        on the critical path of every step. A LoRA plan's update is the engine's receive_adapter instead
+        (hpcrl.transfer.vllm_lora)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is not None and getattr(engine, "lora", None) is not None:
+            # A LoRA plan: the adapter into a LoRA slot of its own. Not through the Worker's session: its
+            # finish_weight_update drops every adapter (reset_lora_state), as after new base weights.
+            from vllm.config import set_current_vllm_config
+
+            with set_current_vllm_config(getattr(self, "vllm_config")):  # noqa: B009 - the Worker's
+                engine.receive_adapter(version)
+            return
         worker: _WeightUpdates = self  # type: ignore[assignment]  # mixed into vLLM's Worker, which has them
         worker.start_weight_update()
         worker.update_weights({"version": version})
@@ -113,6 +123,26 @@ class HpcrlWorkerExtension:
                 dtype = next((p.dtype for p in module.parameters()), torch.float32)
                 eye = torch.eye(size, dtype=dtype)
                 out[f"{name}.weight@kernel"] = _sha(kernel(eye, module.weight, None).t().contiguous())
+        return out
+
+    def hpcrl_lora_slots(self) -> list[int | None]:
+        """The adapter id in each of this rank's LoRA slots (None: free); [] without LoRA."""
+        manager = getattr(self.model_runner.get_model(), "lora_manager", None)
+        return list(manager.lora_index_to_id) if manager is not None else []
+
+    def hpcrl_lora_digests(self, adapter_id: int) -> dict[str, str]:
+        """sha256 of adapter `adapter_id`'s slot in every LoRA layer of this rank (each slice's A and B, as the
+        LoRA kernels read them: `<module>.lora_a_stacked.<slice>`); {} if the adapter is not in a slot."""
+        manager = getattr(self.model_runner.get_model(), "lora_manager", None)
+        if manager is None or adapter_id not in manager.lora_index_to_id:
+            return {}
+        index = manager.lora_index_to_id.index(adapter_id)
+        out = {}
+        for name, module in manager.modules.items():
+            for stacked in ("lora_a_stacked", "lora_b_stacked"):
+                tensors = getattr(module, stacked, ())
+                for i, t in enumerate((tensors,) if isinstance(tensors, torch.Tensor) else tensors):
+                    out[f"{name}.{stacked}.{i}"] = _sha(t[index])
         return out
 
     def hpcrl_seed_sampling(self, seed: int) -> None:

@@ -43,7 +43,7 @@ def as2d(shape: tuple[int, ...]) -> tuple[int, int]:
     return (shape[0], shape[1]) if len(shape) == 2 else (shape[0], 1)
 
 
-VllmLayer = Literal["vocab", "replicated", "qkv", "merged_column", "row", "moe_w13", "moe_w2"]
+VllmLayer = Literal["vocab", "replicated", "qkv", "kv_heads", "merged_column", "row", "moe_w13", "moe_w2"]
 """The vLLM layer classes whose tensor-parallel sharding hpcrl.plan.transfer.layout models:
 
   vocab          VocabParallelEmbedding / ParallelLMHead: rows split after padding the vocabulary
@@ -51,6 +51,9 @@ VllmLayer = Literal["vocab", "replicated", "qkv", "merged_column", "row", "moe_w
                  stacked by rows (a MergedColumnParallelLinear with disable_tp, e.g. DeepSeek's
                  fused_qkv_a_proj: hf = q_a_proj, kv_a_proj_with_mqa)
   qkv            QKVParallelLinear: q heads split, k/v heads split or replicated (hf = q, k, v)
+  kv_heads       one of QKVParallelLinear's k or v parts alone: the rows of the rank's KV-head block (split,
+                 or replicated when tp > num_kv_heads), as vLLM's LoRA slices a k or v lora_B
+                 (hpcrl/plan/transfer/lora.py)
   merged_column  MergedColumnParallelLinear: each HF tensor's rows split, stacked (hf = gate, up);
                  one HF tensor: a ColumnParallelLinear
   row            RowParallelLinear: columns split

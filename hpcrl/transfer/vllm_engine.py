@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -57,6 +57,9 @@ from hpcrl.plan.transfer.planner import plan as plan_transfer
 from hpcrl.rendezvous.listen import seal_loopback_gloo
 from hpcrl.transfer import execute
 from hpcrl.transfer.registry import TransferLink, open_group
+
+if TYPE_CHECKING:
+    from hpcrl.transfer.vllm_lora import LoraSlots
 
 ENGINE_NAME = "hpcrl"
 
@@ -103,16 +106,18 @@ def check_expert_parallel(inference: InferenceLayout, parallel_config: Any, *, m
 
 def init_info(*, store: str, replica: int, trainer: TrainerLayout, inference: InferenceLayout,
               wire_dtype: str, bucket_bytes: int, timeout_s: float = 120.0,
-              digest: str = "", generation: int = 0, transport: str = "gloo") -> dict[str, Any]:
+              digest: str = "", generation: int = 0, transport: str = "gloo",
+              lora_alpha: float = 0.0) -> dict[str, Any]:
     """The `init_info` dict for `LLM.init_weight_transfer_engine` (plain data: crosses collective_rpc)."""
+    lora = dict(lora_rank=inference.lora_rank, lora_targets=list(inference.lora_targets)) if inference.lora_rank else {}
     return dict(store=store, replica=replica, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes,
                 timeout_s=timeout_s, digest=digest, generation=generation,
-                transport=transport,
+                transport=transport, lora_alpha=lora_alpha,
                 trainer=dict(dp_replicate=trainer.dp_replicate, dp_shard=trainer.dp_shard,
                              grouped_experts=trainer.grouped_experts),
                 inference=dict(replicas=inference.replicas, tensor_parallel=inference.tensor_parallel,
                                vocab_padding=inference.vocab_padding, expert_parallel=inference.expert_parallel,
-                               expert_placement=inference.expert_placement))
+                               expert_placement=inference.expert_placement, **lora))
 
 
 @dataclass
@@ -131,6 +136,8 @@ class HpcrlInitInfo(WeightTransferInitInfo):
     """Which formation of the group on this store (a replaced replica makes everyone form it again)."""
     transport: str = "gloo"
     """"gloo" or "ucx" (hpcrl/transfer/registry.py)."""
+    lora_alpha: float = 0.0
+    """With a LoRA plan: [lora] alpha (each received B is scaled by alpha / rank, as vLLM does at load)."""
 
 
 @dataclass
@@ -155,6 +162,7 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         self._slots: list[tuple[str, torch.nn.Module, VllmLoadHook | None, str, tuple[int, ...]]] | None = None
         self._repacking: list[Callable[[], None]] | None = None  # what redoes vLLM's post-load step
         self._hooks: tuple[VllmLoadHook, ...] = ()  # the served family's (Family.vllm_load_hooks)
+        self.lora: LoraSlots | None = None  # a LoRA plan's versions in vLLM's LoRA slots (hpcrl.transfer.vllm_lora)
         self.last: dict[str, Any] = {}
 
     # -- set-up ---------------------------------------------------------------------------
@@ -166,7 +174,8 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         check_unquantized(self.model, self.model_config.quantization,
                           where=f"replica {info.replica} TP rank {get_tensor_model_parallel_rank()}")
         shape = from_hf_config(self.model_config.hf_config.to_dict(), where="the served model's config")
-        inference = InferenceLayout(**info.inference)
+        inference = InferenceLayout(**{**info.inference,
+                                       "lora_targets": tuple(info.inference.get("lora_targets", ()))})
         if inference.tensor_parallel != self.parallel_config.tensor_parallel_size:
             raise TransferError(f"the plan has TP {inference.tensor_parallel}, this engine runs TP "
                                 f"{self.parallel_config.tensor_parallel_size}")
@@ -176,6 +185,13 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         self.plan = plan = plan_transfer(TrainerLayout(**info.trainer), inference, shape, wire_dtype=info.wire_dtype,
                                          bucket_bytes=info.bucket_bytes)
         self.replica, self.tp_rank = info.replica, get_tensor_model_parallel_rank()
+        # The versions resident in vLLM's LoRA slots outlive a plan (a resized trainer plans again).
+        resident, self.lora = (self.lora.resident if self.lora is not None else []), None
+        if inference.lora_rank:  # the adapters move, into vLLM's LoRA slots: the model's parameters stay
+            from hpcrl.transfer.vllm_lora import LoraSlots
+
+            self.lora = LoraSlots(self.model, plan, tp_rank=self.tp_rank, alpha=info.lora_alpha,
+                                  where=f"replica {self.replica} TP rank {self.tp_rank}", resident=resident)
         me = execute.describe_group_rank(plan, execute.inference_group_rank(plan, self.replica, self.tp_rank))
         if info.digest and info.digest != plan.digest:
             raise TransferError(f"{me} planned {plan.digest[:12]}, the caller {info.digest[:12]}: the served "
@@ -200,6 +216,9 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         oneDNN on CPU (an empty [0] weight) receives into a fresh unpacked tensor."""
         if self.plan is None:
             raise TransferError("start_weight_update before init_weight_transfer_engine")
+        if self.lora is not None:
+            raise TransferError("a LoRA plan is received with receive_adapter(version), not vLLM's weight-update "
+                                "session (whose end drops every adapter: hpcrl.transfer.vllm_lora)")
         t0 = time.perf_counter()
         if self._slots is None:
             self._slots = self._find_slots(self.plan)
@@ -324,6 +343,22 @@ class HpcrlWeightTransferEngine(WeightTransferEngine[HpcrlInitInfo, HpcrlUpdateI
         with torch.no_grad():
             received = execute.receive(group, plan, self.replica, self.tp_rank, dests, timeout_s=self.timeout_s)
         self.last.update(version=update_info.version, bytes=received, receive_s=time.perf_counter() - t0)
+
+    def receive_adapter(self, version: int) -> None:
+        """A LoRA plan's whole update: `version` into a fresh slot (hpcrl.transfer.vllm_lora), received in place,
+        B scaled. Outside vLLM's weight-update session, which would drop every adapter after."""
+        if self.lora is None:
+            raise TransferError("receive_adapter without a LoRA plan: the plan moves the model's weights")
+        t0 = time.perf_counter()
+        self._targets = self.lora.begin(version)
+        self.last = {"start_s": time.perf_counter() - t0}
+        try:
+            self.receive_weights(HpcrlUpdateInfo(version=version))
+        finally:
+            self._targets = {}
+        t0 = time.perf_counter()
+        self.lora.finish()
+        self.last["finish_s"] = time.perf_counter() - t0
 
     def finish_weight_update(self) -> None:
         t0 = time.perf_counter()

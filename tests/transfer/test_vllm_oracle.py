@@ -39,9 +39,10 @@ DRIVER = REPO / "tests" / "transfer" / "oracle_driver.py"
 pytestmark = [pytest.mark.slow]
 
 
-def run_driver(args: list[str], timeout: float) -> list[dict]:
-    """Run the driver; on timeout SIGKILL its session and remove its /dev/shm segments."""
-    proc = subprocess.Popen([sys.executable, str(DRIVER), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+def run_driver(args: list[str], timeout: float, driver: Path = DRIVER) -> list[dict]:
+    """Run the driver (the LoRA oracle's: lora_oracle_driver.py); on timeout SIGKILL its session and remove its
+    /dev/shm segments."""
+    proc = subprocess.Popen([sys.executable, str(driver), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         out, err = proc.communicate(timeout=timeout)

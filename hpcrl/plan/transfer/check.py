@@ -24,6 +24,7 @@ import numpy as np
 
 from hpcrl.config.model_shapes import ModelShape
 from hpcrl.errors import PlanError
+from hpcrl.models.lora import adapter_parameters
 from hpcrl.plan.transfer.layout import chunk_source_rows, pad_vocab_size
 from hpcrl.plan.transfer.plan import TransferPlan
 
@@ -229,10 +230,57 @@ def vllm_expected(plan: TransferPlan, shape: ModelShape, hf: dict[str, Any], r: 
     return out
 
 
+#: vLLM's packed_modules_mapping of the dense families (llama.py, qwen2.py ...): an HF projection's LoRA layer and slice.
+_PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def _lora_ids(plan: TransferPlan, shape: ModelShape) -> dict[str, np.ndarray]:
+    """Every adapter tensor filled with globally unique ids."""
+    out, base = {}, 0
+    for name, (rows, cols) in adapter_parameters(shape, plan.inference.lora_rank, plan.inference.lora_targets):
+        out[name] = np.arange(base, base + rows * cols, dtype=np.int64).reshape(rows, cols)
+        base += rows * cols
+    return out
+
+
+def lora_expected(plan: TransferPlan, shape: ModelShape, adapters: dict[str, Any], r: int) -> dict[str, Any]:
+    """One TP rank's LoRA slot tensors as vLLM's LoRA layers' set_lora fills them from PEFT's tensors
+    (vllm/lora/layers/: slice_lora_a / slice_lora_b of column- and row-parallel layers), re-derived:
+    column-parallel A whole and B's rows of the rank (q heads; k/v the rank's KV-head block; gate/up),
+    row-parallel A's columns of the rank and B whole."""
+    tp = plan.inference.tensor_parallel
+    nh, d = shape.num_heads // tp, shape.head_dim
+    kv_rank = r // (tp // shape.num_kv_heads if tp >= shape.num_kv_heads else 1)
+    nkv = max(1, shape.num_kv_heads // tp)
+    out = {}
+    for name, w in adapters.items():
+        if not name.endswith(".lora_A.weight"):
+            continue
+        module = name[: -len(".lora_A.weight")]
+        b = adapters[f"{module}.lora_B.weight"]
+        parent, _, proj = module.rpartition(".")
+        layer, index = _PACKED.get(proj, (proj, 0))
+        if proj in ("o_proj", "down_proj"):
+            k = w.shape[1] // tp
+            a_local, b_local = w[:, r * k:(r + 1) * k], b
+        elif proj == "q_proj":
+            a_local, b_local = w, b[r * nh * d:(r + 1) * nh * d]
+        elif proj in ("k_proj", "v_proj"):
+            a_local, b_local = w, b[kv_rank * nkv * d:(kv_rank + 1) * nkv * d]
+        else:
+            f = b.shape[0] // tp
+            a_local, b_local = w, b[r * f:(r + 1) * f]
+        out[f"{parent}.{layer}.lora_a_stacked.{index}"] = a_local
+        out[f"{parent}.{layer}.lora_b_stacked.{index}"] = b_local
+    return out
+
+
 def verify_elements(plan: TransferPlan, shape: ModelShape) -> None:
     """Run the plan on element ids; raise PlanError naming the first wrong element."""
-    hf = _hf_ids(shape)
-    trainer = _trainer_tensors(plan, shape, hf)
+    lora = plan.inference.lora_rank > 0
+    hf = _lora_ids(plan, shape) if lora else _hf_ids(shape)
+    trainer = hf if lora else _trainer_tensors(plan, shape, hf)
     shards = plan.trainer.dp_shard
     local = {}
     for s in plan.sources:
@@ -242,7 +290,7 @@ def verify_elements(plan: TransferPlan, shape: ModelShape) -> None:
     b = plan.blocks
     for rep in range(plan.inference.replicas):
         for r in range(tp):
-            expected = vllm_expected(plan, shape, hf, r)
+            expected = lora_expected(plan, shape, hf, r) if lora else vllm_expected(plan, shape, hf, r)
             got = {d.name: np.full(d.local_shape, -1, np.int64).reshape(-1) for d in plan.dests}
             for i in np.nonzero((b["replica"] == rep) & (b["tp_rank"] == r))[0]:
                 src = local[plan.sources[b["source"][i]].name][b["src_rank"][i] % shards]
@@ -250,6 +298,9 @@ def verify_elements(plan: TransferPlan, shape: ModelShape) -> None:
                 for j in range(b["count"][i]):
                     so, do = b["src_offset"][i] + j * b["src_stride"][i], b["dst_offset"][i] + j * b["dst_stride"][i]
                     dst[do:do + b["length"][i]] = src[so:so + b["length"][i]]
+            if lora and set(expected) != {d.name for d in plan.dests}:
+                raise PlanError(f"transfer plan {plan.digest[:12]}: plans LoRA slot tensors "
+                                f"{sorted({d.name for d in plan.dests} ^ set(expected))[:4]} unlike vLLM's layers")
             for d in plan.dests:
                 want = expected[d.name].reshape(-1)
                 have = got[d.name]

@@ -37,6 +37,9 @@ Both sides are described in rows of the Hugging Face tensors (a 1-D weight is on
              order; "round_robin" experts r, r + T, ... Seen here as 2-D: w13 (E_local*2I/T, H),
              w2 (E_local*H, I/T); a rank with fewer experts (uneven EP) has fewer real rows.
            (Which of these layers holds which parameter: the family's `vllm_parameters`.)
+           - LoRA slots (vllm/lora/layers/): described with the same rules, one tensor per slice of
+             each slot (hpcrl/plan/transfer/lora.py); QKV's k or v lora_B alone is `kv_heads`: the
+             rows of the rank's KV-head block, as QKVParallelLinear holds its k or v part.
 
 A `Segment` says: HF rows [hf_row0, hf_row1) x columns [col0, col1) of one HF tensor land in
 rows starting at dst_row0 of one vLLM parameter on one TP rank.
@@ -133,8 +136,16 @@ class InferenceLayout:
     attention and dense layers stay tensor-parallel."""
     expert_placement: str = "linear"
     """vLLM's `expert_placement_strategy` under expert parallel: 'linear' or 'round_robin'."""
+    lora_rank: int = 0
+    """0: the model's weights move. > 0: only LoRA adapters of this rank move, into vLLM's LoRA slots
+    (hpcrl/plan/transfer/lora.py)."""
+    lora_targets: tuple[str, ...] = ()
+    """With lora_rank: the HF module names that carry adapters ([lora] targets)."""
 
     def __post_init__(self) -> None:
+        if self.lora_rank < 0 or bool(self.lora_rank) != bool(self.lora_targets):
+            raise PlanError(f"inference layout: lora_rank {self.lora_rank} with targets {list(self.lora_targets)}; "
+                            "give both (a LoRA plan) or neither")
         if self.replicas < 1 or self.tensor_parallel < 1:
             raise PlanError(f"inference layout needs replicas >= 1 and tensor_parallel >= 1, got "
                             f"{self.replicas} x TP {self.tensor_parallel}")
@@ -173,7 +184,7 @@ def _divide(n: int, d: int, what: str, fix: str) -> int:
 
 _FIX = "pick a tensor_parallel that divides the number of heads and the intermediate size"
 #: The order a layout's divisibility is checked in, so the error names the likeliest cause (heads first).
-_CHECK_ORDER = {"qkv": 0, "merged_column": 1, "row": 1, "moe_w13": 1, "moe_w2": 1, "vocab": 2, "replicated": 3}
+_CHECK_ORDER = {"qkv": 0, "kv_heads": 0, "merged_column": 1, "row": 1, "moe_w13": 1, "moe_w2": 1, "vocab": 2, "replicated": 3}
 
 
 def _heads_per_rank(shape: ModelShape, tp: int) -> tuple[int, int, int]:
@@ -198,7 +209,7 @@ def _check(param: VllmParam, dims: dict[str, tuple[int, int]], shape: ModelShape
             inter = rows if param.layer == "moe_w13" else cols
             _divide(inter, tp, f"moe_intermediate_size of {param.name}",
                     "pick a tensor_parallel that divides it, or enable expert parallel")
-    if param.layer == "qkv":
+    if param.layer in ("qkv", "kv_heads"):
         _heads_per_rank(shape, tp)
     elif param.layer == "merged_column":
         for hf in param.hf:
@@ -211,13 +222,18 @@ def _check(param: VllmParam, dims: dict[str, tuple[int, int]], shape: ModelShape
 
 
 def vllm_layout(shape: ModelShape, tp: int, padding: int = VOCAB_PADDING, *, expert_parallel: bool = False,
-                expert_placement: str = "linear") -> tuple[list[DestTensor], dict[int, list[Segment]]]:
+                expert_placement: str = "linear", params: list[VllmParam] | None = None,
+                dims: dict[str, tuple[int, int]] | None = None) -> tuple[list[DestTensor], dict[int, list[Segment]]]:
     """vLLM's parameters at tensor parallelism `tp` and, per TP rank, the segments that fill them.
 
     The model's family lists vLLM's parameters and the layer class of each
-    (`Family.vllm_parameters`); each layer's sharding rule is here, once for every family."""
-    params = list(shape.family.vllm_parameters(shape))
-    dims = {name: as2d(d) for name, d in shape.hf_parameters()}
+    (`Family.vllm_parameters`); each layer's sharding rule is here, once for every family. `params` and
+    `dims` (the HF tensors' (rows, columns)) replace the family's: the LoRA slots' tensors
+    (hpcrl/plan/transfer/lora.py)."""
+    if params is None:
+        params = list(shape.family.vllm_parameters(shape))
+    if dims is None:
+        dims = {name: as2d(d) for name, d in shape.hf_parameters()}
     for param in sorted(params, key=lambda p: _CHECK_ORDER[p.layer]):
         _check(param, dims, shape, tp, padding, expert_parallel)
 
@@ -257,6 +273,13 @@ def vllm_layout(shape: ModelShape, tp: int, padding: int = VOCAB_PADDING, *, exp
                 for name, row0, count, at in ((p.hf[0], r * nh * d, nh * d, 0), (p.hf[1], kv0, nkv * d, nh * d),
                                               (p.hf[2], kv0, nkv * d, (nh + nkv) * d)):
                     seg(r, name, (row0, row0 + count), (0, cols), p.name, at)
+        elif p.layer == "kv_heads":
+            _, nkv, kv_replicas = _heads_per_rank(shape, tp)
+            count = nkv * shape.head_dim
+            dest(p.name, count, cols)
+            for r in range(tp):
+                row0 = (r // kv_replicas) * count
+                seg(r, hf, (row0, row0 + count), (0, cols), p.name, 0)
         elif p.layer == "merged_column":
             local_rows = [dims[name][0] // tp for name in p.hf]
             dest(p.name, sum(local_rows), cols)

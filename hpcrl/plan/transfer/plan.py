@@ -35,7 +35,8 @@ DEFAULT_ROUND_BYTES = 256 << 20
 #: Layout fields added after PLAN_VERSION 1 with their defaults: left out of the digest's header at
 #: their default, so every plan without experts keeps its digest.
 _LATER_TRAINER: dict[str, object] = {"grouped_experts": False}
-_LATER_INFERENCE: dict[str, object] = {"expert_parallel": False, "expert_placement": "linear"}
+_LATER_INFERENCE: dict[str, object] = {"expert_parallel": False, "expert_placement": "linear", "lora_rank": 0,
+                                       "lora_targets": ()}
 
 
 def _non_default(layout: TrainerLayout | InferenceLayout, later: dict[str, object]) -> dict:

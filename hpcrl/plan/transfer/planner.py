@@ -28,6 +28,7 @@ import numpy as np
 from hpcrl.config.model_shapes import ModelShape
 from hpcrl.errors import PlanError
 from hpcrl.plan.transfer.layout import InferenceLayout, Segment, TrainerLayout, chunk_source_rows, vllm_layout
+from hpcrl.plan.transfer.lora import lora_dims, lora_params, lora_sources
 from hpcrl.plan.transfer.names import Piece, trainer_sources
 from hpcrl.plan.transfer.plan import COLUMNS, WIRE_DTYPE_BYTES, TransferPlan
 
@@ -111,9 +112,15 @@ def plan(trainer: TrainerLayout, inference: InferenceLayout, shape: ModelShape, 
     if trainer.dp_replicate == 1 and inference.replicas > 1:  # every replica reads the same ranks: plan one, copy it
         one = plan(trainer, replace(inference, replicas=1), shape, wire_dtype=wire_dtype, bucket_bytes=bucket_bytes)
         return replace(one, inference=inference, blocks=_replicate(one.blocks, inference.replicas))
-    dests, segs = vllm_layout(shape, tp, inference.vocab_padding, expert_parallel=inference.expert_parallel,
-                              expert_placement=inference.expert_placement)
-    sources, pieces = trainer_sources(shape, grouped_experts=trainer.grouped_experts)
+    if inference.lora_rank:  # only the adapters move, into vLLM's LoRA slots (hpcrl/plan/transfer/lora.py)
+        rank, targets = inference.lora_rank, inference.lora_targets
+        sources, pieces = lora_sources(shape, rank, targets)
+        dests, segs = vllm_layout(shape, tp, params=lora_params(shape, rank, targets),
+                                  dims=lora_dims(shape, rank, targets))
+    else:
+        dests, segs = vllm_layout(shape, tp, inference.vocab_padding, expert_parallel=inference.expert_parallel,
+                                  expert_placement=inference.expert_placement)
+        sources, pieces = trainer_sources(shape, grouped_experts=trainer.grouped_experts)
     src_unit = {s.name: s.shard_rows for s in sources}
     src_index = {s.name: i for i, s in enumerate(sources)}
     dst_index = {d.name: i for i, d in enumerate(dests)}
