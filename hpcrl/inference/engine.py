@@ -272,8 +272,15 @@ class VllmEngine:
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(seq)) for seq in sequences], params,
-                                    use_tqdm=False, lora_request=self.lora_request())
+        prompts = [TokensPrompt(prompt_token_ids=list(seq)) for seq in sequences]
+        lora = self.lora_request()
+        if lora is None:
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        else:
+            # vLLM 0.32's LoRA logits processor gathers its adapters by the batch's sampled rows (one per request)
+            # also for the prompt rows of prompt_logprobs: a batch of several requests kills the engine core
+            # (vllm#29955; docs/FACTS.md); one request's adapter broadcasts over its prompt
+            outputs = [self.llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0] for prompt in prompts]
         result = []
         for k, (seq, output) in enumerate(zip(sequences, outputs)):
             steps = output.prompt_logprobs or []

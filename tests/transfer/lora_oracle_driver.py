@@ -163,12 +163,15 @@ def main() -> int:
             reference = LoRARequest(lora_name=f"peft-{version}", lora_int_id=ref_id, lora_path=str(adapter))
             event["generation_reference"] = generate(reference)
             event["digests_reference"] = llm.collective_rpc("hpcrl_lora_digests", args=(ref_id,))
-            # The train-inference mismatch probe's logprobs (engine.token_logprobs) come from the synced version too.
-            sequence = event["generation_reference"][0]
-            scored = llm.generate([{"prompt_token_ids": sequence}], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                                  lora_request=reference, use_tqdm=False)[0].prompt_logprobs
-            event["logprobs_equal"] = engine.token_logprobs([sequence])[0] == [
-                step[token].logprob for step, token in zip(scored[1:], sequence[1:])]
+            # The train-inference mismatch probe's logprobs (engine.token_logprobs) come from the synced version too,
+            # for a group of sequences as the probe scores them (several in one call: vllm#29955 crashed the engine).
+            sequences = [event["generation_reference"][0], event["generation_reference"][0][:-2]]
+            expected = []
+            for sequence in sequences:
+                scored = llm.generate([{"prompt_token_ids": sequence}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                                      lora_request=reference, use_tqdm=False)[0].prompt_logprobs
+                expected.append([step[token].logprob for step, token in zip(scored[1:], sequence[1:])])
+            event["logprobs_equal"] = engine.token_logprobs(sequences) == expected
             llm.llm_engine.remove_lora(ref_id)  # its slot back to the versions
         event["slots"] = llm.collective_rpc("hpcrl_lora_slots")  # per TP rank: the adapter id in each slot
         resident = [v for v in range(0, version + 1) if all(adapter_id(v) in ids for ids in event["slots"])]
