@@ -221,22 +221,15 @@ def test_the_trainer_engine_trains_deepseek_v3_and_leaves_the_router_bias_as_loa
     import warnings
 
     import torch
+    from engine_case import small_engine, two_rows
     from safetensors.torch import load_file
-
-    from hpcrl.algorithms.base import Options
-    from hpcrl.trainer import EngineOptions, TrainerEngine
-    from hpcrl.trainer.batch import pad_rows
 
     _save_hf_checkpoint(TINY, tmp_path)
     checkpoint = load_file(tmp_path / "model.safetensors")
-    engine = TrainerEngine(EngineOptions(
-        shape=TINY, weights_path=str(tmp_path), max_seq_len=64, lr=1e-2, betas=(0.9, 0.99), eps=1e-6,
-        micro_batch_size=2, grad_clip=1.0, total_steps=10,
-        loss=Options(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0)))
+    engine = small_engine(TINY, tmp_path)
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert torch.equal(engine.local_shards()[bias].tensor, checkpoint[bias])
-    batch = pad_rows(sequences=[[1, 40, 41, 42, 43, 44], [1, 40, 50, 51]], prompt_lengths=[2, 2],
-                     old_logprobs=[[-4.8, -4.9, -5.0, -4.7], [-4.6, -5.1]], advantages=[1.0, -1.0])
+    batch = two_rows()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="In CPU autocast")
         engine.train_step(batch)
@@ -261,21 +254,16 @@ def test_the_router_bias_moves_toward_balance_by_the_rate_over_completion_tokens
     import warnings
 
     import torch
+    from engine_case import small_engine, two_rows
 
-    from hpcrl.algorithms.base import Options
-    from hpcrl.trainer import EngineOptions, TrainerEngine, routing, titan
-    from hpcrl.trainer.batch import pad_rows
+    from hpcrl.trainer import routing, titan
 
     _save_hf_checkpoint(TINY, tmp_path)
-    batch = pad_rows(sequences=[[1, 40, 41, 42, 43, 44], [1, 40, 50, 51]], prompt_lengths=[2, 2],
-                     old_logprobs=[[-4.8, -4.9, -5.0, -4.7], [-4.6, -5.1]], advantages=[1.0, -1.0])
+    batch = two_rows()
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     results = {}
     for rate in (0.0, 0.01):
-        engine = TrainerEngine(EngineOptions(
-            shape=TINY, weights_path=str(tmp_path), max_seq_len=64, lr=1e-2, betas=(0.9, 0.99), eps=1e-6,
-            micro_batch_size=1, grad_clip=1.0, total_steps=10, moe_bias_update_rate=rate,
-            loss=Options(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0)))
+        engine = small_engine(TINY, tmp_path, micro_batch_size=1, moe_bias_update_rate=rate)
         before = engine.local_shards()[bias].tensor.clone()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="In CPU autocast")

@@ -220,18 +220,12 @@ def test_fsdp2_shards_whole_experts_and_keeps_the_logits_and_gradients(tmp_path:
 def test_the_trainer_engine_loads_trains_and_exports_qwen3_moe_by_hf_names(tmp_path: Path):
     pytest.importorskip("torchtitan")
     import torch
+    from engine_case import small_engine, two_rows
     from safetensors.torch import load_file
-
-    from hpcrl.algorithms.base import Options
-    from hpcrl.trainer import EngineOptions, TrainerEngine
-    from hpcrl.trainer.batch import pad_rows
 
     _save_hf_checkpoint(MIXED, tmp_path)
     checkpoint = load_file(tmp_path / "model.safetensors")
-    engine = TrainerEngine(EngineOptions(
-        shape=MIXED, weights_path=str(tmp_path), max_seq_len=64, lr=1e-2, betas=(0.9, 0.99), eps=1e-6,
-        micro_batch_size=2, grad_clip=1.0, total_steps=10,
-        loss=Options(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0)))
+    engine = small_engine(MIXED, tmp_path)
     exported = engine.full_state_dict_hf()
     assert set(exported) == set(checkpoint)
     assert all(torch.equal(exported[name], checkpoint[name]) for name in checkpoint)
@@ -239,8 +233,7 @@ def test_the_trainer_engine_loads_trains_and_exports_qwen3_moe_by_hf_names(tmp_p
     assert (shard.global_shape, shard.dim0_offset, tuple(shard.tensor.shape)) == ((8 * 64, 32), 0, (8 * 64, 32))
     assert torch.equal(shard.tensor[64:128], checkpoint["model.layers.0.mlp.experts.1.down_proj.weight"])
 
-    batch = pad_rows(sequences=[[1, 40, 41, 42, 43, 44], [1, 40, 50, 51]], prompt_lengths=[2, 2],
-                     old_logprobs=[[-4.8, -4.9, -5.0, -4.7], [-4.6, -5.1]], advantages=[1.0, -1.0])
+    batch = two_rows()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="In CPU autocast")
         engine.train_step(batch)
