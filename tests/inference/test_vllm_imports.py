@@ -1,5 +1,6 @@
 """vLLM has one adapter: the inference package (engine, client glue, worker extension) and the weight
-transfer's vLLM side (its engine, and the NCCL wrapper it borrows). Nothing else in hpcrl imports it."""
+transfer's vLLM side (its engine, its LoRA slots, and the NCCL wrapper it borrows). Nothing else in hpcrl
+imports it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 HPCRL = Path(__file__).resolve().parents[2] / "hpcrl"
 ALLOWED = {"inference/engine.py", "inference/vllm_llm.py", "inference/vllm_worker.py",
-           "transfer/vllm_engine.py", "transfer/nccl.py"}
+           "transfer/vllm_engine.py", "transfer/vllm_lora.py", "transfer/nccl.py"}
 
 
 def vllm_importers() -> set[str]:
