@@ -21,6 +21,7 @@ from hpcrl.roles.reaper import descendants, live
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow]
+STEPS = 130
 
 
 @pytest.mark.timeout(900)
@@ -29,20 +30,22 @@ def test_embedded_default_learns_and_inference_matches_the_trainer_after_every_s
     done = subprocess.run(
         [sys.executable, "-m", "hpcrl", "run", "configs/tiny_grpo.toml", "--set", f"run.run_dir={run_dir}",
          "--set", f"model.path={tiny_model}", "--set", "trainer.checkpoint_interval=0",
+         # 130 of the file's 200 steps: its 10-step mean first reaches 0.8 at step 103 (BENCHMARKS.md, seed 0)
+         "--set", f"trainer.steps={STEPS}",
          "--set", "algorithm.mismatch_every=1",  # the weights checked after every sync
-         # greedy pass@1 on 16 held-out prompts at steps 0, 50, ..., 200 (0.2 s each)
-         "--set", "data.eval_source=builtin:echo", "--set", "data.eval_size=16", "--set", "eval.interval=50",
+         # greedy pass@1 on 16 held-out prompts at steps 0, 65 and 130 (0.2 s each)
+         "--set", "data.eval_source=builtin:echo", "--set", "data.eval_size=16", "--set", f"eval.interval={STEPS // 2}",
          "--set", "eval.at_start=true"],
         cwd=REPO, capture_output=True, text=True, timeout=880)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = read_metrics(run_dir)
     evals = [(r["step"], r["eval/pass@1"]) for r in rows if "eval/pass@1" in r]
-    assert [step for step, _ in evals] == [0, 50, 100, 150, 200]
+    assert [step for step, _ in evals] == [0, STEPS // 2, STEPS]
     assert evals[0][1] < 0.2 and max(p for _, p in evals[1:]) >= 0.8, evals  # the rise, on prompts never trained on
     assert "eval pass@1 (16 prompts): " in done.stdout
     rows = [r for r in rows if r["step"]]  # row 0: the initial weights' evaluation
     rewards = [r["reward_mean"] for r in rows]
-    assert len(rows) == len(rewards) >= 100
+    assert len(rows) == len(rewards) == STEPS
     # near chance at the start (one character in ~100), learnt at the end
     assert sum(rewards[:10]) / 10 < 0.1, rewards[:10]
     assert max(sum(rewards[i:i + 10]) / 10 for i in range(len(rewards) - 9)) >= 0.8, rewards
