@@ -29,16 +29,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpcrl.config import load_config
+    from hpcrl.cli import load_run_config
     from hpcrl.config.model_shapes import shape_of
     from hpcrl.rl.checkpointing import TRAINER_DIR, newest_checkpoint, store_for
-    from hpcrl.rundir import CONFIG_FILE
 
-    run_dir = Path(args.run_dir).absolute()
-    if not (run_dir / CONFIG_FILE).is_file():
-        raise HpcrlError(f"{run_dir} is not a run directory (no {CONFIG_FILE}); give the directory the run "
-                         "wrote (runs/<name> by default)")
-    config = load_config(run_dir / CONFIG_FILE, overrides=[f"run.run_dir={run_dir}"])
+    config = load_run_config(args.run_dir)
+    run_dir = config.run_dir
     if config.lora is None:
         raise HpcrlError(f"{run_dir} is a run without LoRA (its config has no [lora] table): its checkpoints hold "
                          "every weight, there is no adapter to export")

@@ -12,9 +12,6 @@ hpcrl.launch.submit.CHANGEABLE_KEYS, resume takes any change: it is the explicit
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
-
-from hpcrl.errors import HpcrlError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -29,17 +26,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpcrl.cli import load_run_config
     from hpcrl.cli.submit_cmd import report_submission
-    from hpcrl.config import load_config
     from hpcrl.launch.submit import submit_run
     from hpcrl.rl.checkpointing import newest_checkpoint
-    from hpcrl.rundir import CONFIG_FILE
 
-    run_dir = Path(args.run_dir).absolute()
-    if not (run_dir / CONFIG_FILE).is_file():
-        raise HpcrlError(f"{run_dir} is not a run directory (no {CONFIG_FILE}); give the directory "
-                         "`hpcrl submit` wrote (runs/<name> by default)")
-    config = load_config(run_dir / CONFIG_FILE, overrides=[f"run.run_dir={run_dir}", *args.set])
+    config = load_run_config(args.run_dir, *args.set)
     found = newest_checkpoint(config)  # a skipped checkpoint is logged as a warning, on stderr
     print(f"resuming {config.run.name} from " + (f"{found.path} (step {found.step})" if found else
                                                  "the start: no complete checkpoint"))

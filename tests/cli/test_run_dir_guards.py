@@ -65,3 +65,14 @@ def test_hpcrl_run_refuses_to_continue_checkpoints_with_a_changed_config_naming_
     assert "hpcrl run would continue them with 1 key(s) changed: trainer.lr: 0.001 -> 0.002." in done.stderr
     assert "(hpcrl run: add --resume)" in done.stderr
     assert (tmp_path / CONFIG_FILE).read_text() == made_with and not (tmp_path / "logs" / "run").exists()
+
+
+@pytest.mark.timeout(60)
+def test_resume_of_a_directory_that_is_no_run_says_so_and_what_to_give(tmp_path: Path):
+    (tmp_path / "stray.txt").write_text("not a run")
+    refused = hpcrl("resume", str(tmp_path))
+    assert refused.returncode == 2, refused.stderr
+    assert f"{tmp_path} is not a run directory (no {CONFIG_FILE})" in refused.stderr
+    assert "runs/<name>" in refused.stderr
+    assert (tmp_path / "stray.txt").read_text() == "not a run"  # nothing written, nothing lost
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stray.txt"]
