@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,50 @@ def pytest_runtest_protocol(item, nextitem):
         _to_the_side()
         os.setpriority(os.PRIO_PROCESS, 0, REST_NICE)
     return None
+
+
+class _Timeline:
+    """Under xdist, in the controller: when each worker ended its last test and the serial unit, measured from the
+    start of the run, and how long its tests took. Printed after pytest's own summary, so that a CI log says which
+    worker set the suite's time and where a cut would shorten it (BENCHMARKS.md "The test suite's time")."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.busy: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        self.serial_end: float | None = None
+
+    def add(self, report) -> None:
+        worker = getattr(getattr(report, "node", None), "gateway", None)
+        if worker is None:
+            return
+        now = time.monotonic() - self.start
+        self.busy[worker.id] = self.busy.get(worker.id, 0.0) + report.duration
+        self.last[worker.id] = now
+        if report.nodeid.startswith(SERIAL_PATHS) and report.when == "teardown":
+            self.serial_end = now
+
+    def lines(self) -> list[str]:
+        out = [f"{w}: last test ended at {self.last[w]:.0f} s, its tests took {self.busy[w]:.0f} s"
+               for w in sorted(self.last)]
+        if self.serial_end is not None:
+            out.append(f"the serial unit (cluster and timed tests) ended at {self.serial_end:.0f} s")
+        return out
+
+
+_TIMELINE = _Timeline()
+
+
+def pytest_runtest_logreport(report) -> None:
+    _TIMELINE.add(report)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    lines = _TIMELINE.lines()
+    if lines:
+        terminalreporter.write_sep("=", "workers' timeline")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
