@@ -258,6 +258,17 @@ def tiny_moe_model() -> Path:
     return REPO / "models" / "tiny-qwen3-moe"
 
 
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_model() -> Path:
+    """models/tiny-deepseek-v3 (MLA, one dense block, one of routed and shared experts with a router bias), made by
+    tools/make_tiny_model.py if missing (a few seconds)."""
+    import sys
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny_model.py"), "--preset", "tiny-deepseek-v3"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return REPO / "models" / "tiny-deepseek-v3"
+
+
 def _fetched(name: str) -> Path:
     """models/NAME from tools/fetch_model.py (tools/test.sh fetches it first; here it is only checked)."""
     import sys

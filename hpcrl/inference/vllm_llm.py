@@ -33,10 +33,12 @@ device itself).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from hpcrl.inference.types import InferenceError
@@ -128,6 +130,21 @@ def serve_families(modules: Sequence[str]) -> None:
             ModelRegistry.register_model(family.architecture, family.vllm_model)
 
 
+def family_engine_args(model: str, *, on_cpu: bool) -> dict[str, Any]:
+    """The engine arguments the family of the checkpoint at `model` (its config.json's architecture) asks
+    of vLLM: on CPU, its `Family.vllm_cpu_native_ops` turned off (compilation_config.custom_ops "-name",
+    so vLLM runs their PyTorch-native forward). {} when there is nothing to ask, no local config.json, or
+    no family of that architecture."""
+    config_file = Path(model) / "config.json"
+    if not on_cpu or not config_file.is_file():
+        return {}
+    architecture = (json.loads(config_file.read_text()).get("architectures") or [None])[0]
+    family = next((f for f in families() if f.architecture == architecture), None)
+    if family is None or not family.vllm_cpu_native_ops:
+        return {}
+    return {"compilation_config": {"custom_ops": [f"-{op}" for op in family.vllm_cpu_native_ops]}}
+
+
 def start_llm(*, on_cpu: bool, tensor_parallel: int, cpu_binding: str | None = None,
               family_modules: Sequence[str] = (), engine_core_here: bool = False, **kwargs: Any) -> Any:
     """vLLM's `LLM(**kwargs)` at `tensor_parallel` ranks, its processes started in the environment and
@@ -135,11 +152,14 @@ def start_llm(*, on_cpu: bool, tensor_parallel: int, cpu_binding: str | None = N
     CPU 1): the caller's VLLM_CPU_OMP_THREADS_BIND, else `cpu_binding`, else one group per TP rank
     (vLLM's own choice with TP 1). `family_modules` (model.family_modules) are served here and in
     every process vLLM starts (`serve_families`). `engine_core_here`: on CPU, vLLM's engine core runs in
-    this process, not a spawned one (module docstring: only for a process that holds this one engine)."""
+    this process, not a spawned one (module docstring: only for a process that holds this one engine).
+    The model's family adds what it asks of the engine (`family_engine_args`) where the caller did not say."""
     binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or cpu_binding or (
         cpu_thread_binding(tensor_parallel) if tensor_parallel > 1 else None)
     LLM = _import_llm()
     serve_families(family_modules)
+    for key, value in family_engine_args(kwargs["model"], on_cpu=on_cpu).items():
+        kwargs.setdefault(key, value)
     kwargs["tensor_parallel_size"] = tensor_parallel
     # Read by the processes LLM() starts: vLLM's mp workers, or its engine core with the worker inside.
     values: dict[str, str | None] = {"VLLM_CPU_OMP_THREADS_BIND": binding if on_cpu else None,

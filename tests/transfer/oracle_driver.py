@@ -178,6 +178,7 @@ def main() -> int:
     import torch.distributed as dist
     from vllm import LLM, SamplingParams
 
+    from hpcrl.inference.vllm_llm import family_engine_args, installed_vllm_platform
     from hpcrl.plan.transfer.layout import InferenceLayout, TrainerLayout
     from hpcrl.plan.transfer.planner import plan as plan_transfer
     from hpcrl.rendezvous.meet import serve_store
@@ -199,6 +200,7 @@ def main() -> int:
                   weight_transfer_config={"backend": "hpcrl"}, enable_expert_parallel=args.ep)
     if args.tp > 1:
         kwargs["distributed_executor_backend"] = "mp"
+    kwargs.update(family_engine_args(model, on_cpu=installed_vllm_platform() == "cpu"))  # as the inference role
     llm = LLM(**kwargs)
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
 

