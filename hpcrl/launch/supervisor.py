@@ -58,8 +58,10 @@ MAX_RELAUNCHES = 3
 EXIT_CODES_WAIT_S = 3.0
 #: Times the trainer group is started again inside the job before a loss requeues it instead.
 MAX_TRAINER_RESTARTS = 3
-#: Seconds the surviving trainer ranks get to end after SIGTERM (their exit codes on the bus) before SIGKILL.
-STOP_WAIT_S = 10.0
+#: Most seconds the head waits for the surviving trainer ranks to end once their step was told to stop (srun
+#: cancels it: SIGTERM, SIGKILL after Slurm's KillWait); they are then counted as gone (see _stop_group). The
+#: group started again needs ~10 s of imports before it touches a GPU or a port: what is left is gone by then.
+STOP_WAIT_S = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -286,8 +288,11 @@ class Supervisor:
         arrive (a rank's collective can fail before the head hears that its peer died); [] when none was."""
         if not self.trainer_restartable:
             return []
-        await self._exit_codes_of([s for s in self.steps if s.slot.name == TRAINER and id(s) not in self.retired])
+        deadline = time.monotonic() + EXIT_CODES_WAIT_S
         self.handle_events()
+        while not self.trainer_lost and time.monotonic() < deadline:  # the first lost rank is enough: all restart
+            await asyncio.sleep(0.02)
+            self.handle_events()
         return sorted(self.trainer_lost.values(), key=lambda one: one.rank)
 
     async def restart_trainer(self, lost: list[LostRank]) -> TrainerRestart:
@@ -340,21 +345,34 @@ class Supervisor:
                  f"{step}")
 
     async def _stop_group(self, group: str) -> None:
-        """End every running step of `group` and wait, at most STOP_WAIT_S, until each of its registered tasks
-        told its exit code or was declared lost; then SIGKILL what is left. The steps are retired: their
-        codes (and those of a lost node's tasks, which come when Slurm marks the node down) fail nothing."""
+        """End every running step of `group` (SIGTERM to srun, which cancels the step: Slurm sends its tasks
+        SIGTERM, then SIGKILL after KillWait), and wait until each registered task told its exit code or was
+        declared lost, or every step's srun ended, at most STOP_WAIT_S. A task still unaccounted for then is
+        counted as gone (the bus is told: its name is free for the rank started again). The steps are retired:
+        their codes (and those of a lost node's tasks, which come when Slurm marks the node down) fail nothing.
+
+        Why not wait for every exit code: a task of a cancelled step often sends none (measured: srun's SIGTERM,
+        KillWait 3 s, the trainer rank went silent without one), and srun itself stays until Slurm marks a lost
+        node down (~30 s) when the step had a task there."""
         steps = [s for s in self.steps if s.slot.name == group and id(s) not in self.retired]
         for step in steps:
             self.retired.add(id(step))
             if step.poll() is None:
-                step.terminate()  # srun forwards SIGTERM to every task it still reaches
-        await self._exit_codes_of(steps, timeout_s=STOP_WAIT_S)
-        left = [key for key, task in self.tasks.items() if key[0] == group and task.code is None and not task.lost]
-        if left:
-            log.warning(f"{group} ranks {[rank for _, rank in left]} did not end within {STOP_WAIT_S:g} s of SIGTERM: "
-                        "killing their step")
-            for step in steps:
-                step.kill()
+                step.terminate()
+        deadline = time.monotonic() + STOP_WAIT_S
+        while True:
+            self.handle_events()
+            left = [(key, task) for key, task in self.tasks.items()
+                    if key[0] == group and task.code is None and not task.lost]
+            if not left or all(step.poll() is not None for step in steps) or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        for _, task in left:
+            task.lost = "stopped by the head: its group starts again"
+            self.router.mark_dead(task.peer, task.lost)
+        if left and any(step.poll() is None for step in steps):
+            log.info(f"{group} ranks {[rank for (_, rank), _ in left]} told no exit code within {STOP_WAIT_S:g} s of "
+                     "their step's cancel: counted as gone")
 
     def release(self) -> None:
         """Tell every task to exit: 0, or launch.json's exit_codes (program check, to test failures)."""
@@ -397,9 +415,9 @@ class Supervisor:
                 # ended before its ranks registered fails below: the job is requeued onto healthy nodes.)
                 await self._exit_codes_of([step])
                 for rank in step.ranks:
-                    task = self.tasks[(step.slot.name, rank)]
-                    if task.code is None:
-                        self._trainer_rank_lost(task, f"its step ended with code {code} without its exit code", True)
+                    ended = self.tasks[(step.slot.name, rank)]
+                    if ended.code is None:
+                        self._trainer_rank_lost(ended, f"its step ended with code {code} without its exit code", True)
         if self.trainer_lost:
             raise TrainerLost(sorted(self.trainer_lost.values(), key=lambda one: one.rank))
         for step, code in codes:

@@ -391,6 +391,8 @@ def test_a_lost_trainer_rank_restarts_the_trainer_group_inside_the_job_in_place_
     shown = follow.status(run_dir).render()
     assert shown.count("recovered: trainer rank(s) 1 lost on ") == 2 and "spare nodes: 1 (used: 1)" in shown, shown
     assert "requeued:" not in shown, shown
+    heads = read_json(run_dir / "requeues.json")  # the head notes each start: one, and no requeue
+    assert [start["restart"] for start in heads["starts"]] == [0] and heads["requeues"] == [], heads
     where = {(t["group"], t["rank"]): t["node"] for t in read_json(run_dir / EXIT_FILE)["tasks"]}
     assert where[("trainer", 1)] in on_spare["spares_used"] or where[("trainer", 0)] in on_spare["spares_used"]
     assert rows_of(run_dir) == rows_of(uninterrupted)  # every step once, bitwise the uninterrupted run's
