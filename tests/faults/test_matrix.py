@@ -365,7 +365,7 @@ KILL_BOUND_S, POWER_BOUND_S = 45, 60
 (BENCHMARKS.md "Recovery inside the allocation")."""
 
 
-@pytest.mark.extended  # ~6 min beyond CI's 45 (tools/test.sh --faults --extended runs it)
+@pytest.mark.extended  # 2-4 min beyond CI's 45 (130 s quiet, 233 s loaded; tools/test.sh --faults --extended)
 @pytest.mark.timeout(1500)
 def test_a_lost_trainer_rank_restarts_the_trainer_group_inside_the_job_in_place_then_on_a_spare(
         namespaced, tiny_model, tmp_path):
