@@ -147,7 +147,10 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
             except GroupFailed as err:
                 lost = err.lost if isinstance(err, TrainerLost) else await sup.settle_trainer_loss()
                 if not lost:
+                    if err.__cause__ is not None:
+                        log.error("the RL loop failed", exc_info=err.__cause__)
                     raise
+                log.warning(f"the RL loop stopped: {err}")
                 generation = ports[0].generation if ports else generation
                 await sup.restart_trainer(lost)  # GroupFailed when it cannot: the job is requeued
                 continue
@@ -190,8 +193,8 @@ async def _train_once(sup: Supervisor, config, store: str, preempt: asyncio.Even
         except GroupFailed:
             raise
         except Exception as err:  # noqa: BLE001 - the loop's error ends the run FAILED, with its message
-            log.exception("the RL loop failed")
-            raise GroupFailed(f"the RL loop failed: {type(err).__name__}: {err}") from None
+            # Logged by the caller, with its traceback, unless it was a lost trainer rank's (the group starts again).
+            raise GroupFailed(f"the RL loop failed: {type(err).__name__}: {err}") from err
     finally:
         for task in (loop_task, watch_task):
             task.cancel()
