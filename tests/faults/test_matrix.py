@@ -381,7 +381,8 @@ def test_a_lost_trainer_rank_restarts_the_trainer_group_inside_the_job_in_place_
                                     args=args, first=INTERVAL + 2, every=INTERVAL)
     log = head_log(run_dir)
     assert len(re.findall(r"\): head on ", log)) == 2 and log.count("requeueing to resume") == 1  # the third only
-    assert all(row["resumed_from"] is not None and row["steps_lost"] == 2 for row in rows), rows
+    # At least the 2 steps since the checkpoint: 3 when the next step was logged as the fault struck.
+    assert all(row["resumed_from"] is not None and row["steps_lost"] >= 2 for row in rows), rows
     in_place, on_spare = read_json(run_dir / "recoveries.json")["recoveries"]
     assert in_place["group"] == "trainer" and in_place["ranks"] == [1] and in_place["spares_used"] == []
     assert on_spare["spares_used"] == [on_spare["restarted_on"].split(",")[1]], on_spare  # n2 -> the spare
@@ -399,4 +400,6 @@ def test_a_lost_trainer_rank_restarts_the_trainer_group_inside_the_job_in_place_
     assert shown.count("requeued: requeue ") == 1 and "requeued: requeue 1 at " in shown, shown
     assert "0 spare node(s) left" in shown and "; head running again at " in shown, shown
     print(shown)
+    probed = [r["logprob_mismatch"] for r in read_metrics(run_dir) if r.get("logprob_mismatch") is not None]
+    assert probed and all(m < 1e-3 for m in probed), probed  # the replica that kept running has the trainer's weights
     assert rows_of(run_dir) == rows_of(uninterrupted)  # every step once, bitwise the uninterrupted run's
