@@ -48,6 +48,7 @@ JOB_ID_FILE = "job_id"
 SECRET_FILE = "bus.secret"  # hpcrl.bus.secret writes and reads it
 EXIT_FILE = "exit.json"
 RECOVERIES_FILE = "recoveries.json"  # hpcrl.launch.supervisor: each task started again inside the job
+REQUEUES_FILE = "requeues.json"  # hpcrl.launch.requeues: each start of the head, and each requeue it asked for
 METRICS_FILE = "metrics.jsonl"
 SUBMITIT_DIR = "submitit"
 LOGS_DIR = "logs"

@@ -18,7 +18,17 @@ from pathlib import Path
 
 from hpcrl.bus.config import REFUSED_FILE
 from hpcrl.errors import SlurmError
-from hpcrl.rundir import EXIT_FILE, JOB_FILE, LAUNCH_FILE, LOGS_DIR, METRICS_FILE, RECOVERIES_FILE, read_json
+from hpcrl.launch.requeues import describe_requeues
+from hpcrl.rundir import (
+    EXIT_FILE,
+    JOB_FILE,
+    LAUNCH_FILE,
+    LOGS_DIR,
+    METRICS_FILE,
+    RECOVERIES_FILE,
+    REQUEUES_FILE,
+    read_json,
+)
 from hpcrl.slurm import tracking
 
 
@@ -46,6 +56,10 @@ class RunStatus:
     """Idle nodes the job holds for lost tasks (cluster.spare_nodes)."""
     recoveries: tuple[str, ...] = ()
     """Each task the head started again on a spare node, inside the job (RECOVERIES_FILE)."""
+    spares_used: int = 0
+    """How many of them a recovery took (an in-place restart takes none)."""
+    requeues: tuple[str, ...] = ()
+    """Each requeue of the job (REQUEUES_FILE): outside the allocation, the last resort."""
 
     @property
     def done(self) -> bool:
@@ -60,8 +74,9 @@ class RunStatus:
             lines += [f"  {r.component:<12} {r.state:<12} {r.nodes:<16} {r.elapsed}" for r in self.rows]
         lines += [f"  failed: {f}" for f in self.failures]
         if self.spare_nodes:
-            lines.append(f"  spare nodes: {self.spare_nodes} (used: {len(self.recoveries)})")
+            lines.append(f"  spare nodes: {self.spare_nodes} (used: {self.spares_used})")
         lines += [f"  recovered: {r}" for r in self.recoveries]
+        lines += [f"  requeued: {r}" for r in self.requeues]
         if self.last_metrics:
             lines.append(f"  last metrics: {self.last_metrics}")
         if self.refused:
@@ -199,9 +214,27 @@ def _recoveries(run_dir: Path) -> tuple[str, ...]:
         if e.get("ready_after_s") is not None:
             back += f", serving {e['ready_after_s']} s later"
         when = time.strftime("%H:%M:%S", time.localtime(e["at"]))
+        if "ranks" in e:  # the trainer group, started again whole inside the job (hpcrl.launch.supervisor)
+            again = (f"running again {e['running_again_after_s']} s later from step {e['resumed_from_step']}"
+                     if e.get("running_again_after_s") is not None else "not running again yet")
+            lines.append(f"{e['group']} rank(s) {', '.join(map(str, e['ranks']))} lost on {e['lost_on']} at {when} "
+                         f"({e['why']}): the group started again on {e['restarted_on']}, {back}, {again}")
+            continue
         lines.append(f"{e['group']} rank {e['rank']} lost on {e['lost_on']} at {when} ({e['why']}): started again "
                      f"on {e['restarted_on']}, {back}")
     return tuple(lines)
+
+
+def _spares_used(run_dir: Path) -> int:
+    path = run_dir / RECOVERIES_FILE
+    entries = read_json(path).get("recoveries", []) if path.is_file() else []
+    return sum(len(e["spares_used"]) if "spares_used" in e else int(e["restarted_on"] != e["lost_on"])
+               for e in entries)
+
+
+def _requeues(run_dir: Path) -> tuple[str, ...]:
+    path = run_dir / REQUEUES_FILE
+    return describe_requeues(read_json(path)) if path.is_file() else ()
 
 
 def _spare_nodes(run_dir: Path) -> int:
@@ -237,7 +270,8 @@ def status(target: str | Path) -> RunStatus:
                      c.state, c.nodes, c.elapsed) for c in job.components)
     return RunStatus(job_id=run.job_id, executor="slurm", state=state, rows=rows, source=job.source,
                      failures=failures, last_metrics=metrics, run_dir=run.run_dir, refused=refused,
-                     spare_nodes=_spare_nodes(run.run_dir), recoveries=_recoveries(run.run_dir))
+                     spare_nodes=_spare_nodes(run.run_dir), recoveries=_recoveries(run.run_dir),
+                     spares_used=_spares_used(run.run_dir), requeues=_requeues(run.run_dir))
 
 
 def wait(target: str | Path, *, timeout_s: float, poll_s: float = 0.5) -> RunStatus:

@@ -43,7 +43,8 @@ from hpcrl.bus.config import MIN_MESSAGE_BYTES, REFUSED_FILE, message_limit_for
 from hpcrl.config.groups import HEAD, INFERENCE, REWARD
 from hpcrl.errors import HpcrlError
 from hpcrl.fsio import PRIVATE_UMASK
-from hpcrl.launch.supervisor import GroupFailed, Supervisor
+from hpcrl.launch import requeues
+from hpcrl.launch.supervisor import GroupFailed, Supervisor, TrainerLost
 from hpcrl.logs import setup_logging
 from hpcrl.roles.serve import BUS_SETTINGS
 from hpcrl.rundir import CONFIG_FILE, EXIT_FILE, RunDirBusy, RunLock, write_json
@@ -119,7 +120,6 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
     from hpcrl.config.load import load_config
     from hpcrl.rendezvous.meet import serve_store
     from hpcrl.rl.checkpointing import refuse_unusable_checkpoints
-    from hpcrl.rl.program import run_program
 
     launch = sup.launch
     config = load_config(sup.run_dir / CONFIG_FILE)
@@ -127,8 +127,10 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
     server = serve_store(load_secret(sup.run_dir), bind="tcp://0.0.0.0:0")
     store = f"tcp://{advertise}:{server.address.rpartition(':')[2]}"
     log.info(f"rendezvous store at {store} (requests signed with the run's secret)")
-    # Spare nodes: a lost reward task (its calls wait and are made again) starts again inside the job too.
+    # Spare nodes: a lost reward task (its calls wait and are made again) starts again inside the job too, and so
+    # does the trainer group (from the newest checkpoint, in place or on a spare).
     sup.revivable = {INFERENCE, REWARD} if launch.spare_nodes else {INFERENCE}
+    sup.trainer_restartable = bool(launch.spare_nodes) and launch.layout == "split" and launch.executor == "slurm"
     sup.start({"HPCRL_STORE_ADDR": store})
     preempt = asyncio.Event()
 
@@ -136,40 +138,67 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
         log.info("SIGUSR2 (the time limit is near): checkpointing after this step, then requeueing")
         preempt.set()
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, on_usr2)
+    generation = -1  # the weight-transfer group's, carried over a restart of the trainer group
+    try:
+        while True:
+            ports: list = []
+            try:
+                preempted = await _train_once(sup, config, store, preempt, generation, ports.append)
+            except GroupFailed as err:
+                lost = err.lost if isinstance(err, TrainerLost) else await sup.settle_trainer_loss()
+                if not lost:
+                    if err.__cause__ is not None:
+                        log.error("the RL loop failed", exc_info=err.__cause__)
+                    raise
+                log.warning(f"the RL loop stopped: {err}")
+                generation = ports[0].generation if ports else generation
+                await sup.restart_trainer(lost)  # GroupFailed when it cannot: the job is requeued
+                continue
+            sup.revivable, sup.trainer_restartable = set(), False
+            sup.release()  # every task: exit 0
+            await sup.wait_ended()
+            return preempted
+    finally:
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGUSR2)  # leaves SIG_DFL, which would kill us
+        signal.signal(signal.SIGUSR2, _late_usr2)
+        refused = {k: v for k, v in server.refused().items() if v}
+        if refused:
+            log.warning(f"the rendezvous store refused requests: {refused}")
+        server.close()
+
+
+async def _train_once(sup: Supervisor, config, store: str, preempt: asyncio.Event, generation: int,
+                      on_ports) -> bool:
+    """One run of the RL loop while the supervisor watches the steps: True when preempted; GroupFailed (TrainerLost
+    for a lost trainer rank the group may start again after) when a step or the loop failed."""
+    from hpcrl.rl.program import run_program
+
+    launch = sup.launch
 
     async def watch() -> None:
         while not await sup.poll():
             await asyncio.sleep(0.2)
 
     loop_task = asyncio.create_task(run_program(
-        config, sup.router, store=store, steps=launch.stop_after,
-        stop_requested=preempt.is_set, connect_timeout=launch.start_timeout_s))
+        config, sup.router, store=store, steps=launch.stop_after, stop_requested=preempt.is_set,
+        connect_timeout=launch.start_timeout_s, generation=generation, on_ports=on_ports,
+        on_resumed=sup.trainer_running_again))
     watch_task = asyncio.create_task(watch())
     try:
         done, _ = await asyncio.wait({loop_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
         if watch_task in done:
             watch_task.result()  # raises GroupFailed naming the group and ranks
         try:
-            preempted = loop_task.result()
+            return loop_task.result()
         except GroupFailed:
             raise
         except Exception as err:  # noqa: BLE001 - the loop's error ends the run FAILED, with its message
-            log.exception("the RL loop failed")
-            raise GroupFailed(f"the RL loop failed: {type(err).__name__}: {err}") from None
-        sup.revivable = set()
-        sup.release()  # every task: exit 0
-        await sup.wait_ended()
-        return preempted
+            # Logged by the caller, with its traceback, unless it was a lost trainer rank's (the group starts again).
+            raise GroupFailed(f"the RL loop failed: {type(err).__name__}: {err}") from err
     finally:
-        asyncio.get_running_loop().remove_signal_handler(signal.SIGUSR2)  # leaves SIG_DFL, which would kill us
-        signal.signal(signal.SIGUSR2, _late_usr2)
         for task in (loop_task, watch_task):
             task.cancel()
         await asyncio.gather(loop_task, watch_task, return_exceptions=True)
-        refused = {k: v for k, v in server.refused().items() if v}
-        if refused:
-            log.warning(f"the rendezvous store refused requests: {refused}")
-        server.close()
 
 
 def _bus_config(run_dir: Path, program: str) -> BusConfig:
@@ -269,6 +298,9 @@ def _run_head_locked(run_dir: Path) -> dict:
     # from whoever started this head (hpcrl.rendezvous.meet).
     os.environ.pop("HPCRL_STORE_SECRET_DIR", None)
     sup = Supervisor(launch, run_dir, router)
+    restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    if launch.executor == "slurm":
+        requeues.note_start(run_dir, restart=restart, node=str(sup.head_identity["node"]))
     previous = {sig: signal.signal(sig, _raise_cancelled) for sig in (signal.SIGTERM, signal.SIGINT)}
     started = time.time()
     state, error = "FAILED", ""
@@ -280,7 +312,7 @@ def _run_head_locked(run_dir: Path) -> dict:
     except GroupFailed as err:
         failures = err.args[1] if len(err.args) > 1 else []
         error = err.args[0]
-        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+        restarts = restart
         if launch.program == "rl" and launch.executor == "slurm" and restarts < launch.max_requeues:
             # A node died or a task was killed: come back from the last checkpoint (a new allocation
             # avoids a dead node once Slurm has marked it down) instead of ending the run.
@@ -317,6 +349,13 @@ def _run_head_locked(run_dir: Path) -> dict:
                                          "step_codes": {s.slot.name: s.poll() for s in sup.steps}})
         if state == "COMPLETED":
             log.info(f"run COMPLETED in {time.time() - started:.1f} s")
+        if state == "REQUEUED":
+            why = error
+            if not error:
+                why = "the time limit is near (SIGUSR2): checkpointed, then requeued"
+            elif signal.SIGTERM.name in error:
+                why = f"Slurm requeued the job (a node failed; the head {error})"
+            requeues.note_requeue(run_dir, restart=restart, why=why)
         if state in ("REQUEUED", "PREEMPTED"):
             log.info("requeueing the job (scontrol requeue); it resumes from its newest checkpoint when it starts "
                      "again" if state == "REQUEUED" else

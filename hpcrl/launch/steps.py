@@ -56,11 +56,15 @@ def task_env(slot: GroupSlot, env: Mapping[str, str]) -> dict[str, str]:
 
 
 def srun_argv(slot: GroupSlot, *, layout: str, run_dir: Path, python: str,
-              nodelist: list[str] | None = None, no_kill: bool = False) -> list[str]:
-    """The srun command line starting every task of `slot` (pure); `no_kill`: a lost node ends only its tasks."""
+              nodelist: list[str] | None = None, no_kill: bool = False, again: bool = False) -> list[str]:
+    """The srun command line starting every task of `slot` (pure); `no_kill`: a lost node ends only its tasks;
+    `again`: the group started again inside the job (the trainer after a lost rank), beside what its old step
+    may still hold (--overlap: a step with a task on a lost node lives until Slurm marks the node down), its
+    logs appended to."""
     c = slot.component
     argv = ["srun", "--unbuffered", "--kill-on-bad-exit=0", f"--job-name={slot.name}"]
     argv += ["--no-kill"] if no_kill else []
+    argv += ["--overlap", "--open-mode=append"] if again else []
     if layout == "hetjob":
         argv.append(f"--het-group={c.index}")
     else:
@@ -127,13 +131,15 @@ class Step:
 
 
 def start_slurm_step(slot: GroupSlot, *, layout: str, run_dir: Path, python: str,
-                     env: Mapping[str, str], nodelist: list[str] | None = None, no_kill: bool = False) -> Step:
+                     env: Mapping[str, str], nodelist: list[str] | None = None, no_kill: bool = False,
+                     again: bool = False) -> Step:
     step_env = task_env(slot, env)
     if layout == "hetjob":
         step_env["HPCRL_STEP_COMPONENTS"] = str(slot.component.index)
     else:
         step_env["HPCRL_GROUP"] = slot.name
-    argv = srun_argv(slot, layout=layout, run_dir=run_dir, python=python, nodelist=nodelist, no_kill=no_kill)
+    argv = srun_argv(slot, layout=layout, run_dir=run_dir, python=python, nodelist=nodelist, no_kill=no_kill,
+                     again=again)
     proc = subprocess.Popen(argv, env=step_env, stdin=subprocess.DEVNULL)
     return Step(slot=slot, procs=[proc], local=False, ranks=range(slot.component.tasks))
 

@@ -20,6 +20,13 @@ whose node is presumed lost (silent past the heartbeat timeout, or its step ende
 code) starts again on the next spare instead of its own node; one that exited with a code (its node
 lives) starts again in place. Each such recovery is appended to RUN_DIR/recoveries.json (what was
 lost, where it started again, when it registered), which `hpcrl status` lists.
+
+The trainer group (`trainer_restartable`, set by the head in a split job with spares): a lost trainer
+rank breaks its group's torch.distributed group, so poll() raises TrainerLost naming the lost ranks,
+and the head, once its RL loop is stopped, calls restart_trainer(): the surviving ranks are stopped
+(SIGTERM through their srun, SIGKILL if they do not go), and the whole group starts again in a new srun
+step of the same job (hpcrl.launch.recovery decides where: in place, or a lost node swapped for a
+spare), which resumes from the newest checkpoint. Also one entry of RUN_DIR/recoveries.json.
 """
 
 from __future__ import annotations
@@ -33,9 +40,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl.bus.router import PeerEvent, Router
-from hpcrl.config.groups import HEAD
+from hpcrl.config.groups import HEAD, TRAINER
 from hpcrl.errors import HpcrlError
+from hpcrl.launch.recovery import LostRank, NoRestart, TrainerRestart, describe_restart, plan_trainer_restart
 from hpcrl.launch.steps import Step, local_gpu_blocks, start_local_step, start_replacement, start_slurm_step
+from hpcrl.roles.trainer import TRAINER_START_ENV
 from hpcrl.rundir import RECOVERIES_FILE, log_path, read_json, write_json
 from hpcrl.slurm.identity import layout_env
 from hpcrl.slurm.nodelist import expand_nodelist
@@ -47,12 +56,28 @@ MAX_RELAUNCHES = 3
 #: Most seconds a failed step's tasks get for their exit codes to arrive on the bus (their supervisors
 #: send them as they end, but the step's own end can be seen first); they are waited for, not slept on.
 EXIT_CODES_WAIT_S = 3.0
+#: Times the trainer group is started again inside the job before a loss requeues it instead.
+MAX_TRAINER_RESTARTS = 3
+#: Most seconds the head waits for the surviving trainer ranks to end once their step was told to stop (srun
+#: cancels it: SIGTERM, SIGKILL after Slurm's KillWait); they are then counted as gone (see _stop_group). The
+#: group started again needs ~10 s of imports before it touches a GPU or a port: what is left is gone by then.
+STOP_WAIT_S = 2.0
 
 log = logging.getLogger(__name__)
 
 
 class GroupFailed(HpcrlError):
     """A group's step ended with a non-zero exit code, or its tasks never registered."""
+
+
+class TrainerLost(GroupFailed):
+    """A trainer rank was lost while the group may start again inside the job (Supervisor.trainer_restartable).
+    Uncaught, it is the GroupFailed it derives from: the head requeues the job."""
+
+    def __init__(self, lost: list[LostRank]) -> None:
+        super().__init__("; ".join(f"trainer rank {one.rank}{f' on node {one.node}' if one.node else ''} lost: "
+                                   f"{one.why}" for one in lost))
+        self.lost = lost
 
 
 @dataclass
@@ -97,6 +122,14 @@ class Supervisor:
         """Spare nodes of the allocation not used yet (split layout with cluster.spare_nodes)."""
         self._recovering: dict[tuple[str, int], dict] = {}
         """(group, rank) -> its entry of RECOVERIES_FILE, until the task started again is ready."""
+        self.trainer_restartable = False
+        """Whether a lost trainer rank raises TrainerLost (the head starts the group again inside the job)."""
+        self.trainer_lost: dict[int, LostRank] = {}
+        self.trainer_restarts = 0
+        self.group_nodes: dict[str, list[str]] = {}
+        """Split layout: a group's nodes once it was started again elsewhere (else its range of the allocation)."""
+        self._group_recovery: dict | None = None
+        """The trainer group's entry of RECOVERIES_FILE, until it is running again."""
         self._deadline = time.monotonic() + launch.start_timeout_s
         router.watch(self._events.append)
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -178,6 +211,8 @@ class Supervisor:
         (split); [] without Slurm."""
         if self.launch.layout == "hetjob":
             return expand_nodelist(os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{slot.component.index}", ""))
+        if slot.name in self.group_nodes:
+            return list(self.group_nodes[slot.name])
         return expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", ""))[
             slot.first_node:slot.first_node + slot.component.nodes]
 
@@ -207,6 +242,12 @@ class Supervisor:
                 if (entry := self._recovering.get(key)) is not None:
                     entry["registered_after_s"] = round(time.time() - entry["at"], 1)
                     self._record_recovery(entry)
+                group_entry = self._group_recovery
+                if (group_entry is not None and info.group == group_entry["group"]
+                        and group_entry["registered_after_s"] is None
+                        and all((info.group, r) in self.tasks for r in range(self.launch.group(info.group).component.tasks))):
+                    group_entry["registered_after_s"] = round(time.time() - group_entry["at"], 1)
+                    self._record_recovery(group_entry)
                 log.info(f"registered: {info.group} rank {info.task} replica {info.replica} "
                          f"on node {info.host} (pid {info.pid}, {info.cpus} CPUs{gpus})")
                 if self.released:  # started again just before the end
@@ -222,10 +263,116 @@ class Supervisor:
                 task.code = event.code
                 if info.group in self.revivable and event.code != 0:
                     self.revive(*key, why=f"it exited with code {event.code}: {event.reason}")
+                elif self._restarts_trainer(info.group) and event.code != 0:
+                    self._trainer_rank_lost(task, f"it exited with code {event.code}: {event.reason}", False)
             elif event.kind == "dead":
                 task.lost = event.reason
                 if info.group in self.revivable:  # silent: its node is presumed lost
                     self.revive(*key, why=event.reason, node_lost=True)
+                elif self._restarts_trainer(info.group):
+                    self._trainer_rank_lost(task, event.reason, True)
+
+    # ---------------------------------------------------------------- the trainer group, started again
+
+    def _restarts_trainer(self, group: str) -> bool:
+        return group == TRAINER and self.trainer_restartable and not self.released
+
+    def _trainer_rank_lost(self, task: Task, why: str, node_lost: bool) -> None:
+        rank = int(task.identity["rank"])
+        if rank not in self.trainer_lost:
+            log.warning(f"trainer rank {rank} lost on node {task.identity['node']} ({why})")
+            self.trainer_lost[rank] = LostRank(rank, task.identity.get("node"), node_lost, why)
+
+    async def settle_trainer_loss(self) -> list[LostRank]:
+        """After the RL loop failed: the trainer ranks lost, once their exit codes had EXIT_CODES_WAIT_S to
+        arrive (a rank's collective can fail before the head hears that its peer died); [] when none was."""
+        if not self.trainer_restartable:
+            return []
+        deadline = time.monotonic() + EXIT_CODES_WAIT_S
+        self.handle_events()
+        while not self.trainer_lost and time.monotonic() < deadline:  # the first lost rank is enough: all restart
+            await asyncio.sleep(0.02)
+            self.handle_events()
+        return sorted(self.trainer_lost.values(), key=lambda one: one.rank)
+
+    async def restart_trainer(self, lost: list[LostRank]) -> TrainerRestart:
+        """Stop what is left of the trainer group and start it again inside the job (see the module docstring).
+        GroupFailed when it cannot (no spare left for a lost node, or restarted MAX_TRAINER_RESTARTS times):
+        the head then requeues the job."""
+        slot = self.launch.group(TRAINER)
+        why = "; ".join(f"rank {one.rank}: {one.why}" for one in lost)
+        if self.trainer_restarts >= MAX_TRAINER_RESTARTS:
+            raise GroupFailed(f"the trainer group was started again {self.trainer_restarts} times inside the job "
+                              f"and lost a rank again ({why})")
+        try:
+            plan = plan_trainer_restart(nodes=self.nodes_of(slot), lost=lost, spares=self.spares)
+        except NoRestart as err:
+            raise GroupFailed(f"{err} ({why})") from None
+        at = time.time()
+        await self._stop_group(TRAINER)
+        self.trainer_restarts += 1
+        self.trainer_lost.clear()
+        for rank in range(slot.component.tasks):
+            self.tasks.pop((TRAINER, rank), None)
+        self.spares = plan.spares
+        self.group_nodes[TRAINER] = plan.nodes
+        log.warning(f"starting the trainer group again {describe_restart(plan)} (time {self.trainer_restarts} of "
+                    f"{MAX_TRAINER_RESTARTS}), same job: it resumes from the newest checkpoint")
+        self.env[TRAINER_START_ENV] = str(self.trainer_restarts)
+        step = start_slurm_step(slot, layout=self.launch.layout, run_dir=self.run_dir, python=self.launch.python,
+                                env=self.env, nodelist=plan.nodes, no_kill=True, again=True)
+        self.steps.append(step)
+        for rank in step.ranks:
+            self.live_step[(TRAINER, rank)] = step
+        lost_on = sorted({one.node for one in lost if one.node}) or ["?"]
+        self._group_recovery = {
+            "group": TRAINER, "rank": lost[0].rank, "ranks": [one.rank for one in lost], "lost_on": ",".join(lost_on),
+            "why": why, "restarted_on": ",".join(plan.nodes), "spares_used": sorted(plan.replaced.values()),
+            "at": at, "stopped_after_s": round(time.time() - at, 1), "registered_after_s": None,
+            "resumed_from_step": None, "running_again_after_s": None}
+        self._record_recovery(self._group_recovery)
+        return plan
+
+    def trainer_running_again(self, step: int) -> None:
+        """The RL loop resumed from checkpoint `step` after the trainer group started again: the recovery's end."""
+        entry, self._group_recovery = self._group_recovery, None
+        if entry is None:
+            return
+        entry["resumed_from_step"] = step
+        entry["running_again_after_s"] = round(time.time() - entry["at"], 1)
+        self._record_recovery(entry)
+        log.info(f"trainer group running again {entry['running_again_after_s']} s after it was lost, from step "
+                 f"{step}")
+
+    async def _stop_group(self, group: str) -> None:
+        """End every running step of `group` (SIGTERM to srun, which cancels the step: Slurm sends its tasks
+        SIGTERM, then SIGKILL after KillWait), and wait until each registered task told its exit code or was
+        declared lost, or every step's srun ended, at most STOP_WAIT_S. A task still unaccounted for then is
+        counted as gone (the bus is told: its name is free for the rank started again). The steps are retired:
+        their codes (and those of a lost node's tasks, which come when Slurm marks the node down) fail nothing.
+
+        Why not wait for every exit code: a task of a cancelled step often sends none (measured: srun's SIGTERM,
+        KillWait 3 s, the trainer rank went silent without one), and srun itself stays until Slurm marks a lost
+        node down (~30 s) when the step had a task there."""
+        steps = [s for s in self.steps if s.slot.name == group and id(s) not in self.retired]
+        for step in steps:
+            self.retired.add(id(step))
+            if step.poll() is None:
+                step.terminate()
+        deadline = time.monotonic() + STOP_WAIT_S
+        while True:
+            self.handle_events()
+            left = [(key, task) for key, task in self.tasks.items()
+                    if key[0] == group and task.code is None and not task.lost]
+            if not left or all(step.poll() is not None for step in steps) or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        for _, task in left:
+            task.lost = "stopped by the head: its group starts again"
+            self.router.mark_dead(task.peer, task.lost)
+        if left and any(step.poll() is None for step in steps):
+            log.info(f"{group} ranks {[rank for (_, rank), _ in left]} told no exit code within {STOP_WAIT_S:g} s of "
+                     "their step's cancel: counted as gone")
 
     def release(self) -> None:
         """Tell every task to exit: 0, or launch.json's exit_codes (program check, to test failures)."""
@@ -261,6 +408,18 @@ class Supervisor:
         if self.problems:
             raise GroupFailed("; ".join(self.problems))
         codes = [(step, step.poll()) for step in self.steps if id(step) not in self.retired]
+        for step, code in codes:
+            if (self._restarts_trainer(step.slot.name) and code is not None
+                    and all((step.slot.name, rank) in self.tasks for rank in step.ranks)):
+                # Every rank had registered: those without an exit code went with their node. (A step that
+                # ended before its ranks registered fails below: the job is requeued onto healthy nodes.)
+                await self._exit_codes_of([step])
+                for rank in step.ranks:
+                    ended = self.tasks[(step.slot.name, rank)]
+                    if ended.code is None:
+                        self._trainer_rank_lost(ended, f"its step ended with code {code} without its exit code", True)
+        if self.trainer_lost:
+            raise TrainerLost(sorted(self.trainer_lost.values(), key=lambda one: one.rank))
         for step, code in codes:
             if step.slot.name in self.revivable and code is not None and (code != 0 or not released):
                 here = [rank for rank in step.ranks if self.live_step.get((step.slot.name, rank)) is step]

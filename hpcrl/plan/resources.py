@@ -124,7 +124,8 @@ class ResourcePlan:
         if not self.spare_nodes:
             return "a lost node requeues the job (cluster.spare_nodes = 0)"
         return (f"{self.spare_nodes} spare node(s), idle in the allocation (--no-kill): a lost inference replica "
-                "or reward task starts again on one, same job; any other loss requeues the job")
+                "or reward task starts again on one, and the trainer group from its newest checkpoint (in place, or "
+                "with a spare for a lost node), same job; a lost head node or no spare left requeues the job")
 
     @property
     def inference_fits(self) -> bool:

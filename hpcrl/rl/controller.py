@@ -328,12 +328,17 @@ class Controller:
                                               wanted=self.prompts_per_step)
             batch, dropped = batch_from_groups(groups, selection), selection.dropped_zero_variance
             train_started = time.monotonic()
-            train_metrics = await self.ports.train_step(batch, step=step) if len(batch) else {}
-            train_done = time.monotonic()
-            if generation is not None:
-                await inference_done.wait()  # the inference group is free for the weights; scoring goes on
-                if generation.done():
-                    await generation  # raises what generating raised
+            try:
+                train_metrics = await self.ports.train_step(batch, step=step) if len(batch) else {}
+                train_done = time.monotonic()
+                if generation is not None:
+                    await inference_done.wait()  # the inference group is free for the weights; scoring goes on
+                    if generation.done():
+                        await generation  # raises what generating raised
+            except BaseException:
+                if generation is not None:  # the step failed or the loop was stopped (the trainer group lost):
+                    generation.cancel()  # nothing of it may call the ports afterwards
+                raise
             sync_started = time.monotonic()
             try:
                 await self.ports.sync_weights(step + 1)

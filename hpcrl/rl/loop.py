@@ -80,9 +80,10 @@ def kept(step: int, last: int) -> bool:
 
 
 async def run_loop(config: Config, ports, *, steps: int | None = None,
-                   stop_requested=None) -> Controller:
+                   stop_requested=None, on_resumed=None) -> Controller:
     """See the module docstring. `stop_requested()`, checked after every step, makes the loop
-    checkpoint at once and raise Preempted (the head's answer to Slurm's pre-timeout signal)."""
+    checkpoint at once and raise Preempted (the head's answer to Slurm's pre-timeout signal);
+    `on_resumed(step)` is called once the trainer holds the checkpoint it resumed from (0: none)."""
     controller = Controller(config, ports, startup=getattr(ports, "startup", None))
     store = store_for(config)
     found = newest_checkpoint(config, store)  # raises when none verifies, unless checkpoint.on_unusable
@@ -91,6 +92,8 @@ async def run_loop(config: Config, ports, *, steps: int | None = None,
         await ports.load_trainer(found.path / TRAINER_DIR)
         controller.restore(load_run_state(found, config))
         log.info(f"resumed from {found.path} (step {found.step})")
+    if on_resumed is not None:
+        on_resumed(found.step if found is not None else 0)
     rewind_metrics(config, found.step if found is not None else 0)
     metrics_log = MetricsLog(config.run_dir, wandb=wandb_target(config))
     interval = config.trainer.checkpoint_interval

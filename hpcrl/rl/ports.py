@@ -98,7 +98,7 @@ def _rejoin_timeout_s(config: Config) -> float:
 
 
 class BusPorts:
-    def __init__(self, config: Config, head, *, store: str) -> None:
+    def __init__(self, config: Config, head, *, store: str, generation: int = -1) -> None:
         from hpcrl.contract.calls import GroupClient
         from hpcrl.plan.for_config import describe_plan, plan_for_config
 
@@ -121,7 +121,10 @@ class BusPorts:
         self.replicas = config.inference.replicas
         # Trainer-side work (train steps, weight pushes, forming the transfer group) one at a time.
         self._trainer_turn = asyncio.Lock()
-        self.generation = -1
+        self.generation = generation
+        """The weight-transfer group formed last (its store prefix): -1 before the first; a group formed again
+        after the trainer group started again inside the job goes on from the last one's."""
+        self._first = generation < 0
         self.members: dict[int, tuple[str, int]] = {}
         """replica -> (host, pid) of the processes in the current weight-transfer group."""
         self.current = False
@@ -164,7 +167,7 @@ class BusPorts:
     async def _form_group(self, timeout: float) -> None:
         """(Re)form the weight-transfer group once every replica is registered (a lost one started again)."""
         await self.head.wait_for_peers(INFERENCE, self.replicas, timeout=timeout)
-        if self.generation < 0:
+        if self.generation < 0 and self._first:
             self.startup.record(INFERENCE, process_age_s())
         forming = time.monotonic()
         self.generation += 1
@@ -177,7 +180,7 @@ class BusPorts:
         await asyncio.gather(self.trainer.call_all(0, TRN.connect_transfer, call, timeout=timeout),
                              self.inference.fanout(INF.connect_transfer, call, timeout=timeout))
         self.members = members
-        if self.generation == 0:
+        if self.generation == 0 and self._first:
             self.startup.record("weights", time.monotonic() - forming)
         log.info(f"weight-transfer group formed (generation {self.generation}): {self.plan.trainer.world_size} "
                  f"trainer rank(s) -> {self.replicas} replica(s) x TP {self.config.inference.tensor_parallel} "

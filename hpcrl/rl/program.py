@@ -25,12 +25,19 @@ log = logging.getLogger(__name__)
 
 async def run_program(config: Config, router: Router, *, store: str,
                       steps: int | None, stop_requested: Callable[[], bool],
-                      connect_timeout: float) -> bool:
-    ports = BusPorts(config, router, store=store)
+                      connect_timeout: float, generation: int = -1,
+                      on_ports: Callable[[BusPorts], None] | None = None,
+                      on_resumed: Callable[[int], None] | None = None) -> bool:
+    """`generation`: the weight-transfer group formed last on this store (-1: none yet), when the loop runs
+    again in the same job (the trainer group started again); `on_ports` gets the ports (the head reads
+    their generation afterwards); `on_resumed(step)` is called once the loop resumed from checkpoint `step`."""
+    ports = BusPorts(config, router, store=store, generation=generation)
+    if on_ports is not None:
+        on_ports(ports)
     try:
         await ports.connect(timeout=max(1.0, connect_timeout))
         try:
-            await run_loop(config, ports, steps=steps, stop_requested=stop_requested)
+            await run_loop(config, ports, steps=steps, stop_requested=stop_requested, on_resumed=on_resumed)
         except Preempted as stopped:
             log.info(f"preempted: {stopped}")
             return True

@@ -46,6 +46,9 @@ from hpcrl.errors import HpcrlError
 from hpcrl.roles.base import DeviceTable, Role, TorchCuda
 from hpcrl.slurm.identity import TaskIdentity
 
+#: Set by the head's supervisor: how many times the trainer group was started again inside this job.
+TRAINER_START_ENV = "HPCRL_TRAINER_START"
+
 if TYPE_CHECKING:  # imported when the role starts or the first transfer connects (they need torch)
     import torch
 
@@ -123,8 +126,10 @@ class TrainerRole(Role):
                 raise HpcrlError(f"HPCRL_STORE_ADDR {address!r} is not a ZeroMQ address (it is set by the head)")
             timeout = rendezvous_timeout(self.config)
             self.store = client_store(address, timeout_s=timeout.total_seconds())
-            restart = env.get("SLURM_RESTART_COUNT", "0")
-            group.join(dist.PrefixStore(f"hpcrl-trainer/{restart}", self.store), rank=self.rank, world=self.world,
+            # A requeued job has a new store; a group started again inside the job (the head's Supervisor) meets
+            # on the same one, under its own prefix.
+            restart, again = env.get("SLURM_RESTART_COUNT", "0"), env.get(TRAINER_START_ENV, "0")
+            group.join(dist.PrefixStore(f"hpcrl-trainer/{restart}/{again}", self.store), rank=self.rank, world=self.world,
                        device=device, timeout_s=timeout.total_seconds())
         else:
             group.join_alone(device=device)

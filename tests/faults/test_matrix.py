@@ -88,7 +88,7 @@ class Case:
     target: str
     """"head", or GROUP:RANK: whose node (or process) is hit."""
     fault: str
-    """poweroff | kill-head | sigstop | cut | cut-5s | down | slurmd | usr2"""
+    """poweroff | kill-head | kill (the target's task, kill -9) | sigstop | cut | cut-5s | down | slurmd | usr2"""
     bound_s: float | None
     """Running again within this many seconds of the fault; None: no recovery is needed."""
     back: str = "resumed from"
@@ -145,6 +145,8 @@ def strike(case: Case, run_dir: Path, env: dict[str, str]) -> Callable[[], None]
         return lambda: cluster_tool(env, "poweron", node)
     if case.fault == "kill-head":
         os.kill(pid_of(run_dir, "head"), signal.SIGKILL)
+    elif case.fault == "kill":
+        os.kill(pid_of(run_dir, case.target), signal.SIGKILL)
     elif case.fault == "sigstop":
         pid = pid_of(run_dir, case.target)
         os.kill(pid, signal.SIGSTOP)
@@ -399,3 +401,56 @@ def test_a_deepseek_v3_run_survives_a_power_loss_of_a_trainer_node_with_its_rout
     print(f"DeepSeek-V3 | router bias at step {VARIANT_INTERVAL}: {list(resumed.values())[0]} | logprob_mismatch "
           f"probes {probed}")
     assert probed and all(m < 1e-6 for m in probed), probed  # vLLM serves the trainer's weights and bias
+
+
+# -- the trainer group started again inside the allocation (issue 41): the same split job with a spare. A trainer rank
+# killed (its node lives) starts the group again in place; its node's power loss starts it on the survivor + the spare;
+# a third loss, with no spare left, requeues the job (the last resort), which `hpcrl status` lists. Each time the group
+# resumes from the last checkpoint, and every step is bitwise the uninterrupted run's (the inference replica kept
+# running through the first two: the loop pushes the checkpoint's weights to it before generating).
+TRAINER_ARGS = ("--set", 'cluster.layout="split"', "--set", "cluster.spare_nodes=1")
+TRAINER_STEPS = 40
+KILL_BOUND_S, POWER_BOUND_S = 45, 60
+"""Running again ("resumed from") within this many seconds of the fault. Issue 41 aims at 30 s (kill -9) and 40 s
+(power loss: 10 s of it the heartbeat timeout); the trainer's start on this shared 2-vCPU machine is most of the rest
+(BENCHMARKS.md "Recovery inside the allocation")."""
+
+
+@pytest.mark.extended  # 2-4 min beyond CI's 45 (130 s quiet, 233 s loaded; tools/test.sh --faults --extended)
+@pytest.mark.timeout(1500)
+def test_a_lost_trainer_rank_restarts_the_trainer_group_inside_the_job_in_place_then_on_a_spare(
+        namespaced, tiny_model, tmp_path):
+    # Split layout: trainer n1+n2 (the head in the batch step on n1), inference n3, reward n4, spare n5.
+    args = run_args(TRAINER_STEPS, INTERVAL, *TRAINER_ARGS)
+    uninterrupted = tmp_path / "straight" / "run"
+    done = submit(uninterrupted, tiny_model, namespaced, wait=True, config="configs/tiny_grpo.toml", args=args)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    cases = [Case("kill -9 of a trainer rank, restarted in place", "trainer:1", "kill", KILL_BOUND_S),
+             Case("power loss of a trainer node, a spare in the job", "trainer:1", "poweroff", POWER_BOUND_S),
+             Case("power loss of the spare's node, no spare left: requeued", "trainer:1", "poweroff", 120)]
+    run_dir, rows = survive_in_turn(cases, tmp_path, tiny_model, namespaced, config="configs/tiny_grpo.toml",
+                                    args=args, first=INTERVAL + 2, every=INTERVAL)
+    log = head_log(run_dir)
+    assert len(re.findall(r"\): head on ", log)) == 2 and log.count("requeueing to resume") == 1  # the third only
+    # At least the 2 steps since the checkpoint: 3 when the next step was logged as the fault struck.
+    assert all(row["resumed_from"] is not None and row["steps_lost"] >= 2 for row in rows), rows
+    in_place, on_spare = read_json(run_dir / "recoveries.json")["recoveries"]
+    assert in_place["group"] == "trainer" and in_place["ranks"] == [1] and in_place["spares_used"] == []
+    assert on_spare["spares_used"] == [on_spare["restarted_on"].split(",")[1]], on_spare  # n2 -> the spare
+    assert on_spare["lost_on"] not in on_spare["restarted_on"].split(","), on_spare
+    for entry, row in zip((in_place, on_spare), rows, strict=False):
+        assert entry["resumed_from_step"] == row["resumed_from"] and entry["running_again_after_s"] is not None
+        print(f"Recovery | {entry['why']}: stopped in {entry['stopped_after_s']} s, registered "
+              f"{entry['registered_after_s']} s, running again {entry['running_again_after_s']} s after it was noticed")
+    heads = read_json(run_dir / "requeues.json")  # each head's start, and the requeue the first one asked for
+    assert [start["restart"] for start in heads["starts"]] == [0, 1], heads
+    requeue, = heads["requeues"]
+    assert requeue["restart"] == 0 and "0 spare node(s) left" in requeue["why"], requeue
+    shown = follow.status(run_dir).render()
+    assert shown.count("recovered: trainer rank(s) 1 lost on ") == 2 and "spare nodes: 1 (used: 1)" in shown, shown
+    assert shown.count("requeued: requeue ") == 1 and "requeued: requeue 1 at " in shown, shown
+    assert "0 spare node(s) left" in shown and "; head running again at " in shown, shown
+    print(shown)
+    probed = [r["logprob_mismatch"] for r in read_metrics(run_dir) if r.get("logprob_mismatch") is not None]
+    assert probed and all(m < 1e-3 for m in probed), probed  # the replica that kept running has the trainer's weights
+    assert rows_of(run_dir) == rows_of(uninterrupted)  # every step once, bitwise the uninterrupted run's

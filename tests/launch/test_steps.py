@@ -71,3 +71,11 @@ def test_a_split_group_of_a_job_with_spares_is_started_so_that_a_lost_node_ends_
                                         nodelist=["n3"])
     spare = replacement_argv(INFERENCE, 1, layout="split", run_dir=Path("/runs/x"), python="py", node="n6")
     assert "--nodelist=n6" in spare and "--gres=gpu:4" in spare and not any("het-group" in a for a in spare)
+
+
+def test_a_trainer_group_started_again_inside_the_job_overlaps_its_old_step_and_appends_to_its_logs():
+    argv = srun_argv(TRAINER, layout="split", run_dir=Path("/runs/x"), python="py", nodelist=["n2", "n6"],
+                     no_kill=True, again=True)
+    assert {"--overlap", "--open-mode=append", "--no-kill", "--nodelist=n2,n6", "--gres=gpu:4"} <= set(argv)
+    assert "--overlap" not in srun_argv(TRAINER, layout="split", run_dir=Path("/runs/x"), python="py",
+                                        nodelist=["n2", "n3"], no_kill=True)
