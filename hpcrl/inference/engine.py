@@ -188,7 +188,10 @@ class VllmEngine:
                 raise InferenceError(f"max_tokens {max_tokens} for {len(prompts)} prompts: give one limit of at "
                                      "least 1 per prompt")
             params = [SamplingParams(n=n, logprobs=0, **{**sampling, "max_tokens": int(m)}) for m in max_tokens]
-        inputs = [TokensPrompt(prompt_token_ids=list(p.token_ids)) if p.token_ids is not None else p.text
+        # A partial rollout carried from an earlier window goes on from its prompt's ids and its tokens so far, read
+        # again as one prompt (re-prefilled on the weights now served; hpcrl.rl.partial, docs/ARCHITECTURE.md).
+        inputs = [TokensPrompt(prompt_token_ids=list(p.prefix)) if p.prefix is not None
+                  else TokensPrompt(prompt_token_ids=list(p.token_ids)) if p.token_ids is not None else p.text
                   for p in prompts]
         if self.prefix_caching and not llm.reset_prefix_cache():
             raise InferenceError("vLLM could not empty its prefix cache before a generate (requests still running?)")
@@ -209,7 +212,8 @@ class VllmEngine:
                 raise InferenceError(f"vLLM returned {len(output.outputs)} of {n} completions for {where}")
             if output.prompt_token_ids is None:
                 raise InferenceError(f"vLLM returned no prompt token ids for {where}")
-            if prompt.token_ids is not None and list(output.prompt_token_ids) != list(prompt.token_ids):
+            read = prompt.prefix if prompt.prefix is not None else prompt.token_ids
+            if read is not None and list(output.prompt_token_ids) != list(read):
                 raise InferenceError(f"vLLM generated {where} from other token ids than the head rendered")
             group = []
             for sample in sorted(output.outputs, key=lambda c: c.index):
