@@ -126,6 +126,25 @@ def idle_share(lengths: list[int]) -> float:
     return 1.0 - sum(lengths) / (len(lengths) * max(lengths))
 
 
+def time_idle_share(spans: list[tuple[float, float]]) -> float:
+    """The same share in wall time, from each request's (scheduled, last token) times: 1 - (the time integral of
+    the requests running) / (their peak count x the call's span, first scheduled to last token). A request queued
+    for a free slot counts from when it is scheduled, so an engine that refills its slots from its queue is not
+    idle. 0 for no requests or a span of 0."""
+    if not spans:
+        return 0.0
+    start, end = min(a for a, _ in spans), max(b for _, b in spans)
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    running = peak = 0
+    area, last = 0.0, start
+    for when, change in events:
+        area += running * (when - last)
+        running += change
+        peak = max(peak, running)
+        last = when
+    return 1.0 - area / (peak * (end - start)) if end > start and peak else 0.0
+
+
 class PartialState:
     """The groups being generated, in the order they started."""
 

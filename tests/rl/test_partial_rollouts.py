@@ -176,3 +176,13 @@ def test_every_algorithm_takes_each_tokens_ratio_against_the_logprob_of_the_weig
     other = algorithm.loss(logprobs=old + delta * mask, old_logprobs=wrong, advantages=advantages, mask=mask,
                            settings=settings, norm=norm)
     assert abs(float(other.loss.detach()) - float(loss.detach())) > 1e-3
+
+
+def test_the_wall_time_idle_share_counts_slots_empty_while_the_call_waits_for_its_last_request():
+    from hpcrl.rl.partial import time_idle_share
+
+    # two requests over 0..10 s: one the whole call, one 0..2 s: half of 2 slots x 10 s minus 2 s = 40 % empty
+    assert time_idle_share([(0.0, 10.0), (0.0, 2.0)]) == pytest.approx(0.4)
+    # a queued request scheduled when the first frees its slot keeps one slot busy: nothing idle
+    assert time_idle_share([(0.0, 4.0), (4.0, 10.0)]) == pytest.approx(0.0)
+    assert time_idle_share([]) == 0.0 and time_idle_share([(1.0, 1.0)]) == 0.0
