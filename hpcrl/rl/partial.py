@@ -190,7 +190,7 @@ class PartialState:
         budget. Returns the tokens each request generated."""
         if len(completions) != len(requests):
             raise PartialError(f"{len(completions)} completions for a window of {len(requests)} sequences")
-        lengths = []
+        lengths: list[int] = []
         for request, completion in zip(requests, completions):
             group = self.groups[request.group]
             member = group.members[request.member]

@@ -49,7 +49,7 @@ def test_partial_rollouts_span_windows_train_within_the_lag_and_resume_from_a_ch
     assert [r["partial_idle_share"] for r in rows] == [0.0] * STEPS  # every sequence makes its one token a window
     trained = whole.trainer.batches[STEPS - 1]
     for ids, mask, logprobs in zip(trained["input_ids"], trained["policy_mask"], trained["logprobs"]):
-        assert sum(mask) == TOKENS and all(lp < 0 for lp, m in zip(logprobs, mask) if m)
+        assert len(ids) == len(mask) and sum(mask) == TOKENS and all(lp < 0 for lp, m in zip(logprobs, mask) if m)
 
     # the same run stopped after step 4 (sequences half made are in the checkpoint) and resumed by a new job
     config = config_for(tmp_path / "resumed", interval=2)

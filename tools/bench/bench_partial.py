@@ -21,7 +21,8 @@ share of (peak running requests x the call's span) not running a request, which 
 carried sequences and a request queued until a slot frees (vLLM's max_num_seqs, 256 on CPU, or its KV cache).
 Off, the batch's completions go as 16 requests of n = 1 a prompt (vLLM times requests, not a request's n
 children). Also each call's wall time and its tokens a second. No trainer runs and the
-weights do not change: a sync costs the same on and off, and re-reading a carried sequence is in the window's time.
+weights do not change: a sync costs the same on and off, and re-reading a carried sequence is in the window's time
+(its tokens prefilled again: "reread"; their count per window grows as the windows get shorter).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def on(engine, segment: int, windows: int, warm_up: int) -> tuple[list[dict], li
         if step >= warm_up:
             rows.append({"idle": idle_share(lengths), "time_idle": time_idle_share(engine.last_times), "s": seconds, "tokens": sum(lengths), "sequences": len(requests),
                          "carried": sum(1 for r in requests if r.prompt.prefix is not None),
+                         "reread": sum(len(r.prompt.prefix) for r in requests if r.prompt.prefix is not None),
                          "groups": len(finished)})
     return rows, spans
 
@@ -136,11 +138,14 @@ def main() -> None:
         for segment in args.segments:
             rows, spans = on(engine, segment, args.windows, args.warm_up)
             print(f"on, partial_tokens = {segment}: {summary(rows)}; "
-                  f"{statistics.mean(r['carried'] for r in rows):.0f} carried, "
+                  f"{statistics.mean(r['carried'] for r in rows):.0f} carried, whose "
+                  f"{statistics.mean(r['reread'] for r in rows):,.0f} tokens are prefilled again, "
                   f"{statistics.mean(r['groups'] for r in rows):.1f} groups finished a window; "
                   f"a finished group spans {statistics.median(spans):.0f} windows median, {max(spans)} at most "
                   "(its oldest token is that many versions behind the step that trains it: max_policy_lag >= it "
                   "keeps every group)", flush=True)
+        rows = off(engine, args.steps)  # again: the machine's load moves between the first figures and the last
+        print(f"off, again after: {summary(rows)}", flush=True)
     finally:
         engine.close()
 
