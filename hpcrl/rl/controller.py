@@ -35,6 +35,12 @@ episodes finish on the weights they started with.
 A checkpoint after step s holds the trainer state (version s + 1), the prompt cursor and the
 scored batches s + 1 .. s + lag already in the buffer; resuming re-pushes version s + 1 and goes on.
 
+With algorithm.partial_rollouts (hpcrl.rl.partial) the schedule's lag is 1 whatever max_policy_lag is: batch b
+is one window, generated with version b - 1, of the sequences carried from window b - 1 and the batch's new
+prompts, each sequence at most algorithm.partial_tokens tokens; batch b is the groups whose last member finished
+in it, and max_policy_lag bounds their oldest token (the buffer's check on a group's weight_version, its oldest
+token's). The sequences still being made are part of the checkpoint (LoopState.partial).
+
 Evaluation ([eval], hpcrl.rl.evaluation): after step s's weight sync, when s + 1 is a multiple of
 eval.interval (or the last step), and before batch s + 1 + lag is generated, the held-out prompts are
 generated with version s + 1 (the one just synced; the inference group is otherwise idle: batch
