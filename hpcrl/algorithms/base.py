@@ -49,11 +49,17 @@ class Rollout:
     logprobs: list[float]
     reward: float
     finish_reason: str = ""
+    versions: list[int] | None = None
+    """The weight version that sampled each token (-1 where the policy did not); with partial rollouts
+    (algorithm.partial_rollouts) one sequence's tokens may carry several. None: every token the rollout's group's."""
 
     def __post_init__(self) -> None:
         if not len(self.tokens) == len(self.policy_mask) == len(self.logprobs):
             raise HpcrlError(f"a rollout of {len(self.tokens)} tokens has {len(self.policy_mask)} mask entries "
                              f"and {len(self.logprobs)} logprobs; give one of each per token")
+        if self.versions is not None and len(self.versions) != len(self.tokens):
+            raise HpcrlError(f"a rollout of {len(self.tokens)} tokens has {len(self.versions)} weight versions; "
+                             "give one per token")
         if self.policy_mask[:1] == [1]:
             raise HpcrlError("a rollout's first token is marked as generated, which no logits predict; "
                              "it starts with at least one prompt token (e.g. <bos>)")
@@ -74,7 +80,8 @@ class Rollout:
         return sum(self.policy_mask)
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        # versions only where a rollout has them: a checkpoint without partial rollouts is as before.
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "versions" or self.versions is not None}
 
     @classmethod
     def from_dict(cls, data: dict) -> Rollout:
@@ -176,6 +183,15 @@ class Options:
              "balancing's speed; after each step a block's bias moves by this x sign(mean load - the expert's load) "
              "over the step's completion tokens, centred (torchtitan's rule); 0 = the bias stays as loaded. "
              "DeepSeek-V3 was pretrained with 0.001.", at_least=0)
+    partial_rollouts: bool = option(
+        False, "Rollouts continue across weight syncs: in each batch's generation a sequence generates at most "
+               "partial_tokens tokens; one not finished goes on in the next batch's, on the newer weights, from the "
+               "tokens it has. Each token keeps the logprob and the weight version that sampled it, and "
+               "max_policy_lag bounds the oldest token a step trains on (docs/ARCHITECTURE.md, \"Partial rollouts\").")
+    partial_tokens: int = option(
+        16, "With partial_rollouts: most tokens a sequence generates in one batch's generation before it is carried "
+            "to the next (smaller: less waiting for the batch's longest sequence, more versions per sequence).",
+        at_least=1)
     mismatch_every: int = option(
         1, "With max_policy_lag > 0: measure logprob_mismatch (a trainer forward and a vLLM scoring call of one "
            "group after the weight sync) every this many steps; at lag 0 the step's own forward measures it.",
@@ -202,6 +218,10 @@ class Options:
         if self.group_size > MAX_GROUP_SIZE:
             raise ConfigError(key="group_size", problem=f"must be at most {MAX_GROUP_SIZE:,} (completions of one prompt "
                               f"in one batch), got {self.group_size}", fix=f"keep group_size within 2 to {MAX_GROUP_SIZE:,}")
+        if self.partial_rollouts and self.max_policy_lag < 1:
+            raise ConfigError(key="partial_rollouts", problem="needs max_policy_lag >= 1: a sequence carried to the next "
+                              "batch's generation has tokens of an older version than the trainer's",
+                              fix="set max_policy_lag to at least 1 (a sequence may span max_policy_lag batches)")
         if self.clip_eps_high < self.clip_eps_low:
             raise ConfigError(key="clip_eps_high", problem=f"is {self.clip_eps_high:g}, below clip_eps_low = "
                               f"{self.clip_eps_low:g}: the ratio's clip range [1 - low, 1 + high] may be wider above "
@@ -210,7 +230,10 @@ class Options:
 
     def check_episodes(self) -> None:
         """A ConfigError (key relative to [algorithm]) for an option that multi-turn episodes ([env]) cannot
-        honour; none by default."""
+        honour; partial rollouts by default (an algorithm that overrides this calls it too)."""
+        if self.partial_rollouts:
+            raise ConfigError(key="partial_rollouts", problem="is not implemented for multi-turn episodes ([env]) "
+                              "yet: a turn is generated whole", fix="set partial_rollouts = false")
 
     @classmethod
     def owner_of(cls, key: str) -> str:

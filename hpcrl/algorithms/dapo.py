@@ -53,8 +53,13 @@ class DapoOptions(GrpoOptions):
             raise ConfigError(key="dynamic_sampling",
                               problem="refills the groups that filtering drops, but filter_zero_variance = false "
                                       "drops none", fix="set filter_zero_variance = true, or dynamic_sampling = false")
+        if self.dynamic_sampling and self.partial_rollouts:
+            raise ConfigError(key="dynamic_sampling", problem="draws more prompts until the batch is full, and with "
+                              "partial_rollouts a batch is the groups that finish in its generation",
+                              fix="set dynamic_sampling = false, or partial_rollouts = false")
 
     def check_episodes(self) -> None:
+        super().check_episodes()
         if self.overlong_buffer_fraction > 0:
             raise ConfigError(key="overlong_buffer_fraction",
                               problem=f"is {self.overlong_buffer_fraction}: overlong shaping measures one completion "

@@ -32,3 +32,6 @@ class Prompt:
     token_ids: list[int] | None = None
     """In the chat format: the prompt rendered with the model's chat template (hpcrl.data.chat), the ids
     vLLM generates from as they are; None in the text format, where vLLM tokenizes `text`."""
+    prefix: list[int] | None = None
+    """A partial rollout carried to a later window (hpcrl.rl.partial): the ids vLLM goes on from, the
+    prompt's ids as vLLM read them and the tokens generated so far; None for a fresh prompt."""

@@ -100,7 +100,7 @@ class VllmEngine:
                  kv_cache_gib: float = 0.0, weight_transfer: bool = False, cpu_binding: str | None = None,
                  expert_parallel: bool = False, family_modules: tuple[str, ...] | list[str] = (),
                  engine_core_here: bool = False, lora_rank: int = 0, lora_alpha: float = 0.0,
-                 lora_versions: int = 1) -> None:
+                 lora_versions: int = 1, request_times: bool = False) -> None:
         kwargs: dict[str, Any] = dict(
             model=model_path, dtype=dtype, seed=seed,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
@@ -110,6 +110,8 @@ class VllmEngine:
             worker_extension_cls=WORKER_EXTENSION)
         if kv_cache_gib:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        if request_times:  # vLLM's per-request stats (RequestOutput.metrics): `last_times` (benchmarks)
+            kwargs["disable_log_stats"] = False
         if expert_parallel:  # MoE: whole experts per TP rank (the weight transfer plans the same)
             kwargs["enable_expert_parallel"] = True
         if lora_rank:  # [lora]: the synced adapters are served from vLLM's LoRA slots, one per resident version
@@ -131,6 +133,9 @@ class VllmEngine:
         self.lora_synced = False  # an adapter has been received: generate with the newest version's
         self.model_path = model_path
         self._turn_stops: list[int] | None = None  # chat prompts' stop tokens (turn_stop_ids)
+        self.last_times: list[tuple[float, float]] = []
+        """With request_times: (scheduled, last token) of each request of the last generate, on the engine core's
+        monotonic clock (a request of n > 1 completions: its last child's). Empty without."""
 
     @classmethod
     def from_config(cls, config: Config, *, model_path: str | None = None, weight_transfer: bool = False,
@@ -188,7 +193,10 @@ class VllmEngine:
                 raise InferenceError(f"max_tokens {max_tokens} for {len(prompts)} prompts: give one limit of at "
                                      "least 1 per prompt")
             params = [SamplingParams(n=n, logprobs=0, **{**sampling, "max_tokens": int(m)}) for m in max_tokens]
-        inputs = [TokensPrompt(prompt_token_ids=list(p.token_ids)) if p.token_ids is not None else p.text
+        # A partial rollout carried from an earlier window goes on from its prompt's ids and its tokens so far, read
+        # again as one prompt (re-prefilled on the weights now served; hpcrl.rl.partial, docs/ARCHITECTURE.md).
+        inputs = [TokensPrompt(prompt_token_ids=list(p.prefix)) if p.prefix is not None
+                  else TokensPrompt(prompt_token_ids=list(p.token_ids)) if p.token_ids is not None else p.text
                   for p in prompts]
         if self.prefix_caching and not llm.reset_prefix_cache():
             raise InferenceError("vLLM could not empty its prefix cache before a generate (requests still running?)")
@@ -202,6 +210,8 @@ class VllmEngine:
         outputs = llm.wait_for_completion(RequestOutput, use_tqdm=False)
         if len(outputs) != len(prompts) or any(not i.startswith(f"{o.request_id}-") for i, o in zip(ids, outputs)):
             raise InferenceError(f"vLLM answered requests {[o.request_id for o in outputs]} to the chunk's {ids}")
+        self.last_times = [(o.metrics.scheduled_ts, o.metrics.last_token_ts) for o in outputs
+                           if getattr(o, "metrics", None) is not None]
         groups: list[list[Completion]] = []
         for prompt, output in zip(prompts, outputs):
             where = f"prompt {prompt.id!r}"
@@ -209,7 +219,8 @@ class VllmEngine:
                 raise InferenceError(f"vLLM returned {len(output.outputs)} of {n} completions for {where}")
             if output.prompt_token_ids is None:
                 raise InferenceError(f"vLLM returned no prompt token ids for {where}")
-            if prompt.token_ids is not None and list(output.prompt_token_ids) != list(prompt.token_ids):
+            read = prompt.prefix if prompt.prefix is not None else prompt.token_ids
+            if read is not None and list(output.prompt_token_ids) != list(read):
                 raise InferenceError(f"vLLM generated {where} from other token ids than the head rendered")
             group = []
             for sample in sorted(output.outputs, key=lambda c: c.index):

@@ -35,6 +35,12 @@ episodes finish on the weights they started with.
 A checkpoint after step s holds the trainer state (version s + 1), the prompt cursor and the
 scored batches s + 1 .. s + lag already in the buffer; resuming re-pushes version s + 1 and goes on.
 
+With algorithm.partial_rollouts (hpcrl.rl.partial) the schedule's lag is 1 whatever max_policy_lag is: batch b
+is one window, generated with version b - 1, of the sequences carried from window b - 1 and the batch's new
+prompts, each sequence at most algorithm.partial_tokens tokens; batch b is the groups whose last member finished
+in it, and max_policy_lag bounds their oldest token (the buffer's check on a group's weight_version, its oldest
+token's). The sequences still being made are part of the checkpoint (LoopState.partial).
+
 Evaluation ([eval], hpcrl.rl.evaluation): after step s's weight sync, when s + 1 is a multiple of
 eval.interval (or the last step), and before batch s + 1 + lag is generated, the held-out prompts are
 generated with version s + 1 (the one just synced; the inference group is otherwise idle: batch
@@ -80,8 +86,9 @@ from hpcrl.errors import HpcrlError
 from hpcrl.inference.types import Completion
 from hpcrl.reward.types import RewardResult, Sample
 from hpcrl.rl.buffer import ReplayBuffer, ScoredGroup
-from hpcrl.rl.episodes import EpisodeRunner, EpisodeStats
+from hpcrl.rl.episodes import EpisodeRunner, EpisodeStats, turn_seed
 from hpcrl.rl.evaluation import PromptOutcome, eval_metrics, eval_seed, prompt_outcomes
+from hpcrl.rl.partial import PartialState, idle_share
 from hpcrl.rl.rollouts import batch_from_groups, samples_for, score_groups
 from hpcrl.rl.startup import StartupClock
 from hpcrl.trainer.types import TrainBatch
@@ -147,23 +154,37 @@ class LoopState:
     held_out_groups: int = 0
     rollout_metrics: dict[str, dict] = field(default_factory=dict)
     """Metrics of generated batches not trained on yet, by batch index (str, for JSON)."""
+    partial: dict = field(default_factory=dict)
+    """algorithm.partial_rollouts: the groups still being generated (hpcrl.rl.partial.PartialState.to_dict)."""
 
     def to_dict(self) -> dict:
-        return {"step": self.step, "generated": self.generated, "prompts": self.prompts, "buffer": self.buffer,
-                "held_out_groups": self.held_out_groups, "rollout_metrics": self.rollout_metrics}
+        state = {"step": self.step, "generated": self.generated, "prompts": self.prompts, "buffer": self.buffer,
+                 "held_out_groups": self.held_out_groups, "rollout_metrics": self.rollout_metrics}
+        return {**state, "partial": self.partial} if self.partial else state
 
 
 class Controller:
     def __init__(self, config: Config, ports: Ports, *, on_step=None, startup: StartupClock | None = None) -> None:
         self.config = config
         self.ports = ports
-        self.lag = config.algorithm.max_policy_lag
+        self.partial = PartialState() if config.algorithm.partial_rollouts else None
+        """algorithm.partial_rollouts: the sequences carried from one batch's generation to the next (module
+        docstring); None without."""
+        # The schedule's lag: with partial rollouts batch b is generated with version b - 1 (one batch ahead), and
+        # max_policy_lag bounds the oldest token a step trains on instead (the buffer's bound).
+        self.lag = min(1, config.algorithm.max_policy_lag) if self.partial is not None \
+            else config.algorithm.max_policy_lag
         self.prompts_per_step = config.trainer.global_batch_size // config.algorithm.group_size
         self.algorithm = load_algorithm(config.algorithm.name)
         self.settings = options_of(config)
         self.stream: PromptStream | None = None
         """The prompts, read when `run` starts (see _load_stream); None until then."""
-        self.buffer = ReplayBuffer(max_policy_lag=self.lag)
+        self.buffer = ReplayBuffer(max_policy_lag=config.algorithm.max_policy_lag)
+        if self.partial is not None and self.algorithm.max_rounds(self.settings) > 1:
+            raise ControllerError(f"algorithm {config.algorithm.name!r} asks for more than one generate round a batch, "
+                                  "which partial rollouts do not do (a batch is the groups that finish in its "
+                                  "generation). Fix: set algorithm.partial_rollouts = false, or turn its extra "
+                                  "rounds off")
         self.state = LoopState()
         self.on_step = on_step  # called with (state, metrics) after each step: checkpoints, metrics
         self.on_eval: Callable[[Controller, dict], Awaitable[None]] | None = None
@@ -178,6 +199,8 @@ class Controller:
         if self.stream is not None:
             self.state.prompts = self.stream.state_dict()
         self.state.buffer = self.buffer.state_dict()
+        if self.partial is not None:
+            self.state.partial = self.partial.to_dict()
         return self.state.to_dict()
 
     def restore(self, state: dict) -> None:
@@ -186,6 +209,8 @@ class Controller:
             self.stream.load_state_dict(state["prompts"])
         # else _load_stream resumes the stream from self.state.prompts
         self.buffer.load_state_dict(state["buffer"])
+        if self.partial is not None:
+            self.partial.load_dict(self.state.partial)
 
     async def _load_stream(self) -> PromptStream:
         """Read the data source in a thread: a large file, the tokenizer's import and the measuring of every
@@ -208,6 +233,8 @@ class Controller:
         group is done with it (or failed), while the scoring of a one-round batch may go on."""
         if index != self.state.generated:
             raise ControllerError(f"schedule broken: asked for batch {index}, next is {self.state.generated}")
+        if self.partial is not None:
+            return await self._generate_window(index, version, inference_done)
         # With more rounds possible the inference group stays busy until the last round is scored.
         rounds_later = self.algorithm.max_rounds(self.settings) > 1
         groups: list[ScoredGroup] = []
@@ -265,6 +292,57 @@ class Controller:
             metrics.update(episodes.metrics(), env_wait_share=episodes.time_env_wait_s / max(generate_s, 1e-9))
         # reward.functions: each function's unweighted mean over the batch's scored samples.
         metrics.update({f"reward_mean/{name}": sum(values) / len(values) for name, values in parts.items()})
+        self.state.rollout_metrics[str(index)] = metrics
+
+    async def _generate_window(self, index: int, version: int, inference_done: asyncio.Event | None) -> None:
+        """algorithm.partial_rollouts: batch `index`'s generation as one window (hpcrl.rl.partial) with weight
+        version `version`: the sequences carried from the last window go on, the batch's new prompts start, each
+        sequence generates at most algorithm.partial_tokens; the groups whose last member finished are scored into
+        the buffer as batch `index`, the others are carried (and checkpointed with the loop's state)."""
+        partial = self.partial
+        assert partial is not None
+        algorithm, inference = self.config.algorithm, self.config.inference
+        # Groups that step `index` (the first to train this window's groups) may not train on are not generated on.
+        stale = partial.drop_stale(step=index, max_policy_lag=algorithm.max_policy_lag)
+        seed = self.config.run.seed * 1_000_003 + index
+        started = time.monotonic()
+        try:
+            prompts = (await self._load_stream()).next_batch(self.prompts_per_step)
+            requests = partial.plan_window(prompts, group_size=algorithm.group_size, segment=algorithm.partial_tokens,
+                                           budget=inference.max_tokens)
+            # In contiguous chunks, one per replica, each with its own seed (as one turn of episodes' chunks).
+            size = -(-len(requests) // max(1, inference.replicas)) or 1
+            chunks = [requests[at:at + size] for at in range(0, len(requests), size)]
+            parts = await asyncio.gather(*(
+                self.ports.generate_turn([r.prompt for r in chunk], n=1, seed=turn_seed(seed, c, 0),
+                                         max_tokens=[r.max_tokens for r in chunk])
+                for c, chunk in enumerate(chunks)))
+        finally:
+            if inference_done is not None:
+                inference_done.set()
+        completions = [group[0] for part in parts for group in part]
+        versions = {c.weight_version for c in completions}
+        if versions and (min(versions) < version or max(versions) > self.state.step + 1):
+            raise ControllerError(f"batch {index} was generated with weight versions {sorted(versions)}, expected "
+                                  f"{version} (at most {self.state.step + 1}): the inference group missed a weight sync")
+        lengths = partial.apply_window(requests, completions)
+        finished = partial.take_finished()
+        generated = time.monotonic()
+        made = [g.episodes() for g in finished]
+        results = await self.ports.score(samples_for(made))
+        scored, stats = score_groups(made, results, weight_version=version, batch=index)
+        for group in scored:
+            self.buffer.put(group)
+        self.state.generated += 1
+        self.state.held_out_groups += stats.groups_with_errors
+        metrics = {"time_generate_s": generated - started, "time_reward_s": time.monotonic() - generated,
+                   "generate_tokens": sum(lengths), "reward_errors": len(stats.errors),
+                   "reward_error_example": stats.errors[0] if stats.errors else None,
+                   # The share of the window's sequence slots empty while its longest sequence generated.
+                   "partial_idle_share": idle_share(lengths), "partial_sequences": len(requests),
+                   "partial_carried": partial.carried(), "partial_groups_finished": len(finished),
+                   "partial_groups_dropped_stale": len(stale)}
+        metrics.update({f"reward_mean/{name}": sum(values) / len(values) for name, values in stats.parts.items()})
         self.state.rollout_metrics[str(index)] = metrics
 
     async def _episodes(self) -> EpisodeRunner:
@@ -360,6 +438,7 @@ class Controller:
             # The reward of every scored rollout, also of groups that zero-variance filtering drops (and,
             # with dynamic sampling, of every round).
             rewards = [r for g in groups for r in g.rewards]
+
             metrics = {
                 "step": step + 1, "weight_version": step + 1, "policy_lag": self.lag,
                 "reward_mean": sum(rewards) / len(rewards) if rewards else None,
@@ -371,6 +450,9 @@ class Controller:
                 **train_metrics, **rollout, **startup, **evaluation,
             }
             startup = {}
+            if self.partial is not None:
+                # The oldest token the step's groups hold, in versions behind the trainer (<= max_policy_lag).
+                metrics["token_lag_max"] = max((step - g.weight_version for g in groups), default=None)
             generate_time = metrics.get("time_generate_s", 0.0) + metrics.get("time_reward_s", 0.0)
             # Idle: wall time on the step's critical path not spent training, syncing or (serially) generating.
             metrics["time_idle_s"] = max(0.0, elapsed - busy - (generate_time if self.lag == 0 else 0.0))

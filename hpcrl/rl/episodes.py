@@ -126,6 +126,8 @@ class Episode:
     """Why the episode has no outcome (an environment call failed): its group is held out."""
     versions: set[int] = field(default_factory=set)
     """The weight versions its turns were generated with."""
+    token_versions: list[int] | None = None
+    """With partial rollouts (hpcrl.rl.partial): the version that sampled each token, -1 on the prompt."""
 
     @property
     def id(self) -> str:
@@ -146,7 +148,8 @@ class Episode:
 
     def rollout(self, reward: float) -> Rollout:
         return Rollout(tokens=list(self.tokens), policy_mask=list(self.mask), logprobs=list(self.logprobs),
-                       reward=reward, finish_reason=self.finish_reason)
+                       reward=reward, finish_reason=self.finish_reason,
+                       versions=None if self.token_versions is None else list(self.token_versions))
 
 
 @dataclass

@@ -44,7 +44,7 @@ def test_a_request_crosses_as_a_map_and_comes_back_as_the_same_typed_request():
     call = GenerateCall(prompts=[prompt()], n=2, seed=7, offset=4, temperature=0.0, max_tokens=[16])
     args = GENERATE.encode_request(call)
     assert args["prompts"] == [{"id": "p0", "text": "1+2=", "answer": "3", "messages": None, "extra": {},
-                                "token_ids": [5, 6]}]
+                                "token_ids": [5, 6], "prefix": None}]
     assert GENERATE.decode_request(args) == call
     batch = TrainBatch(prompt_ids=["p"], input_ids=[[1, 2]], policy_mask=[[0, 1]], logprobs=[[0.0, -0.5]],
                        advantages=[1.0], rewards=[1.0])

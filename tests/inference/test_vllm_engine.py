@@ -271,6 +271,20 @@ def test_the_openmp_environment_of_a_worker_binds_one_thread_to_each_cpu_of_its_
         omp_environment("0|1")
 
 
+@pytest.mark.timeout(300)
+def test_a_carried_sequence_goes_on_from_its_prefix_as_read_and_its_logprobs_are_the_whole_sequences(engine):
+    """A partial rollout's next window (hpcrl.rl.partial): vLLM reads prompt ids + tokens so far as they are (no
+    second <bos>) and samples on from them, each new token's logprob the one of the whole sequence's forward."""
+    (first,) = engine.generate([PROMPTS[0]], n=1, seed=7, max_tokens=[3])
+    prefix = first[0].prompt_token_ids + first[0].token_ids
+    carried = Prompt(id="a", text=PROMPTS[0].text, answer="3", prefix=prefix)
+    (group,) = engine.generate([carried, PROMPTS[1]], n=1, seed=8, max_tokens=[4, 4])[:1]
+    (more,) = group
+    assert more.prompt_token_ids == prefix and 1 <= len(more.token_ids) <= 4
+    (scored,) = engine.token_logprobs([prefix + more.token_ids])
+    assert max(abs(a - b) for a, b in zip(scored[len(prefix) - 1:], more.logprobs, strict=True)) < 1e-6
+
+
 @pytest.mark.timeout(120)
 def test_close_ends_vllms_client_thread_and_zmq_context_before_returning(engine):
     """Runs last: it closes the module's engine. vLLM's own shutdown leaves both to whichever thread

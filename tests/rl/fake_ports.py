@@ -210,7 +210,8 @@ class FakeEngine:
 
     def generate_turn(self, prompts: list[Prompt], *, n: int, seed: int, max_tokens: list[int],
                       temperature: float | None = None) -> list[list[Completion]]:
-        """One turn of episodes, from their ids so far (vLLM's TokensPrompt): a digit drawn as generate draws it
+        """One turn of episodes, from their ids so far (vLLM's TokensPrompt; a partial rollout's: its prefix): a digit
+        drawn as generate draws it
         (seeded by (seed, the prompt's place in the call, sample)), then the end-of-turn token (the model is
         certain of it, logprob 0) where max_tokens leaves room for it ("stop"), else the digit alone ("length")."""
         version = self.version if self.claimed_version is None else self.claimed_version
@@ -218,9 +219,10 @@ class FakeEngine:
             raise FakeGroupError(f"max_tokens {max_tokens} for {len(prompts)} prompts: vLLM needs one >= 1 each")
         groups = []
         for k, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
-            if prompt.token_ids is None:
-                raise FakeGroupError(f"turn prompt {prompt.id} has no token ids: episodes are generated from ids")
-            context = list(prompt.token_ids)
+            # a partial rollout goes on from its prefix; a text prompt (a partial rollout's first window) from its
+            # bytes, as generate reads it
+            context = list(prompt.prefix) if prompt.prefix is not None else list(prompt.token_ids) \
+                if prompt.token_ids is not None else list(prompt.text.encode())
             probs = _probabilities(self.weights, _target(context, self.digit0))
             group = []
             for s in range(n):
