@@ -377,6 +377,15 @@ class Controller:
             await self._generate_batch(self.state.generated, 0)
         if self.state.generated > before:  # not on a resume, whose checkpoint holds those batches
             clock.record("first_generate", time.monotonic() - generating)
+        if self.state.generated < min(self.state.step + self.lag, steps):
+            # A run resumed with trainer.steps raised past the step it ended at: it generated no batch beyond its
+            # old last step, so the batches of the steps ahead are generated now, with the newest weights (fresher
+            # than the schedule's version step - lag, which the trainer no longer holds; the buffer takes them).
+            log.info(f"trainer.steps raised from {self.state.generated} to {steps}: generating batches "
+                     f"{self.state.generated} .. {min(self.state.step + self.lag, steps) - 1} with weight version "
+                     f"{self.state.step}")
+            while self.state.generated < min(self.state.step + self.lag, steps):
+                await self._generate_batch(self.state.generated, self.state.step)
         # The start-up's figures go with the first step this process runs (startup_total_s: launch -> here).
         startup: dict[str, float] = clock.metrics() if self.startup is not None else {}
         # The prompts left out for length go with the run's first step (the stream logs them at every start;

@@ -284,6 +284,22 @@ def test_a_run_resumed_from_a_checkpoint_equals_an_uninterrupted_one(uninterrupt
         list(range(3 + lag, STEPS))
 
 
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_a_finished_run_resumed_with_more_steps_trains_every_added_step_on_a_full_batch(runs, lag, logged):
+    loop_once(config_for(runs, lag=lag, steps=3), FakePorts(reward=FakeReward(broken_sample)))
+    longer = FakePorts(reward=FakeReward(broken_sample))
+    loop_once(config_for(runs, lag=lag), longer)  # trainer.steps raised from 3 to STEPS
+    rows = read_metrics(runs)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    # Every added step trains on the batch's groups (before the fix: none, silently, at lag 1 and 2).
+    assert all(r["groups"] == PROMPTS_PER_STEP for r in rows[3:]), [(r["step"], r["groups"]) for r in rows]
+    # The batches the finished run never generated (3 .. 3 + lag - 1) come from the newest weights, version 3.
+    generated = [batch_of(seed) for seed, _, _ in longer.inference.generated[::PROMPTS_PER_STEP]]
+    assert generated == list(range(3, STEPS))
+    if lag:
+        assert any("trainer.steps raised from 3 to 6" in line for line in logged), logged
+
+
 def test_a_run_that_crashed_between_checkpoints_repeats_the_lost_steps_exactly(uninterrupted, runs, logged):
     whole, whole_dir = uninterrupted(1)
     config = config_for(runs, interval=3)
