@@ -20,7 +20,7 @@ from typing import Literal
 from hpcrl.algorithms import algorithm_options
 from hpcrl.algorithms.base import Options
 from hpcrl.errors import ConfigError
-from hpcrl.models.lora import LORA_TARGETS
+from hpcrl.models.lora import BLOCK_TARGETS
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # Slurm --time forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
@@ -560,7 +560,7 @@ class LoraConfig:
     """The scale's numerator: the update is (alpha / rank) B A (PEFT's lora_alpha)."""
     dropout: float = 0.0
     """Dropout on the adapters' input while training (PEFT's lora_dropout); 0 = none."""
-    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    targets: list[str] = field(default_factory=lambda: list(BLOCK_TARGETS))
     """Hugging Face module names of the linear layers that get adapters (the model family says which it has)."""
     init_from: str = ""
     """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start from; "" = new adapters."""
@@ -571,7 +571,7 @@ class LoraConfig:
         _require(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout}",
                  "set dropout = 0.0 (none) or e.g. 0.05")
         _require(bool(self.targets), "targets", "is empty: no layer would get an adapter",
-                 f"list the layers, e.g. targets = {list(LORA_TARGETS)!r}")
+                 f"list the layers, e.g. targets = {list(BLOCK_TARGETS)!r}")
         twice = sorted({t for t in self.targets if self.targets.count(t) > 1})
         _require(not twice, "targets", f"names {', '.join(map(repr, twice))} twice", "list each layer once")
         one_line(self.init_from, "init_from")

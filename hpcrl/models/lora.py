@@ -9,7 +9,10 @@ names them inside its model, without PEFT's `base_model.model.` prefix and adapt
     model.layers.{i}.<...>.<target>.lora_A.weight   [rank, in]
     model.layers.{i}.<...>.<target>.lora_B.weight   [out, rank]
 
-in the order of the model's own parameters (checkpoint order), A before B.
+in the order of the model's own parameters (checkpoint order), A before B. The output layer, `lm_head`
+(PEFT takes it as a target like any linear; vLLM serves it through LogitsProcessorWithLoRA), is a target of
+its own when the model has an untied one: `lm_head.lora_A.weight` [rank, hidden], `lm_head.lora_B.weight`
+[vocab, rank]. It lifts what frozen output rows cap (a random or ill-fitting head).
 """
 
 from __future__ import annotations
@@ -20,14 +23,21 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from hpcrl.models.shape import ModelShape
 
-#: Every linear layer of a Llama-style decoder block (PEFT's "all-linear" without the lm_head).
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: Every linear layer of a Llama-style decoder block (PEFT's "all-linear", which leaves out the lm_head): the
+#: default of lora.targets.
+BLOCK_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: The output layer's target: the weight `lm_head.weight`, outside the blocks (opt-in, as in PEFT).
+HEAD_TARGET = "lm_head"
+#: What a dense family takes: the blocks' linears and the (untied) lm_head.
+LORA_TARGETS = (*BLOCK_TARGETS, HEAD_TARGET)
 #: PEFT's prefix of a model's own names inside a PeftModel and in adapter_model.safetensors.
 PEFT_PREFIX = "base_model.model."
 
 
 def _target_of(name: str, dims: tuple[int, ...], targets: Sequence[str]) -> str | None:
     """The target a parameter is the weight of, or None (not a 2-D weight of a layer, or not a target)."""
+    if name == f"{HEAD_TARGET}.weight":  # an untied output layer (a tied one is embed_tokens: no such weight)
+        return HEAD_TARGET if HEAD_TARGET in targets and len(dims) == 2 else None
     parts = name.split(".")
     if len(dims) != 2 or len(parts) < 5 or parts[:2] != ["model", "layers"] or parts[-1] != "weight":
         return None

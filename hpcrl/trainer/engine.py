@@ -359,7 +359,10 @@ class TrainerEngine:
             hidden = titan.hidden_states(model, tokens, positions=packing.positions,
                                          documents=titan.Documents(packing.bounds))
         targets = torch.roll(tokens, -1, dims=1)  # position t predicts token t + 1
-        logp, ent = linear_logprobs(hidden, titan.output_weight(model), targets, temperature=o.temperature,
+        weight = titan.output_weight(model)
+        if self.adapters is not None:  # an adapted lm_head: [h, A h] and [W, (alpha / rank) B] (hpcrl.trainer.lora)
+            hidden, weight = self.adapters.head_inputs(model, hidden, weight)
+        logp, ent = linear_logprobs(hidden, weight, targets, temperature=o.temperature,
                                     chunk_tokens=o.logprob_chunk_tokens, recompute=o.logprob_recompute,
                                     entropy=entropy, compiled=bool(o.compile_logprobs))
         if packing is not None:

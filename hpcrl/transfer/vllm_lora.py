@@ -13,7 +13,7 @@ slot itself instead, no file and no copy:
 first free slot and zeroes that slot in every LoRA layer (`reset_lora`), and a request with
 LoRARequest(lora_int_id=adapter_id(version)) then finds the adapter resident, so vLLM never reads its path
 (LRUCacheWorkerLoRAManager.add_adapter). Slot tensors (hpcrl/plan/transfer/lora.py):
-`lora_a_stacked[slice][slot, 0, :rank, :]` receives A in place; `lora_b_stacked[slice][slot, 0, :, :rank]` too when
+`lora_a_stacked[slice][slot, 0, :rank, :]` (the lm_head's: `lora_a_stacked[slot, 0, :rank, :]`) receives A in place; `lora_b_stacked[slice][slot, 0, :, :rank]` too when
 rank = max_lora_rank, else (vLLM's ranks are 1, 8, 16, ...) B arrives in a buffer copied there at finish.
 
 Versions: at most `max_loras` (the engine starts with max_policy_lag + 1) are resident; `begin` evicts the
@@ -77,7 +77,12 @@ class LoraSlots:
         if module is None or not hasattr(module, stacked):
             raise TransferError(f"{self.where}: vLLM has no LoRA layer {module_name!r} with {stacked} (the served "
                                 "model or its LoRA modules differ from the plan)")
-        return getattr(module, stacked)[int(piece)][index, 0]
+        stack = getattr(module, stacked)
+        if isinstance(stack, torch.Tensor):  # the lm_head's LogitsProcessorWithLoRA: one tensor, no slices
+            if piece != "0":
+                raise TransferError(f"{self.where}: vLLM's LoRA layer {module_name!r} has one {stacked}, no slice {piece}")
+            return stack[index, 0]
+        return stack[int(piece)][index, 0]
 
     def begin(self, version: int) -> dict[str, torch.Tensor]:
         """Make `version` resident in a zeroed slot (evicting the oldest version if the slots are full) and return

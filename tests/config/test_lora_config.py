@@ -11,7 +11,7 @@ from hpcrl.config import load_config
 from hpcrl.config.dump import dump_toml
 from hpcrl.config.model_shapes import shape_of
 from hpcrl.errors import ConfigError
-from hpcrl.models.lora import LORA_TARGETS, adapter_parameters, present_targets
+from hpcrl.models.lora import BLOCK_TARGETS, adapter_parameters, present_targets
 from hpcrl.models.presets import PRESETS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ def test_no_lora_table_trains_every_weight_and_writes_no_lora_table():
 def test_an_empty_lora_table_turns_lora_on_with_every_linear_layer_and_round_trips(tmp_path: Path):
     config = with_lora(tmp_path, "")
     assert config.lora is not None and config.lora.rank == 16 and config.lora.alpha == 32.0
-    assert config.lora.targets == list(LORA_TARGETS) and config.lora.dropout == 0.0
+    assert config.lora.targets == list(BLOCK_TARGETS) and config.lora.dropout == 0.0
     copy = tmp_path / "config.toml"
     copy.write_text(dump_toml(config))
     assert load_config(copy) == config
@@ -56,7 +56,15 @@ def test_a_bad_lora_key_is_a_config_error_naming_it_and_the_fix(tmp_path: Path, 
 
 def test_a_target_the_model_lacks_lists_the_layers_it_has():
     shape = PRESETS["tiny-qwen3-moe"]
-    assert present_targets(shape) == ["q_proj", "k_proj", "v_proj", "o_proj"]  # every layer routes its MLP
+    # every layer routes its MLP; the untied output layer takes one too
+    assert present_targets(shape) == ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
+
+
+def test_the_lm_head_takes_an_adapter_of_rank_by_hidden_and_vocab_by_rank(tmp_path: Path):
+    config = with_lora(tmp_path, 'rank = 4\ntargets = ["lm_head"]\n')
+    shape = shape_of(config.model)
+    assert list(adapter_parameters(shape, 4, config.lora.targets)) == [
+        ("lm_head.lora_A.weight", (4, shape.hidden_size)), ("lm_head.lora_B.weight", (shape.vocab_size, 4))]
 
 
 def test_a_family_without_lora_is_refused_naming_the_table(tmp_path: Path):

@@ -37,12 +37,12 @@ def test_a_lora_plan_fills_every_slot_tensor_exactly_as_vllm_lora_layers_slice_t
     check_plan(p)
     verify_elements(p, LLAMA)
     assert [s.name for s in p.sources] == [n for n, _ in adapter_parameters(LLAMA, 4, targets)]
-    # Column-parallel B and row-parallel A are split; A of a column-parallel layer and B of a row-parallel
-    # one are whole on every rank: each rank receives that much, no more.
+    # Column-parallel B and row-parallel A are split; A of a column-parallel layer, B of a row-parallel one and
+    # both of the lm_head (added to the gathered logits) are whole on every rank: each rank receives that much.
     whole = split = 0
     for name, (rows, cols) in adapter_parameters(LLAMA, 4, targets):
         row_parallel = ".o_proj." in name or ".down_proj." in name
-        if name.endswith("lora_A.weight") != row_parallel:
+        if name.endswith("lora_A.weight") != row_parallel or name.startswith("lm_head."):  # the head's: both whole
             whole += rows * cols
         elif ".k_proj." in name or ".v_proj." in name:
             split += rows * cols // min(tp, LLAMA.num_kv_heads)

@@ -16,11 +16,11 @@ from hpcrl.algorithms import ALGORITHMS, algorithm_options
 from hpcrl.algorithms.base import Options
 from hpcrl.config.schema import LoraConfig
 from hpcrl.errors import TrainerError
-from hpcrl.models.lora import adapter_parameters
+from hpcrl.models.lora import LORA_TARGETS, adapter_parameters
 from hpcrl.trainer import TrainerEngine
 from hpcrl.trainer.checkpoint import BASE_FILE
 
-LORA = LoraConfig(rank=4, alpha=8.0)
+LORA = LoraConfig(rank=4, alpha=8.0, targets=list(LORA_TARGETS))  # every block linear and the lm_head
 
 
 def _lora_engine(model_dir, **overrides) -> TrainerEngine:
@@ -68,6 +68,26 @@ def test_the_reference_is_the_base_model_with_the_adapters_off_and_no_second_cop
     assert first.kl == 0.0 and second.kl > 0
     assert torch.equal(engine.ref_logprobs(batch), base_engine.logprobs(batch))
     assert not torch.equal(engine.logprobs(batch), base_engine.logprobs(batch))  # the adapters are back on
+
+
+@pytest.mark.timeout(120)
+def test_the_fused_logprob_takes_the_adapted_lm_head_as_the_heads_own_forward_computes_it(tiny_model):
+    engine = _lora_engine(tiny_model)
+    batch = toy_batch()
+    engine.train_step(batch)
+    engine.train_step(batch)  # the head's B has moved: its adapter changes the logits
+    head = engine.model.get_submodule(engine.adapters.head)
+    assert head.lora_B.weight.any()
+    with torch.no_grad():
+        logits = engine.model(batch.tokens)  # the lm_head's forward: W h + (alpha / rank) B A h (the hook)
+    hooked = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, batch.tokens[:, 1:, None])[..., 0]
+    fused = engine.logprobs(batch)[:, 1:]  # [h, A h] . [W, (alpha / rank) B]: one matmul
+    mask = batch.tokens[:, 1:] != 0
+    assert (fused - hooked)[mask].abs().max() < 1e-6
+    hidden = torch.ones(3, head.weight.shape[1])
+    with engine.adapters.off():  # the reference: the base's own hidden states and weight
+        h, w = engine.adapters.head_inputs(engine.model, hidden, head.weight)
+        assert h is hidden and w is head.weight
 
 
 @pytest.mark.timeout(60)
@@ -181,7 +201,7 @@ def test_a_moe_model_takes_adapters_on_its_attention_and_trains_them():
     shape = PRESETS["tiny-qwen3-moe"]
     engine = TrainerEngine(EngineOptions(shape=shape, max_seq_len=64, lora=LORA, loss=Options(kl_coef=0.1)))
     assert list(engine.adapters.names) == [n for n, _ in adapter_parameters(shape, LORA.rank, LORA.targets)]
-    assert all(".self_attn." in name for name in engine.adapters.names)  # routed experts take none
+    assert all(".self_attn." in name or name.startswith("lm_head.") for name in engine.adapters.names)  # no expert
     metrics = engine.train_step(toy_batch())
     assert math.isfinite(metrics.loss) and metrics.grad_norm > 0
     assert any(t.any() for n, t in engine.adapter_state_dict().items() if n.endswith("lora_B.weight"))

@@ -26,7 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["1+2=", "rev abc:", "hello world", "7*6="]
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 #: Adapter ids of vLLM's own loadings (the references), far from the versions.
 REFERENCE_ID = 1000
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from hpcrl.config.model_shapes import ModelShape
 from hpcrl.errors import PlanError
-from hpcrl.models.lora import adapter_parameters
+from hpcrl.models.lora import HEAD_TARGET, adapter_parameters
 from hpcrl.plan.transfer.layout import chunk_source_rows, pad_vocab_size
 from hpcrl.plan.transfer.plan import TransferPlan
 
@@ -248,7 +248,7 @@ def lora_expected(plan: TransferPlan, shape: ModelShape, adapters: dict[str, Any
     """One TP rank's LoRA slot tensors as vLLM's LoRA layers' set_lora fills them from PEFT's tensors
     (vllm/lora/layers/: slice_lora_a / slice_lora_b of column- and row-parallel layers), re-derived:
     column-parallel A whole and B's rows of the rank (q heads; k/v the rank's KV-head block; gate/up),
-    row-parallel A's columns of the rank and B whole."""
+    row-parallel A's columns of the rank and B whole; the lm_head's A and B whole."""
     tp = plan.inference.tensor_parallel
     nh, d = shape.num_heads // tp, shape.head_dim
     kv_rank = r // (tp // shape.num_kv_heads if tp >= shape.num_kv_heads else 1)
@@ -261,6 +261,9 @@ def lora_expected(plan: TransferPlan, shape: ModelShape, adapters: dict[str, Any
         b = adapters[f"{module}.lora_B.weight"]
         parent, _, proj = module.rpartition(".")
         layer, index = _PACKED.get(proj, (proj, 0))
+        if module == HEAD_TARGET:  # LogitsProcessorWithLoRA: both whole, registered as "lm_head"
+            out[f"{HEAD_TARGET}.lora_a_stacked.0"], out[f"{HEAD_TARGET}.lora_b_stacked.0"] = w, b
+            continue
         if proj in ("o_proj", "down_proj"):
             k = w.shape[1] // tp
             a_local, b_local = w[:, r * k:(r + 1) * k], b

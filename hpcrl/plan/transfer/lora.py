@@ -18,6 +18,11 @@ sharded over tensor parallelism (without fully_sharded_loras, which hpcrl does n
     row-parallel (o_proj, down_proj; row_parallel_linear.py `slice_lora_a`):
         A's columns split ("row"); B whole on every rank ("replicated")
 
+    the lm_head (vocab-parallel; logits_processor.py LogitsProcessorWithLoRA, which model_manager.py puts in the
+    logits processor's place and registers under the name "lm_head"): A and B whole on every rank
+    ("replicated"): vLLM adds B A x to the logits after gathering them over the ranks, every token id's row.
+    Its stacks are single tensors, not per-slice tuples; the plan names them `lm_head.lora_a_stacked.0`.
+
 The plan moves A's `rank` rows and B's `rank` columns; a slot wider than `rank` (vLLM's max_lora_rank is one of
 1, 8, 16, ...) keeps zeros in the rest. vLLM multiplies B by alpha / rank when it loads an adapter
 (LoRALayerWeights.optimize); the receiver does the same after writing.
@@ -35,7 +40,8 @@ from hpcrl.models.lora import adapter_parameters
 #: (the adapter's layer kind for A, for B) per base layer kind: module docstring.
 _KINDS: dict[str, tuple[VllmLayer, VllmLayer]] = {"qkv": ("replicated", "merged_column"),
                                                    "merged_column": ("replicated", "merged_column"),
-                                                   "row": ("row", "replicated")}
+                                                   "row": ("row", "replicated"),
+                                                   "vocab": ("replicated", "replicated")}
 
 
 def slot_tensor_name(vllm_module: str, matrix: str, slice_index: int) -> str:
