@@ -4,9 +4,9 @@
 #   tools/test.sh                 # every test but the fault matrix and the extended cases
 #   tools/test.sh --faults        # and the fault matrix: what CI runs (41 min from a clean clone on 2 cores)
 #   tools/test.sh --extended      # and the extended cases (marker extended: the oracles at every parallel size and
-#                                 # on the real model, slow engine checks, the LoRA learning run: about 12 min more;
+#                                 # on the real model, slow engine checks, the LoRA learning run: about 5 min more;
 #                                 # with --faults also the fault cases of recovery inside the job and of a LoRA and
-#                                 # a DeepSeek-V3 run, about 12 min more); --faults --extended: everything
+#                                 # a DeepSeek-V3 run, about 6 min more); --faults --extended: everything
 #   tools/test.sh tests/config    # any pytest arguments (as given: tests/faults/test_matrix.py runs it)
 #
 # Fails on a lint or type error (tools/lint.sh: ruff first, mypy beside the tests), when a test fails or when no test ran
