@@ -34,6 +34,8 @@ episodes finish on the weights they started with.
 
 A checkpoint after step s holds the trainer state (version s + 1), the prompt cursor and the
 scored batches s + 1 .. s + lag already in the buffer; resuming re-pushes version s + 1 and goes on.
+The last step's checkpoint holds no batch past trainer.steps: a finished run resumed with trainer.steps
+raised generates those batches at start with its newest weights (fresher than the schedule's version).
 
 With algorithm.partial_rollouts (hpcrl.rl.partial) the schedule's lag is 1 whatever max_policy_lag is: batch b
 is one window, generated with version b - 1, of the sequences carried from window b - 1 and the batch's new
