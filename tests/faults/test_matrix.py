@@ -241,14 +241,19 @@ def survive_in_turn(cases: list[Case], tmp_path: Path, model: Path, env: dict[st
     return run_dir, rows
 
 
+def uninterrupted_run(root: Path, model: Path, env: dict[str, str], args: tuple[str, ...]) -> Path:
+    """ROOT/straight/run: configs/tiny_grpo.toml run to its end with `args`, untouched: the reference a struck run of
+    the same layout and length is held to, step by step."""
+    run_dir = root / "straight" / "run"
+    done = submit(run_dir, model, env, wait=True, config="configs/tiny_grpo.toml", args=args)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    return run_dir
+
+
 @pytest.fixture(scope="module")
 def straight(namespaced, tiny_model, tmp_path_factory) -> Path:
     """The uninterrupted run the struck one is compared with."""
-    run_dir = tmp_path_factory.mktemp("straight") / "run"
-    done = submit(run_dir, tiny_model, namespaced, wait=True, config="configs/tiny_grpo.toml",
-                  args=run_args(STEPS, INTERVAL))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    return run_dir
+    return uninterrupted_run(tmp_path_factory.mktemp("matrix"), tiny_model, namespaced, run_args(STEPS, INTERVAL))
 
 
 @pytest.mark.timeout(300)
@@ -322,9 +327,7 @@ def test_a_lost_inference_node_is_replaced_by_a_spare_inside_the_job_without_a_r
         namespaced, tiny_model, tmp_path):
     # Split layout: trainer n1+n2 (the head in the batch step on n1), inference n3+n4, reward n5, spare n6.
     args = run_args(SPARE_STEPS, INTERVAL, *SPARE_ARGS)
-    uninterrupted = tmp_path / "straight" / "run"
-    done = submit(uninterrupted, tiny_model, namespaced, wait=True, config="configs/tiny_grpo.toml", args=args)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    uninterrupted = uninterrupted_run(tmp_path, tiny_model, namespaced, args)
     case = Case("power loss of an inference node, a spare in the job", "inference:1", "poweroff", BACK_BOUND_S,
                 back="inference replicas caught up")
     run_dir, (row,) = survive_in_turn([case], tmp_path, tiny_model, namespaced, config="configs/tiny_grpo.toml",
@@ -422,9 +425,7 @@ def test_a_lost_trainer_rank_restarts_the_trainer_group_inside_the_job_in_place_
         namespaced, tiny_model, tmp_path):
     # Split layout: trainer n1+n2 (the head in the batch step on n1), inference n3, reward n4, spare n5.
     args = run_args(TRAINER_STEPS, INTERVAL, *TRAINER_ARGS)
-    uninterrupted = tmp_path / "straight" / "run"
-    done = submit(uninterrupted, tiny_model, namespaced, wait=True, config="configs/tiny_grpo.toml", args=args)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    uninterrupted = uninterrupted_run(tmp_path, tiny_model, namespaced, args)
     cases = [Case("kill -9 of a trainer rank, restarted in place", "trainer:1", "kill", KILL_BOUND_S),
              Case("power loss of a trainer node, a spare in the job", "trainer:1", "poweroff", POWER_BOUND_S),
              Case("power loss of the spare's node, no spare left: requeued", "trainer:1", "poweroff", 120)]
