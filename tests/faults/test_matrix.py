@@ -416,12 +416,19 @@ REWARD_BACK_BOUND_S = 45
 by hand, quiet: the next step 11.8 s after the loss, 10.6 s of it the heartbeat timeout)."""
 
 
+@pytest.fixture(scope="module")
+def one_spare(namespaced, tiny_model, tmp_path_factory) -> Path:
+    """The uninterrupted run of the split layout with one spare, trainer on one node and one inference replica."""
+    return uninterrupted_run(tmp_path_factory.mktemp("one-spare"), tiny_model, namespaced,
+                             run_args(REWARD_STEPS, INTERVAL, *REWARD_ARGS))
+
+
 @pytest.mark.extended  # ~1.5 min beyond CI's 45 (two 20-step runs; tools/test.sh --faults --extended)
 @pytest.mark.timeout(900)
 def test_a_lost_reward_node_is_replaced_by_a_spare_inside_the_job_with_every_step_bitwise_equal(
-        namespaced, tiny_model, tmp_path):
+        namespaced, tiny_model, one_spare, tmp_path):
     args = run_args(REWARD_STEPS, INTERVAL, *REWARD_ARGS)  # the later trainer.nodes=1 wins over run_args' 2
-    uninterrupted = uninterrupted_run(tmp_path, tiny_model, namespaced, args)
+    uninterrupted = one_spare
     case = Case("power loss of the reward node, a spare in the job", "reward:0", "poweroff", REWARD_BACK_BOUND_S,
                 back="registered: reward rank 0")
     run_dir, (row,) = survive_in_turn([case], tmp_path, tiny_model, namespaced, config="configs/tiny_grpo.toml",
@@ -439,6 +446,34 @@ def test_a_lost_reward_node_is_replaced_by_a_spare_inside_the_job_with_every_ste
     rows = read_metrics(run_dir)
     assert all(r["reward_errors"] == 0 for r in rows), [(r["step"], r["reward_errors"]) for r in rows]
     assert rows_of(run_dir) == rows_of(uninterrupted)  # every step once, bitwise: no sample lost or scored twice
+
+
+@pytest.mark.extended  # ~1 min beyond CI's 45 (one 20-step run beside the fixture's; tools/test.sh --faults --extended)
+@pytest.mark.timeout(900)
+def test_the_only_inference_replica_lost_the_step_waits_for_its_replacement_on_a_spare_without_a_requeue(
+        namespaced, tiny_model, one_spare, tmp_path):
+    # One replica: nothing survives to take its calls, so the step waits for the one started again on the spare.
+    args = run_args(REWARD_STEPS, INTERVAL, *REWARD_ARGS)
+    case = Case("power loss of the only inference node, a spare in the job", "inference:0", "poweroff", BACK_BOUND_S,
+                back="inference replicas caught up")
+    run_dir, (row,) = survive_in_turn([case], tmp_path, tiny_model, namespaced, config="configs/tiny_grpo.toml",
+                                      args=args, first=INTERVAL + 2, every=INTERVAL)
+    log = head_log(run_dir)
+    assert len(re.findall(r"\): head on ", log)) == 1 and "requeueing" not in log  # one head, one job: no requeue
+    assert row["resumed_from"] is None and row["running_again_s"] <= BACK_BOUND_S, row
+    lost_on = re.search(r"inference rank 0 lost \(.*\); starting it again on spare node (\S+)", log)
+    assert lost_on, log[-3000:]
+    where = {(t["group"], t["rank"]): t["node"] for t in read_json(run_dir / EXIT_FILE)["tasks"]}
+    assert where[("inference", 0)] == lost_on.group(1)
+    # As with two replicas: bitwise until the replacement serves, then one version fresher (the broken push is made
+    # again with the trainer's newest weights).
+    ended, reference = rows_of(run_dir), rows_of(one_spare)
+    assert [r[0] for r in ended] == [r[0] for r in reference]
+    caught_up = next(line for line in log.splitlines() if "inference replicas caught up" in line)
+    before = max(int(m) for m in re.findall(r"step +(\d+)/", log[:log.index(caught_up)]))
+    assert ended[:before + 1] == reference[:before + 1]
+    probed = [r["logprob_mismatch"] for r in read_metrics(run_dir) if r.get("logprob_mismatch") is not None]
+    assert probed and all(m < 1e-3 for m in probed), probed  # the replacement serves the trainer's weights
 
 
 # -- the trainer group started again inside the allocation (issue 41): the same split job with a spare. A trainer rank
