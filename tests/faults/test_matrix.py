@@ -308,6 +308,39 @@ def test_a_multi_turn_environment_on_a_mixture_of_experts_model_survives_a_power
     assert all(r["turns_mean"] > 1 for r in rows), rows[-1]  # episodes of more than one turn
 
 
+def struck_with_a_spare(case: Case, tmp_path: Path, model: Path, env: dict[str, str],
+                        args: tuple[str, ...]) -> tuple[Path, str, str]:
+    """Run configs/tiny_grpo.toml with `args` (a split job with a spare) and strike it with `case`, a task's loss the
+    job takes inside the allocation: one head and no requeue, nothing resumed, back within the case's bound, the lost
+    task started again on a spare node, where the run ended with it. The run's directory, its head log and the spare."""
+    run_dir, (row,) = survive_in_turn([case], tmp_path, model, env, config="configs/tiny_grpo.toml", args=args,
+                                      first=INTERVAL + 2, every=INTERVAL)
+    log = head_log(run_dir)
+    assert len(re.findall(r"\): head on ", log)) == 1 and "requeueing" not in log  # one head, one job: no requeue
+    assert row["resumed_from"] is None and row["running_again_s"] <= case.bound_s, row
+    group, rank = case.target.split(":")
+    lost_on = re.search(rf"{group} rank {rank} lost \(.*\); starting it again on spare node (\S+)", log)
+    assert lost_on, log[-3000:]
+    where = {(t["group"], t["rank"]): t["node"] for t in read_json(run_dir / EXIT_FILE)["tasks"]}
+    assert where[(group, int(rank))] == lost_on.group(1)
+    return run_dir, log, lost_on.group(1)
+
+
+def bitwise_until_the_replica_serves(run_dir: Path, log: str, reference: Path) -> None:
+    """Every step once; bitwise equal to the uninterrupted `reference` until the replica started again serves (the batch
+    after the one the step logged before it caught up: max_policy_lag = 1). From there they differ, as the algorithm
+    allows: the push the loss broke is made again with the trainer's newest weights (the trainer holds no older ones),
+    so the batch generated after it is one version fresher than the uninterrupted run's (lag 0 instead of 1;
+    rl/controller.py accepts it), and every later step follows from it. The probe: it serves the trainer's weights."""
+    ended, expected = rows_of(run_dir), rows_of(reference)
+    assert [r[0] for r in ended] == [r[0] for r in expected]
+    caught_up = next(line for line in log.splitlines() if "inference replicas caught up" in line)
+    before = max(int(m) for m in re.findall(r"step +(\d+)/", log[:log.index(caught_up)]))
+    assert ended[:before + 1] == expected[:before + 1]
+    probed = [r["logprob_mismatch"] for r in read_metrics(run_dir) if r.get("logprob_mismatch") is not None]
+    assert probed and all(m < 1e-3 for m in probed), probed
+
+
 # -- recovery inside the allocation (issue 41): layout split with a spare node, two inference replicas (one per node).
 # Slurm 22.05 keeps a homogeneous --no-kill job when a node fails (docs/FACTS.md); the head starts the lost replica
 # again on the spare, the survivor takes the lost calls, and the transfer group forms again with the newcomer. Two
@@ -330,30 +363,11 @@ def test_a_lost_inference_node_is_replaced_by_a_spare_inside_the_job_without_a_r
     uninterrupted = uninterrupted_run(tmp_path, tiny_model, namespaced, args)
     case = Case("power loss of an inference node, a spare in the job", "inference:1", "poweroff", BACK_BOUND_S,
                 back="inference replicas caught up")
-    run_dir, (row,) = survive_in_turn([case], tmp_path, tiny_model, namespaced, config="configs/tiny_grpo.toml",
-                                      args=args, first=INTERVAL + 2, every=INTERVAL)
-    log = head_log(run_dir)
-    assert len(re.findall(r"\): head on ", log)) == 1 and "requeueing" not in log  # one head, one job: no requeue
-    assert row["resumed_from"] is None and row["running_again_s"] <= BACK_BOUND_S, row
-    lost_on = re.search(r"inference rank 1 lost \(.*\); starting it again on spare node (\S+)", log)
-    assert lost_on, log[-3000:]
+    run_dir, log, spare = struck_with_a_spare(case, tmp_path, tiny_model, namespaced, args)
     recovery, = read_json(run_dir / "recoveries.json")["recoveries"]
-    assert recovery["restarted_on"] == lost_on.group(1) and recovery["ready_after_s"] is not None, recovery
+    assert recovery["restarted_on"] == spare and recovery["ready_after_s"] is not None, recovery
     print(f"Recovery | {case.name}: the replacement served {recovery['ready_after_s']} s after it was started")
-    where = {(t["group"], t["rank"]): t["node"] for t in read_json(run_dir / EXIT_FILE)["tasks"]}
-    assert where[("inference", 1)] == lost_on.group(1)
-    # Every step once; bitwise equal to the uninterrupted run until the replacement serves (the batch after the one the
-    # step logged before it caught up: max_policy_lag = 1). From there they differ, as the algorithm allows: the push
-    # the loss broke is made again with the trainer's newest weights (the trainer holds no older ones), so the batch
-    # generated after it is one version fresher than the uninterrupted run's (lag 0 instead of 1; rl/controller.py
-    # accepts it), and every later step follows from it.
-    ended, reference = rows_of(run_dir), rows_of(uninterrupted)
-    assert [r[0] for r in ended] == [r[0] for r in reference]
-    caught_up = next(line for line in log.splitlines() if "inference replicas caught up" in line)
-    before = max(int(m) for m in re.findall(r"step +(\d+)/", log[:log.index(caught_up)]))
-    assert ended[:before + 1] == reference[:before + 1]
-    probed = [r["logprob_mismatch"] for r in read_metrics(run_dir) if r.get("logprob_mismatch") is not None]
-    assert probed and all(m < 1e-3 for m in probed), probed  # the replacement serves the trainer's weights
+    bitwise_until_the_replica_serves(run_dir, log, uninterrupted)
 
 
 # -- DeepSeek-V3 (issue 42): MLA, a dense block, routed and shared experts, and the router's correction bias, which
@@ -428,24 +442,15 @@ def one_spare(namespaced, tiny_model, tmp_path_factory) -> Path:
 def test_a_lost_reward_node_is_replaced_by_a_spare_inside_the_job_with_every_step_bitwise_equal(
         namespaced, tiny_model, one_spare, tmp_path):
     args = run_args(REWARD_STEPS, INTERVAL, *REWARD_ARGS)  # the later trainer.nodes=1 wins over run_args' 2
-    uninterrupted = one_spare
     case = Case("power loss of the reward node, a spare in the job", "reward:0", "poweroff", REWARD_BACK_BOUND_S,
                 back="registered: reward rank 0")
-    run_dir, (row,) = survive_in_turn([case], tmp_path, tiny_model, namespaced, config="configs/tiny_grpo.toml",
-                                      args=args, first=INTERVAL + 2, every=INTERVAL)
-    log = head_log(run_dir)
-    assert len(re.findall(r"\): head on ", log)) == 1 and "requeueing" not in log  # one head, one job: no requeue
-    assert row["resumed_from"] is None and row["running_again_s"] <= REWARD_BACK_BOUND_S, row
-    lost_on = re.search(r"reward rank 0 lost \(.*\); starting it again on spare node (\S+)", log)
-    assert lost_on, log[-3000:]
+    run_dir, _, spare = struck_with_a_spare(case, tmp_path, tiny_model, namespaced, args)
     recovery, = read_json(run_dir / "recoveries.json")["recoveries"]
-    assert recovery["restarted_on"] == lost_on.group(1) and recovery["registered_after_s"] is not None, recovery
+    assert recovery["restarted_on"] == spare and recovery["registered_after_s"] is not None, recovery
     print(f"Recovery | {case.name}: registered on the spare {recovery['registered_after_s']} s after it was started")
-    where = {(t["group"], t["rank"]): t["node"] for t in read_json(run_dir / EXIT_FILE)["tasks"]}
-    assert where[("reward", 0)] == lost_on.group(1)
     rows = read_metrics(run_dir)
     assert all(r["reward_errors"] == 0 for r in rows), [(r["step"], r["reward_errors"]) for r in rows]
-    assert rows_of(run_dir) == rows_of(uninterrupted)  # every step once, bitwise: no sample lost or scored twice
+    assert rows_of(run_dir) == rows_of(one_spare)  # every step once, bitwise: no sample lost or scored twice
 
 
 @pytest.mark.extended  # ~1 min beyond CI's 45 (one 20-step run beside the fixture's; tools/test.sh --faults --extended)
@@ -456,24 +461,8 @@ def test_the_only_inference_replica_lost_the_step_waits_for_its_replacement_on_a
     args = run_args(REWARD_STEPS, INTERVAL, *REWARD_ARGS)
     case = Case("power loss of the only inference node, a spare in the job", "inference:0", "poweroff", BACK_BOUND_S,
                 back="inference replicas caught up")
-    run_dir, (row,) = survive_in_turn([case], tmp_path, tiny_model, namespaced, config="configs/tiny_grpo.toml",
-                                      args=args, first=INTERVAL + 2, every=INTERVAL)
-    log = head_log(run_dir)
-    assert len(re.findall(r"\): head on ", log)) == 1 and "requeueing" not in log  # one head, one job: no requeue
-    assert row["resumed_from"] is None and row["running_again_s"] <= BACK_BOUND_S, row
-    lost_on = re.search(r"inference rank 0 lost \(.*\); starting it again on spare node (\S+)", log)
-    assert lost_on, log[-3000:]
-    where = {(t["group"], t["rank"]): t["node"] for t in read_json(run_dir / EXIT_FILE)["tasks"]}
-    assert where[("inference", 0)] == lost_on.group(1)
-    # As with two replicas: bitwise until the replacement serves, then one version fresher (the broken push is made
-    # again with the trainer's newest weights).
-    ended, reference = rows_of(run_dir), rows_of(one_spare)
-    assert [r[0] for r in ended] == [r[0] for r in reference]
-    caught_up = next(line for line in log.splitlines() if "inference replicas caught up" in line)
-    before = max(int(m) for m in re.findall(r"step +(\d+)/", log[:log.index(caught_up)]))
-    assert ended[:before + 1] == reference[:before + 1]
-    probed = [r["logprob_mismatch"] for r in read_metrics(run_dir) if r.get("logprob_mismatch") is not None]
-    assert probed and all(m < 1e-3 for m in probed), probed  # the replacement serves the trainer's weights
+    run_dir, log, _ = struck_with_a_spare(case, tmp_path, tiny_model, namespaced, args)
+    bitwise_until_the_replica_serves(run_dir, log, one_spare)  # as with two replicas
 
 
 # -- the trainer group started again inside the allocation (issue 41): the same split job with a spare. A trainer rank
