@@ -259,13 +259,7 @@ class Controller:
                         inference_done.set()
                 rounds += 1
                 episodes.merge(round_stats)
-                versions = round_stats.versions
-                # Normally every completion is of `version`; a replica started again after a loss is caught
-                # up to the trainer's newest weights, so a batch it finishes may be fresher (a smaller lag).
-                if versions and (min(versions) < version or max(versions) > self.state.step + 1):
-                    raise ControllerError(f"batch {index} was generated with weight versions {sorted(versions)}, "
-                                          f"expected {version} (at most {self.state.step + 1}): the inference "
-                                          "group missed a weight sync")
+                self._check_versions(index, version, round_stats.versions)
                 generated = time.monotonic()
                 results = await self.ports.score(samples_for(made))
                 scored, stats = score_groups(made, results, weight_version=version, batch=index)
@@ -296,6 +290,14 @@ class Controller:
         metrics.update({f"reward_mean/{name}": sum(values) / len(values) for name, values in parts.items()})
         self.state.rollout_metrics[str(index)] = metrics
 
+    def _check_versions(self, index: int, version: int, versions: set[int]) -> None:
+        """Batch `index` was asked of weight version `version`: every completion must be of it or fresher, up to
+        the trainer's newest (a replica started again after a loss is caught up to the trainer's newest weights,
+        so a batch it finishes may be fresher: a smaller lag)."""
+        if versions and (min(versions) < version or max(versions) > self.state.step + 1):
+            raise ControllerError(f"batch {index} was generated with weight versions {sorted(versions)}, expected "
+                                  f"{version} (at most {self.state.step + 1}): the inference group missed a weight sync")
+
     async def _generate_window(self, index: int, version: int, inference_done: asyncio.Event | None) -> None:
         """algorithm.partial_rollouts: batch `index`'s generation as one window (hpcrl.rl.partial) with weight
         version `version`: the sequences carried from the last window go on, the batch's new prompts start, each
@@ -323,10 +325,7 @@ class Controller:
             if inference_done is not None:
                 inference_done.set()
         completions = [group[0] for part in parts for group in part]
-        versions = {c.weight_version for c in completions}
-        if versions and (min(versions) < version or max(versions) > self.state.step + 1):
-            raise ControllerError(f"batch {index} was generated with weight versions {sorted(versions)}, expected "
-                                  f"{version} (at most {self.state.step + 1}): the inference group missed a weight sync")
+        self._check_versions(index, version, {c.weight_version for c in completions})
         lengths = partial.apply_window(requests, completions)
         finished = partial.take_finished()
         generated = time.monotonic()
