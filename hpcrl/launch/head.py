@@ -304,6 +304,7 @@ def _run_head_locked(run_dir: Path) -> dict:
     previous = {sig: signal.signal(sig, _raise_cancelled) for sig in (signal.SIGTERM, signal.SIGINT)}
     started = time.time()
     state, error = "FAILED", ""
+    joined = False  # True once this head joined a requeue Slurm began (nothing left to requeue)
     failures: list[dict] = []
     try:
         check_interpreter(launch.python, str(sup.head_identity["node"]))
@@ -329,7 +330,7 @@ def _run_head_locked(run_dir: Path) -> dict:
     except RunCancelled as err:
         state, error = "CANCELLED", str(err)
         if launch.executor == "slurm" and signal.SIGTERM.name in str(err) and _join_slurms_requeue():
-            state = "REQUEUED"
+            state, joined = "REQUEUED", True
         else:
             log.info(f"run CANCELLED ({err}); stopping every group")
         raise
@@ -338,31 +339,49 @@ def _run_head_locked(run_dir: Path) -> dict:
         log.exception(error)
         raise
     finally:
+        def record_end() -> None:
+            tasks = [sup.head_identity] + [t.identity for _, t in sorted(sup.tasks.items())]
+            write_json(run_dir / EXIT_FILE, {"state": state, "error": error, "failures": failures,
+                                             "tasks": tasks, "elapsed_s": round(time.time() - started, 3),
+                                             "refused_messages": router.counters().get("dropped", 0),
+                                             "refused": router.refused(),
+                                             "step_codes": {s.slot.name: s.poll() for s in sup.steps}})
+            if state == "REQUEUED":
+                why = error
+                if not error:
+                    why = "the time limit is near (SIGUSR2): checkpointed, then requeued"
+                elif signal.SIGTERM.name in error:
+                    why = f"Slurm requeued the job (a node failed; the head {error})"
+                requeues.note_requeue(run_dir, restart=restart, why=why)
+
+        requeue_first = state == "REQUEUED" and not joined
+        if requeue_first:
+            # Back in the queue before the groups are stopped (_requeue_this_job says why), its record
+            # written first: Slurm's SIGTERM follows, and its SIGKILL KillWait later.
+            signal.signal(signal.SIGTERM, _requeue_under_way)
+            record_end()
+            requeue_error = _requeue_this_job()
+            if requeue_error:
+                state, error = "FAILED", f"{error}; {requeue_error}" if error else requeue_error
+                log.error(f"run FAILED: {requeue_error}")
+            else:
+                log.info("requeued the job (scontrol requeue); it resumes from its newest checkpoint when it starts "
+                         "again; stopping every group")
+        sup.stop_steps()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        sup.stop_steps()
-        tasks = [sup.head_identity] + [t.identity for _, t in sorted(sup.tasks.items())]
-        write_json(run_dir / EXIT_FILE, {"state": state, "error": error, "failures": failures,
-                                         "tasks": tasks, "elapsed_s": round(time.time() - started, 3),
-                                         "refused_messages": router.counters().get("dropped", 0),
-                                         "refused": router.refused(),
-                                         "step_codes": {s.slot.name: s.poll() for s in sup.steps}})
+        if not requeue_first or state == "FAILED":
+            record_end()
         if state == "COMPLETED":
             log.info(f"run COMPLETED in {time.time() - started:.1f} s")
-        if state == "REQUEUED":
-            why = error
-            if not error:
-                why = "the time limit is near (SIGUSR2): checkpointed, then requeued"
-            elif signal.SIGTERM.name in error:
-                why = f"Slurm requeued the job (a node failed; the head {error})"
-            requeues.note_requeue(run_dir, restart=restart, why=why)
-        if state in ("REQUEUED", "PREEMPTED"):
-            log.info("requeueing the job (scontrol requeue); it resumes from its newest checkpoint when it starts "
-                     "again" if state == "REQUEUED" else
-                     "run stopped at a checkpoint: submit the same run directory again to resume")
+        if state == "PREEMPTED":
+            log.info("run stopped at a checkpoint: submit the same run directory again to resume")
     if state == "REQUEUED":
-        _requeue_this_job()
-    return {"state": state, "tasks": tasks, "run_dir": str(run_dir)}
+        raise SystemExit(-1)  # requeued: leave without a result, as submitit does after its own requeue
+    if state == "FAILED":  # the requeue itself failed
+        raise GroupFailed(error)
+    return {"state": state, "tasks": [sup.head_identity] + [t.identity for _, t in sorted(sup.tasks.items())],
+            "run_dir": str(run_dir)}
 
 
 def _join_slurms_requeue() -> bool:
@@ -382,15 +401,32 @@ def _join_slurms_requeue() -> bool:
     return True
 
 
-def _requeue_this_job() -> None:
-    """Put this job back in the queue (it keeps its id; Slurm restarts the head, which resumes),
-    then leave without a result, as submitit does after its own requeue."""
+def _requeue_this_job() -> str:
+    """Put this job back in the queue (it keeps its id; Slurm restarts the head, which resumes); "" when it
+    is, else why not.
+
+    Called while every group's step still runs, before the head stops them: a component whose tasks
+    ended is not requeued with the leader if Slurm is requeueing the job meanwhile (a node failed:
+    _join_slurms_requeue), and the job then waits for it for ever. Measured on the local cluster (the
+    fault matrix's inference case): Slurm marked the dead node DOWN 0-2 s after this head's own
+    decision to requeue, in the seconds it spent stopping its groups. Slurm answers "Job is pending
+    execution" when it began first; this requeue still takes the components that run, so that is no
+    error."""
     job_id = os.environ.get("SLURM_JOB_ID", "")
     done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
-    if done.returncode != 0:
-        raise GroupFailed(f"scontrol requeue {job_id} failed ({done.stderr.strip()}): the run stopped at its "
-                          "checkpoint; submit the same run directory again to resume")
-    raise SystemExit(-1)
+    if done.returncode == 0:
+        return ""
+    if "pending execution" in done.stderr:
+        log.warning(f"Slurm was requeueing this job already (a node failed): requeued every component with it "
+                    f"(scontrol: {done.stderr.strip()})")
+        return ""
+    return (f"scontrol requeue {job_id} failed ({done.stderr.strip()}): the run stopped at its checkpoint; "
+            "submit the same run directory again to resume")
+
+
+def _requeue_under_way(signum: int, frame: object) -> None:
+    """SIGTERM once this head requeued its job: Slurm ending the job's steps, as a requeue does."""
+    log.info("SIGTERM: the job is being requeued; stopping every group")
 
 
 class HeadJob:

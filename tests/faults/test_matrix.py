@@ -190,6 +190,22 @@ def recovery(case: Case, run_dir: Path, t0: float, at_step: int) -> dict:
             "resumed_from": from_step, "steps_lost": at_step - from_step if from_step is not None else 0}
 
 
+def cluster_state(run_dir: Path, env: dict[str, str], t0: float) -> str:
+    """What a stuck recovery looks like from outside: the job's components in the queue, the nodes, the
+    head's log since the fault, and slurmctld's lines on the job and the nodes since then."""
+    run = lambda *args: subprocess.run(list(args), env=env, capture_output=True, text=True,  # noqa: E731
+                                       timeout=30).stdout.strip()
+    job = follow.Run.open(run_dir).job_id
+    ctld = Path(env["SLURM_CONF"]).parent / "log" / "slurmctld.log"
+    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t0))
+    ctld_lines = [line for line in (ctld.read_text(errors="replace").splitlines() if ctld.is_file() else [])
+                  if line[1:20] >= since and re.search(rf"JobId={job}\b|\bn\d+\b.*(DOWN|respond|IDLE|RESUME)|requeue",
+                                                       line)]
+    return "\n".join(["squeue:", run("squeue", "-j", job, "-o", "%i %T %r %N"), "sinfo:", run("sinfo", "-N", "-o", "%N %T"),
+                      "head log since the fault:", *lines_after(run_dir, t0)[-25:], "slurmctld since the fault:",
+                      *ctld_lines[-40:]])
+
+
 def survive_in_turn(cases: list[Case], tmp_path: Path, model: Path, env: dict[str, str], *, config: str,
                     args: tuple[str, ...], first: int, every: int) -> tuple[Path, list[dict]]:
     """Submit `config` and hit it with each of `cases` in turn, case k once step first + k * every is logged;
@@ -212,8 +228,11 @@ def survive_in_turn(cases: list[Case], tmp_path: Path, model: Path, env: dict[st
             repairs.append(strike(case, run_dir, env))
             at_step = max(int(m) for m in re.findall(r"step +(\d+)/", head_log(run_dir)))
             if case.bound_s is not None:
-                wait_for(lambda t0=t0, case=case: any(case.back in line for line in lines_after(run_dir, t0)),
-                         f"the run running again after: {case.name}", case.bound_s + 60)
+                try:
+                    wait_for(lambda t0=t0, case=case: any(case.back in line for line in lines_after(run_dir, t0)),
+                             f"the run running again after: {case.name}", case.bound_s + 60)
+                except AssertionError as err:
+                    raise AssertionError(f"{err}\n{cluster_state(run_dir, env, t0)}") from None
             row = recovery(case, run_dir, t0, at_step)
             rows.append(row)
             print(f"\nRecovery | {case.name} | noticed {row['noticed_s']} s | running again {row['running_again_s']} s"
