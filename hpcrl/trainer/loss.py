@@ -4,8 +4,8 @@ An algorithm's loss (clipping, aggregation, KL, normalisation over the step) is 
 (its module, and the shared terms in hpcrl/algorithms/terms.py); the engine (engine.py) calls the
 configured one on each micro-batch.
 
-`linear_logprobs` is what the engine runs: the lm_head matmul, a float32 log-softmax, the gather of
-each target's logprob and the entropy, in one pass over chunks of tokens, the way fused
+`linear_logprobs` is what the engine runs: the lm_head matmul, a float32 log-softmax (vLLM's logprob
+kernel: _chunk_forward), the gather of each target's logprob and the entropy, in one pass over chunks of tokens, the way fused
 linear-cross-entropy kernels do it. A float32 [tokens, vocab] tensor never exists (only one chunk's),
 and nothing is copied by boolean indexing. The backward is written out (`_LinearLogprobs`): the
 gradient of the logits, (onehot - softmax) x grad / temperature, is formed chunk by chunk from the
@@ -52,21 +52,26 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
 def _chunk_forward(logits: Tensor, targets: Tensor, temperature: float,
                    with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(logprob of each target, logsumexp, entropy or None) of one chunk of logits [c, V], in float32."""
+    """(logprob of each target, logsumexp, entropy or None) of one chunk of logits [c, V], in float32.
+
+    The logprobs are torch's float32 log_softmax, gathered: the very kernel vLLM's sampler reports its
+    logprobs with (Sampler.compute_logprobs), so logits equal to the bit give logprobs equal to the bit.
+    logits - logsumexp is closer to float64 on a large vocabulary (BENCHMARKS.md "Logprob mismatch on a
+    real model"), but what an importance ratio needs is the sampler's own figure. The logsumexp, which
+    the backward's softmax is formed from, stays the accurate one."""
     z = logits.float()  # a view when the logits are float32 already
     if temperature != 1.0:
         z = z / temperature
-    picked = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    picked = z.log_softmax(dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
-        lse = torch.logsumexp(z, dim=-1)
-        return picked - lse, lse, None
+        return picked, torch.logsumexp(z, dim=-1), None
     # one exp pass for both: e = exp(z - max), lse = max + log sum e, and
     # H = -sum p log p = lse - sum p z with p = e / sum e
     top = z.amax(dim=-1, keepdim=True)
     e = torch.sub(z, top).exp_()
     total = e.sum(dim=-1)
     lse = top.squeeze(-1) + total.log()
-    return picked - lse, lse, lse - torch.linalg.vecdot(e, z) / total
+    return picked, lse, lse - torch.linalg.vecdot(e, z) / total
 
 
 def _chunk_grad(logits: Tensor, targets: Tensor, lse: Tensor, grad: Tensor, temperature: float) -> Tensor:
