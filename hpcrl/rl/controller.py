@@ -96,10 +96,11 @@ from hpcrl.rl.startup import StartupClock
 from hpcrl.trainer.types import TrainBatch
 
 #: `logprob_mismatch` of trainer and vLLM when both are right, both in float32: 1.5e-5 (max 6.6e-5), measured
-#: on SmolLM2-135M-Instruct (vocab 49,152) on CPU (tools/bench/bench_mismatch.py, BENCHMARKS.md "Logprob
-#: mismatch on a real model"); real runs of that model read 1.0-1.1e-5, the tiny model 1e-7. Two thirds of
-#: it is vLLM's logprob kernel (torch's float32 log_softmax over the vocabulary), the rest mostly vLLM's
-#: oneDNN matmuls (docs/FACTS.md "Logprob precision on CPU").
+#: on SmolLM2-135M-Instruct (vocab 49,152) on an AVX2 CPU (tools/bench/bench_mismatch.py, BENCHMARKS.md
+#: "Logprob mismatch on a real model"); real runs of that model read 1.0-1.1e-5, the tiny model 1e-7. Two
+#: thirds of it was the trainer and vLLM's sampler rounding the log-softmax apart; the trainer now takes the
+#: sampler's kernel (hpcrl.trainer.loss: 8.6e-6 -> 5.0e-6 on an AVX-512 CPU), the rest is mostly vLLM's
+#: oneDNN matmuls (docs/FACTS.md "Logprob precision on CPU"). The floor keeps the larger figure.
 FLOAT32_MISMATCH_FLOOR = 1.5e-5
 #: Above this `logprob_mismatch` a float32 run warns: 10x the floor. The log_softmax part grows with the
 #: vocabulary (151k, Qwen3's: 2.7x that of 49k on peaked logits), still below. Weights that did not arrive

@@ -1,7 +1,8 @@
-"""The fact tools/bench/bench_mismatch.py names as most of the real model's logprob mismatch, and the
-alarm's floor rests on (docs/FACTS.md "Logprob precision on CPU"): torch's float32 log_softmax on CPU,
-what vLLM's sampler reports, loses a peaked distribution's tail over a large vocabulary; the
-trainer's logits - logsumexp does not. If torch's kernel changes, this fails: measure the floor again."""
+"""The fact tools/bench/bench_mismatch.py named as most of the real model's logprob mismatch (docs/FACTS.md
+"Logprob precision on CPU"): torch's float32 log_softmax on CPU, what vLLM's sampler reports, loses a
+peaked distribution's tail over a large vocabulary; logits - logsumexp, the trainer's kernel until it
+took the sampler's own (hpcrl.trainer.loss), does not. If torch's kernel changes, this fails: measure
+the floor again."""
 
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ of each token is recomputed from vLLM's own logits with its log_softmax and with
 Last (unless --no-swap), the scoring is re-run with groups of vLLM's kernels replaced in the running
 engine by torch's float32 ones (logprobs: logits - logsumexp; linear and lm_head: torch's linear for
 oneDNN; attention: SDPA; norm: RMSNorm in torch) to show what each is worth end to end; with all of
-them vLLM's logprobs equal the trainer's bitwise. Figures: BENCHMARKS.md "Logprob mismatch on a real
+them but the logprobs (the trainer takes the sampler's log_softmax, hpcrl.trainer.loss) vLLM's
+logprobs equal the trainer's bitwise. Figures: BENCHMARKS.md "Logprob mismatch on a real
 model"; what they mean: docs/FACTS.md "Logprob precision on CPU".
 
 Single process, CPU, float32. About 10 min on the shared 2-core VM (vLLM's start, transformers twice,
@@ -517,8 +518,11 @@ def main() -> None:
         report["swaps"] = {}
         print("\n| vLLM with torch's kernel for | scoring vs float64: mean | max | vs trainer (probe): mean | max |\n"
               "|---|---|---|---|---|")
+        # "logprobs" makes vLLM's sampler the accurate one (logits - logsumexp): closer to float64, further from
+        # the trainer, which takes the sampler's log_softmax; without it, the rest of vLLM's kernels swapped
+        # give the trainer's logprobs to the bit.
         for which in (set(), {"logprobs"}, {"linear", "lm_head"}, {"attention"},
-                      {"logprobs", "linear", "lm_head"}, {"logprobs", "attention", "linear", "lm_head", "norm"}):
+                      {"logprobs", "linear", "lm_head"}, {"attention", "linear", "lm_head", "norm"}):
             undo = swap_ops(model, weights, cfg, which)
             try:
                 lp_now = engine.token_logprobs(sequences)
