@@ -5,9 +5,9 @@ An algorithm's loss (clipping, aggregation, KL, normalisation over the step) is 
 configured one on each micro-batch.
 
 `linear_logprobs` is what the engine runs: the lm_head matmul, a float32 log-softmax (vLLM's logprob
-kernel: _chunk_forward), the gather of each target's logprob and the entropy, in one pass over chunks of tokens, the way fused
-linear-cross-entropy kernels do it. A float32 [tokens, vocab] tensor never exists (only one chunk's),
-and nothing is copied by boolean indexing. The backward is written out (`_LinearLogprobs`): the
+kernel: _chunk_forward), the gather of each target's logprob and the entropy, in one pass over chunks
+of tokens, the way fused linear-cross-entropy kernels do it. A float32 [tokens, vocab] tensor never
+exists (only one chunk's), and nothing is copied by boolean indexing. The backward is written out (`_LinearLogprobs`): the
 gradient of the logits, (onehot - softmax) x grad / temperature, is formed chunk by chunk from the
 saved logsumexp, then two matmuls give the gradients of the hidden states and of the lm_head weight.
 The logits are kept for the backward in the compute dtype (bf16 on GPUs, where the plain
