@@ -127,10 +127,11 @@ async def _train(sup: Supervisor, advertise: str) -> bool:
     server = serve_store(load_secret(sup.run_dir), bind="tcp://0.0.0.0:0")
     store = f"tcp://{advertise}:{server.address.rpartition(':')[2]}"
     log.info(f"rendezvous store at {store} (requests signed with the run's secret)")
-    # Spare nodes: a lost reward task (its calls wait and are made again) starts again inside the job too, and so
-    # does the trainer group (from the newest checkpoint, in place or on a spare).
+    # Spare nodes: a lost reward task (its calls wait and are made again) starts again inside the job too. The
+    # trainer group of a split job starts again inside it from its newest checkpoint: in place when its node
+    # lives (a killed rank; no spare needed), on a spare for a lost node (none left: requeued).
     sup.revivable = {INFERENCE, REWARD} if launch.spare_nodes else {INFERENCE}
-    sup.trainer_restartable = bool(launch.spare_nodes) and launch.layout == "split" and launch.executor == "slurm"
+    sup.trainer_restartable = launch.layout == "split" and launch.executor == "slurm"
     sup.start({"HPCRL_STORE_ADDR": store})
     preempt = asyncio.Event()
 

@@ -21,7 +21,7 @@ code) starts again on the next spare instead of its own node; one that exited wi
 lives) starts again in place. Each such recovery is appended to RUN_DIR/recoveries.json (what was
 lost, where it started again, when it registered), which `hpcrl status` lists.
 
-The trainer group (`trainer_restartable`, set by the head in a split job with spares): a lost trainer
+The trainer group (`trainer_restartable`, set by the head in a split job): a lost trainer
 rank breaks its group's torch.distributed group, so poll() raises TrainerLost naming the lost ranks,
 and the head, once its RL loop is stopped, calls restart_trainer(): the surviving ranks are stopped
 (SIGTERM through their srun, SIGKILL if they do not go), and the whole group starts again in a new srun

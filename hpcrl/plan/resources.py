@@ -122,7 +122,8 @@ class ResourcePlan:
             return ("a lost node requeues the hetjob (Slurm 22.05 ends a hetjob on any node failure); recovery "
                     'inside the job needs layout = "split" with cluster.spare_nodes')
         if not self.spare_nodes:
-            return "a lost node requeues the job (cluster.spare_nodes = 0)"
+            return ("a lost node requeues the job (cluster.spare_nodes = 0); a killed trainer rank whose node lives "
+                    "starts the trainer group again in place from its newest checkpoint, same job")
         return (f"{self.spare_nodes} spare node(s), idle in the allocation (--no-kill): a lost inference replica "
                 "or reward task starts again on one, and the trainer group from its newest checkpoint (in place, or "
                 "with a spare for a lost node), same job; a lost head node or no spare left requeues the job")

@@ -535,6 +535,26 @@ def test_a_lost_trainer_rank_restarts_the_trainer_group_inside_the_job_in_place_
     assert rows_of(run_dir) == rows_of(uninterrupted)  # every step once, bitwise the uninterrupted run's
 
 
+@pytest.mark.extended  # beyond CI's 45 min, as the case above
+@pytest.mark.timeout(900)
+def test_a_killed_trainer_rank_restarts_its_group_in_place_in_a_split_job_without_spare_nodes(
+        namespaced, tiny_model, tmp_path):
+    # Split layout, cluster.spare_nodes = 0 (no --no-kill): a rank killed on a living node needs no spare.
+    args = run_args(2 * INTERVAL, INTERVAL, "--set", 'cluster.layout="split"')
+    case = Case("kill -9 of a trainer rank, no spare node", "trainer:1", "kill", KILL_BOUND_S)
+    run_dir, (row,) = survive_in_turn([case], tmp_path, tiny_model, namespaced, config="configs/tiny_grpo.toml",
+                                      args=args, first=INTERVAL + 2, every=INTERVAL)
+    log = head_log(run_dir)
+    assert len(re.findall(r"\): head on ", log)) == 1 and "requeueing" not in log, log[-3000:]  # one job, never requeued
+    assert row["resumed_from"] == INTERVAL and row["steps_lost"] >= 2, row
+    entry, = read_json(run_dir / "recoveries.json")["recoveries"]
+    assert entry["group"] == "trainer" and entry["ranks"] == [1] and entry["spares_used"] == [], entry
+    assert entry["restarted_on"].split(",")[1] == entry["lost_on"], entry  # in place: rank 1 on its own node
+    assert entry["resumed_from_step"] == INTERVAL and entry["running_again_after_s"] is not None, entry
+    print(f"\nRecovery | {entry['why']}: stopped in {entry['stopped_after_s']} s, registered "
+          f"{entry['registered_after_s']} s, running again {entry['running_again_after_s']} s after it was noticed")
+
+
 # -- LoRA (issue 40): the tiny LoRA config (adapters on every linear and the lm_head, synced into vLLM's LoRA slots)
 # on two trainer nodes, one of which loses power two steps after a checkpoint. The run requeues and resumes from
 # the adapter-only checkpoint (the adapters, their optimizer state and the base model's path and hash: no base
