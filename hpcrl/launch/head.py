@@ -341,9 +341,8 @@ def _run_head_locked(run_dir: Path) -> dict:
         raise
     finally:
         def record_end() -> None:
-            tasks = [sup.head_identity] + [t.identity for _, t in sorted(sup.tasks.items())]
             write_json(run_dir / EXIT_FILE, {"state": state, "error": error, "failures": failures,
-                                             "tasks": tasks, "elapsed_s": round(time.time() - started, 3),
+                                             "tasks": sup.identities(), "elapsed_s": round(time.time() - started, 3),
                                              "refused_messages": router.counters().get("dropped", 0),
                                              "refused": router.refused(),
                                              "step_codes": {s.slot.name: s.poll() for s in sup.steps}})
@@ -381,8 +380,7 @@ def _run_head_locked(run_dir: Path) -> dict:
         raise SystemExit(-1)  # requeued: leave without a result, as submitit does after its own requeue
     if state == "FAILED":  # the requeue itself failed
         raise GroupFailed(error)
-    return {"state": state, "tasks": [sup.head_identity] + [t.identity for _, t in sorted(sup.tasks.items())],
-            "run_dir": str(run_dir)}
+    return {"state": state, "tasks": sup.identities(), "run_dir": str(run_dir)}
 
 
 def _join_slurms_requeue() -> bool:

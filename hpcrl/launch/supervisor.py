@@ -206,6 +206,10 @@ class Supervisor:
         known = [e for e in known if (e["group"], e["rank"], e["at"]) != (entry["group"], entry["rank"], entry["at"])]
         write_json(path, {"recoveries": [*known, entry]})
 
+    def identities(self) -> list[dict]:
+        """Every task's identity as exit.json lists them: the head's, then each registered task's by group and rank."""
+        return [self.head_identity] + [task.identity for _, task in sorted(self.tasks.items())]
+
     def nodes_of(self, slot: GroupSlot) -> list[str]:
         """The nodes of group `slot` in the job: its component's (hetjob), or its range of the allocation
         (split); [] without Slurm."""
