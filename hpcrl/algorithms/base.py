@@ -230,10 +230,7 @@ class Options:
 
     def check_episodes(self) -> None:
         """A ConfigError (key relative to [algorithm]) for an option that multi-turn episodes ([env]) cannot
-        honour; partial rollouts by default (an algorithm that overrides this calls it too)."""
-        if self.partial_rollouts:
-            raise ConfigError(key="partial_rollouts", problem="is not implemented for multi-turn episodes ([env]) "
-                              "yet: a turn is generated whole", fix="set partial_rollouts = false")
+        honour; none of the common ones (an algorithm that overrides this calls it too)."""
 
     @classmethod
     def owner_of(cls, key: str) -> str:

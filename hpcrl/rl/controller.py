@@ -41,7 +41,9 @@ With algorithm.partial_rollouts (hpcrl.rl.partial) the schedule's lag is 1 whate
 is one window, generated with version b - 1, of the sequences carried from window b - 1 and the batch's new
 prompts, each sequence at most algorithm.partial_tokens tokens; batch b is the groups whose last member finished
 in it, and max_policy_lag bounds their oldest token (the buffer's check on a group's weight_version, its oldest
-token's). The sequences still being made are part of the checkpoint (LoopState.partial).
+token's). With [env] the window's sequences are the live episodes' turns in progress, and the environment's steps
+answer the turns completed in it (EpisodeRunner.window). The sequences and episodes still being made are part of
+the checkpoint (LoopState.partial).
 
 Evaluation ([eval], hpcrl.rl.evaluation): after step s's weight sync, when s + 1 is a multiple of
 eval.interval (or the last step), and before batch s + 1 + lag is generated, the held-out prompts are
@@ -90,7 +92,7 @@ from hpcrl.reward.types import RewardResult, Sample
 from hpcrl.rl.buffer import ReplayBuffer, ScoredGroup
 from hpcrl.rl.episodes import EpisodeRunner, EpisodeStats, turn_seed
 from hpcrl.rl.evaluation import PromptOutcome, eval_metrics, eval_seed, prompt_outcomes
-from hpcrl.rl.partial import PartialState, idle_share
+from hpcrl.rl.partial import PartialEpisodes, PartialState, idle_share
 from hpcrl.rl.rollouts import batch_from_groups, samples_for, score_groups
 from hpcrl.rl.startup import StartupClock
 from hpcrl.trainer.types import TrainBatch
@@ -170,7 +172,9 @@ class Controller:
     def __init__(self, config: Config, ports: Ports, *, on_step=None, startup: StartupClock | None = None) -> None:
         self.config = config
         self.ports = ports
-        self.partial = PartialState() if config.algorithm.partial_rollouts else None
+        self.partial: PartialState | PartialEpisodes | None = None
+        if config.algorithm.partial_rollouts:
+            self.partial = PartialEpisodes() if config.env.environment else PartialState()
         """algorithm.partial_rollouts: the sequences carried from one batch's generation to the next (module
         docstring); None without."""
         # The schedule's lag: with partial rollouts batch b is generated with version b - 1 (one batch ahead), and
@@ -311,26 +315,33 @@ class Controller:
         stale = partial.drop_stale(step=index, max_policy_lag=algorithm.max_policy_lag)
         seed = self.config.run.seed * 1_000_003 + index
         started = time.monotonic()
+        episodes: EpisodeStats | None = None
         try:
             prompts = (await self._load_stream()).next_batch(self.prompts_per_step)
-            requests = partial.plan_window(prompts, group_size=algorithm.group_size, segment=algorithm.partial_tokens,
-                                           budget=inference.max_tokens)
-            # In contiguous chunks, one per replica, each with its own seed (as one turn of episodes' chunks).
-            size = -(-len(requests) // max(1, inference.replicas)) or 1
-            chunks = [requests[at:at + size] for at in range(0, len(requests), size)]
-            parts = await asyncio.gather(*(
-                self.ports.generate_turn([r.prompt for r in chunk], n=1, seed=turn_seed(seed, c, 0),
-                                         max_tokens=[r.max_tokens for r in chunk])
-                for c, chunk in enumerate(chunks)))
+            if isinstance(partial, PartialEpisodes):  # [env]: the window's turns, and the environment's steps
+                runner = await self._episodes()
+                made, episodes, lengths = await runner.window(partial, prompts, n=algorithm.group_size, seed=seed,
+                                                              segment=algorithm.partial_tokens)
+                versions = episodes.versions
+            else:
+                requests = partial.plan_window(prompts, group_size=algorithm.group_size,
+                                               segment=algorithm.partial_tokens, budget=inference.max_tokens)
+                # In contiguous chunks, one per replica, each with its own seed (as one turn of episodes' chunks).
+                size = -(-len(requests) // max(1, inference.replicas)) or 1
+                chunks = [requests[at:at + size] for at in range(0, len(requests), size)]
+                parts = await asyncio.gather(*(
+                    self.ports.generate_turn([r.prompt for r in chunk], n=1, seed=turn_seed(seed, c, 0),
+                                             max_tokens=[r.max_tokens for r in chunk])
+                    for c, chunk in enumerate(chunks)))
+                completions = [group[0] for part in parts for group in part]
+                versions = {c.weight_version for c in completions}
+                lengths = partial.apply_window(requests, completions)
+                made = [g.episodes() for g in partial.take_finished()]
         finally:
             if inference_done is not None:
                 inference_done.set()
-        completions = [group[0] for part in parts for group in part]
-        self._check_versions(index, version, {c.weight_version for c in completions})
-        lengths = partial.apply_window(requests, completions)
-        finished = partial.take_finished()
+        self._check_versions(index, version, versions)
         generated = time.monotonic()
-        made = [g.episodes() for g in finished]
         results = await self.ports.score(samples_for(made))
         scored, stats = score_groups(made, results, weight_version=version, batch=index)
         for group in scored:
@@ -341,9 +352,11 @@ class Controller:
                    "generate_tokens": sum(lengths), "reward_errors": len(stats.errors),
                    "reward_error_example": stats.errors[0] if stats.errors else None,
                    # The share of the window's sequence slots empty while its longest sequence generated.
-                   "partial_idle_share": idle_share(lengths), "partial_sequences": len(requests),
-                   "partial_carried": partial.carried(), "partial_groups_finished": len(finished),
+                   "partial_idle_share": idle_share(lengths), "partial_sequences": len(lengths),
+                   "partial_carried": partial.carried(), "partial_groups_finished": len(made),
                    "partial_groups_dropped_stale": len(stale)}
+        if episodes is not None:
+            metrics.update(episodes.metrics(), env_wait_share=episodes.time_env_wait_s / max(generated - started, 1e-9))
         metrics.update({f"reward_mean/{name}": sum(values) / len(values) for name, values in stats.parts.items()})
         self.state.rollout_metrics[str(index)] = metrics
 

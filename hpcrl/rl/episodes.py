@@ -41,6 +41,8 @@ seed, the chunk and the turn, so which replica serves it changes nothing), then 
 then turn t + 1. Chunks run concurrently, so while one chunk waits on its environments a replica serves
 another. The batch's episodes finish on the weights they started with: the controller releases the
 inference group for the weight sync only after the batch's last turn (docs/ARCHITECTURE.md, "A rollout").
+With algorithm.partial_rollouts they need not: EpisodeRunner.window generates one window of hpcrl.rl.partial's
+PartialEpisodes, and an episode's turns go on across syncs.
 
 Figures (EpisodeStats): turns per episode, episodes truncated at the budget and cut at max_turns, environment
 errors, time_env_s (wall time with any environment call outstanding), time_env_wait_s (wall time with an
@@ -68,6 +70,7 @@ from hpcrl.inference.types import Completion
 
 if TYPE_CHECKING:
     from hpcrl.data.chat import ChatTemplate
+    from hpcrl.rl.partial import PartialEpisodes
 
 #: Chunks of a batch per inference replica: with two, a replica has another chunk's turn to generate while
 #: one chunk waits on its environments.
@@ -137,14 +140,17 @@ class Episode:
     def ended(self) -> bool:
         return bool(self.finish_reason) or self.error is not None
 
-    def append(self, ids: list[int], *, logprobs: list[float] | None = None) -> None:
-        """Ids of the policy (with their logprobs: mask 1) or of anything else (mask 0)."""
+    def append(self, ids: list[int], *, logprobs: list[float] | None = None, version: int = -1) -> None:
+        """Ids of the policy (with their logprobs: mask 1) or of anything else (mask 0). With per-token versions
+        (partial rollouts) each id keeps `version`, the weights that sampled it (-1: not the policy's)."""
         if logprobs is not None and len(logprobs) != len(ids):
             raise EpisodeError(f"{len(logprobs)} logprobs for a turn of {len(ids)} tokens in episode {self.id}: "
                                "the inference group must give one per generated token")
         self.tokens += ids
         self.mask += [1 if logprobs is not None else 0] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        if self.token_versions is not None:
+            self.token_versions += [version if logprobs is not None else -1] * len(ids)
 
     def rollout(self, reward: float) -> Rollout:
         return Rollout(tokens=list(self.tokens), policy_mask=list(self.mask), logprobs=list(self.logprobs),
@@ -233,6 +239,27 @@ def _replies(replies: list[EnvReply], requests: list[EnvRequest], call: str) -> 
     return replies
 
 
+def _count(groups: list[list[Episode]], stats: EpisodeStats, clock: _Clock) -> None:
+    """The ended episodes' turns, truncations and cuts, and the clock's environment times, into `stats`."""
+    clock._tick()
+    stats.time_env_s, stats.time_env_wait_s = clock.env_s, clock.wait_s
+    for group in groups:
+        for episode in group:
+            if episode.error is None:
+                stats.turns.append(episode.turns)
+                stats.truncated += episode.finish_reason == "budget"
+                stats.cut += episode.finish_reason == "max_turns"
+
+
+def _hold_out(groups: list[list[Episode]]) -> None:
+    """A group with an episode without outcome is held out: its other episodes stop here."""
+    for group in groups:
+        if any(e.error is not None for e in group):
+            for episode in group:
+                if not episode.ended:
+                    episode.error = "held out with its group"
+
+
 def _add_turn(episode: Episode, completion: Completion) -> None:
     """Append a policy turn vLLM generated to the episode: its ids (mask 1) with their logprobs."""
     episode.append(list(completion.token_ids), logprobs=list(completion.logprobs))
@@ -265,16 +292,42 @@ class EpisodeRunner:
                                    for c, at in enumerate(range(0, len(prompts), size))))
         else:
             await self._one_turn(groups, n=n, seed=seed, temperature=temperature, stats=stats, clock=clock)
-        clock._tick()
-        stats.time_env_s, stats.time_env_wait_s = clock.env_s, clock.wait_s
+        _count(groups, stats, clock)
         for group in groups:
             for episode in group:
                 stats.versions |= episode.versions
-                if episode.error is None:
-                    stats.turns.append(episode.turns)
-                    stats.truncated += episode.finish_reason == "budget"
-                    stats.cut += episode.finish_reason == "max_turns"
         return groups, stats
+
+    async def window(self, state: PartialEpisodes, prompts: list[Prompt], *, n: int, seed: int, segment: int
+                     ) -> tuple[list[list[Episode]], EpisodeStats, list[int]]:
+        """With partial rollouts (hpcrl.rl.partial.PartialEpisodes): one window. The groups of `prompts` (n
+        episodes each) are opened by the environment's reset; every live episode, oldest group first, generates
+        at most `segment` more tokens of its turn from its ids so far (one generate_turn call per inference
+        replica, a contiguous chunk each, seeded turn_seed(seed, chunk, 0)); the turns completed in the window go
+        to the environment's step. Returns the groups whose every episode ended (removed from `state`, in the
+        order they started), the window's figures (turns counted over those groups; `versions` the window's) and
+        the tokens each sequence generated."""
+        stats, clock = EpisodeStats(), _Clock()
+        added = state.add(prompts, group_size=n)
+        await self._open([group.episodes for group in added], stats=stats, clock=clock)
+        for group in added:
+            group.opened = True
+        limits = {"turn_tokens": self.config.inference.max_tokens, "episode_tokens": self.env.max_tokens}
+        requests = state.plan_window(segment=segment, **limits)
+        size = -(-len(requests) // max(1, self.config.inference.replicas)) or 1
+        chunks = [requests[at:at + size] for at in range(0, len(requests), size)]
+        parts = await asyncio.gather(*(
+            self._generate([r.prompt for r in chunk], n=1, seed=turn_seed(seed, c, 0),
+                           limits=[r.max_tokens for r in chunk], temperature=None, stats=stats, clock=clock)
+            for c, chunk in enumerate(chunks)))
+        completions = [made[0] for part in parts for made in part]
+        stats.versions = {c.weight_version for c in completions}
+        lengths, done = state.apply_window(requests, completions, **limits)
+        await self._step([episode for episode, _ in done], [turn for _, turn in done], stats=stats, clock=clock)
+        _hold_out([group.episodes for group in state.groups])
+        finished = [group.episodes for group in state.take_finished()]
+        _count(finished, stats, clock)
+        return finished, stats, lengths
 
     async def _one_turn(self, groups: list[list[Episode]], *, n: int, seed: int, temperature: float | None,
                         stats: EpisodeStats, clock: _Clock) -> None:
@@ -287,8 +340,9 @@ class EpisodeRunner:
                 _add_turn(episode, completion)
                 episode.finish_reason = completion.finish_reason
 
-    async def _chunk(self, chunk: int, groups: list[list[Episode]], *, n: int, seed: int,
-                     temperature: float | None, stats: EpisodeStats, clock: _Clock) -> None:
+    async def _open(self, groups: list[list[Episode]], *, stats: EpisodeStats, clock: _Clock) -> None:
+        """The environment's reset of each group (one call for them all): its first messages, rendered with the
+        chat template, open each of the group's episodes (mask 0); a failed reset holds the group out."""
         if not groups:
             return
         # Reset under the id of the group's first episode: the worker that holds it goes on with that instance.
@@ -313,6 +367,12 @@ class EpisodeRunner:
                 episode.messages = list(messages)
                 episode.append(ids)
                 self._check_budget(episode)
+
+    async def _chunk(self, chunk: int, groups: list[list[Episode]], *, n: int, seed: int,
+                     temperature: float | None, stats: EpisodeStats, clock: _Clock) -> None:
+        if not groups:
+            return
+        await self._open(groups, stats=stats, clock=clock)
         for turn in range(self.env.max_turns):
             live = [e for group in groups for e in group if not e.ended]
             if not live:
@@ -336,13 +396,8 @@ class EpisodeRunner:
                                        "episode's")
                 _add_turn(episode, completion)
                 episode.messages.append({"role": "assistant", "content": completion.text})
-            await self._step([e for e, _ in pairs], [c for _, c in pairs], last=turn + 1 == self.env.max_turns,
-                             stats=stats, clock=clock)
-            for group in groups:  # a group with an episode without outcome is held out: its others stop here
-                if any(e.error is not None for e in group):
-                    for episode in group:
-                        if not episode.ended:
-                            episode.error = "held out with its group"
+            await self._step([e for e, _ in pairs], [list(c.token_ids) for _, c in pairs], stats=stats, clock=clock)
+            _hold_out(groups)
 
     def _limit(self, episode: Episode) -> int:
         return min(self.config.inference.max_tokens, self.env.max_tokens - len(episode.tokens))
@@ -369,24 +424,29 @@ class EpisodeRunner:
         stats.generate_tokens += sum(len(c.token_ids) for group in completions for c in group)
         return completions
 
-    async def _step(self, episodes: list[Episode], completions: list[Completion], *, last: bool,
-                    stats: EpisodeStats, clock: _Clock) -> None:
+    async def _step(self, episodes: list[Episode], turns: list[list[int]], *, stats: EpisodeStats,
+                    clock: _Clock) -> None:
+        """The environment's step on each episode's conversation, its policy turn (`turns`: the turn's ids) last:
+        done, or its messages appended (ChatTemplate.continuation, mask 0); an episode that made env.max_turns
+        turns is cut there."""
+        if not episodes:
+            return
         requests = [EnvRequest(episode=e.id, row=env_row(e.prompt), messages=list(e.messages)) for e in episodes]
         async with clock.env():
             replies = _replies(await self.ports.env_step(requests), requests, "env_step")
-        for episode, completion, reply in zip(episodes, completions, replies):
+        for episode, turn, reply in zip(episodes, turns, replies):
             if reply.error is not None or (reply.messages is None and not reply.done):
                 episode.error = reply.error or "the environment answered no messages"
                 stats.env_errors.append(f"{episode.id} (turn {episode.turns}): {episode.error}")
             elif reply.done:
                 episode.finish_reason, episode.reward = "done", reply.reward
-            elif last:
+            elif episode.turns >= self.env.max_turns:
                 episode.finish_reason = "max_turns"
             else:
                 new = list(reply.messages or [])
                 assert self.chat is not None
                 try:
-                    ids = self.chat.continuation(episode.messages, new, list(completion.token_ids))
+                    ids = self.chat.continuation(episode.messages, new, turn)
                 except MessagesRefused as err:  # messages the pool took but the template cannot render (a "tool" role)
                     episode.error = str(err)
                     stats.env_errors.append(f"{episode.id} (turn {episode.turns}): {episode.error}")

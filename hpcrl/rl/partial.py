@@ -22,6 +22,15 @@ oldest token a step trains on: a group whose oldest token was sampled with versi
 only while s - o <= max_policy_lag (hpcrl.rl.buffer checks it on the scored group, whose weight_version is
 its oldest token's); `drop_stale` drops, before a window, the groups that could no longer meet it.
 
+Multi-turn episodes ([env]) get the same (`PartialEpisodes`): in a window every live episode generates at most
+`partial_tokens` more tokens of its policy turn in progress, from its ids so far. A turn that vLLM ended, or that
+reached its own limit (inference.max_tokens for a turn, env.max_tokens for the episode), is complete: it joins
+the conversation, and the environment's step (hpcrl.rl.episodes, EpisodeRunner.window) answers it within the same
+window; one cut at the window goes on in the next, on the newer weights. So a long turn or a long episode does
+not hold the batch. An episode is plain data (its ids, mask, logprobs, per-token versions, the conversation, the
+turn in progress): environments are stateless between calls (hpcrl.env.types), so a checkpoint holds every
+half-made episode and a resumed run goes on exactly where an uninterrupted one would.
+
 Nothing here does I/O or reads a clock: the controller (hpcrl.rl.controller) calls the inference group and
 the reward group around it, and checkpoints `to_dict()` with the loop's state, so a resumed run carries
 the same sequences into the same window (with the same seed) as an uninterrupted one.
@@ -219,14 +228,14 @@ class PartialState:
     def take_finished(self) -> list[Group]:
         """The groups whose every member finished, removed, in the order they started."""
         done = [g for g in self.groups if g.finished]
-        self.groups = [g for g in self.groups if not g.finished]
+        self.groups = [g for g in self.groups if all(g is not d for d in done)]
         return done
 
     def drop_stale(self, *, step: int, max_policy_lag: int) -> list[Group]:
         """Remove the groups that step `step` (or any later one) may not train on: their oldest token is more than
         `max_policy_lag` versions behind `step`. Returns them."""
         stale = [g for g in self.groups if g.oldest is not None and step - g.oldest > max_policy_lag]
-        self.groups = [g for g in self.groups if not (g.oldest is not None and step - g.oldest > max_policy_lag)]
+        self.groups = [g for g in self.groups if all(g is not s for s in stale)]
         return stale
 
     def to_dict(self) -> dict:
@@ -234,3 +243,146 @@ class PartialState:
 
     def load_dict(self, data: dict) -> None:
         self.groups = [Group.from_dict(g) for g in data.get("groups", [])]
+
+
+# -- multi-turn episodes ([env]) ----------------------------------------------------------------------------------
+@dataclass
+class EpisodeGroup:
+    """The group_size episodes of one prompt, as they are generated over windows."""
+
+    prompt: Prompt
+    episodes: list[Episode]
+    opened: bool = False
+    """The environment's reset is done and the episodes hold their first messages."""
+    turn_ids: list[list[int]] = field(default_factory=list)
+    """Per episode: the ids of its policy turn in progress (cut at a window), [] between turns."""
+    turn_text: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.turn_ids = self.turn_ids or [[] for _ in self.episodes]
+        self.turn_text = self.turn_text or ["" for _ in self.episodes]
+
+    @property
+    def finished(self) -> bool:
+        return self.opened and all(e.ended for e in self.episodes)
+
+    @property
+    def oldest(self) -> int | None:
+        """The version of the group's oldest policy token; None before any."""
+        return min((v for e in self.episodes for v in (e.token_versions or []) if v >= 0), default=None)
+
+    def to_dict(self) -> dict:
+        episodes = [{**asdict(e), "versions": sorted(e.versions)} for e in self.episodes]
+        return {"prompt": asdict(self.prompt), "episodes": episodes, "opened": self.opened,
+                "turn_ids": self.turn_ids, "turn_text": self.turn_text}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> EpisodeGroup:
+        prompt = Prompt(**data["prompt"])
+        episodes = [Episode(**{**e, "prompt": prompt, "versions": set(e["versions"])}) for e in data["episodes"]]
+        return cls(prompt=prompt, episodes=episodes, opened=data["opened"], turn_ids=data["turn_ids"],
+                   turn_text=data["turn_text"])
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """One episode's segment in a window: its ids so far (Prompt.token_ids) and its token limit."""
+
+    group: int
+    episode: int
+    prompt: Prompt
+    max_tokens: int
+
+
+class PartialEpisodes:
+    """The episode groups being generated, in the order they started (module docstring)."""
+
+    def __init__(self) -> None:
+        self.groups: list[EpisodeGroup] = []
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def add(self, prompts: list[Prompt], *, group_size: int) -> list[EpisodeGroup]:
+        """New groups for `prompts`, not opened yet (the environment's reset opens them); returns them."""
+        made = [EpisodeGroup(prompt=p, episodes=[Episode(prompt=p, index=k, token_versions=[])
+                                                 for k in range(group_size)]) for p in prompts]
+        self.groups += made
+        return made
+
+    def carried(self) -> int:
+        """Episodes started and not ended: what the next window goes on with."""
+        return sum(1 for g in self.groups if g.opened for e in g.episodes if not e.ended)
+
+    def plan_window(self, *, segment: int, turn_tokens: int, episode_tokens: int) -> list[TurnRequest]:
+        """Every live episode of an opened group, oldest group first, with its ids so far and at most `segment`
+        tokens: no more than what is left of its turn (`turn_tokens`, inference.max_tokens) and of the episode
+        (`episode_tokens`, env.max_tokens)."""
+        if segment < 1:
+            raise PartialError(f"a window of {segment} tokens per sequence; give at least 1")
+        requests = []
+        for g, group in enumerate(self.groups):
+            if not group.opened:
+                continue
+            for k, episode in enumerate(group.episodes):
+                if episode.ended:
+                    continue
+                left = min(segment, turn_tokens - len(group.turn_ids[k]), episode_tokens - len(episode.tokens))
+                if left < 1:
+                    raise PartialError(f"episode {episode.id} is live with no token left of its turn or budget")
+                requests.append(TurnRequest(group=g, episode=k, max_tokens=left, prompt=Prompt(
+                    id=episode.id, text="", answer="", token_ids=list(episode.tokens))))
+        return requests
+
+    def apply_window(self, requests: list[TurnRequest], completions: list[Completion], *, turn_tokens: int,
+                     episode_tokens: int) -> tuple[list[int], list[tuple[Episode, list[int]]]]:
+        """Append each request's completion to its episode, each token with its logprob and the completion's weight
+        version. Returns the tokens each request generated, and the turns completed in this window: (episode, the
+        turn's ids), each turn joined to the episode's conversation, for the environment's step. A turn is complete
+        when vLLM ended it, or when it reached `turn_tokens` or the episode `episode_tokens`."""
+        if len(completions) != len(requests):
+            raise PartialError(f"{len(completions)} completions for a window of {len(requests)} sequences")
+        lengths: list[int] = []
+        done: list[tuple[Episode, list[int]]] = []
+        for request, completion in zip(requests, completions):
+            group = self.groups[request.group]
+            episode = group.episodes[request.episode]
+            made = list(completion.token_ids)
+            if len(made) > request.max_tokens or len(completion.logprobs) != len(made):
+                raise PartialError(f"{len(made)} tokens and {len(completion.logprobs)} logprobs for a request of at "
+                                   f"most {request.max_tokens} tokens (episode {episode.id})")
+            if list(completion.prompt_token_ids) != episode.tokens:
+                raise PartialError(f"episode {episode.id} went on from other ids than it had")
+            episode.append(made, logprobs=list(completion.logprobs), version=completion.weight_version)
+            episode.versions.add(completion.weight_version)
+            group.turn_ids[request.episode] += made
+            group.turn_text[request.episode] += completion.text
+            lengths.append(len(made))
+            turn = group.turn_ids[request.episode]
+            if completion.finish_reason != "length" or len(turn) >= turn_tokens or \
+                    len(episode.tokens) >= episode_tokens:
+                episode.turns += 1
+                episode.text = group.turn_text[request.episode]
+                episode.messages.append({"role": "assistant", "content": episode.text})
+                done.append((episode, turn))
+                group.turn_ids[request.episode], group.turn_text[request.episode] = [], ""
+        return lengths, done
+
+    def take_finished(self) -> list[EpisodeGroup]:
+        """The opened groups whose every episode ended, removed, in the order they started."""
+        done = [g for g in self.groups if g.finished]
+        self.groups = [g for g in self.groups if all(g is not d for d in done)]
+        return done
+
+    def drop_stale(self, *, step: int, max_policy_lag: int) -> list[EpisodeGroup]:
+        """As PartialState.drop_stale: the groups whose oldest policy token is more than `max_policy_lag` versions
+        behind `step`, removed. Returns them."""
+        stale = [g for g in self.groups if g.oldest is not None and step - g.oldest > max_policy_lag]
+        self.groups = [g for g in self.groups if all(g is not s for s in stale)]
+        return stale
+
+    def to_dict(self) -> dict:
+        return {"episode_groups": [g.to_dict() for g in self.groups]}
+
+    def load_dict(self, data: dict) -> None:
+        self.groups = [EpisodeGroup.from_dict(g) for g in data.get("episode_groups", [])]

@@ -213,7 +213,9 @@ class FakeEngine:
         """One turn of episodes, from their ids so far (vLLM's TokensPrompt; a partial rollout's: its prefix): a digit
         drawn as generate draws it
         (seeded by (seed, the prompt's place in the call, sample)), then the end-of-turn token (the model is
-        certain of it, logprob 0) where max_tokens leaves room for it ("stop"), else the digit alone ("length")."""
+        certain of it, logprob 0) where max_tokens leaves room for it ("stop"), else the digit alone ("length").
+        From ids that end in a digit (an episode's turn cut there by a partial rollouts' window): the end-of-turn
+        token alone."""
         version = self.version if self.claimed_version is None else self.claimed_version
         if len(max_tokens) != len(prompts) or min(max_tokens, default=1) < 1:
             raise FakeGroupError(f"max_tokens {max_tokens} for {len(prompts)} prompts: vLLM needs one >= 1 each")
@@ -225,6 +227,16 @@ class FakeEngine:
                 if prompt.token_ids is not None else list(prompt.text.encode())
             probs = _probabilities(self.weights, _target(context, self.digit0))
             group = []
+            if self.turn_end is not None and context and self.digit0 <= context[-1] < self.digit0 + 10:
+                # an episode's turn cut after its digit at a partial rollout's window: the model ends it (certain)
+                for s in range(n):
+                    self.turns.append((context, [self.turn_end], [0.0]))
+                    group.append(Completion(prompt_id=prompt.id, index=s, prompt_token_ids=context,
+                                            token_ids=[self.turn_end], logprobs=[0.0], text="", finish_reason="stop",
+                                            weight_version=version))
+                groups.append(group)
+                self.generated.append((seed, prompt.id, version))
+                continue
             for s in range(n):
                 if temperature == 0.0:
                     digit = max(range(10), key=lambda d: (probs[d], -d))

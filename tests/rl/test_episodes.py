@@ -285,3 +285,56 @@ def test_an_env_config_that_cannot_run_episodes_is_refused_at_load_naming_the_ke
     with pytest.raises(ConfigError, match=key) as refused:
         load_config(repo / "configs" / "tiny_env_grpo.toml", overrides=[override])
     assert fix in str(refused.value)
+
+
+def partial_config(run_dir: Path, model: Path, *, interval: int = 0) -> Config:
+    """The feedback environment with partial rollouts of one token a window: every turn (a digit, then the
+    template's <|end|>) spans two windows, an episode of two turns four, with the environment's step between."""
+    config = env_config(run_dir, model, inference_tokens=2, lag=4, interval=interval)
+    return dataclasses.replace(config, algorithm=dataclasses.replace(config.algorithm, partial_rollouts=True,
+                                                                     partial_tokens=1))
+
+
+@pytest.mark.timeout(60)
+def test_with_partial_rollouts_a_turn_goes_on_across_windows_and_each_token_keeps_the_weights_that_sampled_it(
+        runs, tiny_model):
+    ports = FakePorts(env=FakeEnvironment())
+    loop_once(partial_config(runs, tiny_model), ports)
+    rows = read_metrics(runs)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    # Window 0 cuts every first turn after its digit: no group can finish; from window 1 on, groups whose every
+    # episode guessed right at once finish, the others take two more windows (feedback, second digit, <|end|>).
+    assert rows[0]["partial_groups_finished"] == 0 and rows[0]["partial_carried"] == PROMPTS_PER_STEP * GROUP_SIZE
+    assert sum(r["partial_groups_finished"] for r in rows) > 0
+    assert max(r["token_lag_max"] or 0 for r in rows) >= 1  # a group's tokens of more than one version
+    assert all(r["env_errors"] == 0 and r["partial_groups_dropped_stale"] == 0 for r in rows)
+    trained = list(trained_rows(ports))
+    assert trained and max(row[0].count(ASSISTANT) for row in trained) == 2
+    for tokens, mask, logprobs, prompt_id in trained:
+        # each policy token is one the engine produced from exactly the ids before it, with that call's logprob
+        for j, flag in enumerate(mask):
+            if flag:
+                made = [(out, lps) for ctx, out, lps in ports.inference.turns
+                        if len(ctx) == j and tokens[:j] == ctx and out[0] == tokens[j]]
+                assert made and logprobs[j] in {lps[0] for _, lps in made}, (prompt_id, j)
+        # a turn's digit and its <|end|> came from two calls: the digit's call stopped at the window ("length")
+        digits = [j for j, flag in enumerate(mask) if flag and tokens[j] != END]
+        assert all(tokens[j + 1] == END and mask[j + 1] == 1 for j in digits), prompt_id
+    # the trainer's own forward agrees with the sampler on every policy token (each under the weights that made it
+    # is checked in test_partial_rollouts_vllm.py with vLLM; here the probe's largest difference)
+    assert [r["logprob_mismatch_max"] for r in rows if r.get("logprob_mismatch_max") is not None] \
+        == [0.0] * sum(r.get("logprob_mismatch_max") is not None for r in rows)
+
+
+@pytest.mark.timeout(60)
+def test_with_partial_rollouts_a_run_resumed_while_episodes_are_half_made_equals_an_uninterrupted_one(
+        runs, tiny_model):
+    whole = FakePorts(env=FakeEnvironment())
+    loop_once(partial_config(runs / "whole", tiny_model), whole)
+    config = partial_config(runs / "resumed", tiny_model, interval=2)
+    loop_once(config, FakePorts(env=FakeEnvironment()), steps=3)  # its checkpoint after step 2 holds live episodes
+    assert read_metrics(runs / "resumed")[1]["partial_carried"] > 0
+    second = FakePorts(env=FakeEnvironment())
+    loop_once(config, second)
+    assert untimed(runs / "resumed") == untimed(runs / "whole")
+    assert (second.trainer.version, second.trainer.weights) == (whole.trainer.version, whole.trainer.weights)
