@@ -224,6 +224,14 @@ class StepMetrics:
     """Mixture-of-Experts models: the routers' load-balancing loss of the step (hpcrl.trainer.routing:
     k when balanced, up to E when collapsed), a token-weighted mean over the micro-batches, measured
     whether or not moe_aux_loss_coef adds it to the loss; 0 for a dense model."""
+    time_rank_busy_max_s: float = 0.0
+    time_rank_busy_min_s: float = 0.0
+    """On CPU: the most and least CPU time a trainer rank spent in the step's forwards and backwards (its
+    process's CPU time over the micro-batch loop). A rank waiting in a collective for a slower one blocks
+    without using the CPU, so this is each rank's own work, which the step's wall time hides (FSDP2's
+    collectives make every rank's step as long as the slowest's). 0 on a GPU, where the host's CPU time is
+    not the kernels'. Their ratio is 1.0 when the ranks did equal work (trainer.micro_batch_tokens balances
+    their tokens)."""
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -474,6 +482,7 @@ class TrainerEngine:
             self.adapters.seed_dropout(seed=o.seed, step=self.step, rank=self.rank, device=self.device)
         tap = routing.RouterTap(self.model, differentiable=o.moe_aux_loss_coef > 0) if self.moe else None
         loads: dict[int, Tensor] = {}  # MoE block -> [E] the step's valid tokens per expert (the bias update)
+        busy = time.process_time()
         for micro in self._micro_batches(batch, micro_batches, packed=True if micro_batches is not None else None):
             mb = micro.batch
             ref = mb.ref_logprobs
@@ -512,11 +521,15 @@ class TrainerEngine:
             del logp, entropy, share, loss, balance
         if self.reference is not None:
             self._reshard(self.reference)  # its no-grad forwards left the root gathered
+        # every rank's CPU time in the loop, each in its own slot: the sum gives them all (StepMetrics)
+        ranks = torch.zeros(self.world_size, dtype=torch.float64, device=self.device)
+        ranks[self.rank] = time.process_time() - busy
         # the step's one read of the device: metrics and gradient norm together, before the
         # optimizer step (a non-finite norm must stop it)
-        totals = torch.cat([self._all_reduce(sums, read=False),
+        totals = torch.cat([self._all_reduce(torch.cat([sums, ranks]), read=False),
                             self._clip_gradients().to(self.device, torch.float64).view(1)]).cpu()
-        grad_norm = self._check_grad_norm(float(totals[8]))
+        grad_norm = self._check_grad_norm(float(totals[-1]))
+        busy_s = totals[8:-1].tolist() if self.device.type == "cpu" else [0.0]
         if loads:
             self._update_router_bias(loads)
         self.optimizer.step()
@@ -530,7 +543,8 @@ class TrainerEngine:
             clip_fraction_low=float(totals[3]) / tokens, clip_fraction_high=float(totals[4]) / tokens,
             grad_norm=grad_norm, lr=lr, completion_tokens=int(norm.tokens), sequences=int(norm.sequences),
             tokens_per_s=float(counts[2]) / elapsed, step_time_s=elapsed,
-            sampling_logprob_diff=float(totals[6]) / tokens, moe_aux_loss=float(totals[7]))
+            sampling_logprob_diff=float(totals[6]) / tokens, moe_aux_loss=float(totals[7]),
+            time_rank_busy_max_s=max(busy_s), time_rank_busy_min_s=min(busy_s))
 
     def _update_router_bias(self, loads: dict[int, Tensor]) -> None:
         """Auxiliary-loss-free balancing (DeepSeek-V3), torchtitan's rule (components/optimizer.py

@@ -89,3 +89,6 @@ def test_token_budget_shares_on_two_gloo_ranks_give_the_whole_batchs_unpacked_gr
         assert relative_gap(rank["grads"], want_grads) < 1e-6
         assert rank["metrics"]["loss"] == pytest.approx(want.loss, rel=1e-6)
         assert rank["metrics"]["grad_norm"] == pytest.approx(want.grad_norm, rel=1e-6)
+    # each rank's own CPU time in the step, summed into every rank's metrics (the balance figure of a run)
+    busy = {(r["metrics"]["time_rank_busy_min_s"], r["metrics"]["time_rank_busy_max_s"]) for r in ranks}
+    assert len(busy) == 1 and 0 < min(busy)[0] <= min(busy)[1], busy

@@ -19,7 +19,14 @@ learned the task), so completion lengths are the task's own, 2 to 257 tokens, me
    contiguous half on its own: the assignment's share of the imbalance, without the padding's.
 3. With --gloo, also two real trainer ranks: two processes on this machine in a gloo group (FSDP2 over
    both, one torch thread each), each calling TrainerEngine.train_share on the whole batch, row-count
-   (padded) and token-budget engines alternating; the step's wall time (the slower rank sets it).
+   (padded) and token-budget engines alternating; the step's wall time (the slower rank sets it), and each
+   rank's own work: the CPU time each spent in the step's forwards and backwards (StepMetrics'
+   time_rank_busy_max_s / _min_s; a rank waiting in a collective for the other uses no CPU), slower / faster.
+4. With --slurm-ranks, the same two ranks as the tasks of one srun on two nodes of a cluster (the local one's
+   namespaced nodes: each rank its own node and network), meeting at MASTER_ADDR:MASTER_PORT over gloo:
+
+       srun -N2 -n2 -w n2,n3 --export=ALL,MASTER_ADDR=198.18.2.2,GLOO_SOCKET_IFNAME=eth0 \
+           .venv/bin/python tools/bench/bench_packing.py --slurm-ranks --steps 5
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ def positions_padded(lengths: list[int], micro_batch_size: int) -> int:
                (lengths[i:i + micro_batch_size] for i in range(0, len(lengths), micro_batch_size)))
 
 
-def _gloo_rank(rank: int, store_path: str, args: argparse.Namespace, out: str) -> None:
+def _gloo_rank(rank: int, store_path: str, args: argparse.Namespace, out: str, init_method: str | None = None) -> None:
     import json
 
     import torch.distributed as dist
@@ -71,7 +78,10 @@ def _gloo_rank(rank: int, store_path: str, args: argparse.Namespace, out: str) -
     from hpcrl.trainer import TrainerEngine
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    if init_method is None:
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    else:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     try:
         config = load_config(CONFIG)
         vocab = json.loads((REPO / config.model.path / "tokenizer.json").read_text())["model"]["vocab"]
@@ -80,21 +90,28 @@ def _gloo_rank(rank: int, store_path: str, args: argparse.Namespace, out: str) -
                                                           micro_batch_size=args.micro_batch_size),
                    "token budget": TrainerEngine.from_config(config, micro_batch_tokens=args.tokens)}
         times: dict[str, list[float]] = {name: [] for name in engines}
+        busy: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
         for step in range(args.steps + 1):
             for name, engine in engines.items():
                 dist.barrier()
                 start = time.perf_counter()
-                engine.train_share(train)
+                metrics = engine.train_share(train)
                 if step:
                     times[name].append(time.perf_counter() - start)
+                    busy[name].append((metrics.time_rank_busy_max_s, metrics.time_rank_busy_min_s))
         if rank == 0:
-            Path(out).write_text(json.dumps({name: statistics.median(t) for name, t in times.items()}))
+            Path(out).write_text(json.dumps({name: {
+                "step_s": statistics.median(times[name]),
+                "busy_max_s": statistics.median(b[0] for b in busy[name]),
+                "busy_min_s": statistics.median(b[1] for b in busy[name]),
+                "busy_ratio": statistics.median(b[0] / b[1] for b in busy[name])} for name in engines}))
     finally:
         dist.destroy_process_group()
 
 
-def gloo_step_times(args: argparse.Namespace) -> dict[str, float]:
-    """Median step time of each assignment on two real gloo ranks (section 3 of the module docstring)."""
+def gloo_step_times(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Median step time and rank CPU times of each assignment on two real gloo ranks (section 3 of the module
+    docstring)."""
     import json
     import tempfile
 
@@ -106,6 +123,32 @@ def gloo_step_times(args: argparse.Namespace) -> dict[str, float]:
         return json.loads(Path(out).read_text())
 
 
+def print_ranks(title: str, real: dict[str, dict[str, float]]) -> None:
+    print(f"\n{title}: step wall time, and each rank's CPU time in the step (slower / faster)")
+    for name, row in real.items():
+        print(f"  {name:14} step {row['step_s']:.3f} s   busy {row['busy_max_s']:.3f} / {row['busy_min_s']:.3f} s"
+              f" = {row['busy_ratio']:.2f}")
+    print(f"  token budget / row count step time: {real['token budget']['step_s'] / real['row count']['step_s']:.2f}x")
+
+
+def slurm_ranks(args: argparse.Namespace) -> int:
+    """Section 4 of the module docstring: this process is task SLURM_PROCID of a two-task srun."""
+    import json
+    import os
+    import tempfile
+
+    rank = int(os.environ["SLURM_PROCID"])
+    address = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '29517')}"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ranks.json"
+        _gloo_rank(rank, "", args, str(out), init_method=address)
+        if rank == 0:
+            print(f"batch: {args.rows} rollouts of builtin:repeat_x; ranks on nodes of one srun "
+                  f"({os.environ.get('SLURM_JOB_NODELIST', '?')}), torch threads 1")
+            print_ranks("2 ranks on 2 nodes (FSDP2 over gloo)", json.loads(out.read_text()))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=128)
@@ -114,7 +157,11 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per packed micro-batch")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--gloo", action="store_true", help="also time two real gloo ranks")
+    parser.add_argument("--slurm-ranks", action="store_true",
+                        help="only the two real ranks, as the two tasks of an srun (module docstring, 4.)")
     args = parser.parse_args()
+    if args.slurm_ranks:
+        return slurm_ranks(args)
     torch.set_num_threads(args.threads)
 
     import json
@@ -180,10 +227,7 @@ def main() -> int:
         print(f"{name:20}{tokens[0]:>14}{tokens[1]:>15}{count:>15}{seconds[0]:>10.3f}{seconds[1]:>10.3f}"
               f"{max(seconds) / min(seconds):>14.2f}")
     if args.gloo:
-        real = gloo_step_times(args)
-        print("\n2 gloo ranks (FSDP2), step wall time: "
-              + ", ".join(f"{name} {seconds:.3f} s" for name, seconds in real.items())
-              + f"; token budget / row count {real['token budget'] / real['row count']:.2f}x")
+        print_ranks("2 gloo ranks on this machine (FSDP2)", gloo_step_times(args))
     return 0
 
 
