@@ -9,11 +9,16 @@ tokens (hpcrl.trainer.batch.pack). Two questions are planned here, from the rows
 
 `pack_rows` is first-fit decreasing: rows longest first (ties by index), each into the first bin it fits.
 
-`plan_micro_batches` first picks the bin size: k = ceil(tokens / (ranks x budget)) micro-batches per rank, and
-the smallest budget at or below `budget` whose first-fit decreasing makes at most ranks x k bins, so the bins
-are about equally full; then it deals the bins, fullest first, each to the rank with the fewest tokens among
-those with fewer than k. Rows of length 0 (no policy token: nothing to train) are left out. Each rank's rows
-and micro-batches go to its engine as planned (hpcrl.trainer.engine TrainerEngine.train_share).
+`plan_micro_batches` first deals the rows to the ranks, longest first, each to the rank with the fewest tokens so
+far (longest processing time first): the ranks get about the same tokens, and also about the same count of rows
+and of long rows, so the work that grows faster than the tokens (attention, over each rollout's length squared;
+a call per rollout) is even too. Dealing whole bins instead gave one rank the long rows' bins: on the repeat_x
+batch of tools/bench/bench_packing.py, 28 rows against 100 and 1.7x the sum of squared lengths, for equal
+tokens. Then each rank packs its rows, first-fit decreasing, into bins of the smallest size at or below `budget`
+at which every rank makes at most k = ceil(the busiest rank's tokens / budget) of them (bins about equally
+full); a rank with fewer bins than the others gets idle ones, so every rank runs the same count and the
+collectives line up. Rows of length 0 (no policy token: nothing to train) are left out. Each rank's rows and
+micro-batches go to its engine as planned (hpcrl.trainer.engine TrainerEngine.train_share).
 
     plan = plan_micro_batches([12, 300, 40, 7], ranks=2, budget=512)
     plan.ranks[0]      # ((1,),)             rank 0: one micro-batch of row 1
@@ -77,32 +82,32 @@ def pack_rows(lengths: Sequence[int], budget: int) -> list[list[int]]:
 
 def plan_micro_batches(lengths: Sequence[int], *, ranks: int, budget: int) -> MicroBatchPlan:
     """Rows of lengths `lengths` over `ranks` data-parallel ranks, in micro-batches of at most `budget` tokens,
-    every rank the same count of micro-batches and about the same tokens (see the module docstring)."""
+    every rank the same count of micro-batches and about the same tokens, rows and long rows (see the module
+    docstring)."""
     if ranks < 1:
         raise PlanError(f"a plan needs at least one rank, got {ranks}")
     lengths = tuple(int(n) for n in lengths)
-    bins = pack_rows(lengths, budget)  # raises on a row over the budget
-    per_rank = max(1, -(-sum(lengths) // (ranks * budget)))
-    size = max(1, max(lengths, default=1), -(-sum(lengths) // (ranks * per_rank)))
-    while size < budget:
-        bins = pack_rows(lengths, size)
-        if len(bins) <= ranks * per_rank:
+    pack_rows(lengths, budget)  # raises on a row over the budget
+    # Rows to ranks, longest first, each to the rank with the fewest tokens so far (ties: the lower rank).
+    shares: list[set[int]] = [set() for _ in range(ranks)]
+    tokens = [0] * ranks
+    for row in sorted((r for r, n in enumerate(lengths) if n > 0), key=lambda r: (-lengths[r], r)):
+        rank = min(range(ranks), key=lambda r: (tokens[r], r))
+        shares[rank].add(row)
+        tokens[rank] += lengths[row]
+    # The bin size: the smallest at or below the budget at which every rank's first-fit decreasing makes at most
+    # ceil(its tokens / budget) bins of the busiest rank, so the bins are about equally full.
+    per_rank = max(1, -(-max(tokens) // budget))
+    size = max(1, max(lengths, default=1), -(-max(tokens) // per_rank))
+    while True:
+        packed = [pack_rows([n if r in share else 0 for r, n in enumerate(lengths)], min(size, budget))
+                  for share in shares]
+        if size >= budget or all(len(bins) <= per_rank for bins in packed):
             break
         size = min(budget, size + max(1, size // 64))
-    else:
-        size = budget
-        bins = pack_rows(lengths, budget)
-    per_rank = max(per_rank, -(-len(bins) // ranks))
-    order = sorted(range(len(bins)), key=lambda b: (-sum(lengths[r] for r in bins[b]), b))
-    dealt: list[list[int]] = [[] for _ in range(ranks)]
-    tokens = [0] * ranks
-    for b in order:
-        rank = min((r for r in range(ranks) if len(dealt[r]) < per_rank), key=lambda r: (tokens[r], r))
-        dealt[rank].append(b)
-        tokens[rank] += sum(lengths[row] for row in bins[b])
-    # each rank's bins in the order they were opened, so its own first-fit decreasing finds them again
-    plan = tuple(tuple(tuple(bins[b]) for b in sorted(mine)) + ((),) * (per_rank - len(mine)) for mine in dealt)
-    return MicroBatchPlan(lengths=lengths, budget=size, ranks=plan)
+    per_rank = max(per_rank, max(len(bins) for bins in packed))
+    plan = tuple(tuple(tuple(b) for b in bins) + ((),) * (per_rank - len(bins)) for bins in packed)
+    return MicroBatchPlan(lengths=lengths, budget=min(size, budget), ranks=plan)
 
 
 def plan_by_rows(lengths: Sequence[int], *, ranks: int, micro_batch_size: int) -> MicroBatchPlan:

@@ -55,6 +55,18 @@ def test_token_budget_ranks_are_balanced_where_row_counts_are_not():
     assert sum(by_rows) == sum(by_tokens) == sum(lengths)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_token_budget_ranks_get_as_many_rows_and_long_rows_as_each_other(seed: int):
+    """The work that grows faster than the tokens (each rollout's attention, its length squared; a call per rollout)
+    is even too: the ranks' row counts and sums of squared lengths within 15 %."""
+    lengths = skewed_lengths(128, seed)
+    plan = plan_micro_batches(lengths, ranks=2, budget=1024)
+    counts = [len(plan.rows(rank)) for rank in range(2)]
+    squares = [sum(lengths[r] ** 2 for r in plan.rows(rank)) for rank in range(2)]
+    assert max(counts) <= 1.15 * min(counts), counts
+    assert max(squares) <= 1.15 * min(squares), squares
+
+
 def test_a_rank_short_of_micro_batches_gets_an_idle_one():
     plan = plan_micro_batches([100, 100, 100], ranks=2, budget=100)
     assert plan.ranks == (((0,), (2,)), ((1,), ()))
