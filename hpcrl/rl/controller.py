@@ -250,6 +250,7 @@ class Controller:
         errors: list[str] = []
         parts: dict[str, list[float]] = {}
         episodes = EpisodeStats()
+        idle: list[float] = []  # without [env]: each round's generate call, its slots' idle share
         count = self.prompts_per_step
         try:
             runner = await self._episodes()
@@ -264,6 +265,8 @@ class Controller:
                         inference_done.set()
                 rounds += 1
                 episodes.merge(round_stats)
+                if not self.config.env.environment:
+                    idle.append(idle_share([sum(e.mask) for group in made for e in group]))
                 self._check_versions(index, version, round_stats.versions)
                 generated = time.monotonic()
                 results = await self.ports.score(samples_for(made))
@@ -286,6 +289,10 @@ class Controller:
         self.state.held_out_groups += held_out
         metrics = {"time_generate_s": generate_s, "time_reward_s": reward_s, "generate_tokens": episodes.generate_tokens,
                    "reward_errors": len(errors), "reward_error_example": errors[0] if errors else None}
+        if idle:
+            # The share of the call's sequence slots empty while its longest sequence generated (the batch waiting
+            # for its last sequence; partial rollouts' windows log it as partial_idle_share).
+            metrics["generate_idle_share"] = sum(idle) / len(idle)
         if rounds_later:
             metrics["sampling_rounds"] = rounds
         if self.config.env.environment:
