@@ -204,11 +204,16 @@ def _refused(run_dir: Path, record: dict | None) -> tuple[tuple[str, int], ...]:
     return tuple(sorted((str(k), int(v)) for k, v in (counts or {}).items()))
 
 
-def _recoveries(run_dir: Path) -> tuple[str, ...]:
-    """The head's recoveries inside the job (hpcrl.launch.supervisor), one line each."""
+def _recovery_entries(run_dir: Path) -> list[dict]:
+    """RUN_DIR/recoveries.json's entries: the head's recoveries inside the job (hpcrl.launch.supervisor)."""
     path = run_dir / RECOVERIES_FILE
+    return read_json(path).get("recoveries", []) if path.is_file() else []
+
+
+def _recoveries(entries: list[dict]) -> tuple[str, ...]:
+    """The recoveries, one line each."""
     lines = []
-    for e in read_json(path).get("recoveries", []) if path.is_file() else []:
+    for e in entries:
         back = (f"registered {e['registered_after_s']} s later" if e.get("registered_after_s") is not None
                 else "not registered yet")
         if e.get("ready_after_s") is not None:
@@ -225,9 +230,7 @@ def _recoveries(run_dir: Path) -> tuple[str, ...]:
     return tuple(lines)
 
 
-def _spares_used(run_dir: Path) -> int:
-    path = run_dir / RECOVERIES_FILE
-    entries = read_json(path).get("recoveries", []) if path.is_file() else []
+def _spares_used(entries: list[dict]) -> int:
     return sum(len(e["spares_used"]) if "spares_used" in e else int(e["restarted_on"] != e["lost_on"])
                for e in entries)
 
@@ -266,12 +269,13 @@ def status(target: str | Path) -> RunStatus:
     if state == "ENDED" and record:
         state = record["state"]
     names = {i: name for i, name in enumerate(run.groups)}
+    recovered = _recovery_entries(run.run_dir)
     rows = tuple(Row(names.get(c.component, c.job_id) if len(job.components) > 1 else "all",
                      c.state, c.nodes, c.elapsed) for c in job.components)
     return RunStatus(job_id=run.job_id, executor="slurm", state=state, rows=rows, source=job.source,
                      failures=failures, last_metrics=metrics, run_dir=run.run_dir, refused=refused,
-                     spare_nodes=_spare_nodes(run.run_dir), recoveries=_recoveries(run.run_dir),
-                     spares_used=_spares_used(run.run_dir), requeues=_requeues(run.run_dir))
+                     spare_nodes=_spare_nodes(run.run_dir), recoveries=_recoveries(recovered),
+                     spares_used=_spares_used(recovered), requeues=_requeues(run.run_dir))
 
 
 def wait(target: str | Path, *, timeout_s: float, poll_s: float = 0.5) -> RunStatus:

@@ -91,23 +91,23 @@ def test_the_runs_own_controller_is_running_and_cancel_stops_it(tmp_path: Path):
 
 
 def test_hpcrl_status_lists_each_recovery_inside_the_job_with_its_times(tmp_path):
-    from hpcrl.launch.follow import RunStatus, _recoveries, _spares_used
+    from hpcrl.launch.follow import RunStatus, _recoveries, _recovery_entries, _spares_used
     from hpcrl.rundir import RECOVERIES_FILE, write_json
 
     entry = {"group": "inference", "rank": 1, "lost_on": "n4", "why": "silent for 10.2 s", "restarted_on": "n6",
              "at": 1_700_000_000.0, "registered_after_s": 1.1, "ready_after_s": 24.5}
     write_json(tmp_path / RECOVERIES_FILE, {"recoveries": [entry]})
-    lines = _recoveries(tmp_path)
+    lines = _recoveries(_recovery_entries(tmp_path))
     assert len(lines) == 1 and lines[0].startswith("inference rank 1 lost on n4 at ")
     assert "(silent for 10.2 s): started again on n6, registered 1.1 s later, serving 24.5 s later" in lines[0]
     shown = RunStatus(job_id="7", executor="slurm", state="RUNNING", spare_nodes=1, recoveries=lines,
-                      spares_used=_spares_used(tmp_path)).render()
+                      spares_used=_spares_used(_recovery_entries(tmp_path))).render()
     assert "spare nodes: 1 (used: 1)" in shown and f"recovered: {lines[0]}" in shown
-    assert _recoveries(tmp_path / "none") == ()
+    assert _recovery_entries(tmp_path / "none") == []
 
 
 def test_hpcrl_status_lists_a_trainer_group_started_again_and_each_requeue_with_its_times(tmp_path):
-    from hpcrl.launch.follow import RunStatus, _recoveries, _requeues, _spares_used
+    from hpcrl.launch.follow import RunStatus, _recoveries, _recovery_entries, _requeues, _spares_used
     from hpcrl.launch.requeues import note_requeue, note_start
     from hpcrl.rundir import RECOVERIES_FILE, write_json
 
@@ -115,11 +115,11 @@ def test_hpcrl_status_lists_a_trainer_group_started_again_and_each_requeue_with_
              "restarted_on": "n1,n6", "spares_used": ["n6"], "at": 1_700_000_000.0, "stopped_after_s": 0.4,
              "registered_after_s": 9.5, "resumed_from_step": 10, "running_again_after_s": 14.2}
     write_json(tmp_path / RECOVERIES_FILE, {"recoveries": [entry]})
-    line, = _recoveries(tmp_path)
+    line, = _recoveries(_recovery_entries(tmp_path))
     assert line.startswith("trainer rank(s) 1 lost on n2 at ")
     assert line.endswith("(rank 1: silent for 10.1 s): the group started again on n1,n6, registered 9.5 s later, "
                          "running again 14.2 s later from step 10")
-    assert _spares_used(tmp_path) == 1
+    assert _spares_used(_recovery_entries(tmp_path)) == 1
     # Requeues: one the head asked for (its word and the next start), one it could not tell (its node lost).
     note_start(tmp_path, restart=0, node="n1", now=1_700_000_000.0)
     note_requeue(tmp_path, restart=0, why="trainer rank 1 lost", now=1_700_000_100.0)
