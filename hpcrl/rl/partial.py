@@ -39,6 +39,7 @@ the same sequences into the same window (with the same seed) as an uninterrupted
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 from hpcrl.data.types import Prompt
 from hpcrl.errors import HpcrlError
@@ -154,14 +155,41 @@ def time_idle_share(spans: list[tuple[float, float]]) -> float:
     return 1.0 - area / (peak * (end - start)) if end > start and peak else 0.0
 
 
-class PartialState:
-    """The groups being generated, in the order they started."""
+class _Stale(Protocol):
+    @property
+    def finished(self) -> bool: ...
+    @property
+    def oldest(self) -> int | None: ...
+
+
+G = TypeVar("G", bound=_Stale)
+
+
+class _InFlight(Generic[G]):
+    """Groups being generated over windows, in the order they started: what the two kinds below share."""
 
     def __init__(self) -> None:
-        self.groups: list[Group] = []
+        self.groups: list[G] = []
 
     def __len__(self) -> int:
         return len(self.groups)
+
+    def take_finished(self) -> list[G]:
+        """The groups whose every member finished, removed, in the order they started."""
+        done = [g for g in self.groups if g.finished]
+        self.groups = [g for g in self.groups if all(g is not d for d in done)]
+        return done
+
+    def drop_stale(self, *, step: int, max_policy_lag: int) -> list[G]:
+        """Remove the groups that step `step` (or any later one) may not train on: their oldest token is more than
+        `max_policy_lag` versions behind `step`. Returns them."""
+        stale = [g for g in self.groups if g.oldest is not None and step - g.oldest > max_policy_lag]
+        self.groups = [g for g in self.groups if all(g is not s for s in stale)]
+        return stale
+
+
+class PartialState(_InFlight[Group]):
+    """The groups being generated, in the order they started."""
 
     def carried(self) -> int:
         """Sequences started and not finished: what the next window goes on with."""
@@ -225,19 +253,6 @@ class PartialState:
             lengths.append(len(made))
         return lengths
 
-    def take_finished(self) -> list[Group]:
-        """The groups whose every member finished, removed, in the order they started."""
-        done = [g for g in self.groups if g.finished]
-        self.groups = [g for g in self.groups if all(g is not d for d in done)]
-        return done
-
-    def drop_stale(self, *, step: int, max_policy_lag: int) -> list[Group]:
-        """Remove the groups that step `step` (or any later one) may not train on: their oldest token is more than
-        `max_policy_lag` versions behind `step`. Returns them."""
-        stale = [g for g in self.groups if g.oldest is not None and step - g.oldest > max_policy_lag]
-        self.groups = [g for g in self.groups if all(g is not s for s in stale)]
-        return stale
-
     def to_dict(self) -> dict:
         return {"groups": [g.to_dict() for g in self.groups]}
 
@@ -294,14 +309,9 @@ class TurnRequest:
     max_tokens: int
 
 
-class PartialEpisodes:
-    """The episode groups being generated, in the order they started (module docstring)."""
-
-    def __init__(self) -> None:
-        self.groups: list[EpisodeGroup] = []
-
-    def __len__(self) -> int:
-        return len(self.groups)
+class PartialEpisodes(_InFlight[EpisodeGroup]):
+    """The episode groups being generated, in the order they started (module docstring); a group is finished once
+    opened and every episode ended."""
 
     def add(self, prompts: list[Prompt], *, group_size: int) -> list[EpisodeGroup]:
         """New groups for `prompts`, not opened yet (the environment's reset opens them); returns them."""
@@ -367,19 +377,6 @@ class PartialEpisodes:
                 done.append((episode, turn))
                 group.turn_ids[request.episode], group.turn_text[request.episode] = [], ""
         return lengths, done
-
-    def take_finished(self) -> list[EpisodeGroup]:
-        """The opened groups whose every episode ended, removed, in the order they started."""
-        done = [g for g in self.groups if g.finished]
-        self.groups = [g for g in self.groups if all(g is not d for d in done)]
-        return done
-
-    def drop_stale(self, *, step: int, max_policy_lag: int) -> list[EpisodeGroup]:
-        """As PartialState.drop_stale: the groups whose oldest policy token is more than `max_policy_lag` versions
-        behind `step`, removed. Returns them."""
-        stale = [g for g in self.groups if g.oldest is not None and step - g.oldest > max_policy_lag]
-        self.groups = [g for g in self.groups if all(g is not s for s in stale)]
-        return stale
 
     def to_dict(self) -> dict:
         return {"episode_groups": [g.to_dict() for g in self.groups]}

@@ -270,6 +270,20 @@ def uninterrupted_run(root: Path, model: Path, env: dict[str, str], args: tuple[
     return run_dir
 
 
+def struck_once(case: Case, tmp_path: Path, model: Path, env: dict[str, str], *, config: str, steps: int,
+                interval: int, strike: int, args: tuple[str, ...] = (), extra: tuple[str, ...] = ()
+                ) -> tuple[Path, list[dict]]:
+    """A variant run of `config` (`steps` steps, a checkpoint every `interval`) hit by `case` once step `strike` is
+    logged: it resumed from the checkpoint before the strike, ran the steps after it twice (bitwise equal both
+    times, survive_in_turn) and ended with every step once. Its directory and metric rows."""
+    run_dir, (row,) = survive_in_turn([case], tmp_path, model, env, config=config, args=run_args(steps, interval, *args),
+                                      first=strike, every=interval, extra=extra)
+    assert row["resumed_from"] == interval and row["steps_lost"] >= 2, row
+    rows = read_metrics(run_dir)
+    assert len(rows) == steps
+    return run_dir, rows
+
+
 @pytest.fixture(scope="module")
 def straight(namespaced, tiny_model, tmp_path_factory) -> Path:
     """The uninterrupted run the struck one is compared with."""
@@ -316,14 +330,9 @@ def test_a_multi_turn_environment_on_a_mixture_of_experts_model_survives_a_power
         namespaced, tiny_moe_model, tmp_path):
     # The environment workers live in the reward group: its node is the environment node.
     case = Case("power loss of the environment node", "reward:0", "poweroff", 120)
-    run_dir, (row,) = survive_in_turn([case], tmp_path, tiny_moe_model, namespaced, config="configs/tiny_env_grpo.toml",
-                                      args=run_args(VARIANT_STEPS, VARIANT_INTERVAL,
-                                                    "--set", "model.preset=tiny-qwen3-moe",
-                                                    "--set", "inference.tensor_parallel=2"),
-                                      first=VARIANT_STRIKE, every=VARIANT_INTERVAL)
-    assert row["resumed_from"] == VARIANT_INTERVAL and row["steps_lost"] >= 2, row
-    rows = read_metrics(run_dir)
-    assert len(rows) == VARIANT_STEPS
+    _, rows = struck_once(case, tmp_path, tiny_moe_model, namespaced, config="configs/tiny_env_grpo.toml",
+                          steps=VARIANT_STEPS, interval=VARIANT_INTERVAL, strike=VARIANT_STRIKE,
+                          args=("--set", "model.preset=tiny-qwen3-moe", "--set", "inference.tensor_parallel=2"))
     assert all(r["moe_aux_loss"] > 0 for r in rows), rows[-1]  # its routers' loss: a MoE trained, not a dense model
     assert all(r["turns_mean"] > 1 for r in rows), rows[-1]  # episodes of more than one turn
 
@@ -418,14 +427,11 @@ def router_biases(checkpoint: Path) -> dict[str, list[float]]:
 def test_a_deepseek_v3_run_survives_a_power_loss_of_a_trainer_node_with_its_router_bias_bitwise_equal(
         namespaced, tiny_deepseek_v3_model, tmp_path):
     case = Case("power loss of a trainer node (DeepSeek-V3)", "trainer:1", "poweroff", 120)
-    args = run_args(VARIANT_STEPS, VARIANT_INTERVAL, "--set", f"algorithm.moe_bias_update_rate={DSV3_BIAS_RATE}",
-                    "--set", "trainer.keep_last=3")
-    run_dir, (row,) = survive_in_turn([case], tmp_path, tiny_deepseek_v3_model, namespaced,
-                                      config="configs/tiny_deepseek_v3_grpo.toml", args=args,
-                                      first=VARIANT_STRIKE, every=VARIANT_INTERVAL)
-    assert row["resumed_from"] == VARIANT_INTERVAL and row["steps_lost"] >= 2, row
-    rows = read_metrics(run_dir)
-    assert len(rows) == VARIANT_STEPS
+    run_dir, rows = struck_once(case, tmp_path, tiny_deepseek_v3_model, namespaced,
+                                config="configs/tiny_deepseek_v3_grpo.toml", steps=VARIANT_STEPS,
+                                interval=VARIANT_INTERVAL, strike=VARIANT_STRIKE,
+                                args=("--set", f"algorithm.moe_bias_update_rate={DSV3_BIAS_RATE}",
+                                      "--set", "trainer.keep_last=3"))
     trained = [r for r in rows if r.get("loss") is not None]  # a step whose groups all tied trains nothing
     assert trained and all(r["moe_aux_loss"] > 0 for r in trained), rows  # routed experts trained
     # The bias is trainer state: the checkpoint the run resumed from holds it moved from the loaded zeros, and the
@@ -572,11 +578,8 @@ def test_a_lora_run_survives_a_power_loss_of_a_trainer_node_resuming_its_adapter
     from hpcrl.trainer.checkpoint import BASE_FILE
 
     case = Case("power loss of a trainer node, LoRA", "trainer:1", "poweroff", 120)
-    run_dir, (row,) = survive_in_turn([case], tmp_path, tiny_model, namespaced, config="configs/tiny_lora_grpo.toml",
-                                      args=run_args(LORA_STEPS, LORA_INTERVAL), first=LORA_STRIKE, every=LORA_INTERVAL)
-    assert row["resumed_from"] == LORA_INTERVAL and row["steps_lost"] >= 2, row
-    rows = read_metrics(run_dir)
-    assert len(rows) == LORA_STEPS
+    run_dir, rows = struck_once(case, tmp_path, tiny_model, namespaced, config="configs/tiny_lora_grpo.toml",
+                                steps=LORA_STEPS, interval=LORA_INTERVAL, strike=LORA_STRIKE)
     probed = [r["logprob_mismatch"] for r in rows if r.get("logprob_mismatch") is not None]
     assert probed and all(m < 1e-3 for m in probed), probed  # after the recovery vLLM serves the synced adapters
     # The checkpoint it resumed from is pruned by now (keep_last 2); the newest, written after the resume, is alike.
@@ -605,12 +608,8 @@ LONG_EXTRA = ("partial_carried", "partial_sequences", "partial_groups_finished",
 def test_a_long_completion_run_with_packing_and_partial_rollouts_survives_a_power_loss_bitwise_equal(
         namespaced, tiny_model, tmp_path):
     case = Case("power loss of a trainer node, long completions", "trainer:1", "poweroff", 120)
-    run_dir, (row,) = survive_in_turn([case], tmp_path, tiny_model, namespaced, config="configs/tiny_long_grpo.toml",
-                                      args=run_args(LONG_STEPS, LONG_INTERVAL, *LONG_ARGS), first=LONG_STRIKE,
-                                      every=LONG_INTERVAL, extra=LONG_EXTRA)
-    assert row["resumed_from"] == LONG_INTERVAL and row["steps_lost"] >= 2, row
-    rows = read_metrics(run_dir)
-    assert len(rows) == LONG_STEPS
+    _, rows = struck_once(case, tmp_path, tiny_model, namespaced, config="configs/tiny_long_grpo.toml", steps=LONG_STEPS,
+                          interval=LONG_INTERVAL, strike=LONG_STRIKE, args=LONG_ARGS, extra=LONG_EXTRA)
     # The checkpoint it resumed from held sequences in flight, and groups finished and trained on both sides of it.
     assert rows[LONG_INTERVAL - 1]["partial_carried"] > 0, rows[LONG_INTERVAL - 1]
     trained = [r["step"] for r in rows if r.get("loss") is not None]
