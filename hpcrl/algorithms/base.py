@@ -188,6 +188,12 @@ class Options:
                "partial_tokens tokens; one not finished goes on in the next batch's, on the newer weights, from the "
                "tokens it has. Each token keeps the logprob and the weight version that sampled it, and "
                "max_policy_lag bounds the oldest token a step trains on (docs/ARCHITECTURE.md, \"Partial rollouts\").")
+    behavior_weight_cap: float = option(
+        0.0, "0: the importance ratio of each token is clipped against the logprob of the weights that sampled it "
+             "(PPO as written). > 0: decoupled (AReaL): the ratio is taken against the weights the step starts from "
+             "(so with one update per batch it is never clipped), and each token's gradient is weighted by its "
+             "behaviour ratio exp(logprob now - logprob sampled), truncated at this cap. For stale tokens (partial "
+             "rollouts, a large max_policy_lag), whose ratios the clip would otherwise zero out.", at_least=0)
     partial_tokens: int = option(
         16, "With partial_rollouts: most tokens a sequence generates in one batch's generation before it is carried "
             "to the next (smaller: less waiting for the batch's longest sequence, more versions per sequence).",

@@ -44,15 +44,24 @@ def loss(*, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Te
          norm: Normaliser, ref_logprobs: Tensor | None = None) -> LossShare:
     """This micro-batch's share of the step's GSPO loss (module docstring); a clipped sequence counts
     all its tokens in the clip fractions."""
+    import torch
+
     from hpcrl.algorithms.terms import clipped_surrogate, finite_where_masked, policy_share
 
     mask = mask.bool()
     old_logprobs = finite_where_masked(mask, logprobs, old_logprobs)
     if ref_logprobs is not None:
         ref_logprobs = finite_where_masked(mask, logprobs, ref_logprobs)
-    ratio = sequence_ratio(logprobs, old_logprobs, mask)
+    if settings.behavior_weight_cap > 0:  # decoupled (terms.clipped_policy_loss): the sequence ratio's form of it
+        proximal = logprobs.detach()
+        ratio = sequence_ratio(logprobs, proximal, mask)
+        # each token carries its sequence's behaviour ratio (the geometric mean over its tokens), truncated
+        weight = sequence_ratio(proximal, old_logprobs, mask).clamp(max=settings.behavior_weight_cap).detach()
+    else:
+        ratio, weight = sequence_ratio(logprobs, old_logprobs, mask), torch.ones(())
     per_token, low, high = clipped_surrogate(ratio, advantages, clip_eps_low=settings.clip_eps_low,
                                              clip_eps_high=settings.clip_eps_high)
+    per_token = per_token * weight
     return policy_share(per_token, low, high, logprobs=logprobs, mask=mask, settings=settings, norm=norm,
                         ref_logprobs=ref_logprobs)
 

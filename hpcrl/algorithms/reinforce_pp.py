@@ -119,7 +119,8 @@ def loss(*, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Te
         kl_share = aggregate(torch.where(mask, kl, torch.zeros_like(kl)), mask, aggregation="token_mean",
                              norm=norm).double()
     per_token, low, high = clipped_policy_loss(logprobs, old_logprobs, advantages, clip_eps_low=settings.clip_eps_low,
-                                               clip_eps_high=settings.clip_eps_high)
+                                               clip_eps_high=settings.clip_eps_high,
+                                               behavior_cap=settings.behavior_weight_cap)
     share = policy_share(per_token, low, high, logprobs=logprobs, mask=mask, settings=replace(settings, kl_coef=0.0),
                          norm=norm, ref_logprobs=None)
     return replace(share, kl=kl_share)

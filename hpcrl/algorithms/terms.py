@@ -125,10 +125,27 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, *, clip_eps_low: float,
 
 
 def clipped_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, *,
-                        clip_eps_low: float, clip_eps_high: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token PPO surrogate with separate clips of r_t = exp(logp_t - old_t): see clipped_surrogate."""
-    return clipped_surrogate(torch.exp(logprobs - old_logprobs), advantages, clip_eps_low=clip_eps_low,
-                             clip_eps_high=clip_eps_high)
+                        clip_eps_low: float, clip_eps_high: float, behavior_cap: float = 0.0
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token PPO surrogate with separate clips of r_t = exp(logp_t - old_t): see clipped_surrogate.
+
+    With `behavior_cap` > 0, decoupled (AReaL, Fu et al. 2025): the proximal policy is the weights the step starts
+    from (`logprobs` detached: one update per batch), so r_t = exp(logp_t - prox_t) is 1 in value and its clip never
+    acts; each token's surrogate is weighted by min(exp(prox_t - old_t), behavior_cap), its behaviour ratio against
+    the sampling weights, truncated. A stale token keeps its gradient, weighted by how likely the current policy
+    finds it, where the clip against the sampling weights would zero it."""
+    if behavior_cap <= 0:
+        return clipped_surrogate(torch.exp(logprobs - old_logprobs), advantages, clip_eps_low=clip_eps_low,
+                                 clip_eps_high=clip_eps_high)
+    proximal = logprobs.detach()
+    loss, low, high = clipped_surrogate(torch.exp(logprobs - proximal), advantages, clip_eps_low=clip_eps_low,
+                                        clip_eps_high=clip_eps_high)
+    return loss * behavior_weight(proximal, old_logprobs, behavior_cap), low, high
+
+
+def behavior_weight(proximal: Tensor, old_logprobs: Tensor, cap: float) -> Tensor:
+    """The decoupled loss's weight of each token (or sequence): exp(proximal - sampled), at most `cap`; no gradient."""
+    return torch.exp(proximal - old_logprobs).clamp(max=cap).detach()
 
 
 # ------------------------------------------------------------------------------------- loss
@@ -171,7 +188,8 @@ def token_ratio_loss(*, logprobs: Tensor, old_logprobs: Tensor, advantages: Tens
         ref_logprobs = finite_where_masked(mask, logprobs, ref_logprobs)
     per_token, low, high = clipped_policy_loss(logprobs, old_logprobs, advantages,
                                                clip_eps_low=settings.clip_eps_low,
-                                               clip_eps_high=settings.clip_eps_high)
+                                               clip_eps_high=settings.clip_eps_high,
+                                               behavior_cap=settings.behavior_weight_cap)
     return policy_share(per_token, low, high, logprobs=logprobs, mask=mask, settings=settings, norm=norm,
                         ref_logprobs=ref_logprobs)
 

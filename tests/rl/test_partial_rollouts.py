@@ -177,6 +177,38 @@ def test_every_algorithm_takes_each_tokens_ratio_against_the_logprob_of_the_weig
     assert abs(float(other.loss.detach()) - float(loss.detach())) > 1e-3
 
 
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_the_decoupled_loss_keeps_a_stale_tokens_gradient_weighted_by_its_truncated_behaviour_ratio(name):
+    """algorithm.behavior_weight_cap: tokens far from the weights that sampled them (as a partial rollout's oldest
+    are) keep a gradient, each its ratio's at ratio 1 times min(behaviour ratio, cap); the clip against the
+    sampling logprobs gives the stale one none."""
+    algorithm = load_algorithm(name)
+    old = torch.full((2, 4), -3.0, dtype=torch.float64)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    delta = torch.tensor([[1.0, 0.1, -1.0, 0.0], [0.5, 0.0, 0.0, -0.2]], dtype=torch.float64)
+    advantages = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    norm = Normaliser(tokens=8.0, sequences=2.0)
+
+    def gradient(current, cap):
+        settings = algorithm.options(**{**algorithm.defaults, "name": name, "max_tokens": 4,
+                                        "behavior_weight_cap": cap})  # GSPO's small clips among them
+        current = current.clone().requires_grad_(True)
+        share = algorithm.loss(logprobs=current, old_logprobs=old, advantages=advantages, mask=mask,
+                               settings=settings, norm=norm)
+        return torch.autograd.grad(share.loss, current)[0]
+
+    at_one = gradient(old, 0.0)  # every ratio 1: nothing clipped
+    clipped = gradient(old + delta, 0.0)
+    decoupled = gradient(old + delta, 2.0)
+    if name == "gspo":  # one behaviour ratio per sequence: the geometric mean of its tokens'
+        weight = torch.exp(delta.mean(dim=1, keepdim=True)).clamp(max=2.0).expand_as(delta)
+        assert float(clipped[0].abs().sum()) == 0.0  # A > 0, ratio 1.025: far outside GSPO's 4e-4 clip
+    else:
+        weight = torch.exp(delta).clamp(max=2.0)  # e = 2.72 -> 2.0: truncated
+        assert float(clipped[0, 0]) == 0.0 and float(clipped[1, 0]) != 0.0  # A > 0, r = e > 1.28: clipped away
+    torch.testing.assert_close(decoupled / at_one, weight, rtol=1e-9, atol=0)
+
+
 def test_the_wall_time_idle_share_counts_slots_empty_while_the_call_waits_for_its_last_request():
     from hpcrl.rl.partial import time_idle_share
 
