@@ -55,10 +55,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hpcrl.algorithms.base import Rollout
 from hpcrl.config.schema import Config
@@ -70,7 +70,6 @@ from hpcrl.inference.types import Completion
 
 if TYPE_CHECKING:
     from hpcrl.data.chat import ChatTemplate
-    from hpcrl.rl.partial import PartialEpisodes
 
 #: Chunks of a batch per inference replica: with two, a replica has another chunk's turn to generate while
 #: one chunk waits on its environments.
@@ -91,6 +90,31 @@ class EpisodePorts(Protocol):
                             temperature: float | None = None) -> list[list[Completion]]: ...
     async def env_reset(self, requests: list[EnvRequest]) -> list[EnvReply]: ...
     async def env_step(self, requests: list[EnvRequest]) -> list[EnvReply]: ...
+
+
+class _WindowGroup(Protocol):
+    episodes: list[Episode]
+    opened: bool
+
+
+class _WindowRequest(Protocol):
+    @property
+    def prompt(self) -> Prompt: ...
+    @property
+    def max_tokens(self) -> int: ...
+
+
+class EpisodeWindows(Protocol):
+    """What EpisodeRunner.window needs of its state: hpcrl.rl.partial.PartialEpisodes, named here by its shape
+    (hpcrl.rl.partial imports this module: imports point one way)."""
+
+    @property
+    def groups(self) -> Sequence[_WindowGroup]: ...
+    def add(self, prompts: list[Prompt], *, group_size: int) -> Sequence[_WindowGroup]: ...
+    def plan_window(self, *, segment: int, turn_tokens: int, episode_tokens: int) -> Sequence[_WindowRequest]: ...
+    def apply_window(self, requests: Any, completions: list[Completion], *, turn_tokens: int, episode_tokens: int
+                     ) -> tuple[list[int], list[tuple[Episode, list[int]]]]: ...
+    def take_finished(self) -> Sequence[_WindowGroup]: ...
 
 
 def turn_seed(seed: int, chunk: int, turn: int) -> int:
@@ -298,9 +322,9 @@ class EpisodeRunner:
                 stats.versions |= episode.versions
         return groups, stats
 
-    async def window(self, state: PartialEpisodes, prompts: list[Prompt], *, n: int, seed: int, segment: int
+    async def window(self, state: EpisodeWindows, prompts: list[Prompt], *, n: int, seed: int, segment: int
                      ) -> tuple[list[list[Episode]], EpisodeStats, list[int]]:
-        """With partial rollouts (hpcrl.rl.partial.PartialEpisodes): one window. The groups of `prompts` (n
+        """With partial rollouts (`state`: hpcrl.rl.partial.PartialEpisodes): one window. The groups of `prompts` (n
         episodes each) are opened by the environment's reset; every live episode, oldest group first, generates
         at most `segment` more tokens of its turn from its ids so far (one generate_turn call per inference
         replica, a contiguous chunk each, seeded turn_seed(seed, chunk, 0)); the turns completed in the window go
